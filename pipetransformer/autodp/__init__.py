@@ -1,0 +1,6 @@
+"""AutoDP: layouts of replicas (topology), their process groups, state handoff and the sampler."""
+
+from pipetransformer.autodp.sampler import Batch, EvalSampler, TrainSampler
+from pipetransformer.autodp.topology import Layout, Role, dp_degree_for
+
+__all__ = ["Batch", "EvalSampler", "Layout", "Role", "TrainSampler", "dp_degree_for"]

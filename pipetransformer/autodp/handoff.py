@@ -1,0 +1,167 @@
+"""Moving units (weights, buffers, optimizer state) to the ranks that hold them next.
+
+`plan_transfers` is pure: for every unit a rank needs in the new layout and does not hold,
+it names a source that held it in the old layout, preferring the destination's own old
+replica (so traffic stays inside the node). Every rank computes the same list.
+
+`execute_transfers` runs that list in order, each rank taking part only in its own
+transfers. A global order of blocking point-to-point messages cannot deadlock: the first
+unfinished transfer always has both of its ranks waiting on it. A transfer is a small
+manifest (names, shapes, dtypes, non-tensor optimizer values) over the control group, then
+one flat byte buffer over the default group (NCCL on GPUs), so the copy is bit-exact.
+A receiving rank materialises only the units it receives, from the meta-device skeleton.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetransformer.autodp.topology import Layout
+
+logger = logging.getLogger(__name__)
+
+OptimizerStates = dict[str, dict[str, Any]]  # global parameter name -> optimizer state
+
+
+@dataclass(frozen=True)
+class Transfer:
+    unit: int
+    src: int
+    dst: int
+    with_optimizer_state: bool
+
+
+def _holder(layout: Layout, replica: int, unit: int) -> int:
+    stage = 0 if unit < layout.plan.prefix_end else layout.plan.stage_of_unit(unit)
+    if stage is None:
+        raise ValueError(f"unit {unit} has no stage in the layout")
+    return layout.rank_of(replica, stage)
+
+
+def plan_transfers(old: Layout, new: Layout) -> list[Transfer]:
+    if old.world_size != new.world_size or old.devices_per_node != new.devices_per_node:
+        raise ValueError("the world never changes size during a run")
+    transfers = []
+    for dst in range(new.world_size):
+        held = set(old.units_of_rank(dst))
+        old_role = old.role(dst)
+        if old_role is not None:
+            replica = old_role.replica
+        else:  # an idle rank: any old replica on its node holds every unit
+            replica = (dst // old.devices_per_node) * old.replicas_per_node
+        for unit in new.units_of_rank(dst):
+            if unit in held:
+                continue
+            src = _holder(old, replica, unit)
+            transfers.append(Transfer(unit, src, dst, unit >= new.plan.frozen_end))
+    return transfers
+
+
+def unit_tensors(
+    unit_index: int, unit: nn.Module, optimizer_states: Mapping[str, dict[str, Any]] | None
+) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
+    """(name, tensor) pairs to ship and the non-tensor optimizer values, in a fixed order."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+    scalars: dict[str, Any] = {}
+    for name, param in unit.named_parameters():
+        tensors.append((f"param:{name}", param.detach()))
+        if optimizer_states is not None:
+            for key, value in optimizer_states.get(f"u{unit_index}.{name}", {}).items():
+                if isinstance(value, torch.Tensor):
+                    tensors.append((f"opt:{name}:{key}", value))
+                else:
+                    scalars[f"opt:{name}:{key}"] = value
+    for name, buffer in unit.named_buffers():
+        tensors.append((f"buffer:{name}", buffer))
+    return tensors, scalars
+
+
+def _send_unit(transfer: Transfer, unit: nn.Module, states, control, device) -> None:
+    tensors, scalars = unit_tensors(
+        transfer.unit, unit, states if transfer.with_optimizer_state else None
+    )
+    manifest = {
+        "unit": transfer.unit,
+        "entries": [(name, tuple(t.shape), t.dtype, t.device.type) for name, t in tensors],
+        "scalars": scalars,
+    }
+    dist.send_object_list([manifest], dst=transfer.dst, group=control)
+    flat = [t.detach().reshape(-1).contiguous().view(torch.uint8) for _, t in tensors]
+    payload = torch.cat(flat).to(device) if flat else torch.empty(0, dtype=torch.uint8, device=device)
+    dist.send(payload, dst=transfer.dst)
+
+
+def _receive_unit(
+    transfer: Transfer, skeleton: nn.Module, control, device
+) -> tuple[nn.Module, OptimizerStates]:
+    box: list[Any] = [None]
+    dist.recv_object_list(box, src=transfer.src, group=control)
+    manifest = box[0]
+    if manifest["unit"] != transfer.unit:
+        raise RuntimeError(f"expected unit {transfer.unit} from rank {transfer.src}, got {manifest['unit']}")
+    sizes = [
+        torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        for _, shape, dtype, _ in manifest["entries"]
+    ]
+    payload = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    dist.recv(payload, src=transfer.src)
+    unit = skeleton.to_empty(device=device)
+    params = dict(unit.named_parameters())
+    buffers = dict(unit.named_buffers())
+    states: OptimizerStates = {}
+    offset = 0
+    for (name, shape, dtype, _), size in zip(manifest["entries"], sizes):
+        value = payload[offset : offset + size].view(dtype).reshape(shape).clone()
+        offset += size
+        kind, _, rest = name.partition(":")
+        if kind == "param":
+            params[rest].data = value
+        elif kind == "buffer":
+            _set_buffer(unit, rest, value)
+            buffers.pop(rest)
+        else:
+            param_name, _, key = rest.rpartition(":")
+            states.setdefault(f"u{transfer.unit}.{param_name}", {})[key] = value
+    for name, value in manifest["scalars"].items():
+        param_name, _, key = name[len("opt:") :].rpartition(":")
+        states.setdefault(f"u{transfer.unit}.{param_name}", {})[key] = value
+    if buffers:
+        raise RuntimeError(f"unit {transfer.unit}: buffers {sorted(buffers)} were not received")
+    return unit, states
+
+
+def _set_buffer(module: nn.Module, dotted: str, value: torch.Tensor) -> None:
+    owner_path, _, leaf = dotted.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    owner._buffers[leaf] = value
+
+
+def execute_transfers(
+    transfers: list[Transfer],
+    rank: int,
+    units: dict[int, nn.Module],
+    optimizer_states: OptimizerStates,
+    skeletons: Mapping[int, nn.Module],
+    control: dist.ProcessGroup,
+    device: torch.device,
+) -> tuple[dict[int, nn.Module], OptimizerStates]:
+    """Run this rank's part of `transfers`; return the units and states it received."""
+    received: dict[int, nn.Module] = {}
+    received_states: OptimizerStates = {}
+    for transfer in transfers:
+        if transfer.src == rank:
+            _send_unit(transfer, units[transfer.unit], optimizer_states, control, device)
+        elif transfer.dst == rank:
+            skeleton = copy.deepcopy(skeletons[transfer.unit])
+            unit, states = _receive_unit(transfer, skeleton, control, device)
+            received[transfer.unit] = unit
+            received_states.update(states)
+    return received, received_states

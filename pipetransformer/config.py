@@ -1,0 +1,449 @@
+"""Typed run configuration: YAML in, checked dataclasses out.
+
+Owns: one small dataclass per component, the YAML loader, ``key.sub=value`` overrides and
+every check that can be made before a process starts (each error names the key).
+Must not: import any other part of the package (it is the bottom layer), touch torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type or impossible. Names the key."""
+
+
+def _fail(key: str, message: str) -> None:
+    raise ConfigError(f"{key}: {message}")
+
+
+@dataclass
+class TrainerConfig:
+    epochs: int = 10
+    seed: int = 0
+    global_batch_size: int = 64
+    # Local worker processes (one per device). None: one per initial pipeline stage.
+    nproc_per_node: int | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    log_interval_steps: int = 10
+    eval_interval_epochs: int = 1
+    # Seconds a collective may wait for a peer before the run fails (gloo's default is 30 min).
+    timeout_s: float = 600.0
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1:
+            _fail("trainer.epochs", f"must be >= 1, got {self.epochs}")
+        if self.global_batch_size < 1:
+            _fail("trainer.global_batch_size", f"must be >= 1, got {self.global_batch_size}")
+        if self.nproc_per_node is not None and self.nproc_per_node < 1:
+            _fail("trainer.nproc_per_node", f"must be >= 1, got {self.nproc_per_node}")
+        if self.log_interval_steps < 1:
+            _fail("trainer.log_interval_steps", "must be >= 1")
+        if self.eval_interval_epochs < 1:
+            _fail("trainer.eval_interval_epochs", "must be >= 1")
+        if self.timeout_s <= 0:
+            _fail("trainer.timeout_s", "must be > 0")
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["sgd", "adam", "adamw"] = "adamw"
+    lr: float = 1e-3
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    lr_schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    warmup_steps: int = 0
+    # Final learning rate of the cosine/linear decay, as a fraction of `lr`.
+    min_lr_ratio: float = 0.0
+    # Clip the global gradient norm (over every stage of a replica). None: no clipping.
+    max_grad_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            _fail("optimizer.lr", f"must be > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            _fail("optimizer.momentum", f"must be in [0, 1), got {self.momentum}")
+        if self.weight_decay < 0:
+            _fail("optimizer.weight_decay", "must be >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            _fail("optimizer.betas", f"must be two numbers in [0, 1), got {self.betas}")
+        if self.warmup_steps < 0:
+            _fail("optimizer.warmup_steps", "must be >= 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            _fail("optimizer.min_lr_ratio", "must be in [0, 1]")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            _fail("optimizer.max_grad_norm", "must be > 0 or null")
+
+
+@dataclass
+class PipelineConfig:
+    initial_pipe_len: int = 2
+    # An int is used for every layout; "auto" profiles M in [K, 6K] per layout.
+    num_micro_batches: int | Literal["auto"] = 4
+    schedule: Literal["gpipe", "1f1b"] = "gpipe"
+    # How stages are balanced: measured forward+backward time, or parameter counts.
+    balance: Literal["time", "params"] = "params"
+    # JSON file of measured profiles (per-sublayer costs, micro-batch timings).
+    # None: RUN_DIR/../profiles/profiles.json.
+    profile_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.initial_pipe_len < 1:
+            _fail("pipeline.initial_pipe_len", f"must be >= 1, got {self.initial_pipe_len}")
+        if isinstance(self.num_micro_batches, int) and self.num_micro_batches < 1:
+            _fail("pipeline.num_micro_batches", f"must be >= 1 or 'auto', got {self.num_micro_batches}")
+
+
+@dataclass
+class FreezeConfig:
+    strategy: Literal["none", "gradient_norm", "alpha_schedule", "manual"] = "none"
+    alpha: float = 1 / 3
+    # Decision every N optimizer steps; None: at the end of every epoch.
+    interval_steps: int | None = None
+    # No decision before this many epochs have completed (layers must learn something first).
+    warmup_epochs: int = 0
+    # Most layers that may freeze; None: all but the last layer.
+    max_frozen_layers: int | None = None
+    # For strategy 'manual': num_frozen_layers at each decision point, in order.
+    manual_schedule: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.alpha < 1:
+            _fail("freeze.alpha", f"must be in (0, 1), got {self.alpha}")
+        if self.interval_steps is not None and self.interval_steps < 1:
+            _fail("freeze.interval_steps", "must be >= 1 or null")
+        if self.warmup_epochs < 0:
+            _fail("freeze.warmup_epochs", "must be >= 0")
+        if self.max_frozen_layers is not None and self.max_frozen_layers < 0:
+            _fail("freeze.max_frozen_layers", "must be >= 0 or null")
+        if self.strategy == "manual":
+            if not self.manual_schedule:
+                _fail("freeze.manual_schedule", "strategy 'manual' needs a non-empty list")
+            if any(b < a for a, b in zip(self.manual_schedule, self.manual_schedule[1:])):
+                _fail("freeze.manual_schedule", f"must never decrease, got {self.manual_schedule}")
+            if any(n < 0 for n in self.manual_schedule):
+                _fail("freeze.manual_schedule", "entries must be >= 0")
+
+
+@dataclass
+class AutoPipeConfig:
+    # False: the 'freeze only' ablation (frozen layers skip backward, layout never changes).
+    enabled: bool = True
+    # Cost of a frozen (forward-only) sublayer relative to a trained one, for `balance: params`.
+    lambda_frozen: float = 1 / 6
+    # 'greedy' is the paper's Algorithm 1; 'optimal' minimises the largest stage exactly.
+    partition_method: Literal["greedy", "optimal"] = "greedy"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.lambda_frozen <= 1:
+            _fail("autopipe.lambda_frozen", f"must be in [0, 1], got {self.lambda_frozen}")
+
+
+@dataclass
+class AutoDPConfig:
+    # False: pipelines compress but freed devices stay idle (no new replicas).
+    enabled: bool = True
+
+
+@dataclass
+class CacheConfig:
+    enabled: bool = False
+    # Host memory for cached activations; None: a quarter of the free memory at start.
+    memory_budget_bytes: int | None = None
+    # Directory of the disk tier; None: a temporary directory removed after the run.
+    dir: str | None = None
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    allow_augmented: bool = False
+    keep: bool = False
+    # Batches read ahead from the disk tier (the epoch's sample order is known in advance).
+    prefetch_batches: int = 4
+    # Enable the cache only where a measured read beats recomputing the frozen prefix.
+    profile: bool = True
+
+    def __post_init__(self) -> None:
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes < 0:
+            _fail("cache.memory_budget_bytes", "must be >= 0 or null")
+        if self.prefetch_batches < 0:
+            _fail("cache.prefetch_batches", "must be >= 0")
+
+
+@dataclass
+class ModelConfig:
+    # A timm model name (ViT family) or 'bert'.
+    name: str = "vit_tiny_patch16_224"
+    family: Literal["auto", "vit", "bert"] = "auto"
+    pretrained: bool = False
+    checkpoint_path: str | None = None
+    # BERT: a hub id or a local directory with config.json (+ weights, tokenizer).
+    model_name_or_path: str | None = None
+    # Extra constructor arguments: timm.create_model kwargs or BertConfig fields.
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def resolved_family(self) -> str:
+        if self.family != "auto":
+            return self.family
+        if self.name.lower().startswith("bert") or self.model_name_or_path is not None:
+            return "bert"
+        return "vit"
+
+
+@dataclass
+class DataConfig:
+    name: Literal["digits", "cifar10", "cifar100", "imagefolder", "sst2", "squad"] = "digits"
+    # Dataset location: a directory (imagefolder, cifar, sst2 TSVs) or file (squad JSON).
+    # None: fetch through torchvision / datasets.
+    root: str | None = None
+    # Side length images are resized to; None: the dataset's default (16 for digits).
+    image_size: int | None = None
+    max_seq_length: int = 128
+    doc_stride: int = 128
+    # Tokenizer (hub id or directory); None: the model's, or a word vocabulary built from
+    # the training text when the model is random.
+    tokenizer: str | None = None
+    # Keep only the first N samples (after a seeded shuffle) of each split; None: all.
+    train_subset: int | None = None
+    eval_subset: int | None = None
+    augment: bool = False
+    download: bool = False
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("train_subset", "eval_subset", "image_size"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                _fail(f"data.{key}", f"must be >= 1 or null, got {value}")
+        if self.max_seq_length < 8:
+            _fail("data.max_seq_length", "must be >= 8")
+        if self.num_workers < 0:
+            _fail("data.num_workers", "must be >= 0")
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = False
+
+
+@dataclass
+class Config:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    freeze: FreezeConfig = field(default_factory=FreezeConfig)
+    autopipe: AutoPipeConfig = field(default_factory=AutoPipeConfig)
+    autodp: AutoDPConfig = field(default_factory=AutoDPConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def nproc_per_node(self) -> int:
+        return self.trainer.nproc_per_node or self.pipeline.initial_pipe_len
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- loading and overrides
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check `value` against the annotation `tp`; return it (ints widen to float)."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for option in get_args(tp):
+            try:
+                return _coerce(key, value, option)
+            except ConfigError:
+                continue
+        _fail(key, f"expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value in get_args(tp):
+            return value
+        _fail(key, f"expected one of {_type_name(tp)}, got {value!r}")
+    if tp is type(None):
+        if value is None:
+            return None
+        _fail(key, f"expected null, got {value!r}")
+    if tp is Any:
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            _fail(key, f"expected a list, got {value!r}")
+        (item_type,) = get_args(tp)
+        return [_coerce(f"{key}[{i}]", v, item_type) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            _fail(key, f"expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        _fail(key, f"expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        _fail(key, f"expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        _fail(key, f"expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        _fail(key, f"expected a string, got {value!r}")
+    raise TypeError(f"unsupported config annotation {tp!r} at {key}")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+            _fail(full, f"unknown key{hint}; known keys: {', '.join(names)}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                _fail(full, f"expected a mapping of {tp.__name__} fields, got {value!r}")
+            kwargs[key] = _build(tp, value, f"{full}.")
+        else:
+            kwargs[key] = _coerce(full, value, tp)
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b=value` -> (['a', 'b'], value parsed as YAML)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key.sub=value")
+    key, raw = text.split("=", 1)
+    path = key.strip().split(".")
+    if not all(path):
+        raise ConfigError(f"override {text!r}: empty key part")
+    return path, yaml.safe_load(raw) if raw.strip() else ""
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{'.'.join(path)}: '{part}' is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
+    """Read YAML (or start from defaults), apply overrides, check everything."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections")
+        data = loaded or {}
+    data = apply_overrides(data, overrides or [])
+    config = _build(Config, data, "")
+    check_config(config)
+    return config
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    config = _build(Config, data, "")
+    check_config(config)
+    return config
+
+
+def reachable_pipe_lens(config: Config) -> list[int]:
+    """Every K a run may use: K only halves, and only when AutoPipe and freezing are on."""
+    k = config.pipeline.initial_pipe_len
+    lens = [k]
+    if config.autopipe.enabled and config.freeze.strategy != "none":
+        while k % 2 == 0:
+            k //= 2
+            lens.append(k)
+    return lens
+
+
+def check_config(config: Config, world_size: int | None = None) -> None:
+    """Cross-field checks. `world_size` defaults to one node of `nproc_per_node` devices."""
+    nproc = config.nproc_per_node
+    world = world_size or nproc
+    k0 = config.pipeline.initial_pipe_len
+    if nproc % k0 != 0:
+        _fail(
+            "pipeline.initial_pipe_len",
+            f"{k0} does not divide the {nproc} devices per node (trainer.nproc_per_node)",
+        )
+    if world % nproc != 0:
+        _fail("trainer.nproc_per_node", f"{nproc} does not divide the world size {world}")
+    batch = config.trainer.global_batch_size
+    m = config.pipeline.num_micro_batches
+    for k in reachable_pipe_lens(config):
+        replicas = world // k if (config.autodp.enabled or k == k0) else world // k0
+        if batch % replicas != 0:
+            _fail(
+                "trainer.global_batch_size",
+                f"{batch} does not split evenly over {replicas} pipeline replicas "
+                f"(pipe_len {k} on {world} devices)",
+            )
+        per_replica = batch // replicas
+        if isinstance(m, int) and per_replica % m != 0:
+            _fail(
+                "pipeline.num_micro_batches",
+                f"{m} does not divide the per-replica batch {per_replica} "
+                f"(global batch {batch} over {replicas} replicas at pipe_len {k})",
+            )
+        if m == "auto" and per_replica < k:
+            _fail(
+                "trainer.global_batch_size",
+                f"per-replica batch {per_replica} is smaller than pipe_len {k}",
+            )
+        if config.pipeline.schedule == "1f1b" and isinstance(m, int) and m < k:
+            _fail("pipeline.num_micro_batches", f"1f1b needs at least pipe_len ({k}) micro-batches")
+    if config.cache.enabled and config.freeze.strategy == "none":
+        _fail("cache.enabled", "the cache serves frozen layers; it needs a freeze.strategy")
+    family = config.model.resolved_family()
+    if family == "bert" and config.data.name in ("digits", "cifar10", "cifar100", "imagefolder"):
+        _fail("data.name", f"'{config.data.name}' is an image dataset; model.name is BERT")
+    if family == "vit" and config.data.name in ("sst2", "squad"):
+        _fail("data.name", f"'{config.data.name}' is a text dataset; model.name is a ViT")
+
+
+def dump_config(config: Config, path: str | os.PathLike) -> None:
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

@@ -1,0 +1,48 @@
+"""Data modules: each turns a DataConfig into a DataBundle of two splits indexed by sample id.
+
+`build_data` is the one entry point; it applies `train_subset` / `eval_subset`.
+"""
+
+from __future__ import annotations
+
+from pipetransformer.config import DataConfig
+from pipetransformer.data.base import (
+    DataBundle,
+    SampleDataset,
+    Subset,
+    TensorSampleDataset,
+    iterate_batches,
+)
+
+__all__ = ["DataBundle", "SampleDataset", "TensorSampleDataset", "build_data", "iterate_batches"]
+
+
+def build_data(config: DataConfig, *, seed: int, model_name_or_path: str | None = None) -> DataBundle:
+    if config.name == "digits":
+        from pipetransformer.data.vision import load_digits_bundle
+
+        bundle = load_digits_bundle(config, seed)
+    elif config.name in ("cifar10", "cifar100"):
+        from pipetransformer.data.vision import load_cifar_bundle
+
+        bundle = load_cifar_bundle(config, 10 if config.name == "cifar10" else 100)
+    elif config.name == "imagefolder":
+        from pipetransformer.data.vision import load_imagefolder_bundle
+
+        bundle = load_imagefolder_bundle(config)
+    elif config.name == "sst2":
+        from pipetransformer.data.text import load_sst2_bundle
+
+        # Subsets are taken inside, before tokenising.
+        return load_sst2_bundle(config, model_name_or_path, seed)
+    elif config.name == "squad":
+        from pipetransformer.data.squad import load_squad_bundle
+
+        return load_squad_bundle(config, model_name_or_path, seed)
+    else:  # config.py's Literal already rejects other names
+        raise ValueError(f"data.name: unknown dataset '{config.name}'")
+    if config.train_subset is not None:
+        bundle.train = Subset(bundle.train, config.train_subset, seed)
+    if config.eval_subset is not None:
+        bundle.eval = Subset(bundle.eval, config.eval_subset, seed + 1)
+    return bundle

@@ -1,0 +1,59 @@
+"""Cheap checks and static facts about a dataset, for use before any worker starts.
+
+Nothing here loads the data: paths are checked for existence, and the facts a model
+adapter needs (task, classes, input size) come from what the dataset is known to be.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipetransformer.config import ConfigError, DataConfig
+
+
+@dataclass(frozen=True)
+class DataFacts:
+    task: str
+    num_classes: int
+    in_chans: int = 3
+    image_size: int = 224
+    vocab_size: int | None = None
+    max_seq_length: int = 128
+
+
+def data_facts(config: DataConfig) -> DataFacts:
+    if config.name == "digits":
+        return DataFacts("classification", 10, 1, config.image_size or 16)
+    if config.name in ("cifar10", "cifar100"):
+        return DataFacts("classification", 10 if config.name == "cifar10" else 100, 3, config.image_size or 224)
+    if config.name == "imagefolder":
+        classes = 1000
+        if config.root is not None and (Path(config.root) / "train").is_dir():
+            classes = sum(1 for p in (Path(config.root) / "train").iterdir() if p.is_dir()) or classes
+        return DataFacts("classification", classes, 3, config.image_size or 224)
+    if config.name == "sst2":
+        return DataFacts("classification", 2, max_seq_length=config.max_seq_length)
+    return DataFacts("question_answering", 2, max_seq_length=config.max_seq_length)
+
+
+def check_data_config(config: DataConfig) -> None:
+    """Raise ConfigError naming `data.root` when a local dataset is missing."""
+    if config.root is None:
+        if config.name in ("cifar10", "cifar100", "imagefolder"):
+            raise ConfigError(f"data.root: '{config.name}' needs a directory")
+        return
+    root = Path(config.root).expanduser()
+    if config.name == "sst2":
+        for name in ("train.tsv", "dev.tsv"):
+            if not (root / name).is_file():
+                raise ConfigError(f"data.root: {root / name} does not exist (need train.tsv and dev.tsv)")
+    elif config.name == "squad":
+        if not root.exists():
+            raise ConfigError(f"data.root: {root} does not exist (a SQuAD v1.1 JSON file or a directory)")
+    elif config.name == "imagefolder":
+        for split in ("train", "val"):
+            if not (root / split).is_dir():
+                raise ConfigError(f"data.root: {root / split} is not a directory (ImageNet layout)")
+    elif config.name in ("cifar10", "cifar100") and not config.download and not root.is_dir():
+        raise ConfigError(f"data.root: {root} does not exist (set data.download=true to fetch CIFAR)")

@@ -1,0 +1,160 @@
+"""Text classification data: SST-2 from a local TSV directory or GLUE through `datasets`.
+
+Owns: reading sentences and labels, choosing a tokenizer (a pretrained one, or a word
+vocabulary built from the training text for random BERTs) and pre-tokenising every
+sample to fixed-length tensors (input_ids, token_type_ids, attention_mask).
+Must not: know about ranks or samplers.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import re
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from pipetransformer.config import DataConfig
+from pipetransformer.data.base import DataBundle, TensorSampleDataset, subset_indices
+
+logger = logging.getLogger(__name__)
+
+_WORD = re.compile(r"[\w']+|[^\w\s]")
+
+
+class WordVocabTokenizer:
+    """Lower-cased words and punctuation -> ids, with BERT's special tokens.
+
+    For random-init BERTs, which have no vocabulary of their own. Built from training text
+    only, most frequent words first, so every rank builds the same one.
+    """
+
+    SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+    def __init__(self, texts: Sequence[str], max_size: int = 30000) -> None:
+        counts = Counter(word for text in texts for word in _WORD.findall(text.lower()))
+        words = sorted(counts, key=lambda w: (-counts[w], w))[: max_size - len(self.SPECIALS)]
+        self.vocab = {token: i for i, token in enumerate([*self.SPECIALS, *words])}
+        self.pad_id, self.unk_id, self.cls_id, self.sep_id = 0, 1, 2, 3
+
+    def __len__(self) -> int:
+        return len(self.vocab)
+
+    def encode_pairs(self, first: Sequence[str], second: Sequence[str] | None, max_length: int):
+        n = len(first)
+        input_ids = torch.zeros(n, max_length, dtype=torch.long)
+        token_type_ids = torch.zeros(n, max_length, dtype=torch.long)
+        for row in range(n):
+            a = [self.vocab.get(w, self.unk_id) for w in _WORD.findall(first[row].lower())]
+            b = [] if second is None else [self.vocab.get(w, self.unk_id) for w in _WORD.findall(second[row].lower())]
+            budget = max_length - 2 - (1 if b else 0)
+            b = b[: max(0, budget - len(a))] if b else b
+            a = a[: budget - len(b)]
+            ids = [self.cls_id, *a, self.sep_id] + ([*b, self.sep_id] if b else [])
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            token_type_ids[row, len(a) + 2 : len(ids)] = 1
+        attention_mask = (input_ids != self.pad_id).long()
+        return input_ids, token_type_ids, attention_mask
+
+
+def encode(tokenizer, sentences: Sequence[str], max_length: int):
+    if isinstance(tokenizer, WordVocabTokenizer):
+        return tokenizer.encode_pairs(sentences, None, max_length)
+    out = tokenizer(
+        list(sentences),
+        max_length=max_length,
+        truncation=True,
+        padding="max_length",
+        return_tensors="pt",
+        return_token_type_ids=True,
+    )
+    return out["input_ids"], out["token_type_ids"], out["attention_mask"]
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except OSError as exc:
+        raise FileNotFoundError(f"data.tokenizer: cannot load a tokenizer from '{name}': {exc}") from exc
+
+
+def read_sst2_tsv(path: Path) -> tuple[list[str], list[int]]:
+    """`sentence<TAB>label` with a header line; every malformed row is an error naming it."""
+    if not path.is_file():
+        raise FileNotFoundError(f"data.root: no such file: {path}")
+    sentences, labels = [], []
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        header = next(reader, None)
+        if header is None or [h.strip().lower() for h in header[:2]] != ["sentence", "label"]:
+            raise ValueError(f"{path}: expected a header line 'sentence<TAB>label', got {header!r}")
+        for line_number, row in enumerate(reader, start=2):
+            if not row:
+                continue
+            if len(row) != 2 or row[1].strip() not in ("0", "1"):
+                raise ValueError(f"{path}:{line_number}: expected 'sentence<TAB>0|1', got {row!r}")
+            sentences.append(row[0])
+            labels.append(int(row[1]))
+    if not sentences:
+        raise ValueError(f"{path}: no samples")
+    return sentences, labels
+
+
+def _read_sst2(root: str | None) -> dict[str, tuple[list[str], list[int]]]:
+    if root is not None:
+        base = Path(root).expanduser()
+        if not base.is_dir():
+            raise FileNotFoundError(f"data.root: {base} is not a directory with train.tsv and dev.tsv")
+        return {split: read_sst2_tsv(base / f"{split}.tsv") for split in ("train", "dev")}
+    import datasets
+
+    glue = datasets.load_dataset("glue", "sst2")
+    return {
+        "train": (list(glue["train"]["sentence"]), list(glue["train"]["label"])),
+        "dev": (list(glue["validation"]["sentence"]), list(glue["validation"]["label"])),
+    }
+
+
+def pick_tokenizer(config: DataConfig, model_name_or_path: str | None, train_texts: Sequence[str]):
+    name = config.tokenizer or model_name_or_path
+    if name is not None:
+        return load_tokenizer(name)
+    tokenizer = WordVocabTokenizer(train_texts)
+    logger.info("built a %d-word vocabulary from the training text", len(tokenizer))
+    return tokenizer
+
+
+def load_sst2_bundle(config: DataConfig, model_name_or_path: str | None, seed: int) -> DataBundle:
+    raw = _read_sst2(config.root)
+    train_sentences, train_labels = raw["train"]
+    eval_sentences, eval_labels = raw["dev"]
+    # Select subsets before tokenising: tokenising 67k sentences to keep 2k is waste.
+    splits = {}
+    for name, sentences, labels, size in (
+        ("train", train_sentences, train_labels, config.train_subset),
+        ("eval", eval_sentences, eval_labels, config.eval_subset),
+    ):
+        if size is not None:
+            keep = subset_indices(len(labels), size, seed)
+            sentences, labels = [sentences[i] for i in keep], [labels[i] for i in keep]
+        splits[name] = (sentences, labels)
+    tokenizer = pick_tokenizer(config, model_name_or_path, splits["train"][0])
+    datasets_ = {
+        name: TensorSampleDataset(
+            encode(tokenizer, sentences, config.max_seq_length), torch.tensor(labels, dtype=torch.long)
+        )
+        for name, (sentences, labels) in splits.items()
+    }
+    return DataBundle(
+        train=datasets_["train"],
+        eval=datasets_["eval"],
+        task="classification",
+        num_classes=2,
+        vocab_size=len(tokenizer),
+        max_seq_length=config.max_seq_length,
+    )

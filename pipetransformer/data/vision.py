@@ -1,0 +1,126 @@
+"""Image datasets: scikit-learn digits (offline default), CIFAR-10/100 and ImageFolder.
+
+Owns: reading the images, resizing and normalising them, optional random augmentation.
+Must not: know about ranks or samplers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pipetransformer.config import DataConfig
+from pipetransformer.data.base import DataBundle, ItemSampleDataset, TensorSampleDataset
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def load_digits_bundle(config: DataConfig, seed: int) -> DataBundle:
+    """1,797 real 8x8 handwritten digits, upscaled; a fixed 80/20 stratified split."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    labels = torch.tensor(digits.target, dtype=torch.long)
+    size = config.image_size or 16
+    if size != 8:
+        images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
+    # The split is part of the dataset's definition, not of the run: fixed, not `seed`.
+    train_idx, eval_idx = train_test_split(
+        np.arange(len(labels)), test_size=0.2, random_state=0, stratify=labels.numpy()
+    )
+    train_idx, eval_idx = torch.as_tensor(train_idx), torch.as_tensor(eval_idx)
+    mean, std = images[train_idx].mean(), images[train_idx].std()
+    images = (images - mean) / std
+    return DataBundle(
+        train=TensorSampleDataset([images[train_idx]], labels[train_idx]),
+        eval=TensorSampleDataset([images[eval_idx]], labels[eval_idx]),
+        task="classification",
+        num_classes=10,
+        in_chans=1,
+        image_size=size,
+    )
+
+
+def _transforms(size: int, augment: bool):
+    from torchvision import transforms as T
+
+    normalize = [T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    if augment:
+        train = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), *normalize])
+    else:
+        train = T.Compose([T.Resize(size), T.CenterCrop(size), *normalize])
+    eval_ = T.Compose([T.Resize(size), T.CenterCrop(size), *normalize])
+    return train, eval_
+
+
+def _torchvision_split(dataset, transform, random_inputs: bool) -> ItemSampleDataset:
+    targets = torch.as_tensor(list(dataset.targets), dtype=torch.long)
+    return ItemSampleDataset(
+        load=lambda i: dataset[i][0],  # built without a transform: a PIL image
+        transform=transform,
+        targets=targets,
+        random_inputs=random_inputs,
+    )
+
+
+def load_cifar_bundle(config: DataConfig, num_classes: int) -> DataBundle:
+    from torchvision import datasets
+
+    if config.root is None:
+        raise ValueError(f"data.root: cifar{num_classes} needs a directory (data.download=true fetches into it)")
+    root = Path(config.root).expanduser()
+    cls = datasets.CIFAR10 if num_classes == 10 else datasets.CIFAR100
+    try:
+        train = cls(str(root), train=True, download=config.download)
+        eval_ = cls(str(root), train=False, download=config.download)
+    except RuntimeError as exc:
+        raise FileNotFoundError(
+            f"data.root: no CIFAR-{num_classes} data under {root} ({exc}); "
+            "set data.download=true to fetch it"
+        ) from exc
+    size = config.image_size or 224
+    train_tf, eval_tf = _transforms(size, config.augment)
+    return DataBundle(
+        train=_torchvision_split(train, train_tf, config.augment),
+        eval=_torchvision_split(eval_, eval_tf, False),
+        task="classification",
+        num_classes=num_classes,
+        in_chans=3,
+        image_size=size,
+    )
+
+
+def load_imagefolder_bundle(config: DataConfig) -> DataBundle:
+    """ImageNet layout: ROOT/train/<class>/*.jpg and ROOT/val/<class>/*.jpg."""
+    from torchvision import datasets
+
+    if config.root is None:
+        raise ValueError("data.root: imagefolder needs a directory with train/ and val/")
+    root = Path(config.root).expanduser()
+    splits = {}
+    for split in ("train", "val"):
+        path = root / split
+        if not path.is_dir():
+            raise FileNotFoundError(f"data.root: {path} is not a directory (expected ImageNet layout)")
+        try:
+            splits[split] = datasets.ImageFolder(str(path))
+        except (FileNotFoundError, RuntimeError) as exc:
+            raise FileNotFoundError(f"data.root: {path}: {exc}") from exc
+    if splits["train"].classes != splits["val"].classes:
+        raise ValueError(f"data.root: {root}/train and {root}/val hold different class folders")
+    size = config.image_size or 224
+    train_tf, eval_tf = _transforms(size, config.augment)
+    return DataBundle(
+        train=_torchvision_split(splits["train"], train_tf, config.augment),
+        eval=_torchvision_split(splits["val"], eval_tf, False),
+        task="classification",
+        num_classes=len(splits["train"].classes),
+        in_chans=3,
+        image_size=size,
+    )

@@ -1,0 +1,129 @@
+"""Freeze algorithm: how many bottom layers have converged. Pure: numbers in, a number out.
+
+`num_frozen_layers` (F) counts frozen layers from the bottom; the embedding freezes with
+the first of them, the head never freezes. A decision never lowers F and never exceeds
+`max_frozen_layers` (default L - 1: one block always trains).
+
+gradient_norm (the paper's Eq. 1)
+    F_T = min(F_{T-1} + floor(alpha * (L - F_{T-1})),  argmin_{l in [F_{T-1}, L)} ||g_l|| + 1)
+
+    ||g_l|| is layer l's gradient norm accumulated over the decision interval (the trainer
+    sums each step's per-layer norm and reduces it over all ranks, so every rank holds the
+    same numbers). "Freeze up to the argmin layer" is taken *inclusively*: the layer whose
+    gradient moved least is the most converged one, so it freezes together with every
+    layer below it (freezing stops at a layer boundary, so the layers below must go too).
+    Eq. 1 caps each step at alpha of the still-active layers; when
+    floor(alpha * (L - F)) is 0, freezing stops there.
+
+alpha_schedule (the closed form the paper's released code ran)
+    F_T = ceil(L * (1 - (1 - alpha)^T))
+
+manual
+    F_T = manual_schedule[T - 1] (the last entry repeats).
+
+none
+    F_T = 0: the baseline.
+
+T counts decision points from 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipetransformer.config import FreezeConfig
+
+
+def _clamp(previous: int, proposed: int, max_frozen_layers: int) -> int:
+    return max(previous, min(proposed, max_frozen_layers))
+
+
+def gradient_norm_decision(
+    num_frozen_layers: int,
+    layer_grad_norms: Sequence[float],
+    alpha: float,
+    max_frozen_layers: int,
+) -> int:
+    num_layers = len(layer_grad_norms)
+    previous = num_frozen_layers
+    if previous >= min(max_frozen_layers, num_layers):
+        return previous
+    bound = previous + math.floor(alpha * (num_layers - previous))
+    active = range(previous, num_layers)
+    # Ties go to the lower layer: fewer layers freeze when the signal is ambiguous.
+    argmin = min(active, key=lambda layer: (layer_grad_norms[layer], layer))
+    return _clamp(previous, min(bound, argmin + 1), max_frozen_layers)
+
+
+def alpha_schedule_decision(
+    decision_index: int, num_layers: int, alpha: float, previous: int, max_frozen_layers: int
+) -> int:
+    proposed = math.ceil(num_layers * (1 - (1 - alpha) ** decision_index) - 1e-9)
+    return _clamp(previous, proposed, max_frozen_layers)
+
+
+def manual_decision(
+    decision_index: int, schedule: Sequence[int], previous: int, max_frozen_layers: int
+) -> int:
+    proposed = schedule[min(decision_index, len(schedule)) - 1]
+    return _clamp(previous, proposed, max_frozen_layers)
+
+
+@dataclass
+class FreezeDecider:
+    """Applies the configured strategy at successive decision points."""
+
+    config: FreezeConfig
+    num_layers: int
+
+    @property
+    def max_frozen_layers(self) -> int:
+        cap = self.config.max_frozen_layers
+        return self.num_layers - 1 if cap is None else min(cap, self.num_layers)
+
+    @property
+    def needs_grad_norms(self) -> bool:
+        return self.config.strategy == "gradient_norm"
+
+    def decide(
+        self,
+        decision_index: int,
+        num_frozen_layers: int,
+        layer_grad_norms: Sequence[float] | None = None,
+    ) -> int:
+        if decision_index < 1:
+            raise ValueError("decision points are counted from 1")
+        strategy = self.config.strategy
+        if strategy == "none":
+            return num_frozen_layers
+        if strategy == "gradient_norm":
+            if layer_grad_norms is None or len(layer_grad_norms) != self.num_layers:
+                raise ValueError(f"gradient_norm needs {self.num_layers} layer gradient norms")
+            return gradient_norm_decision(
+                num_frozen_layers, layer_grad_norms, self.config.alpha, self.max_frozen_layers
+            )
+        if strategy == "alpha_schedule":
+            return alpha_schedule_decision(
+                decision_index, self.num_layers, self.config.alpha, num_frozen_layers, self.max_frozen_layers
+            )
+        if strategy == "manual":
+            return manual_decision(
+                decision_index, self.config.manual_schedule, num_frozen_layers, self.max_frozen_layers
+            )
+        raise ValueError(f"freeze.strategy: unknown strategy '{strategy}'")
+
+
+def check_freeze_config(config: FreezeConfig, num_layers: int) -> None:
+    """Checks that need the model's depth; raised before any process starts."""
+    from pipetransformer.config import ConfigError
+
+    if config.max_frozen_layers is not None and config.max_frozen_layers > num_layers:
+        raise ConfigError(
+            f"freeze.max_frozen_layers: {config.max_frozen_layers} exceeds the model's {num_layers} layers"
+        )
+    if config.strategy == "manual" and max(config.manual_schedule) > num_layers:
+        raise ConfigError(
+            f"freeze.manual_schedule: {max(config.manual_schedule)} exceeds the model's {num_layers} layers"
+        )

@@ -1,0 +1,149 @@
+"""The model shape every other component works with: embedding + L blocks + head, as units.
+
+A *unit* is the smallest piece a stage boundary may fall between:
+
+    unit 0            embedding          (raw inputs -> activations)
+    unit 1 + 2l       layer l attention  (activations -> activations, residual inside)
+    unit 2 + 2l       layer l MLP        (activations -> activations, residual inside)
+    unit 2L + 1       head               (activations -> logits)
+
+*Activations* are a tuple of tensors; the first is the hidden state (it carries gradients),
+the others (e.g. BERT's attention mask) ride along unchanged and never need gradients.
+
+Owns: `LayeredModel` (the units and their static description) and `UnitSequence` (runs a
+contiguous range of units, frozen ones in eval mode without autograd).
+Must not: know any concrete architecture (adapters in vit.py / bert.py do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pipetransformer.utils.units import attention_unit, layer_of_unit, mlp_unit, prefix_end
+
+Activations = tuple[torch.Tensor, ...]
+
+__all__ = ["attention_unit", "layer_of_unit", "mlp_unit", "prefix_end"]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape (without the batch dimension) and dtype of one tensor in a batch."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def example(self, batch_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        return torch.zeros((batch_size, *self.shape), dtype=self.dtype, device=device)
+
+    def nbytes(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything about a model that planning and stage building need, without weights."""
+
+    family: str
+    task: str  # "classification" | "question_answering"
+    num_layers: int
+    unit_names: tuple[str, ...]
+    unit_param_counts: tuple[int, ...]
+    input_specs: tuple[TensorSpec, ...]
+    activation_specs: tuple[TensorSpec, ...]
+    output_spec: TensorSpec
+
+    @property
+    def num_units(self) -> int:
+        return len(self.unit_names)
+
+    @property
+    def head_unit(self) -> int:
+        return self.num_units - 1
+
+    def examples(self, specs: Sequence[TensorSpec], batch_size: int, device, grad_first: bool):
+        tensors = [s.example(batch_size, device) for s in specs]
+        if grad_first:
+            tensors[0].requires_grad_(True)
+        return tuple(tensors)
+
+    def unit_input_specs(self, unit: int) -> tuple[TensorSpec, ...]:
+        return self.input_specs if unit == 0 else self.activation_specs
+
+    def unit_output_specs(self, unit: int) -> tuple[TensorSpec, ...]:
+        return (self.output_spec,) if unit == self.head_unit else self.activation_specs
+
+
+class LayeredModel(nn.Module):
+    """A model cut into units. Adapters build it; nothing else looks inside the units."""
+
+    def __init__(self, units: Sequence[nn.Module], spec: ModelSpec) -> None:
+        super().__init__()
+        if len(units) != spec.num_units:
+            raise ValueError(f"{len(units)} units but the spec names {spec.num_units}")
+        self.units = nn.ModuleList(units)
+        self.spec = spec
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return UnitSequence(list(self.units), frozen=[False] * len(self.units))(*inputs)
+
+    def take_units(self, indices: Sequence[int]) -> dict[int, nn.Module]:
+        return {i: self.units[i] for i in indices}
+
+
+def unit_param_names(unit: nn.Module, unit_index: int) -> dict[str, nn.Parameter]:
+    """Parameters of a unit under global names 'u<index>.<name>' (stable across ranks)."""
+    return {f"u{unit_index}.{name}": p for name, p in unit.named_parameters()}
+
+
+class UnitSequence(nn.Module):
+    """Runs units in order. Frozen units run in eval mode without building a graph.
+
+    The frozen units of a sequence must come first: a frozen unit after a trained one would
+    cut the gradient path to the units before it.
+    """
+
+    def __init__(self, units: Sequence[nn.Module], frozen: Sequence[bool]) -> None:
+        super().__init__()
+        if len(units) != len(frozen):
+            raise ValueError("one frozen flag per unit")
+        seen_active = False
+        for is_frozen in frozen:
+            if is_frozen and seen_active:
+                raise ValueError("frozen units must precede trained units")
+            seen_active |= not is_frozen
+        self.units = nn.ModuleList(units)
+        self.frozen = list(frozen)
+        for unit, is_frozen in zip(self.units, self.frozen):
+            if is_frozen:
+                unit.eval()
+
+    def train(self, mode: bool = True) -> UnitSequence:
+        super().train(mode)
+        for unit, is_frozen in zip(self.units, self.frozen):
+            if is_frozen:
+                unit.eval()  # no dropout in frozen layers: their output must be a pure function
+        return self
+
+    def forward(self, *x: torch.Tensor):
+        for unit, is_frozen in zip(self.units, self.frozen):
+            if is_frozen:
+                with torch.no_grad():
+                    x = unit(*x)
+            else:
+                x = unit(*x)
+            if isinstance(x, torch.Tensor):
+                x = (x,)
+        return x[0] if len(x) == 1 else x
+
+
+def count_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+

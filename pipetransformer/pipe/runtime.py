@@ -1,0 +1,161 @@
+"""Pipeline execution for one rank in one layout, over torch.distributed.pipelining.
+
+Owns: the stage module (a UnitSequence of this stage's units), its DDP wrapper over the
+data group (active parameters only), the PipelineStage with declared shapes, the schedule,
+and the frozen prefix that the first stage runs as input preprocessing.
+Must not: create process groups, choose layouts, or move state between ranks.
+
+Facts this rests on (see PYTORCH_NOTES.md): shapes are declared, because DDP with
+inferred shapes crashes; the stage module handed to PipelineStage *is* the DDP module, so
+the schedule syncs gradients once per step; DDP never sees a frozen parameter; a stage
+with nothing to train is not wrapped in DDP.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.nn.parallel import DistributedDataParallel
+
+from pipetransformer.autopipe.planner import PipelinePlan
+from pipetransformer.models.layered import ModelSpec, UnitSequence
+
+logger = logging.getLogger(__name__)
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _examples(specs, batch_size: int, device, grad_first: bool) -> tuple[torch.Tensor, ...]:
+    tensors = [s.example(batch_size, device) for s in specs]
+    if grad_first:
+        tensors[0].requires_grad_(True)
+    return tuple(tensors)
+
+
+@dataclass
+class StageRuntime:
+    stage_index: int
+    pipe_len: int
+    module: UnitSequence
+    wrapped: nn.Module
+    stage: PipelineStage
+    schedule: object
+    preprocess: UnitSequence | None
+    micro_batch_size: int
+    num_micro_batches: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.pipe_len - 1
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def train_step(
+        self, inputs: Sequence[torch.Tensor] | None, target: torch.Tensor | None
+    ) -> list[torch.Tensor]:
+        """One optimizer step's forward and backward; returns the last stage's micro-batch losses."""
+        self.module.train()
+        losses: list[torch.Tensor] = []
+        if self.is_first:
+            activations = self.run_prefix(inputs)
+            self.schedule.step(*activations, target=target, losses=losses, return_outputs=False)
+        elif self.is_last:
+            self.schedule.step(target=target, losses=losses, return_outputs=False)
+        else:
+            self.schedule.step()
+        return losses
+
+    def eval_step(
+        self, inputs: Sequence[torch.Tensor] | None, target: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Forward only; returns the merged outputs on the last stage."""
+        self.module.eval()
+        try:
+            if self.is_first:
+                activations = self.run_prefix(inputs)
+                return self.schedule.eval(*activations, target=target)
+            if self.is_last:
+                return self.schedule.eval(target=target)
+            self.schedule.eval()
+            return None
+        finally:
+            self.module.train()
+
+    def run_prefix(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        if self.preprocess is None:
+            return tuple(inputs)
+        with torch.no_grad():
+            out = self.preprocess(*inputs)
+        return out if isinstance(out, tuple) else (out,)
+
+
+def build_stage_runtime(
+    *,
+    plan: PipelinePlan,
+    stage_index: int,
+    replica_batch_size: int,
+    units: dict[int, nn.Module],
+    spec: ModelSpec,
+    loss_fn: LossFn,
+    schedule_name: str,
+    pipeline_group: dist.ProcessGroup,
+    data_group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> StageRuntime:
+    frozen_end = plan.frozen_end
+    start, end = plan.stage_ranges[stage_index]
+    stage_units = list(range(start, end))
+    module = UnitSequence([units[u] for u in stage_units], [u < frozen_end for u in stage_units])
+    preprocess = None
+    if stage_index == 0 and plan.prefix_end > 0:
+        prefix = list(range(plan.prefix_end))
+        preprocess = UnitSequence([units[u] for u in prefix], [True] * len(prefix))
+
+    replica_batch = replica_batch_size
+    num_micro_batches = plan.num_micro_batches
+    if replica_batch % num_micro_batches:
+        raise ValueError(f"{num_micro_batches} micro-batches do not divide the replica batch {replica_batch}")
+    micro = replica_batch // num_micro_batches
+
+    # The hidden state carries gradients into a stage when a trained unit precedes it.
+    input_args = _examples(
+        spec.unit_input_specs(start), micro, device, grad_first=stage_index > 0 and frozen_end < start
+    )
+    output_args = _examples(spec.unit_output_specs(end - 1), micro, device, grad_first=frozen_end < end)
+
+    wrapped: nn.Module = module
+    trainable = any(p.requires_grad for p in module.parameters())
+    if data_group is not None and trainable:
+        wrapped = DistributedDataParallel(
+            module,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            process_group=data_group,
+            broadcast_buffers=False,
+            init_sync=False,  # replicas already hold identical weights (handoff is bit-exact)
+        )
+    stage = PipelineStage(
+        wrapped,
+        stage_index,
+        plan.pipe_len,
+        device,
+        input_args=input_args,
+        output_args=output_args,
+        group=pipeline_group,
+    )
+    schedule = SCHEDULES[schedule_name](
+        stage, n_microbatches=num_micro_batches, loss_fn=loss_fn, scale_grads=False
+    )
+    return StageRuntime(stage_index, plan.pipe_len, module, wrapped, stage, schedule, preprocess, micro, num_micro_batches)

@@ -1,0 +1,84 @@
+"""Optimizer and learning-rate schedule, keyed by global parameter names.
+
+The optimizer is rebuilt at every transition over the parameters a rank trains in the new
+layout; its per-parameter state is carried across by name ('u<unit>.<param>'), so a
+parameter that moved ranks continues with its own moments and step count. The learning
+rate is a pure function of the global step, so nothing about it needs moving.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipetransformer.config import OptimizerConfig
+
+
+def learning_rate(config: OptimizerConfig, step: int, total_steps: int) -> float:
+    """Linear warm-up, then constant / cosine / linear decay to `min_lr_ratio * lr`."""
+    if config.warmup_steps and step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    if config.lr_schedule == "constant":
+        return config.lr
+    decay_steps = max(1, total_steps - config.warmup_steps)
+    progress = min(1.0, max(0.0, (step - config.warmup_steps) / decay_steps))
+    floor = config.lr * config.min_lr_ratio
+    if config.lr_schedule == "cosine":
+        return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return floor + (config.lr - floor) * (1 - progress)
+
+
+def build_optimizer(
+    config: OptimizerConfig, named_params: Mapping[str, nn.Parameter]
+) -> torch.optim.Optimizer | None:
+    """None when there is nothing to train (a rank whose units are all frozen, or idle)."""
+    params = [(n, p) for n, p in named_params.items() if p.requires_grad]
+    if not params:
+        return None
+    # Biases and norm weights (1-D) get no weight decay, as is standard for Transformers.
+    decay = [p for _, p in params if p.ndim > 1]
+    no_decay = [p for _, p in params if p.ndim <= 1]
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    if config.name == "sgd":
+        return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum)
+    cls = torch.optim.Adam if config.name == "adam" else torch.optim.AdamW
+    return cls(groups, lr=config.lr, betas=tuple(config.betas), eps=config.eps)
+
+
+def states_by_name(
+    optimizer: torch.optim.Optimizer | None, named_params: Mapping[str, nn.Parameter]
+) -> dict[str, dict[str, Any]]:
+    if optimizer is None:
+        return {}
+    return {
+        name: dict(optimizer.state[p]) for name, p in named_params.items() if p in optimizer.state
+    }
+
+
+def load_states_by_name(
+    optimizer: torch.optim.Optimizer | None,
+    named_params: Mapping[str, nn.Parameter],
+    states: Mapping[str, dict[str, Any]],
+) -> None:
+    if optimizer is None:
+        return
+    for name, p in named_params.items():
+        if p.requires_grad and name in states:
+            optimizer.state[p] = {
+                k: v.to(p.device) if isinstance(v, torch.Tensor) and k != "step" else v
+                for k, v in states[name].items()
+            }
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer | None, lr: float) -> None:
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr

@@ -1,0 +1,73 @@
+"""Tasks: how targets, losses and evaluation metrics look for each kind of model head.
+
+Targets travel to the last stage as one float tensor per micro-batch whose last column is
+the sample's loss weight: `replicas / valid samples in the global batch` for real samples,
+0 for shape padding. With gradients summed over micro-batches and averaged by DDP over the
+replicas, the update is exactly the mean over the global batch's real samples, whatever
+the layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def loss_weights(valid: Sequence[bool], dp_degree: int, global_num_valid: int) -> torch.Tensor:
+    scale = dp_degree / max(1, global_num_valid)
+    return torch.tensor([scale if v else 0.0 for v in valid], dtype=torch.float32)
+
+
+class ClassificationAccumulator:
+    def __init__(self) -> None:
+        self.correct = 0
+        self.count = 0
+        self.loss_sum = 0.0
+
+    def add(self, logits: torch.Tensor, ids: Sequence[int], valid: Sequence[bool], labels: torch.Tensor) -> None:
+        mask = torch.tensor(valid, dtype=torch.bool, device=logits.device)
+        labels = labels.to(logits.device)
+        self.correct += int(((logits.argmax(-1) == labels) & mask).sum())
+        self.count += int(mask.sum())
+        losses = F.cross_entropy(logits.float(), labels, reduction="none")
+        self.loss_sum += float((losses * mask).sum())
+
+    def reduce(self, group: dist.ProcessGroup) -> dict[str, float]:
+        """Collective over `group` (every rank calls it, adding nothing if it saw nothing)."""
+        totals = torch.tensor([self.correct, self.count, self.loss_sum], dtype=torch.float64)
+        dist.all_reduce(totals, group=group)
+        correct, count, loss_sum = totals.tolist()
+        if count == 0:
+            raise RuntimeError("evaluation saw no samples")
+        return {"eval_metric": correct / count, "eval_loss": loss_sum / count, "eval_samples": int(count)}
+
+
+class ClassificationTask:
+    name = "classification"
+    metric_name = "accuracy"
+
+    @staticmethod
+    def make_target(labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return torch.stack([labels.float(), weights], dim=1)
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        labels, weights = target[:, 0].long(), target[:, 1]
+        return (F.cross_entropy(logits.float(), labels, reduction="none") * weights).sum()
+
+    @staticmethod
+    def new_accumulator(eval_extras: dict) -> ClassificationAccumulator:
+        return ClassificationAccumulator()
+
+
+def task_for(name: str):
+    if name == "classification":
+        return ClassificationTask()
+    if name == "question_answering":
+        from pipetransformer.trainer.qa import QuestionAnsweringTask
+
+        return QuestionAnsweringTask()
+    raise ValueError(f"unknown task '{name}'")
