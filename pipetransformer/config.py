@@ -40,6 +40,8 @@ class TrainerConfig:
     # Seconds a collective may wait for a peer before the run fails (gloo's default is 30 min).
     timeout_s: float = 600.0
     progress_bar: bool = True
+    # Write the trained model (LayeredModel state dict) to RUN_DIR/model.pt at the end.
+    save_model: bool = False
 
     def __post_init__(self) -> None:
         if self.epochs < 1:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from pipetransformer.config import ModelConfig
-from pipetransformer.models.bert import create_bert, layered_bert
 from pipetransformer.models.layered import (
     LayeredModel,
     ModelSpec,
@@ -22,7 +21,6 @@ from pipetransformer.models.layered import (
     prefix_end,
     unit_param_names,
 )
-from pipetransformer.models.vit import create_vit, layered_vit
 
 __all__ = [
     "LayeredModel",
@@ -50,7 +48,10 @@ def build_model(
     device: str | torch.device = "cpu",
 ) -> LayeredModel:
     family = config.resolved_family()
+    # Adapters import their libraries lazily: transformers and timm each take seconds.
     if family == "vit":
+        from pipetransformer.models.vit import create_vit, layered_vit
+
         if task != "classification":
             raise ValueError(f"model.name: a ViT cannot do the '{task}' task")
         model = create_vit(
@@ -64,6 +65,8 @@ def build_model(
             device=device,
         )
         return layered_vit(model)
+    from pipetransformer.models.bert import create_bert, layered_bert
+
     model = create_bert(
         task=task,
         num_labels=num_classes,

@@ -58,6 +58,8 @@ class Trainer:
         self.global_step = 0
         self.decision_index = 0
         self.transitions: list[dict[str, Any]] = []
+        # (global_step, this replica's sum of per-sample losses) on last-stage ranks.
+        self.step_losses: list[tuple[int, float]] = []
 
     # ------------------------------------------------------------------ setup
 
@@ -210,6 +212,8 @@ class Trainer:
             "world_size": self.world.world_size,
             "device": str(self.world.device.type),
         }
+        if cfg.trainer.save_model:
+            self.save_model(self.run_dir / "model.pt")
         self.reporter.summary(summary)
         return summary
 
@@ -272,7 +276,9 @@ class Trainer:
         # Losses are weighted by R / (valid samples in the global batch): undo that to get
         # this replica's sum of per-sample losses.
         scale = self.sampler.global_num_valid(epoch, step) / layout.dp_degree
-        return torch.stack([l.detach().double().cpu() for l in losses]).sum() * scale
+        replica_loss = torch.stack([l.detach().double().cpu() for l in losses]).sum() * scale
+        self.step_losses.append((self.global_step, float(replica_loss)))
+        return replica_loss
 
     def _clip_gradients(self, max_norm: float) -> None:
         params = [p for p in self.runtime.trainable_parameters() if p.grad is not None]
@@ -406,6 +412,48 @@ class Trainer:
                 if role.is_last:
                     accumulator.add(outputs.detach(), batch.ids, batch.valid, labels)
         return accumulator.reduce(self.control)
+
+    # ------------------------------------------------------------------ model state
+
+    def _designated_holder(self, unit: int) -> int:
+        """The lowest rank holding `unit`: the one that reports it."""
+        for rank in range(self.world.world_size):
+            if unit in self.layout.units_of_rank(rank):
+                return rank
+        raise RuntimeError(f"no rank holds unit {unit}")
+
+    def gather_state(self, include_optimizer: bool = False) -> tuple[dict, dict] | None:
+        """The whole model's state dict (LayeredModel keys) and optimizer state by parameter
+        name, assembled on rank 0 (None elsewhere). Collective."""
+        mine: dict[str, torch.Tensor] = {}
+        for index, unit in self.units.items():
+            if self._designated_holder(index) == self.world.rank:
+                for name, tensor in unit.state_dict().items():
+                    mine[f"units.{index}.{name}"] = tensor.detach().cpu().clone()
+        states = {}
+        if include_optimizer:
+            for name, state in optim.states_by_name(self.optimizer, self._named_params()).items():
+                unit = int(name.split(".", 1)[0][1:])
+                if self._designated_holder(unit) == self.world.rank:
+                    states[name] = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        gathered = [None] * self.world.world_size if self.world.rank == 0 else None
+        dist.gather_object((mine, states), gathered, dst=0, group=self.control)
+        if self.world.rank != 0:
+            return None
+        model_state: dict[str, torch.Tensor] = {}
+        optimizer_state: dict[str, dict] = {}
+        for part, part_states in gathered:
+            model_state.update(part)
+            for name, state in part_states.items():
+                optimizer_state.setdefault(name, state)
+        return model_state, optimizer_state
+
+    def save_model(self, path: Path) -> None:
+        """Write the trained model (all units) to `path` from rank 0. Collective."""
+        gathered = self.gather_state()
+        if gathered is not None:
+            torch.save(gathered[0], path)
+            logger.info("saved the model to %s", path)
 
     # ------------------------------------------------------------------ teardown
 

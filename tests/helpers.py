@@ -1,0 +1,69 @@
+"""Shared test helpers: tiny models and a runner for real gloo workers on CPU."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipetransformer.config import ModelConfig
+from pipetransformer.launcher import launch_local
+from pipetransformer.models import build_model
+
+TINY_VIT = ModelConfig(
+    name="vit_tiny_patch16_224",
+    kwargs={"patch_size": 4, "embed_dim": 32, "depth": 4, "num_heads": 2, "mlp_ratio": 2.0},
+)
+TINY_BERT = ModelConfig(
+    name="bert",
+    kwargs={
+        "hidden_size": 32,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+    },
+)
+
+
+def tiny_vit(seed: int = 0, num_classes: int = 10, image_size: int = 8, in_chans: int = 1, device="cpu"):
+    torch.manual_seed(seed)
+    return build_model(
+        TINY_VIT, task="classification", num_classes=num_classes, in_chans=in_chans, image_size=image_size, device=device
+    )
+
+
+def tiny_bert(seed: int = 0, task: str = "classification", seq_len: int = 16, vocab: int = 50, device="cpu"):
+    torch.manual_seed(seed)
+    return build_model(TINY_BERT, task=task, num_classes=2, vocab_size=vocab, max_seq_length=seq_len, device=device)
+
+
+def _entry(fn: Callable[..., Any], out_dir: str, devices_per_node: int | None, args: tuple) -> None:
+    torch.set_num_threads(1)
+    if devices_per_node is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(devices_per_node)
+        os.environ["LOCAL_RANK"] = str(int(os.environ["RANK"]) % devices_per_node)
+    result = fn(*args)
+    with open(Path(out_dir) / f"rank{os.environ['RANK']}.pkl", "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, devices_per_node: int | None = None) -> list[Any]:
+    """Run `fn(*args)` in `world_size` gloo worker processes; return each rank's result.
+
+    `fn` must be importable (module level). Workers get torchrun's environment variables
+    and a free port; `devices_per_node` simulates several nodes on this machine.
+    """
+    with tempfile.TemporaryDirectory(prefix="pt-test-") as out_dir:
+        launch_local(world_size, _entry, (fn, out_dir, devices_per_node, args))
+        results = []
+        for rank in range(world_size):
+            with open(Path(out_dir) / f"rank{rank}.pkl", "rb") as f:
+                results.append(pickle.load(f))
+        return results

@@ -1,0 +1,92 @@
+import pytest
+import yaml
+
+from pipetransformer.config import Config, ConfigError, config_from_dict, dump_config, load_config
+
+ROOT_CONFIGS = __import__("pathlib").Path(__file__).resolve().parent.parent / "configs"
+
+
+def write(tmp_path, data):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_required_keys_exist_with_defaults():
+    c = Config()
+    for section, key in [
+        ("trainer", "epochs"), ("trainer", "seed"), ("trainer", "global_batch_size"),
+        ("optimizer", "name"), ("optimizer", "lr"), ("pipeline", "initial_pipe_len"),
+        ("pipeline", "num_micro_batches"), ("pipeline", "schedule"), ("freeze", "strategy"),
+        ("freeze", "alpha"), ("model", "name"), ("data", "name"),
+    ]:
+        assert hasattr(getattr(c, section), key), f"{section}.{key}"
+
+
+def test_overrides_are_typed_and_nested(tmp_path):
+    c = load_config(write(tmp_path, {"trainer": {"epochs": 3}}), ["trainer.epochs=5", "optimizer.lr=0.01", "freeze.strategy=alpha_schedule"])
+    assert c.trainer.epochs == 5 and c.optimizer.lr == 0.01 and c.freeze.strategy == "alpha_schedule"
+    c = load_config(None, ["model.kwargs.depth=6", "optimizer.lr=1"])
+    assert c.model.kwargs == {"depth": 6} and isinstance(c.optimizer.lr, float)
+
+
+@pytest.mark.parametrize(
+    "data, key",
+    [
+        ({"trainer": {"epoch": 3}}, "trainer.epoch"),  # unknown key
+        ({"trainr": {"epochs": 3}}, "trainr"),  # unknown section
+        ({"trainer": {"epochs": "three"}}, "trainer.epochs"),  # wrong type
+        ({"trainer": {"epochs": 2.5}}, "trainer.epochs"),
+        ({"trainer": {"epochs": 0}}, "trainer.epochs"),
+        ({"freeze": {"alpha": 1.5}}, "freeze.alpha"),
+        ({"freeze": {"alpha": 0}}, "freeze.alpha"),
+        ({"pipeline": {"schedule": "zigzag"}}, "pipeline.schedule"),
+        ({"optimizer": {"name": "lamb"}}, "optimizer.name"),
+        ({"pipeline": {"initial_pipe_len": 3}, "trainer": {"nproc_per_node": 4}}, "pipeline.initial_pipe_len"),
+        ({"trainer": {"global_batch_size": 60}, "pipeline": {"num_micro_batches": 8}}, "pipeline.num_micro_batches"),
+        ({"pipeline": {"num_micro_batches": "many"}}, "pipeline.num_micro_batches"),
+        ({"freeze": {"strategy": "manual"}}, "freeze.manual_schedule"),
+        ({"freeze": {"strategy": "manual", "manual_schedule": [2, 1]}}, "freeze.manual_schedule"),
+        ({"model": {"name": "bert"}}, "data.name"),  # BERT on digits
+        ({"trainer": {"nproc_per_node": 4}, "trainer_extra": 1}, "trainer_extra"),
+    ],
+)
+def test_bad_values_are_rejected_naming_the_key(tmp_path, data, key):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, data))
+    assert str(info.value).startswith(key), str(info.value)
+
+
+def test_batch_must_split_over_every_reachable_layout(tmp_path):
+    # 4 devices, K 4 -> 2 -> 1 when elastic: R reaches 4, so 4 * M must divide the batch.
+    base = {"trainer": {"nproc_per_node": 4, "global_batch_size": 24}, "pipeline": {"initial_pipe_len": 4, "num_micro_batches": 4}}
+    load_config(write(tmp_path, base))  # baseline: R = 1, 24 % 4 == 0
+    elastic = {**base, "freeze": {"strategy": "alpha_schedule"}}
+    with pytest.raises(ConfigError, match="pipeline.num_micro_batches"):
+        load_config(write(tmp_path, elastic))
+
+
+def test_unknown_key_suggests_the_close_one(tmp_path):
+    with pytest.raises(ConfigError, match="did you mean 'trainer.epochs'"):
+        load_config(write(tmp_path, {"trainer": {"epocs": 3}}))
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: [1, 2\n")
+    with pytest.raises(ConfigError, match="bad.yaml"):
+        load_config(bad)
+
+
+def test_dump_round_trips(tmp_path):
+    c = load_config(ROOT_CONFIGS / "quickstart.yaml", ["trainer.epochs=2"])
+    dump_config(c, tmp_path / "resolved.yaml")
+    again = config_from_dict(yaml.safe_load((tmp_path / "resolved.yaml").read_text()))
+    assert again == c
+
+
+@pytest.mark.parametrize("path", sorted(ROOT_CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_parse(path):
+    load_config(path)

@@ -1,0 +1,80 @@
+"""Functions that run inside gloo worker processes (module level, so spawn can import them)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from helpers import tiny_bert, tiny_vit
+from pipetransformer.autodp.groups import build_training_groups
+from pipetransformer.autodp.topology import Layout
+from pipetransformer.autopipe.planner import UnitCosts, balance
+from pipetransformer.models import unit_param_names
+from pipetransformer.pipe import build_stage_runtime
+from pipetransformer.trainer.distributed import init_distributed
+from pipetransformer.trainer.planning import with_micro_batches
+from pipetransformer.trainer.tasks import ClassificationTask, loss_weights
+
+
+def fixed_batch(kind: str, batch_size: int):
+    g = torch.Generator().manual_seed(123)
+    labels = torch.randint(0, 2 if kind == "bert" else 10, (batch_size,), generator=g)
+    if kind == "vit":
+        return (torch.randn(batch_size, 1, 8, 8, generator=g),), labels
+    ids = torch.randint(5, 50, (batch_size, 16), generator=g)
+    lengths = torch.randint(4, 17, (batch_size,), generator=g)
+    mask = (torch.arange(16)[None, :] < lengths[:, None]).long()
+    ids = ids * mask
+    types = torch.zeros_like(ids)
+    return (ids, types, mask), labels
+
+
+def build(kind: str):
+    return tiny_vit(seed=0) if kind == "vit" else tiny_bert(seed=0)
+
+
+def pipeline_gradients(kind: str, pipe_len: int, dp_degree: int, micro_batches: int, schedule: str, batch_size: int):
+    """One step of a K-stage x R-replica pipeline; return this rank's gradients and losses."""
+    world = init_distributed("cpu", 60)
+    model = build(kind)
+    plan = with_micro_batches(balance(UnitCosts.from_param_counts(model.spec.unit_param_counts, 1 / 6), 0, pipe_len), micro_batches)
+    layout = Layout(plan, world.world_size, world.world_size, dp_degree)
+    groups = build_training_groups(layout, world.rank, 60)
+    role = layout.role(world.rank)
+    units = {u: model.units[u] for u in layout.units_of_rank(world.rank)}
+    runtime = build_stage_runtime(
+        plan=plan, stage_index=role.stage, replica_batch_size=batch_size // dp_degree, units=units,
+        spec=model.spec, loss_fn=ClassificationTask.loss_fn, schedule_name=schedule,
+        pipeline_group=groups.pipeline, data_group=groups.data, device=world.device,
+    )
+    inputs, labels = fixed_batch(kind, batch_size)
+    share = batch_size // dp_degree
+    window = slice(role.replica * share, (role.replica + 1) * share)
+    target = None
+    if role.is_last:
+        target = ClassificationTask.make_target(labels[window], loss_weights([True] * share, dp_degree, batch_size))
+    losses = runtime.train_step([t[window] for t in inputs] if role.is_first else None, target)
+    grads = {}
+    for index, unit in units.items():
+        for name, p in unit_param_names(unit, index).items():
+            grads[name] = p.grad.clone()
+    torch.distributed.destroy_process_group()
+    return {"rank": world.rank, "role": role, "grads": grads, "losses": [float(l) for l in losses]}
+
+
+def reference_gradients(kind: str, batch_size: int):
+    model = build(kind)
+    inputs, labels = fixed_batch(kind, batch_size)
+    logits = model(*inputs)
+    loss = torch.nn.functional.cross_entropy(logits, labels)
+    loss.backward()
+    grads = {}
+    for index, unit in enumerate(model.units):
+        for name, p in unit_param_names(unit, index).items():
+            grads[name] = p.grad.clone()
+    return float(loss.detach()), grads
+
+
+def env_rank() -> int:
+    return int(os.environ["RANK"])
