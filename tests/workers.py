@@ -78,3 +78,54 @@ def reference_gradients(kind: str, batch_size: int):
 
 def env_rank() -> int:
     return int(os.environ["RANK"])
+
+
+def elastic_run(config_dict: dict, run_dir: str, gather_optimizer: bool = False):
+    """A whole Trainer run; returns step losses, transitions and (rank 0) the final state."""
+    from pipetransformer.config import config_from_dict
+    from pipetransformer.trainer.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(config_dict), run_dir)
+    try:
+        trainer.setup()
+        summary = trainer.train()
+        state = trainer.gather_state(include_optimizer=gather_optimizer)
+        return {
+            "rank": trainer.world.rank,
+            "summary": summary,
+            "step_losses": trainer.step_losses,
+            "transitions": trainer.transitions,
+            "state": state,
+        }
+    finally:
+        trainer.cleanup()
+
+
+def _snapshot(trainer) -> dict:
+    """This rank's parameters and optimizer state by global name (exact copies)."""
+    from pipetransformer.trainer import optim as optim_module
+
+    named = trainer._named_params()
+    states = optim_module.states_by_name(trainer.optimizer, named)
+    return {
+        name: (p.detach().clone(), {k: v.clone() if torch.is_tensor(v) else v for k, v in states.get(name, {}).items()})
+        for name, p in named.items()
+    }
+
+
+def handoff_snapshots(config_dict: dict, run_dir: str, new_frozen: list[int]):
+    """Train, then force transitions; return this rank's state before and after each."""
+    from pipetransformer.config import config_from_dict
+    from pipetransformer.trainer.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(config_dict), run_dir)
+    try:
+        trainer.setup()
+        trainer.train()
+        snapshots = [(trainer.layout, _snapshot(trainer))]
+        for frozen in new_frozen:
+            trainer.transition(frozen, epoch=0, step=None)
+            snapshots.append((trainer.layout, _snapshot(trainer)))
+        return snapshots
+    finally:
+        trainer.cleanup()

@@ -143,7 +143,7 @@ def build_stage_runtime(
             module,
             device_ids=[device.index] if device.type == "cuda" else None,
             process_group=data_group,
-            broadcast_buffers=False,
+            forward_sync_buffers=False,
             init_sync=False,  # replicas already hold identical weights (handoff is bit-exact)
         )
     stage = PipelineStage(

@@ -1,0 +1,183 @@
+"""Elastic training equals single-process training with the same freeze schedule.
+
+4 gloo ranks go 1 pipeline x 4 stages -> 2 x 2 -> 4 x 1 (manual freeze schedule, SGD with
+momentum), moving weights and momentum buffers at each transition. A plain single-process
+loop over the same global batches, freezing the same layers at the same points, must give
+the same loss at every step and the same final parameters. Tolerance: float32 summation
+order only (micro-batches, all-reduce): 1e-5 absolute on losses, rtol 1e-4 / atol 1e-5 on
+parameters.
+"""
+
+import json
+
+import pytest
+import torch
+
+from helpers import run_workers
+from pipetransformer.autodp.sampler import TrainSampler
+from pipetransformer.config import config_from_dict
+from pipetransformer.data import build_data
+from pipetransformer.models import build_model
+from pipetransformer.trainer import optim
+from pipetransformer.utils.units import prefix_end
+from workers import elastic_run, handoff_snapshots
+
+pytestmark = pytest.mark.distributed
+
+
+def elastic_config(**changes):
+    data = {
+        "trainer": {"epochs": 3, "seed": 0, "global_batch_size": 32, "nproc_per_node": 4, "progress_bar": False},
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "lr_schedule": "cosine", "warmup_steps": 2},
+        "pipeline": {"initial_pipe_len": 4, "num_micro_batches": 2},
+        "freeze": {"strategy": "manual", "manual_schedule": [3, 5]},
+        "autopipe": {"lambda_frozen": 0.02},
+        "model": {"name": "vit_tiny_patch16_224", "kwargs": {"patch_size": 4, "embed_dim": 32, "depth": 6, "num_heads": 2, "mlp_ratio": 2.0}},
+        "data": {"name": "digits", "image_size": 8, "train_subset": 200, "eval_subset": 64},
+    }
+    for key, value in changes.items():
+        section, name = key.split("__")
+        data[section][name] = value
+    return data
+
+
+def reference_run(config):
+    """Single process, whole model, same batches, same freeze points."""
+    data = build_data(config.data, seed=config.trainer.seed)
+    torch.manual_seed(config.trainer.seed)
+    model = build_model(config.model, task="classification", num_classes=10, in_chans=1, image_size=8)
+    named = {f"units.{i}.{n}": p for i, u in enumerate(model.units) for n, p in u.named_parameters()}
+    optimizer = optim.build_optimizer(config.optimizer, named)
+    sampler = TrainSampler(len(data.train), 1, config.trainer.global_batch_size, config.trainer.seed)
+    total = config.trainer.epochs * sampler.steps_per_epoch
+    losses, step = [], 0
+    for epoch in range(config.trainer.epochs):
+        for s in range(sampler.steps_per_epoch):
+            batch = sampler.node_batch(0, epoch, s)
+            (images,), labels = data.train.fetch(batch.ids)
+            valid = torch.tensor(batch.valid)
+            per_sample = torch.nn.functional.cross_entropy(model(images), labels, reduction="none")
+            loss = (per_sample * valid).sum() / valid.sum()
+            optim.set_learning_rate(optimizer, optim.learning_rate(config.optimizer, step, total))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+            step += 1
+        if epoch + 1 < config.trainer.epochs:
+            frozen = config.freeze.manual_schedule[min(epoch, len(config.freeze.manual_schedule) - 1)]
+            for unit in list(model.units)[: prefix_end(frozen)]:
+                unit.requires_grad_(False)
+                unit.eval()
+    return losses, model.state_dict(), sampler
+
+
+def test_elastic_run_matches_single_process(tmp_path):
+    config_dict = elastic_config()
+    config = config_from_dict(config_dict)
+    ref_losses, ref_state, sampler = reference_run(config)
+
+    results = run_workers(elastic_run, 4, config_dict, str(tmp_path))
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["pipe_len"], m["dp_degree"]) for m in metrics] == [(4, 1), (2, 2), (1, 4)]
+    assert [m["num_frozen_layers"] for m in metrics] == [0, 3, 5]
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert len(events) == 2 and all(e["units_moved"] > 0 for e in events)
+
+    # Per step: the replicas' loss sums add up to the global batch's mean loss.
+    per_step: dict[int, float] = {}
+    for r in results:
+        for step, replica_sum in r["step_losses"]:
+            per_step[step] = per_step.get(step, 0.0) + replica_sum
+    steps_per_epoch = sampler.steps_per_epoch
+    got = [per_step[s] / sampler.global_num_valid(s // steps_per_epoch, s % steps_per_epoch) for s in sorted(per_step)]
+    assert len(got) == len(ref_losses)
+    for step, (a, b) in enumerate(zip(got, ref_losses)):
+        assert a == pytest.approx(b, abs=1e-5), f"step {step}"
+
+    state, _ = results[0]["state"]
+    assert set(state) == set(ref_state)
+    for name, value in ref_state.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    # The frozen layers really stopped changing: they equal the reference, which froze them.
+    assert results[0]["summary"]["final_num_frozen_layers"] == 5
+
+
+def test_state_handoff_is_bit_exact(tmp_path):
+    """Weights, Adam moments and step counts arrive unchanged wherever they move."""
+    config_dict = elastic_config(
+        trainer__epochs=1, optimizer__name="adamw", optimizer__weight_decay=0.01, freeze__strategy="none",
+        freeze__manual_schedule=[],
+    )
+    results = run_workers(handoff_snapshots, 4, config_dict, str(tmp_path), [3, 5])
+    for phase in range(1, 3):
+        before = [r[phase - 1] for r in results]
+        after = [r[phase] for r in results]
+        new_layout = after[0][0]
+        frozen_units = new_layout.plan.frozen_end
+        checked_moves = 0
+        for rank, (_, state) in enumerate(after):
+            assert {int(n.split(".")[0][1:]) for n in state} == set(new_layout.units_of_rank(rank))
+            for name, (param, opt_state) in state.items():
+                holders = [b[1][name] for b in before if name in b[1]]
+                assert holders, f"{name} appeared from nowhere on rank {rank}"
+                for old_param, old_state in holders:
+                    assert torch.equal(param, old_param), name
+                    unit = int(name.split(".")[0][1:])
+                    if unit >= frozen_units:  # still trained: the optimizer state came along
+                        assert opt_state.keys() == old_state.keys() and opt_state, name
+                        for key in opt_state:
+                            assert torch.equal(torch.as_tensor(opt_state[key]), torch.as_tensor(old_state[key])), f"{name}/{key}"
+                    else:
+                        assert not opt_state and not param.requires_grad
+                if name not in before[rank][1]:
+                    checked_moves += 1
+        assert checked_moves > 0  # some state really moved between ranks
+
+
+def reference_grad_norms(config, epochs_before_decision=1):
+    """Per-layer RMS gradient norm over the first epoch, single process."""
+    import math
+
+    from pipetransformer.utils.units import layer_of_unit
+
+    data = build_data(config.data, seed=config.trainer.seed)
+    torch.manual_seed(config.trainer.seed)
+    model = build_model(config.model, task="classification", num_classes=10, in_chans=1, image_size=8)
+    named = {f"units.{i}.{n}": p for i, u in enumerate(model.units) for n, p in u.named_parameters()}
+    optimizer = optim.build_optimizer(config.optimizer, named)
+    sampler = TrainSampler(len(data.train), 1, config.trainer.global_batch_size, config.trainer.seed)
+    total = config.trainer.epochs * sampler.steps_per_epoch
+    sums = [0.0] * model.spec.num_layers
+    for s in range(sampler.steps_per_epoch):
+        batch = sampler.node_batch(0, 0, s)
+        (images,), labels = data.train.fetch(batch.ids)
+        valid = torch.tensor(batch.valid)
+        loss = (torch.nn.functional.cross_entropy(model(images), labels, reduction="none") * valid).sum() / valid.sum()
+        optim.set_learning_rate(optimizer, optim.learning_rate(config.optimizer, s, total))
+        loss.backward()
+        for i, unit in enumerate(model.units):
+            layer = layer_of_unit(i, model.spec.num_layers)
+            if layer is not None:
+                sums[layer] += sum(float(p.grad.double().pow(2).sum()) for p in unit.parameters())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return [math.sqrt(v / sampler.steps_per_epoch) for v in sums]
+
+
+def test_gradient_norm_decisions_are_reduced_and_identical_on_all_ranks(tmp_path):
+    config_dict = elastic_config(
+        trainer__epochs=2, pipeline__initial_pipe_len=2, freeze__strategy="gradient_norm", freeze__alpha=0.5,
+        freeze__manual_schedule=[],
+    )
+    config = config_from_dict(config_dict)
+    expected_norms = reference_grad_norms(config)
+    results = run_workers(elastic_run, 4, config_dict, str(tmp_path))  # 2 replicas x 2 stages
+    decisions = [[(t["new_num_frozen_layers"], t["layer_grad_norms"]) for t in r["transitions"]] for r in results]
+    assert all(d == decisions[0] for d in decisions), "every rank decides the same"
+    assert len(decisions[0]) == 1
+    frozen, norms = decisions[0][0]
+    assert norms == pytest.approx(expected_norms, rel=1e-4)
+    from pipetransformer.freeze import gradient_norm_decision
+
+    assert frozen == gradient_norm_decision(0, expected_norms, 0.5, 5) > 0
