@@ -72,17 +72,28 @@ def reference_run(config):
     return losses, model.state_dict(), sampler
 
 
-def test_elastic_run_matches_single_process(tmp_path):
-    config_dict = elastic_config()
+@pytest.mark.parametrize(
+    "autopipe, autodp, layouts",
+    [
+        (True, True, [(4, 1), (2, 2), (1, 4)]),  # the full system
+        (False, True, [(4, 1), (4, 1), (4, 1)]),  # freeze only: frozen units stay in their stages
+        (True, False, [(4, 1), (2, 1), (1, 1)]),  # no AutoDP: freed ranks idle
+    ],
+    ids=["full", "freeze_only", "no_autodp"],
+)
+def test_elastic_run_matches_single_process(tmp_path, autopipe, autodp, layouts):
+    config_dict = elastic_config(autopipe__enabled=autopipe)
+    config_dict["autodp"] = {"enabled": autodp}
     config = config_from_dict(config_dict)
     ref_losses, ref_state, sampler = reference_run(config)
 
     results = run_workers(elastic_run, 4, config_dict, str(tmp_path))
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [(m["pipe_len"], m["dp_degree"]) for m in metrics] == [(4, 1), (2, 2), (1, 4)]
+    assert [(m["pipe_len"], m["dp_degree"]) for m in metrics] == layouts
     assert [m["num_frozen_layers"] for m in metrics] == [0, 3, 5]
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
-    assert len(events) == 2 and all(e["units_moved"] > 0 for e in events)
+    assert len(events) == 2
+    assert all(e["units_moved"] > 0 for e in events) == autopipe
 
     # Per step: the replicas' loss sums add up to the global batch's mean loss.
     per_step: dict[int, float] = {}

@@ -128,15 +128,22 @@ class Trainer:
         return named
 
     def _install_layout(self, layout: Layout, optimizer_states: dict[str, dict]) -> None:
-        """Freeze what the layout says is frozen, build groups, optimizer and the stage runtime."""
+        self.layout = layout
+        self._build_groups()
+        self._build_runtime(optimizer_states)
+
+    def _build_groups(self) -> None:
+        self.groups = build_training_groups(self.layout, self.world.rank, self.config.trainer.timeout_s)
+
+    def _build_runtime(self, optimizer_states: dict[str, dict]) -> None:
+        """Freeze what the layout says is frozen; build the optimizer and the stage runtime."""
+        layout = self.layout
         frozen_end = layout.plan.frozen_end
         for index, unit in self.units.items():
             if index < frozen_end:
                 unit.requires_grad_(False)
                 for p in unit.parameters():
                     p.grad = None
-        self.layout = layout
-        self.groups = build_training_groups(layout, self.world.rank, self.config.trainer.timeout_s)
         named = self._named_params()
         self.optimizer = optim.build_optimizer(self.config.optimizer, named)
         optim.load_states_by_name(self.optimizer, named, optimizer_states)
@@ -361,11 +368,13 @@ class Trainer:
         self.runtime = None
         self.optimizer = None
         self.groups.destroy()
-        times["groups_destroy_s"] = time.perf_counter() - t
+        self.layout = new
+        self._build_groups()
+        times["groups_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        self._install_layout(new, states)
-        times["rebuild_s"] = time.perf_counter() - t
+        self._build_runtime(states)
         dist.barrier(group=self.control)
+        times["rebuild_s"] = time.perf_counter() - t
 
         record = {
             "epoch": epoch,
