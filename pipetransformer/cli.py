@@ -117,7 +117,13 @@ def main(argv: list[str] | None = None) -> None:
     from pipetransformer.utils.logging import setup_logging
 
     setup_logging(rank="-")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may come before or after options (`train CONFIG --nproc 2 a.b=1`).
+    args, extra = parser.parse_known_args(argv)
+    unknown = [e for e in extra if e.startswith("-") or "=" not in e]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = [*args.overrides, *extra]
     try:
         code = args.func(args)
     except ConfigError as exc:
@@ -126,4 +132,6 @@ def main(argv: list[str] | None = None) -> None:
     except (FileNotFoundError, ValueError) as exc:
         print(f"pipetransformer: error: {exc}", file=sys.stderr)
         code = 2
+    except BrokenPipeError:  # e.g. `pipetransformer plan ... | head`
+        code = 0
     sys.exit(code)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def launch_local(nproc: int, fn: Callable[..., Any], args: tuple = ()) -> None:
                 join=True,
                 start_method="spawn",
             )
-        except mp.ProcessException as exc:
+        except ProcessException as exc:
             messages = []
             for name in sorted(os.listdir(error_dir)):
                 with open(os.path.join(error_dir, name)) as f:

@@ -28,7 +28,7 @@ from pipetransformer.autodp.groups import (
 from pipetransformer.autodp.handoff import execute_transfers, plan_transfers
 from pipetransformer.autodp.sampler import EvalSampler, TrainSampler
 from pipetransformer.autodp.topology import Layout
-from pipetransformer.config import Config, dump_config
+from pipetransformer.config import Config, check_config, dump_config
 from pipetransformer.data import build_data, iterate_batches
 from pipetransformer.freeze import FreezeDecider, check_freeze_config
 from pipetransformer.models import build_model, unit_param_names
@@ -60,6 +60,8 @@ class Trainer:
         self.transitions: list[dict[str, Any]] = []
         # (global_step, this replica's sum of per-sample losses) on last-stage ranks.
         self.step_losses: list[tuple[int, float]] = []
+        self._loader = None
+        self._loader_position: tuple[int, int] | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -67,6 +69,15 @@ class Trainer:
         cfg = self.config
         self.world = world = init_distributed(cfg.trainer.device, cfg.trainer.timeout_s)
         self.control = create_control_group(cfg.trainer.timeout_s)
+        if cfg.nproc_per_node != world.devices_per_node:
+            # Under torchrun the launcher decides how many devices a node has.
+            logger.info("using %d processes per node from the launcher", world.devices_per_node)
+            cfg.trainer.nproc_per_node = world.devices_per_node
+        check_config(cfg, world_size=world.world_size)
+        # Every node must write to the same run directory: rank 0's choice wins.
+        chosen = [str(self.run_dir)]
+        dist.broadcast_object_list(chosen, src=0, group=self.control)
+        self.run_dir = Path(chosen[0])
         self.reporter = Reporter(
             self.run_dir, world.rank == 0, cfg.trainer.progress_bar, cfg.logging.tensorboard
         )
@@ -265,7 +276,7 @@ class Trainer:
         batch = self.sampler.replica_batch(node, local_replica, layout.replicas_per_node, epoch, step)
         inputs = target = None
         if role.is_first:
-            inputs = [t.to(world.device) for t in self.data.train.fetch(batch.ids)[0]]
+            inputs = [t.to(world.device, non_blocking=True) for t in self._next_inputs(epoch, step)]
         if role.is_last:
             weights = loss_weights(batch.valid, layout.dp_degree, self.sampler.global_num_valid(epoch, step))
             target = self.task.make_target(self.data.train.targets(batch.ids), weights).to(world.device)
@@ -286,6 +297,25 @@ class Trainer:
         replica_loss = torch.stack([l.detach().double().cpu() for l in losses]).sum() * scale
         self.step_losses.append((self.global_step, float(replica_loss)))
         return replica_loss
+
+    def _next_inputs(self, epoch: int, step: int) -> tuple[torch.Tensor, ...]:
+        """This replica's inputs for `step`, loaded ahead by `data.num_workers` workers.
+
+        The rest of the epoch's batches are known in advance for the current layout; a
+        transition changes the split, so the loader restarts at the step after it.
+        """
+        if self._loader is None or self._loader_position != (epoch, step):
+            layout = self.layout
+            role = layout.role(self.world.rank)
+            node, local_replica = divmod(role.replica, layout.replicas_per_node)
+            id_batches = [
+                self.sampler.replica_batch(node, local_replica, layout.replicas_per_node, epoch, s).ids
+                for s in range(step, self.sampler.steps_per_epoch)
+            ]
+            self._loader = iterate_batches(self.data.train, id_batches, self.config.data.num_workers)
+        inputs, _ = next(self._loader)
+        self._loader_position = (epoch, step + 1)
+        return inputs
 
     def _clip_gradients(self, max_norm: float) -> None:
         params = [p for p in self.runtime.trainable_parameters() if p.grad is not None]
@@ -365,6 +395,7 @@ class Trainer:
         times["state_move_s"] = time.perf_counter() - t
 
         t = time.perf_counter()
+        self._loader = None  # the data split changes with the layout
         self.runtime = None
         self.optimizer = None
         self.groups.destroy()

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Train across nodes through torchrun; run the same command on every node.
+#   launch/run_multi_node.sh CONFIG [key.sub=value ...] [--run-dir DIR]
+# From the environment (cluster schedulers set these): NNODES, NODE_RANK, MASTER_ADDR,
+# MASTER_PORT (default 29500), NPROC_PER_NODE (default: visible GPUs).
+# Pipelines never span nodes; the run directory should be on a shared file system.
+# DRY_RUN=1 prints the command instead of running it.
+set -euo pipefail
+if [ $# -lt 1 ]; then
+  echo "usage: $0 CONFIG [key.sub=value ...]" >&2
+  exit 2
+fi
+: "${NNODES:?set NNODES (number of nodes)}"
+: "${NODE_RANK:?set NODE_RANK (this node's index, 0..NNODES-1)}"
+: "${MASTER_ADDR:?set MASTER_ADDR (host name or address of node 0)}"
+MASTER_PORT=${MASTER_PORT:-29500}
+if [ -z "${NPROC_PER_NODE:-}" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    NPROC_PER_NODE=$(nvidia-smi -L | wc -l)
+  else
+    echo "set NPROC_PER_NODE (no GPUs visible)" >&2
+    exit 2
+  fi
+fi
+cmd=(torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE"
+     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
+     -m pipetransformer train "$@")
+if [ "${DRY_RUN:-0}" = "1" ]; then
+  printf '%q ' "${cmd[@]}"; echo
+else
+  exec "${cmd[@]}"
+fi

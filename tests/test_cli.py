@@ -1,0 +1,90 @@
+"""The command line: errors before any process starts, the plan dry run, a real short run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+
+
+def cli(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "pipetransformer", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+def test_config_errors_stop_before_any_worker_starts():
+    result = cli("train", QUICKSTART, "freeze.alpha=2")
+    assert result.returncode == 2
+    assert "freeze.alpha" in result.stderr and "training on" not in result.stderr
+    result = cli("train", QUICKSTART, "trainer.epochz=2")
+    assert result.returncode == 2 and "trainer.epochz" in result.stderr and "did you mean 'trainer.epochs'" in result.stderr
+    result = cli("train", QUICKSTART, "model.kwargs.depthh=3")
+    assert result.returncode == 2 and "model.kwargs" in result.stderr
+    result = cli("train", QUICKSTART, "data.name=sst2", "model.name=bert", "data.root=/nonexistent/sst2")
+    assert result.returncode == 2 and "/nonexistent/sst2" in result.stderr
+
+
+def test_plan_json_for_the_quickstart():
+    result = cli("plan", QUICKSTART, "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [r["num_frozen_layers"] for r in rows] == list(range(8))
+    for row in rows:
+        assert {"num_frozen_layers", "pipe_len", "dp_degree", "stage_costs"} <= set(row)
+        assert row["pipe_len"] * row["dp_degree"] == 2
+    assert rows[0]["pipe_len"] == 2 and rows[-1]["pipe_len"] == 1  # compresses as layers freeze
+
+
+def test_plan_for_a_large_model_needs_no_download():
+    result = cli(
+        "plan", QUICKSTART, "model.name=vit_base_patch16_224", "model.kwargs={}", "data.image_size=224",
+        "pipeline.initial_pipe_len=8", "trainer.nproc_per_node=8", "trainer.global_batch_size=384",
+        "pipeline.num_micro_batches=8", "freeze.strategy=gradient_norm",
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "12 layers" in lines[0] and len(lines) == 2 + 12
+    pipe_lens = [int(line.split()[1]) for line in lines[2:]]
+    assert pipe_lens[0] == 8 and all(b <= a for a, b in zip(pipe_lens, pipe_lens[1:]))
+
+
+@pytest.mark.slow
+def test_short_training_run_writes_its_outputs(tmp_path):
+    run_dir = tmp_path / "run"
+    result = cli(
+        "train", QUICKSTART, "trainer.epochs=2", "data.train_subset=256", "data.eval_subset=64",
+        "freeze.strategy=manual", "freeze.manual_schedule=[5]", "trainer.save_model=true", "--run-dir", str(run_dir),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in metrics] == [1, 2]
+    for key in ("epoch", "train_loss", "eval_metric", "samples_per_s", "epoch_time_s", "num_frozen_layers",
+                "pipe_len", "dp_degree", "num_micro_batches"):
+        assert all(key in m for m in metrics), key
+    assert 0.0 <= metrics[-1]["eval_metric"] <= 1.0
+    assert (metrics[0]["pipe_len"], metrics[1]["pipe_len"], metrics[1]["dp_degree"]) == (2, 1, 2)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert {"wall_time_s", "final_eval_metric", "best_eval_metric"} <= set(summary)
+    assert summary["final_eval_metric"] == metrics[-1]["eval_metric"]
+    resolved = (run_dir / "config.yaml").read_text()
+    assert "epochs: 2" in resolved and "train_subset: 256" in resolved
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert len(events) == 1 and events[0]["new_pipe_len"] == 1
+    import torch
+
+    state = torch.load(run_dir / "model.pt")
+    assert any(k.startswith("units.17.") for k in state)  # the head, gathered from its rank
+    assert "[rank0]" in result.stderr and "[rank1]" in result.stderr
+
+
+def test_a_failing_worker_is_reported_once_with_its_cause(tmp_path):
+    bad = tmp_path / "broken.pth"
+    bad.write_bytes(b"not a checkpoint")
+    result = cli("train", QUICKSTART, f"model.checkpoint_path={bad}", "trainer.epochs=1", "--run-dir", str(tmp_path / "r"))
+    assert result.returncode == 1
+    assert "a worker process failed" in result.stderr and "rank0" in result.stderr

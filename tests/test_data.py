@@ -1,0 +1,109 @@
+"""Data modules: sample ids, shapes, subsets, and errors that name the bad path."""
+
+import pytest
+import torch
+
+from pipetransformer.config import ConfigError, DataConfig
+from pipetransformer.data import build_data
+from pipetransformer.data.checks import check_data_config, data_facts
+from pipetransformer.data.text import WordVocabTokenizer, read_sst2_tsv
+
+
+def test_digits_split_shapes_and_ids():
+    bundle = build_data(DataConfig(name="digits", image_size=16), seed=0)
+    assert (len(bundle.train), len(bundle.eval)) == (1437, 360)
+    sample_id, (image,), label = bundle.train[5]
+    assert sample_id == 5 and image.shape == (1, 16, 16) and 0 <= int(label) < 10
+    (images,), labels = bundle.train.fetch([5, 6])
+    assert torch.equal(images[0], image) and images.shape == (2, 1, 16, 16)
+    assert torch.equal(bundle.train.targets([5, 6]), labels)
+    assert bundle.num_classes == 10 and bundle.in_chans == 1
+    # The split is fixed: independent of the run's seed.
+    other = build_data(DataConfig(name="digits", image_size=16), seed=3)
+    assert torch.equal(other.eval.fetch([0])[0][0], bundle.eval.fetch([0])[0][0])
+
+
+def test_subsets_are_seeded_and_renumbered():
+    a = build_data(DataConfig(name="digits", image_size=8, train_subset=100, eval_subset=50), seed=1)
+    b = build_data(DataConfig(name="digits", image_size=8, train_subset=100, eval_subset=50), seed=1)
+    c = build_data(DataConfig(name="digits", image_size=8, train_subset=100), seed=2)
+    assert len(a.train) == 100 and len(a.eval) == 50
+    assert torch.equal(a.train.fetch(range(100))[0][0], b.train.fetch(range(100))[0][0])
+    assert not torch.equal(a.train.fetch(range(100))[0][0], c.train.fetch(range(100))[0][0])
+
+
+def test_sst2_local_tsv(shared_data):
+    config = DataConfig(name="sst2", root=str(shared_data / "sst2"), max_seq_length=32, train_subset=300)
+    bundle = build_data(config, seed=0)
+    assert len(bundle.train) == 300 and len(bundle.eval) == 872
+    sample_id, (ids, types, mask), label = bundle.eval[0]
+    assert ids.shape == types.shape == mask.shape == (32,)
+    assert ids[0] == 2 and int(label) in (0, 1)  # [CLS] first
+    assert mask.sum() == (ids != 0).sum()
+    assert bundle.vocab_size > 100 and bundle.task == "classification"
+
+
+def test_sst2_full_sizes(shared_data):
+    sentences, labels = read_sst2_tsv(shared_data / "sst2" / "train.tsv")
+    assert len(sentences) == 67349 and set(labels) == {0, 1}
+
+
+def test_word_tokenizer_is_deterministic_and_truncates():
+    tok = WordVocabTokenizer(["a good movie .", "a bad movie !", "good good"])
+    assert tok.vocab["good"] == 5  # most frequent word first after the specials
+    ids, types, mask = tok.encode_pairs(["good movie", "unseen words here and more"], None, 5)
+    assert ids[0].tolist() == [2, 5, tok.vocab["movie"], 3, 0]
+    assert ids[1].tolist() == [2, 1, 1, 1, 3]  # unknown words, truncated, [SEP] kept
+    assert mask[0].tolist() == [1, 1, 1, 1, 0]
+
+
+def test_malformed_and_missing_files_name_the_path(tmp_path):
+    (tmp_path / "train.tsv").write_text("sentence\tlabel\ngood\t1\nbad line without label\n")
+    (tmp_path / "dev.tsv").write_text("sentence\tlabel\nfine\t0\n")
+    with pytest.raises(ValueError, match=r"train.tsv:3"):
+        build_data(DataConfig(name="sst2", root=str(tmp_path)), seed=0)
+    (tmp_path / "train.tsv").write_text("text,label\ngood,1\n")
+    with pytest.raises(ValueError, match="train.tsv"):
+        build_data(DataConfig(name="sst2", root=str(tmp_path)), seed=0)
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        build_data(DataConfig(name="sst2", root=str(tmp_path / "nowhere")), seed=0)
+    with pytest.raises(ConfigError, match="data.root"):
+        check_data_config(DataConfig(name="sst2", root=str(tmp_path / "nowhere")))
+
+
+def make_imagefolder(root, classes=("cat", "dog"), per_class=3):
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for i, name in enumerate(classes):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for j in range(per_class):
+                Image.new("RGB", (20, 24), color=(40 * i, 10 * j, 200)).save(folder / f"{j}.png")
+
+
+def test_imagefolder(tmp_path):
+    make_imagefolder(tmp_path)
+    bundle = build_data(DataConfig(name="imagefolder", root=str(tmp_path), image_size=16), seed=0)
+    assert len(bundle.train) == 6 and bundle.num_classes == 2
+    (images,), labels = bundle.train.fetch([0, 5])
+    assert images.shape == (2, 3, 16, 16) and labels.tolist() == [0, 1]
+    assert not bundle.train.random_inputs
+    augmented = build_data(DataConfig(name="imagefolder", root=str(tmp_path), image_size=16, augment=True), seed=0)
+    assert augmented.train.random_inputs and not augmented.eval.random_inputs
+    assert data_facts(DataConfig(name="imagefolder", root=str(tmp_path))).num_classes == 2
+
+
+def test_imagefolder_missing_split_names_the_path(tmp_path):
+    (tmp_path / "train" / "a").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="val"):
+        build_data(DataConfig(name="imagefolder", root=str(tmp_path)), seed=0)
+    with pytest.raises(ConfigError, match="val"):
+        check_data_config(DataConfig(name="imagefolder", root=str(tmp_path)))
+
+
+def test_cifar_without_files_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="data.root"):
+        build_data(DataConfig(name="cifar100", root=str(tmp_path)), seed=0)
+    with pytest.raises(ConfigError, match="data.root"):
+        check_data_config(DataConfig(name="cifar10", root=str(tmp_path / "absent")))
