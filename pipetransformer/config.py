@@ -211,7 +211,8 @@ class DataConfig:
     # Side length images are resized to; None: the dataset's default (16 for digits).
     image_size: int | None = None
     max_seq_length: int = 128
-    doc_stride: int = 128
+    # SQuAD: tokens of overlap between windows of a long context; None: max_seq_length // 4.
+    doc_stride: int | None = None
     # Tokenizer (hub id or directory); None: the model's, or a word vocabulary built from
     # the training text when the model is random.
     tokenizer: str | None = None
@@ -222,6 +223,10 @@ class DataConfig:
     download: bool = False
     num_workers: int = 0
 
+    @property
+    def resolved_doc_stride(self) -> int:
+        return self.max_seq_length // 4 if self.doc_stride is None else self.doc_stride
+
     def __post_init__(self) -> None:
         for key in ("train_subset", "eval_subset", "image_size"):
             value = getattr(self, key)
@@ -229,6 +234,8 @@ class DataConfig:
                 _fail(f"data.{key}", f"must be >= 1 or null, got {value}")
         if self.max_seq_length < 8:
             _fail("data.max_seq_length", "must be >= 8")
+        if self.doc_stride is not None and self.doc_stride < 0:
+            _fail("data.doc_stride", "must be >= 0 or null")
         if self.num_workers < 0:
             _fail("data.num_workers", "must be >= 0")
 

@@ -39,6 +39,13 @@ def data_facts(config: DataConfig) -> DataFacts:
 
 def check_data_config(config: DataConfig) -> None:
     """Raise ConfigError naming `data.root` when a local dataset is missing."""
+    if config.name == "squad":
+        from pipetransformer.data.squad import check_window
+
+        try:
+            check_window(config.max_seq_length, config.resolved_doc_stride)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
     if config.root is None:
         if config.name in ("cifar10", "cifar100", "imagefolder"):
             raise ConfigError(f"data.root: '{config.name}' needs a directory")

@@ -59,6 +59,23 @@ class WordVocabTokenizer:
         attention_mask = (input_ids != self.pad_id).long()
         return input_ids, token_type_ids, attention_mask
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of one text, no special tokens, each with its (start, end) character
+        span in `text` (the offset mapping that question answering maps answers through).
+
+        Matches on the original text and lower-cases each word for lookup, so the offsets
+        index `text` itself; `_WORD` does not depend on case, so the words are those
+        `encode_pairs` sees (up to characters whose lower-case form changes length).
+        A (question, context) pair is assembled from two such encodings by the caller,
+        which also cuts long contexts into windows.
+        """
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        for match in _WORD.finditer(text):
+            ids.append(self.vocab.get(match.group().lower(), self.unk_id))
+            offsets.append(match.span())
+        return ids, offsets
+
 
 def encode(tokenizer, sentences: Sequence[str], max_length: int):
     if isinstance(tokenizer, WordVocabTokenizer):

@@ -92,6 +92,21 @@ class BertQuestionAnsweringHead(nn.Module):
         return self.qa_outputs(hidden)
 
 
+# Architectures of common hub checkpoints, so planning (`pipetransformer plan`, config
+# checks on the meta device) works offline. Training still downloads the real config and
+# weights through transformers.
+_BASE = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072}
+_LARGE = {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096}
+KNOWN_HUB_CONFIGS = {
+    "bert-base-uncased": {**_BASE, "vocab_size": 30522},
+    "bert-base-cased": {**_BASE, "vocab_size": 28996},
+    "bert-large-uncased": {**_LARGE, "vocab_size": 30522},
+    "bert-large-cased": {**_LARGE, "vocab_size": 28996},
+    "google-bert/bert-base-uncased": {**_BASE, "vocab_size": 30522},
+    "google-bert/bert-large-uncased": {**_LARGE, "vocab_size": 30522},
+}
+
+
 def _is_local(path: str) -> bool:
     return Path(path).expanduser().exists()
 
@@ -115,8 +130,11 @@ def create_bert(
             raise FileNotFoundError(
                 f"model.model_name_or_path: {model_name_or_path} has no config.json"
             )
-        config = BertConfig.from_pretrained(model_name_or_path, num_labels=labels, **kwargs)
-        if pretrained and device != "meta":
+        if str(device) == "meta" and model_name_or_path in KNOWN_HUB_CONFIGS:
+            config = BertConfig(num_labels=labels, **{**KNOWN_HUB_CONFIGS[model_name_or_path], **kwargs})
+        else:
+            config = BertConfig.from_pretrained(model_name_or_path, num_labels=labels, **kwargs)
+        if pretrained and str(device) != "meta":
             model = model_cls.from_pretrained(model_name_or_path, config=config)
             logger.info("loaded pretrained BERT weights from %s", model_name_or_path)
             return model

@@ -58,7 +58,8 @@ class Reporter:
         append_jsonl(self.run_dir / "metrics.jsonl", record)
         logger.info(
             "epoch %d: train_loss %.4f eval_metric %.4f, %.1f samples/s, frozen %d, pipe_len %d, dp_degree %d",
-            record["epoch"], record["train_loss"], record.get("eval_metric") or float("nan"),
+            record["epoch"], record["train_loss"],
+            float("nan") if record.get("eval_metric") is None else record["eval_metric"],
             record["samples_per_s"], record["num_frozen_layers"], record["pipe_len"], record["dp_degree"],
         )
         if self._tb is not None:

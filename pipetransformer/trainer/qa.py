@@ -1,0 +1,143 @@
+"""The question-answering task: span targets, the span loss and SQuAD evaluation.
+
+Targets travel to the last stage as (start, end, weight) per feature, the weight as in
+`tasks.py` (so the update is the mean over the global batch's real features). Evaluation
+cannot be reduced by sums: a question's answer is chosen over all of its features, which
+the eval sampler spreads over replicas. So every last-stage rank keeps its features'
+logits, rank 0 of the control group gathers them all, post-processes and scores the whole
+eval set, and broadcasts the scores.
+
+Owns: `QuestionAnsweringTask` and its accumulator.
+Must not: know about layouts or the pipeline; scoring itself is `data.squad_metric`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from pipetransformer.data.squad_metric import postprocess_predictions, squad_evaluate
+
+logger = logging.getLogger(__name__)
+
+EXTRAS_KEYS = ("feature_example_index", "feature_offsets", "examples")
+
+
+class QuestionAnsweringAccumulator:
+    """This rank's eval logits by feature id; `reduce` scores all ranks' together."""
+
+    def __init__(
+        self, eval_extras: dict[str, Any], n_best_size: int = 20, max_answer_length: int = 30
+    ) -> None:
+        missing = [key for key in EXTRAS_KEYS if eval_extras.get(key) is None]
+        if missing:
+            raise ValueError(
+                f"question answering evaluation needs eval_extras {missing} (from data.squad)"
+            )
+        self.extras = eval_extras
+        self.n_best_size = n_best_size
+        self.max_answer_length = max_answer_length
+        self.feature_ids: list[int] = []
+        # float32 on the CPU: half the bytes of the float64 an accumulator might default
+        # to, and exactly what scoring all features in one process would see.
+        self.logits: list[np.ndarray] = []
+
+    def add(
+        self,
+        logits: torch.Tensor,
+        ids: Sequence[int],
+        valid: Sequence[bool],
+        targets: torch.Tensor | None = None,
+    ) -> None:
+        """Keep the (seq, 2) logits of the valid features in this batch (targets unused)."""
+        keep = [row for row, is_valid in enumerate(valid) if is_valid]
+        if not keep:
+            return
+        rows = torch.tensor(keep, dtype=torch.long, device=logits.device)
+        self.logits.append(logits.detach()[rows].float().cpu().numpy())
+        self.feature_ids.extend(int(ids[row]) for row in keep)
+
+    def reduce(self, group: dist.ProcessGroup | None) -> dict[str, float]:
+        """Collective over `group`: every rank calls it and gets the same scores."""
+        mine = (
+            np.asarray(self.feature_ids, dtype=np.int64),
+            np.concatenate(self.logits) if self.logits else None,
+        )
+        is_root = dist.get_rank(group) == 0
+        gathered: list[Any] | None = [None] * dist.get_world_size(group) if is_root else None
+        dist.gather_object(mine, gathered, group=group, group_dst=0)
+        result: list[Any] = [None]
+        if is_root:
+            try:
+                result[0] = self._score(gathered)
+            except Exception as exc:  # every rank must leave the broadcast, then raise
+                result[0] = RuntimeError(f"question answering evaluation failed: {exc}")
+        dist.broadcast_object_list(result, group=group, group_src=0)
+        if isinstance(result[0], Exception):
+            raise result[0]
+        return result[0]
+
+    def _score(self, gathered: list[tuple[np.ndarray, np.ndarray | None]]) -> dict[str, float]:
+        feature_ids = np.concatenate([ids for ids, _ in gathered])
+        parts = [logits for _, logits in gathered if logits is not None]
+        if feature_ids.size == 0:
+            raise RuntimeError("evaluation saw no samples")
+        logits = np.concatenate(parts)
+        # A feature seen twice (it should not be) counts once: unique keeps the first.
+        feature_ids, first = np.unique(feature_ids, return_index=True)
+        logits = logits[first]
+        example_index = np.asarray(self.extras["feature_example_index"])[feature_ids]
+        offsets = np.asarray(self.extras["feature_offsets"])[feature_ids]
+        total = len(self.extras["feature_example_index"])
+        if feature_ids.size != total:
+            logger.warning(
+                "scoring %d of %d eval features; questions left without any score 0",
+                feature_ids.size,
+                total,
+            )
+        examples = self.extras["examples"]
+        predictions = postprocess_predictions(
+            logits[..., 0],
+            logits[..., 1],
+            example_index,
+            offsets,
+            examples,
+            n_best_size=self.n_best_size,
+            max_answer_length=self.max_answer_length,
+        )
+        scores = squad_evaluate({e["id"]: e["answers"] for e in examples}, predictions)
+        return {
+            "eval_metric": scores["f1"],
+            "exact_match": scores["exact_match"],
+            "eval_samples": len(examples),
+        }
+
+
+class QuestionAnsweringTask:
+    name = "question_answering"
+    metric_name = "f1"
+
+    @staticmethod
+    def make_target(positions: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """(n, 2) start/end token positions + (n,) weights -> (n, 3) float."""
+        return torch.cat([positions.float(), weights.float().unsqueeze(1)], dim=1)
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Sum over features of weight * (start CE + end CE) / 2, as BertForQuestionAnswering
+        averages the two (its batch mean is the weight 1/batch)."""
+        logits = logits.float()
+        start, end, weights = target[:, 0].long(), target[:, 1].long(), target[:, 2].float()
+        start_loss = F.cross_entropy(logits[..., 0], start, reduction="none")
+        end_loss = F.cross_entropy(logits[..., 1], end, reduction="none")
+        return ((start_loss + end_loss) / 2 * weights).sum()
+
+    @staticmethod
+    def new_accumulator(eval_extras: dict[str, Any]) -> QuestionAnsweringAccumulator:
+        return QuestionAnsweringAccumulator(eval_extras)
