@@ -11,7 +11,7 @@ if [ $# -lt 1 ]; then
   exit 2
 fi
 : "${NNODES:?set NNODES (number of nodes)}"
-: "${NODE_RANK:?set NODE_RANK (this node's index, 0..NNODES-1)}"
+: "${NODE_RANK:?set NODE_RANK (index of this node, 0..NNODES-1)}"
 : "${MASTER_ADDR:?set MASTER_ADDR (host name or address of node 0)}"
 MASTER_PORT=${MASTER_PORT:-29500}
 if [ -z "${NPROC_PER_NODE:-}" ]; then

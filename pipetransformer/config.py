@@ -320,6 +320,12 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):
+            # PyYAML reads '3e-5' (no dot) as a string; accept what Python reads as a number.
+            try:
+                return float(value)
+            except ValueError:
+                pass
         _fail(key, f"expected a number, got {value!r}")
     if tp is str:
         if isinstance(value, str):

