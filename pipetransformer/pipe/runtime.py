@@ -14,6 +14,7 @@ with nothing to train is not wrapped in DDP.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -40,6 +41,34 @@ def _examples(specs, batch_size: int, device, grad_first: bool) -> tuple[torch.T
     return tuple(tensors)
 
 
+class CommTimer:
+    """A DDP communication hook that times each bucket's all-reduce (the paper's App. B
+    method): from the bucket being ready to its reduced gradients being back."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.buckets = 0
+
+    # No annotations: DDP inspects them, and postponed ones are strings it rejects.
+    def hook(self, group, bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        start = time.perf_counter()
+        future = allreduce_hook(group, bucket)
+
+        def record(fut: torch.futures.Future) -> torch.Tensor:
+            self.seconds += time.perf_counter() - start
+            self.buckets += 1
+            return fut.value()
+
+        return future.then(record)
+
+    def take(self) -> float:
+        """Seconds since the last call (and reset)."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
 @dataclass
 class StageRuntime:
     stage_index: int
@@ -51,6 +80,7 @@ class StageRuntime:
     preprocess: UnitSequence | None
     micro_batch_size: int
     num_micro_batches: int
+    comm_timer: CommTimer | None = None
 
     @property
     def is_first(self) -> bool:
@@ -137,6 +167,7 @@ def build_stage_runtime(
     output_args = _examples(spec.unit_output_specs(end - 1), micro, device, grad_first=frozen_end < end)
 
     wrapped: nn.Module = module
+    comm_timer = None
     trainable = any(p.requires_grad for p in module.parameters())
     if data_group is not None and trainable:
         wrapped = DistributedDataParallel(
@@ -146,6 +177,8 @@ def build_stage_runtime(
             forward_sync_buffers=False,
             init_sync=False,  # replicas already hold identical weights (handoff is bit-exact)
         )
+        comm_timer = CommTimer()
+        wrapped.register_comm_hook(data_group, comm_timer.hook)
     stage = PipelineStage(
         wrapped,
         stage_index,
@@ -158,4 +191,6 @@ def build_stage_runtime(
     schedule = SCHEDULES[schedule_name](
         stage, n_microbatches=num_micro_batches, loss_fn=loss_fn, scale_grads=False
     )
-    return StageRuntime(stage_index, plan.pipe_len, module, wrapped, stage, schedule, preprocess, micro, num_micro_batches)
+    return StageRuntime(
+        stage_index, plan.pipe_len, module, wrapped, stage, schedule, preprocess, micro, num_micro_batches, comm_timer
+    )

@@ -1,19 +1,51 @@
 """From config to layouts, without processes: shared by the trainer and `pipetransformer plan`.
 
 Owns: the model description on the meta device (no weights, no download), the planner
-built from a config, the layout for a frozen boundary, and the dry-run table.
+built from a config, the layout for a frozen boundary, the dry-run table, and the
+config-level names of measured profiles (where the file is, which signature a run's
+profile has, at which micro-batch size the unit costs are taken).
+Must not: measure anything (pipe/profiling.py does) or start processes.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import torch
+
 from pipetransformer.autodp.topology import Layout, dp_degree_for
-from pipetransformer.autopipe.planner import AutoPipePlanner, PipelinePlan, UnitCosts, fixed_plan
+from pipetransformer.autopipe.planner import (
+    AutoPipePlanner,
+    MemoryModel,
+    PipelinePlan,
+    UnitCosts,
+    fixed_plan,
+)
+from pipetransformer.autopipe.profiles import (
+    ProfileStore,
+    candidate_micro_batches,
+    choose_micro_batches,
+    micro_batch_key,
+    model_signature,
+    unit_costs_from_profile,
+    unit_profile_key,
+)
 from pipetransformer.config import Config, ConfigError
 from pipetransformer.data.checks import data_facts
 from pipetransformer.freeze import check_freeze_config
 from pipetransformer.models import ModelSpec, build_model
+
+logger = logging.getLogger(__name__)
+
+# Where `plan` (which has no run directory) looks for profiles when pipeline.profile_path is
+# unset: the profiles directory beside the default run directories (runs/<config>-<time>),
+# i.e. what RUN_DIR/../profiles resolves to for a run started with the default --run-dir.
+# Relative to the current directory, like those run directories.
+PLAN_PROFILE_PATH = Path("runs") / "profiles" / "profiles.json"
 
 
 def describe_model(config: Config, **overrides: Any) -> ModelSpec:
@@ -39,10 +71,146 @@ def describe_model(config: Config, **overrides: Any) -> ModelSpec:
     return spec
 
 
-def build_planner(config: Config, spec: ModelSpec, costs: UnitCosts | None = None) -> AutoPipePlanner:
+def build_planner(
+    config: Config, spec: ModelSpec, costs: UnitCosts | None = None, memory: MemoryModel | None = None
+) -> AutoPipePlanner:
+    """The run's planner: measured `costs` when given, else parameter counts and lambda_frozen."""
     if costs is None:
         costs = UnitCosts.from_param_counts(spec.unit_param_counts, config.autopipe.lambda_frozen)
-    return AutoPipePlanner(costs, config.pipeline.initial_pipe_len, config.autopipe.partition_method)
+    if costs.num_units != spec.num_units:
+        raise ValueError(f"{costs.num_units} unit costs for a model of {spec.num_units} units")
+    return AutoPipePlanner(costs, config.pipeline.initial_pipe_len, config.autopipe.partition_method, memory)
+
+
+# ----------------------------------------------------------------------------- profiles
+
+
+def profile_path_for(config: Config, run_dir: str | os.PathLike | None = None) -> Path:
+    """pipeline.profile_path; else RUN_DIR/../profiles/profiles.json; else (no run
+    directory, as for `plan`) runs/profiles/profiles.json under the current directory."""
+    if config.pipeline.profile_path is not None:
+        return Path(config.pipeline.profile_path).expanduser()
+    if run_dir is not None:
+        return Path(run_dir).parent / "profiles" / "profiles.json"
+    return PLAN_PROFILE_PATH
+
+
+def device_type_for(device: torch.device | str) -> str:
+    """The device part of profile signatures: 'cpu', or 'cuda:<GPU name>' so that profiles
+    of different GPU models are never mixed."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type
+
+
+def configured_device_type(config: Config) -> str:
+    """device_type_for the device a run of this config would use on this machine."""
+    use_cuda = config.trainer.device == "cuda" or (config.trainer.device == "auto" and torch.cuda.is_available())
+    if use_cuda and torch.cuda.is_available():
+        return device_type_for(torch.device("cuda", 0))
+    return "cuda" if use_cuda else "cpu"
+
+
+def model_signature_for(config: Config, spec: ModelSpec) -> str:
+    """Everything that changes the model's cost: constructor settings and the unit shapes.
+
+    Per-unit parameter counts and tensor shapes catch what the config alone does not say
+    (vocabulary, classes, image size); weights and checkpoint files do not change costs.
+    """
+    return model_signature(
+        config.model.name,
+        {
+            "family": spec.family,
+            "task": spec.task,
+            "model_name_or_path": config.model.model_name_or_path,
+            "kwargs": config.model.kwargs,
+            "unit_param_counts": list(spec.unit_param_counts),
+            "inputs": [list(s.shape) for s in spec.input_specs],
+            "activations": [list(s.shape) for s in spec.activation_specs],
+            "output": list(spec.output_spec.shape),
+        },
+    )
+
+
+def _input_shapes(spec: ModelSpec) -> list[tuple[int, ...]]:
+    return [s.shape for s in spec.input_specs]
+
+
+def _dtype_name(spec: ModelSpec) -> str:
+    return str(spec.activation_specs[0].dtype).removeprefix("torch.")
+
+
+def unit_profile_key_for(config: Config, spec: ModelSpec, device_type: str, micro_batch_size: int) -> str:
+    return unit_profile_key(
+        model_signature_for(config, spec), device_type, _dtype_name(spec), micro_batch_size, _input_shapes(spec)
+    )
+
+
+def micro_batch_key_for(
+    config: Config, spec: ModelSpec, device_type: str, pipe_len: int, replica_batch: int, num_frozen_layers: int
+) -> str:
+    return micro_batch_key(
+        model_signature_for(config, spec),
+        device_type,
+        pipe_len,
+        replica_batch,
+        _input_shapes(spec),
+        config.pipeline.schedule,
+        num_frozen_layers,
+        _dtype_name(spec),
+    )
+
+
+def profiling_micro_batch_size(config: Config, world_size: int | None = None) -> int:
+    """The micro-batch size unit costs are measured (and looked up) at: that of the initial
+    layout, with 'auto' resolved by the measurement-free rule (smallest divisor >= K),
+    because the measured choice of M itself needs the plan these costs produce."""
+    world = world_size or config.nproc_per_node
+    pipe_len = config.pipeline.initial_pipe_len
+    dp_degree = dp_degree_for(pipe_len, world, world // pipe_len, config.autodp.enabled)
+    replica_batch = config.trainer.global_batch_size // dp_degree
+    return replica_batch // choose_num_micro_batches(config.pipeline.num_micro_batches, pipe_len, replica_batch)
+
+
+def load_unit_costs(
+    config: Config,
+    spec: ModelSpec,
+    store_path: str | os.PathLike,
+    device_type: str,
+    micro_batch_size: int,
+) -> UnitCosts | None:
+    """Measured costs (source 'time') from the profile file, or None when it has none for
+    this model, device and micro-batch size. A corrupt file raises ProfileError."""
+    profile = ProfileStore(store_path).load().unit_profile(
+        unit_profile_key_for(config, spec, device_type, micro_batch_size)
+    )
+    if profile is None:
+        return None
+    if profile.num_units != spec.num_units:  # only a hash collision could get here
+        raise ValueError(f"{store_path}: unit profile has {profile.num_units} units, the model {spec.num_units}")
+    return unit_costs_from_profile(profile)
+
+
+def stored_micro_batch_chooser(
+    config: Config, spec: ModelSpec, store: ProfileStore, device_type: str, num_frozen_layers: int
+) -> Callable[[int, int], int]:
+    """A (pipe_len, replica_batch) -> M chooser for layout_for: a configured int as is;
+    'auto' picks the fastest stored timing among the candidates, and falls back to the
+    measurement-free rule for layouts never measured."""
+
+    def chooser(pipe_len: int, replica_batch: int) -> int:
+        setting = config.pipeline.num_micro_batches
+        if setting == "auto":
+            key = micro_batch_key_for(config, spec, device_type, pipe_len, replica_batch, num_frozen_layers)
+            timings = store.micro_batch_timings(key)
+            minimum = pipe_len if config.pipeline.schedule == "1f1b" else 1
+            candidates = candidate_micro_batches(pipe_len, replica_batch, minimum)
+            if any(m in timings for m in candidates):
+                return choose_micro_batches(timings, candidates)
+        return choose_num_micro_batches(setting, pipe_len, replica_batch)
+
+    return chooser
 
 
 def choose_num_micro_batches(setting: int | str, pipe_len: int, replica_batch: int) -> int:
@@ -90,16 +258,43 @@ def layout_for(
     return Layout(plan, world_size, devices_per_node, dp_degree)
 
 
-def plan_table(config: Config, world_size: int | None = None) -> list[dict[str, Any]]:
-    """For F = 0 .. L-1 in order (K only shrinks), the layout the run would use."""
+def plan_table(
+    config: Config,
+    world_size: int | None = None,
+    profile_path: str | os.PathLike | None = None,
+    device_type: str | None = None,
+) -> list[dict[str, Any]]:
+    """For F = 0 .. L-1 in order (K only shrinks), the layout the run would use.
+
+    With `pipeline.balance: time` and a unit profile for this model in the profile file
+    (`profile_path`, default `profile_path_for(config)`), stages are balanced on measured
+    seconds (rows say cost_source 'time'); with `num_micro_batches: auto`, stored timings
+    choose M. Otherwise parameter counts, as before.
+    """
     spec = describe_model(config)
-    planner = build_planner(config, spec)
     devices = config.nproc_per_node
     world = world_size or devices
+    path = Path(profile_path) if profile_path is not None else profile_path_for(config)
+    device_type = device_type or configured_device_type(config)
+    costs = None
+    store = ProfileStore(path)
+    if config.pipeline.balance == "time" or config.pipeline.num_micro_batches == "auto":
+        store.load()
+    if config.pipeline.balance == "time":
+        micro_batch_size = profiling_micro_batch_size(config, world)
+        costs = load_unit_costs(config, spec, path, device_type, micro_batch_size)
+        if costs is None:
+            logger.warning(
+                "pipeline.balance is 'time' but %s has no unit profile for this model on %s at "
+                "micro-batch %d: costs from parameter counts (a training run measures them)",
+                path, device_type, micro_batch_size,
+            )
+    planner = build_planner(config, spec, costs)
     rows = []
     pipe_len = config.pipeline.initial_pipe_len
     for frozen in range(spec.num_layers):
-        layout = layout_for(config, planner, frozen, pipe_len, world, devices)
+        chooser = stored_micro_batch_chooser(config, spec, store, device_type, frozen)
+        layout = layout_for(config, planner, frozen, pipe_len, world, devices, chooser)
         pipe_len = layout.pipe_len
         plan = layout.plan
         rows.append(
@@ -113,19 +308,25 @@ def plan_table(config: Config, world_size: int | None = None) -> list[dict[str, 
                 "stage_names": [
                     f"{spec.unit_names[a]}..{spec.unit_names[b - 1]}" for a, b in plan.stage_ranges
                 ],
-                "stage_costs": [round(c, 3) for c in plan.stage_costs],
-                "max_stage_cost": round(plan.max_stage_cost, 3),
+                "stage_costs": [_rounded(c, planner.costs.source) for c in plan.stage_costs],
+                "max_stage_cost": _rounded(plan.max_stage_cost, planner.costs.source),
                 "cost_source": planner.costs.source,
             }
         )
     return rows
 
 
+def _rounded(cost: float, source: str) -> float:
+    # Parameter counts are large numbers; measured seconds are small ones: keep 4 digits.
+    return round(cost, 3) if source == "params" else float(f"{cost:.4g}")
+
+
 def format_plan_table(config: Config, rows: list[dict[str, Any]]) -> str:
     unit = "params" if rows and rows[0]["cost_source"] == "params" else "s"
+    described = "params" if unit == "params" else "s (measured: forward+backward, frozen prefix forward only)"
     lines = [
         f"model {config.model.name}: {len(rows)} layers, initial pipe_len "
-        f"{config.pipeline.initial_pipe_len}, {config.nproc_per_node} devices per node; costs in {unit}",
+        f"{config.pipeline.initial_pipe_len}, {config.nproc_per_node} devices per node; costs in {described}",
         f"{'frozen':>6} {'K':>3} {'R':>3} {'M':>3}  {'max stage':>12}  stages",
     ]
     for row in rows:
@@ -138,3 +339,32 @@ def format_plan_table(config: Config, rows: list[dict[str, Any]]) -> str:
             f"{row['num_micro_batches']:>3}  {row['max_stage_cost']:>12,.6g}  {stages}"
         )
     return "\n".join(lines)
+
+
+def measure_model_costs(config: Config) -> dict[str, list[float]]:
+    """Per-unit seconds (trained: forward + backward; frozen: forward only) of the config's
+    model at the baseline layout's micro-batch size, measured in this process."""
+    from pipetransformer.pipe.profiling import measure_unit_costs
+
+    spec = describe_model(config)
+    facts = data_facts(config.data)
+    layout_batch = config.trainer.global_batch_size // (config.nproc_per_node // config.pipeline.initial_pipe_len)
+    micro = max(1, layout_batch // choose_num_micro_batches(
+        config.pipeline.num_micro_batches, config.pipeline.initial_pipe_len, layout_batch
+    ))
+    model = build_model(
+        config.model,
+        task=facts.task,
+        num_classes=facts.num_classes,
+        in_chans=facts.in_chans,
+        image_size=facts.image_size,
+        vocab_size=facts.vocab_size,
+        max_seq_length=facts.max_seq_length,
+    )
+    measured = measure_unit_costs(dict(enumerate(model.units)), spec, micro, "cpu")
+    units = range(spec.num_units)
+    return {
+        "trained": [measured[u].forward_s + measured[u].backward_s for u in units],
+        "frozen": [measured[u].frozen_forward_s for u in units],
+        "micro_batch_size": micro,
+    }

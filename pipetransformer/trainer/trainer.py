@@ -62,6 +62,7 @@ class Trainer:
         self.step_losses: list[tuple[int, float]] = []
         self._loader = None
         self._loader_position: tuple[int, int] | None = None
+        self._comm_s = 0.0  # DDP all-reduce seconds on this rank since the epoch began
 
     # ------------------------------------------------------------------ setup
 
@@ -185,6 +186,7 @@ class Trainer:
             epoch_start = time.perf_counter()
             train_loss, transition_s = self._train_epoch(epoch)
             epoch_time = time.perf_counter() - epoch_start
+            comm_s = self._mean_comm_seconds()
             eval_metrics: dict[str, float] = {}
             eval_time = 0.0
             if (epoch + 1) % cfg.trainer.eval_interval_epochs == 0 or epoch + 1 == cfg.trainer.epochs:
@@ -205,6 +207,8 @@ class Trainer:
                     "epoch_time_s": epoch_time,
                     "eval_time_s": eval_time,
                     "transition_time_s": transition_s,
+                    "ddp_comm_s": comm_s,
+                    "ddp_comm_share": comm_s / epoch_time,
                     "num_frozen_layers": plan.num_frozen_layers,
                     "pipe_len": plan.pipe_len,
                     "dp_degree": self.layout.dp_degree,
@@ -260,6 +264,14 @@ class Trainer:
         self.reporter.end_epoch()
         return self._all_sum(loss_sum) / len(self.data.train), transition_s
 
+    def _mean_comm_seconds(self) -> float:
+        """DDP all-reduce seconds this epoch, averaged over the ranks that ran DDP (collective)."""
+        ran_ddp = 1.0 if self._comm_s > 0 else 0.0
+        totals = torch.tensor([self._comm_s, ran_ddp], dtype=torch.float64)
+        dist.all_reduce(totals, group=self.control)
+        self._comm_s = 0.0
+        return float(totals[0] / totals[1]) if totals[1] > 0 else 0.0
+
     def _all_sum(self, value: torch.Tensor) -> float:
         """Sum over all ranks (control group; collective)."""
         total = value.detach().to(torch.float64).cpu().clone().reshape(1)
@@ -282,6 +294,8 @@ class Trainer:
             target = self.task.make_target(self.data.train.targets(batch.ids), weights).to(world.device)
         optim.set_learning_rate(self.optimizer, optim.learning_rate(self.config.optimizer, self.global_step, self.total_steps))
         losses = self.runtime.train_step(inputs, target)
+        if self.runtime.comm_timer is not None:
+            self._comm_s += self.runtime.comm_timer.take()
         if self.config.optimizer.max_grad_norm is not None:
             self._clip_gradients(self.config.optimizer.max_grad_norm)
         if self.decider.needs_grad_norms:

@@ -1,0 +1,117 @@
+"""The ideal speedup a run's own freeze trajectory allows. Pure arithmetic.
+
+A perfect system spends, per training sample, the forward + backward time of the active
+units, the forward time of the frozen prefix only while its output is not yet cached (the
+first epoch after each freeze; from then on the cache serves it), spread evenly over the
+W devices, stretched only by the pipeline bubble of GPipe, (M + K - 1) / M:
+
+    step_time(F, K, M) = (B / W) * C(F) * (M + K - 1) / M
+
+The baseline is the same with F = 0 and its fixed K and M for every step. Evaluation time
+cannot be sped up by freezing, so the ideal elastic wall time keeps the baseline's
+evaluation time and scales only its training time:
+
+    ideal_wall = base_train_s * sum(ideal elastic steps) / sum(ideal baseline steps) + base_eval_s
+    ideal_speedup = base_wall / ideal_wall;  efficiency = measured speedup / ideal speedup
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipetransformer.utils.units import prefix_end
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """What was in effect for a range of optimizer steps [start, end)."""
+
+    start: int
+    end: int
+    num_frozen_layers: int
+    pipe_len: int
+    num_micro_batches: int
+
+
+def bubble(pipe_len: int, num_micro_batches: int) -> float:
+    return (num_micro_batches + pipe_len - 1) / num_micro_batches
+
+
+def sample_cost(
+    trained: Sequence[float], frozen: Sequence[float], num_frozen_layers: int, prefix_cached: bool
+) -> float:
+    """Per-sample compute: active units forward+backward, frozen prefix forward unless cached."""
+    boundary = prefix_end(num_frozen_layers)
+    active = sum(trained[boundary:])
+    return active if prefix_cached else active + sum(frozen[:boundary])
+
+
+def ideal_step_costs(
+    segments: Sequence[StepLayout],
+    trained: Sequence[float],
+    frozen: Sequence[float],
+    steps_per_epoch: int,
+    cache: bool,
+) -> list[float]:
+    """Relative cost of every step (the constant B / W factor left out)."""
+    costs: list[float] = []
+    cached_from: int | None = None  # first step at which the current boundary is cached
+    last_frozen = 0
+    for seg in segments:
+        for step in range(seg.start, seg.end):
+            if seg.num_frozen_layers != last_frozen:
+                last_frozen = seg.num_frozen_layers
+                cached_from = step + steps_per_epoch  # one epoch fills the cache
+            cached = cache and cached_from is not None and step >= cached_from and last_frozen > 0
+            costs.append(
+                sample_cost(trained, frozen, seg.num_frozen_layers, cached) * bubble(seg.pipe_len, seg.num_micro_batches)
+            )
+    return costs
+
+
+@dataclass(frozen=True)
+class IdealSpeedup:
+    ideal_speedup: float
+    measured_speedup: float
+    efficiency: float
+    ideal_elastic_wall_s: float
+
+
+def ideal_speedup(
+    *,
+    baseline_segments: Sequence[StepLayout],
+    elastic_segments: Sequence[StepLayout],
+    trained: Sequence[float],
+    frozen: Sequence[float],
+    steps_per_epoch: int,
+    cache: bool,
+    baseline_wall_s: float,
+    baseline_eval_s: float,
+    elastic_wall_s: float,
+) -> IdealSpeedup:
+    base = sum(ideal_step_costs(baseline_segments, trained, frozen, steps_per_epoch, cache=False))
+    elastic = sum(ideal_step_costs(elastic_segments, trained, frozen, steps_per_epoch, cache))
+    base_train_s = max(0.0, baseline_wall_s - baseline_eval_s)
+    ideal_wall = base_train_s * elastic / base + baseline_eval_s
+    ideal = baseline_wall_s / ideal_wall
+    measured = baseline_wall_s / elastic_wall_s
+    return IdealSpeedup(ideal, measured, measured / ideal, ideal_wall)
+
+
+def segments_from_run(
+    metrics: Sequence[dict], events: Sequence[dict], steps_per_epoch: int, initial: StepLayout
+) -> list[StepLayout]:
+    """Step ranges of a run's layouts from its events (transitions at global steps)."""
+    total = max((m["global_step"] for m in metrics), default=0)
+    segments = []
+    start, current = 0, initial
+    for event in events:
+        at = event["global_step"]
+        if at > start:
+            segments.append(StepLayout(start, at, current.num_frozen_layers, current.pipe_len, current.num_micro_batches))
+        start = at
+        current = StepLayout(at, at, event["new_num_frozen_layers"], event["new_pipe_len"], event["num_micro_batches"])
+    if total > start:
+        segments.append(StepLayout(start, total, current.num_frozen_layers, current.pipe_len, current.num_micro_batches))
+    return segments

@@ -1,0 +1,162 @@
+"""From finished run directories to results.json and report.md.
+
+Everything here is read back from what the runs wrote (summary.json, metrics.jsonl,
+events.jsonl), so the report can never disagree with the runs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pipetransformer.compare.ideal import StepLayout, ideal_speedup, segments_from_run
+from pipetransformer.utils.files import read_jsonl, write_json_atomic
+
+BASELINE = "baseline"
+ELASTIC = "elastic"
+TITLES = {
+    BASELINE: "baseline (Pipe + DDP, no freezing)",
+    "freeze_only": "freeze only (no AutoPipe)",
+    "no_autodp": "freeze + AutoPipe (no AutoDP)",
+    "no_cache": "freeze + AutoPipe + AutoDP (no cache)",
+    ELASTIC: "PipeTransformer (full system)",
+}
+
+
+def read_run(run_dir: Path) -> dict[str, Any]:
+    summary_path = run_dir / "summary.json"
+    if not summary_path.exists():
+        raise FileNotFoundError(f"{summary_path} is missing: the run did not finish")
+    summary = json.loads(summary_path.read_text())
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    events = read_jsonl(run_dir / "events.jsonl")
+    epoch_time = sum(m["epoch_time_s"] for m in metrics)
+    comm = sum(m.get("ddp_comm_s", 0.0) for m in metrics)
+    return {
+        "run_dir": str(run_dir),
+        "wall_time_s": summary["wall_time_s"],
+        "final_eval_metric": summary["final_eval_metric"],
+        "best_eval_metric": summary["best_eval_metric"],
+        "metric_name": summary.get("metric_name", "eval_metric"),
+        "samples_per_s": [m["samples_per_s"] for m in metrics],
+        "epoch_time_s": [m["epoch_time_s"] for m in metrics],
+        "eval_time_s": sum(m.get("eval_time_s", 0.0) for m in metrics),
+        "eval_metric": [m["eval_metric"] for m in metrics],
+        "freeze_trajectory": [
+            {
+                "epoch": m["epoch"],
+                "global_step": m["global_step"],
+                "num_frozen_layers": m["num_frozen_layers"],
+                "pipe_len": m["pipe_len"],
+                "dp_degree": m["dp_degree"],
+                "num_micro_batches": m["num_micro_batches"],
+            }
+            for m in metrics
+        ],
+        "transitions": events,
+        "ddp_comm_share": comm / epoch_time if epoch_time > 0 else 0.0,
+        "steps_per_epoch": metrics[0]["global_step"] if metrics else 0,
+    }
+
+
+def build_results(
+    runs: dict[str, dict[str, Any]],
+    unit_costs: dict[str, list[float]] | None,
+    cache_enabled: bool,
+    context: dict[str, Any],
+) -> dict[str, Any]:
+    """results.json: per variant, plus speedup, metric delta, ideal speedup, efficiency."""
+    base, elastic = runs[BASELINE], runs[ELASTIC]
+    results: dict[str, Any] = {**context, "variants": runs}
+    results["speedup"] = base["wall_time_s"] / elastic["wall_time_s"]
+    results["eval_metric_delta"] = elastic["final_eval_metric"] - base["final_eval_metric"]
+    results["speedups"] = {name: base["wall_time_s"] / run["wall_time_s"] for name, run in runs.items()}
+    if unit_costs is not None:
+        steps = base["steps_per_epoch"]
+        first = base["freeze_trajectory"][0]
+        initial = StepLayout(0, 0, 0, first["pipe_len"], first["num_micro_batches"])
+        ideal = ideal_speedup(
+            baseline_segments=segments_from_run(_metrics_of(base), [], steps, initial),
+            elastic_segments=segments_from_run(_metrics_of(elastic), elastic["transitions"], steps, initial),
+            trained=unit_costs["trained"],
+            frozen=unit_costs["frozen"],
+            steps_per_epoch=steps,
+            cache=cache_enabled,
+            baseline_wall_s=base["wall_time_s"],
+            baseline_eval_s=base["eval_time_s"],
+            elastic_wall_s=elastic["wall_time_s"],
+        )
+        results["ideal_speedup"] = ideal.ideal_speedup
+        results["efficiency"] = ideal.efficiency
+        results["unit_costs"] = unit_costs
+    return results
+
+
+def _metrics_of(run: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"global_step": t["global_step"]} for t in run["freeze_trajectory"]]
+
+
+def _fmt_layout(run: dict[str, Any]) -> str:
+    path = []
+    for point in run["freeze_trajectory"]:
+        label = f"{point['pipe_len']}x{point['dp_degree']}"
+        if not path or path[-1] != label:
+            path.append(label)
+    return " → ".join(path)
+
+
+def write_report(results: dict[str, Any], out: Path, plots: list[str]) -> str:
+    runs = results["variants"]
+    metric = runs[BASELINE]["metric_name"]
+    lines = [
+        f"# {results.get('config_name', 'run')}: PipeTransformer vs Pipe+DDP baseline",
+        "",
+        f"**Speedup {results['speedup']:.2f}x** (baseline wall time / elastic wall time); final {metric} "
+        f"{runs[ELASTIC]['final_eval_metric']:.4f} vs {runs[BASELINE]['final_eval_metric']:.4f} "
+        f"(delta {100 * results['eval_metric_delta']:+.2f} points).",
+    ]
+    if "ideal_speedup" in results:
+        lines.append(
+            f"Ideal speedup for this freeze trajectory {results['ideal_speedup']:.2f}x; "
+            f"efficiency {results['efficiency']:.2f} (measured / ideal)."
+        )
+    lines += [
+        "",
+        f"| variant | wall time (s) | speedup | final {metric} | best {metric} | frozen layers | pipe_len x dp_degree | DDP comm share |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+    ]
+    for name, run in runs.items():
+        lines.append(
+            f"| {TITLES.get(name, name)} | {run['wall_time_s']:.1f} | {results['speedups'][name]:.2f}x | "
+            f"{run['final_eval_metric']:.4f} | {run['best_eval_metric']:.4f} | "
+            f"{run['freeze_trajectory'][-1]['num_frozen_layers']} | {_fmt_layout(run)} | {100 * run['ddp_comm_share']:.1f}% |"
+        )
+    events = runs[ELASTIC]["transitions"]
+    if events:
+        lines += [
+            "",
+            "## Transitions of the full system",
+            "",
+            "| epoch | step | frozen | pipe_len | dp_degree | units moved | plan (ms) | state move (ms) | groups (ms) | rebuild (ms) | total (ms) |",
+            "| ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for e in events:
+            lines.append(
+                f"| {e['epoch']} | {e['global_step']} | {e['old_num_frozen_layers']} → {e['new_num_frozen_layers']} | "
+                f"{e['old_pipe_len']} → {e['new_pipe_len']} | {e['old_dp_degree']} → {e['new_dp_degree']} | "
+                f"{e['units_moved']} | {1000 * e.get('plan_s', 0):.1f} | {1000 * e.get('state_move_s', 0):.1f} | "
+                f"{1000 * e.get('groups_s', 0):.1f} | {1000 * e.get('rebuild_s', 0):.1f} | {1000 * e['total_s']:.1f} |"
+            )
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    machine = results.get("machine")
+    if machine:
+        lines += ["", f"Machine: {machine}. Command: `{results.get('command', '')}`."]
+    text = "\n".join(lines) + "\n"
+    (out / "report.md").write_text(text)
+    return text
+
+
+def save_results(results: dict[str, Any], out: Path) -> None:
+    write_json_atomic(out / "results.json", results)

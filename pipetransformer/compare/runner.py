@@ -1,0 +1,98 @@
+"""`pipetransformer compare`: the baseline and the elastic system, one after the other, on the
+same seed, data and machine; with --ablations also the paper's speedup breakdown (Fig. 9).
+
+Owns: the variants' overrides, running them (local worker processes), measuring the
+per-unit costs the ideal speedup needs, and writing results.json, report.md and plots.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipetransformer.compare.plots import write_plots
+from pipetransformer.compare.report import BASELINE, ELASTIC, TITLES, build_results, read_run, save_results, write_report
+from pipetransformer.config import Config, ConfigError, load_config
+from pipetransformer.launcher import WorkerFailed, launch_local
+from pipetransformer.trainer import run_worker
+
+logger = logging.getLogger(__name__)
+
+
+def variant_overrides(config: Config, ablations: bool) -> dict[str, list[str]]:
+    """Overrides per variant, in the order they run. The baseline is the same config with
+    freezing (and so every elastic component) off."""
+    variants = {BASELINE: ["freeze.strategy=none", "cache.enabled=false"]}
+    if ablations:
+        variants["freeze_only"] = ["autopipe.enabled=false", "cache.enabled=false"]
+        variants["no_autodp"] = ["autodp.enabled=false", "cache.enabled=false"]
+        if config.cache.enabled:
+            variants["no_cache"] = ["cache.enabled=false"]
+    variants[ELASTIC] = []
+    return variants
+
+
+def machine_description(config: Config) -> str:
+    device = "CUDA: " + torch.cuda.get_device_name(0) if torch.cuda.is_available() and config.trainer.device != "cpu" else "CPU"
+    return (
+        f"{platform.machine()}, {os.cpu_count()} cores, {device}, {config.nproc_per_node} processes, "
+        f"torch {torch.__version__}, Python {platform.python_version()}"
+    )
+
+
+def measured_unit_costs(config: Config) -> dict[str, list[float]] | None:
+    """Per-unit forward+backward and forward-only seconds at the run's micro-batch size,
+    measured in this process (the ideal speedup needs times, not parameter counts)."""
+    from pipetransformer.trainer.planning import measure_model_costs
+
+    try:
+        return measure_model_costs(config)
+    except Exception as exc:  # the report stays useful without the ideal figure
+        logger.warning("could not measure unit costs for the ideal speedup: %s", exc)
+        return None
+
+
+def run_compare(config: Config, config_path: str | None, overrides: list[str], out: Path, ablations: bool) -> int:
+    if config.freeze.strategy == "none":
+        raise ConfigError("freeze.strategy: compare needs a freeze strategy (the baseline turns it off)")
+    out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, dict[str, Any]] = {}
+    variants = variant_overrides(config, ablations)
+    for index, (name, extra) in enumerate(variants.items(), start=1):
+        variant_config = load_config(config_path, [*overrides, *extra])
+        run_dir = out / name
+        print(f"pipetransformer compare: [{index}/{len(variants)}] {TITLES[name]} -> {run_dir}", file=sys.stderr)
+        started = time.perf_counter()
+        try:
+            launch_local(variant_config.nproc_per_node, run_worker, (variant_config, run_dir))
+        except WorkerFailed as exc:
+            print(f"pipetransformer compare: {name} failed: {exc}", file=sys.stderr)
+            return 1
+        runs[name] = read_run(run_dir)
+        run = runs[name]
+        print(
+            f"pipetransformer compare: {name} done in {time.perf_counter() - started:.0f} s: wall_time_s "
+            f"{run['wall_time_s']:.1f}, final {run['metric_name']} {run['final_eval_metric']:.4f}",
+            file=sys.stderr,
+        )
+    costs = measured_unit_costs(config)
+    context = {
+        "config": config_path,
+        "config_name": Path(config_path).stem if config_path else "default",
+        "overrides": overrides,
+        "command": " ".join(["pipetransformer compare", config_path or "", *overrides, *(["--ablations"] if ablations else [])]),
+        "machine": machine_description(config),
+    }
+    results = build_results(runs, costs, config.cache.enabled, context)
+    plots = write_plots(runs, out)
+    results["plots"] = sorted(plots)
+    save_results(results, out)
+    print(write_report(results, out, sorted(plots)))
+    return 0

@@ -1,0 +1,124 @@
+"""compare: the ideal-speedup accounting, results/report agreeing with the runs, the plots."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipetransformer.compare.ideal import StepLayout, bubble, ideal_speedup, ideal_step_costs, segments_from_run
+from pipetransformer.compare.plots import write_plots
+from pipetransformer.compare.report import build_results, read_run, write_report
+from pipetransformer.utils.files import append_jsonl, write_json_atomic
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_ideal_accounting_by_hand():
+    # 2 layers: units embed, a0, m0, a1, m1, head. Trained costs 3 each, frozen 1 each.
+    trained, frozen = [3.0] * 6, [1.0] * 6
+    base = [StepLayout(0, 4, 0, 2, 2)]  # 4 steps, K=2, M=2: bubble 1.5
+    elastic = [StepLayout(0, 2, 0, 2, 2), StepLayout(2, 4, 1, 1, 1)]  # then F=1 (3 units frozen), K=1
+    base_costs = ideal_step_costs(base, trained, frozen, steps_per_epoch=2, cache=False)
+    assert base_costs == [18 * 1.5] * 4
+    # Without cache: steps 2, 3 cost 3 active units x 3 + 3 frozen x 1 = 12, no bubble.
+    assert ideal_step_costs(elastic, trained, frozen, 2, cache=False) == [27, 27, 12, 12]
+    # With cache: the first epoch after the freeze fills it (12), then 9 per step.
+    longer = [StepLayout(0, 2, 0, 2, 2), StepLayout(2, 6, 1, 1, 1)]
+    assert ideal_step_costs(longer, trained, frozen, 2, cache=True) == [27, 27, 12, 12, 9, 9]
+    result = ideal_speedup(
+        baseline_segments=base, elastic_segments=elastic, trained=trained, frozen=frozen, steps_per_epoch=2,
+        cache=False, baseline_wall_s=110.0, baseline_eval_s=2.0, elastic_wall_s=80.0,
+    )
+    # Train part 108 s scales by 78 / 108; eval stays 2 s: ideal wall 80 s.
+    assert result.ideal_elastic_wall_s == pytest.approx(108 * 78 / 108 + 2)
+    assert result.ideal_speedup == pytest.approx(110 / 80)
+    assert result.measured_speedup == pytest.approx(110 / 80) and result.efficiency == pytest.approx(1.0)
+    assert bubble(1, 4) == 1.0 and bubble(4, 4) == pytest.approx(7 / 4)
+
+
+def test_segments_follow_the_events():
+    metrics = [{"global_step": 10}, {"global_step": 20}, {"global_step": 30}]
+    events = [{"global_step": 10, "new_num_frozen_layers": 2, "new_pipe_len": 2, "num_micro_batches": 4},
+              {"global_step": 25, "new_num_frozen_layers": 5, "new_pipe_len": 1, "num_micro_batches": 2}]
+    segs = segments_from_run(metrics, events, 10, StepLayout(0, 0, 0, 4, 4))
+    assert [(s.start, s.end, s.num_frozen_layers, s.pipe_len) for s in segs] == [(0, 10, 0, 4), (10, 25, 2, 2), (25, 30, 5, 1)]
+
+
+def fake_run(path: Path, wall: float, metrics: list[tuple], events: list[dict] = ()):
+    path.mkdir(parents=True)
+    for epoch, (metric, frozen, pipe_len, dp, sps) in enumerate(metrics, start=1):
+        append_jsonl(path / "metrics.jsonl", {
+            "epoch": epoch, "global_step": 10 * epoch, "train_loss": 1.0 / epoch, "eval_metric": metric,
+            "samples_per_s": sps, "epoch_time_s": 5.0, "eval_time_s": 0.5, "num_frozen_layers": frozen,
+            "pipe_len": pipe_len, "dp_degree": dp, "num_micro_batches": 2, "ddp_comm_s": 0.5 if dp > 1 else 0.0,
+        })
+    for event in events:
+        append_jsonl(path / "events.jsonl", event)
+    write_json_atomic(path / "summary.json", {
+        "wall_time_s": wall, "final_eval_metric": metrics[-1][0], "best_eval_metric": max(m[0] for m in metrics),
+        "metric_name": "accuracy",
+    })
+
+
+def test_results_and_report_agree_with_the_runs(tmp_path):
+    fake_run(tmp_path / "baseline", 30.0, [(0.5, 0, 2, 1, 100.0), (0.8, 0, 2, 1, 101.0), (0.9, 0, 2, 1, 99.0)])
+    event = {"epoch": 1, "step": None, "global_step": 10, "old_num_frozen_layers": 0, "new_num_frozen_layers": 3,
+             "old_pipe_len": 2, "new_pipe_len": 1, "old_dp_degree": 1, "new_dp_degree": 2, "units_moved": 9,
+             "num_micro_batches": 2, "plan_s": 0.001, "state_move_s": 0.05, "groups_s": 0.02, "rebuild_s": 0.01,
+             "total_s": 0.081}
+    fake_run(tmp_path / "elastic", 20.0, [(0.5, 0, 2, 1, 100.0), (0.82, 3, 1, 2, 160.0), (0.89, 3, 1, 2, 170.0)], [event])
+    runs = {name: read_run(tmp_path / name) for name in ("baseline", "elastic")}
+    costs = {"trained": [3.0] * 18, "frozen": [1.0] * 18}
+    results = build_results(runs, costs, cache_enabled=False, context={"config_name": "fake"})
+    for name in runs:
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert results["variants"][name]["wall_time_s"] == summary["wall_time_s"]
+        assert results["variants"][name]["final_eval_metric"] == summary["final_eval_metric"]
+        assert results["variants"][name]["best_eval_metric"] == summary["best_eval_metric"]
+    assert results["speedup"] == pytest.approx(1.5)
+    assert results["eval_metric_delta"] == pytest.approx(-0.01)
+    assert results["variants"]["elastic"]["samples_per_s"] == [100.0, 160.0, 170.0]
+    assert [p["num_frozen_layers"] for p in results["variants"]["elastic"]["freeze_trajectory"]] == [0, 3, 3]
+    assert 1.0 < results["ideal_speedup"] and results["efficiency"] == pytest.approx(1.5 / results["ideal_speedup"])
+    text = write_report(results, tmp_path, [])
+    assert "1.50x" in text and "0.8900" in text and "0.9000" in text and "-1.00 points" in text
+    assert "2x1 → 1x2" in text and "| 9 |" in text  # layout path and units moved
+    assert (tmp_path / "report.md").read_text() == text
+
+
+def test_plots_are_pngs_with_the_expected_series(tmp_path):
+    fake_run(tmp_path / "baseline", 30.0, [(0.5, 0, 2, 1, 100.0), (0.9, 0, 2, 1, 99.0)])
+    fake_run(tmp_path / "elastic", 20.0, [(0.5, 0, 2, 1, 100.0), (0.88, 3, 1, 2, 170.0)])
+    runs = {name: read_run(tmp_path / name) for name in ("baseline", "elastic")}
+    series = write_plots(runs, tmp_path)
+    for name in ("throughput.png", "trajectory.png", "eval_metric.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    assert series["throughput.png"] == {"baseline": [100.0, 99.0], "elastic": [100.0, 170.0]}
+    assert series["trajectory.png"]["elastic"] == {"num_frozen_layers": [0, 3], "pipe_len": [2, 1], "dp_degree": [1, 2]}
+    assert series["eval_metric.png"]["baseline"] == [0.5, 0.9]
+
+
+@pytest.mark.slow
+def test_compare_command_end_to_end(tmp_path):
+    out = tmp_path / "cmp"
+    result = subprocess.run(
+        [sys.executable, "-m", "pipetransformer", "compare", str(ROOT / "configs" / "quickstart.yaml"),
+         "trainer.epochs=2", "data.train_subset=256", "data.eval_subset=64", "freeze.strategy=manual",
+         "freeze.manual_schedule=[5]", "freeze.warmup_epochs=0", "trainer.progress_bar=false", "--out", str(out)],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["variants"]) == {"baseline", "elastic"}
+    for name in ("baseline", "elastic"):
+        summary = json.loads((out / name / "summary.json").read_text())
+        assert results["variants"][name]["wall_time_s"] == summary["wall_time_s"]
+    assert results["speedup"] == pytest.approx(
+        results["variants"]["baseline"]["wall_time_s"] / results["variants"]["elastic"]["wall_time_s"]
+    )
+    assert results["variants"]["elastic"]["freeze_trajectory"][-1]["pipe_len"] == 1
+    assert "ideal_speedup" in results and (out / "report.md").exists() and (out / "trajectory.png").exists()
+    assert "baseline done" in result.stderr and "elastic done" in result.stderr
