@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from pipetransformer.compare.ideal import StepLayout, bubble, ideal_speedup, ideal_step_costs, segments_from_run
+from pipetransformer.compare.ideal import (
+    StepLayout,
+    bubble,
+    ideal_speedup,
+    ideal_step_costs,
+    segments_from_run,
+)
 from pipetransformer.compare.plots import write_plots
 from pipetransformer.compare.report import build_results, read_run, write_report
 from pipetransformer.utils.files import append_jsonl, write_json_atomic

@@ -18,7 +18,15 @@ from typing import Any
 import torch
 
 from pipetransformer.compare.plots import write_plots
-from pipetransformer.compare.report import BASELINE, ELASTIC, TITLES, build_results, read_run, save_results, write_report
+from pipetransformer.compare.report import (
+    BASELINE,
+    ELASTIC,
+    TITLES,
+    build_results,
+    read_run,
+    save_results,
+    write_report,
+)
 from pipetransformer.config import Config, ConfigError, load_config
 from pipetransformer.launcher import WorkerFailed, launch_local
 from pipetransformer.trainer import run_worker
