@@ -93,11 +93,12 @@ class OptimizerConfig:
 @dataclass
 class PipelineConfig:
     initial_pipe_len: int = 2
-    # An int is used for every layout; "auto" profiles M in [K, 6K] per layout.
-    num_micro_batches: int | Literal["auto"] = 4
+    # An int is used for every layout; "auto" measures M in [K, 6K] the first time a
+    # layout (K, replica batch) is seen and keeps the fastest (profile file).
+    num_micro_batches: int | Literal["auto"] = "auto"
     schedule: Literal["gpipe", "1f1b"] = "gpipe"
-    # How stages are balanced: measured forward+backward time, or parameter counts.
-    balance: Literal["time", "params"] = "params"
+    # How stages are balanced: measured forward+backward time per unit, or parameter counts.
+    balance: Literal["time", "params"] = "time"
     # JSON file of measured profiles (per-sublayer costs, micro-batch timings).
     # None: RUN_DIR/../profiles/profiles.json.
     profile_path: str | None = None

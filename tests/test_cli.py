@@ -30,7 +30,7 @@ def test_config_errors_stop_before_any_worker_starts():
 
 
 def test_plan_json_for_the_quickstart():
-    result = cli("plan", QUICKSTART, "--json")
+    result = cli("plan", QUICKSTART, "--json", "pipeline.balance=params")
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)
     assert [r["num_frozen_layers"] for r in rows] == list(range(8))
@@ -44,7 +44,7 @@ def test_plan_for_a_large_model_needs_no_download():
     result = cli(
         "plan", QUICKSTART, "model.name=vit_base_patch16_224", "model.kwargs={}", "data.image_size=224",
         "pipeline.initial_pipe_len=8", "trainer.nproc_per_node=8", "trainer.global_batch_size=384",
-        "pipeline.num_micro_batches=8", "freeze.strategy=gradient_norm",
+        "pipeline.num_micro_batches=8", "freeze.strategy=gradient_norm", "pipeline.balance=params",
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -58,7 +58,8 @@ def test_short_training_run_writes_its_outputs(tmp_path):
     run_dir = tmp_path / "run"
     result = cli(
         "train", QUICKSTART, "trainer.epochs=2", "data.train_subset=256", "data.eval_subset=64",
-        "freeze.strategy=manual", "freeze.manual_schedule=[5]", "trainer.save_model=true", "--run-dir", str(run_dir),
+        "freeze.strategy=manual", "freeze.manual_schedule=[5]", "trainer.save_model=true", "pipeline.balance=params",
+        "--run-dir", str(run_dir),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

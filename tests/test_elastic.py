@@ -29,7 +29,7 @@ def elastic_config(**changes):
     data = {
         "trainer": {"epochs": 3, "seed": 0, "global_batch_size": 32, "nproc_per_node": 4, "progress_bar": False},
         "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "lr_schedule": "cosine", "warmup_steps": 2},
-        "pipeline": {"initial_pipe_len": 4, "num_micro_batches": 2},
+        "pipeline": {"initial_pipe_len": 4, "num_micro_batches": 2, "balance": "params"},
         "freeze": {"strategy": "manual", "manual_schedule": [3, 5]},
         "autopipe": {"lambda_frozen": 0.02},
         "model": {"name": "vit_tiny_patch16_224", "kwargs": {"patch_size": 4, "embed_dim": 32, "depth": 6, "num_heads": 2, "mlp_ratio": 2.0}},

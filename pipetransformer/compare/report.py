@@ -30,7 +30,7 @@ def read_run(run_dir: Path) -> dict[str, Any]:
         raise FileNotFoundError(f"{summary_path} is missing: the run did not finish")
     summary = json.loads(summary_path.read_text())
     metrics = read_jsonl(run_dir / "metrics.jsonl")
-    events = read_jsonl(run_dir / "events.jsonl")
+    events = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("kind", "transition") == "transition"]
     epoch_time = sum(m["epoch_time_s"] for m in metrics)
     comm = sum(m.get("ddp_comm_s", 0.0) for m in metrics)
     return {

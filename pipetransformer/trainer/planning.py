@@ -148,7 +148,8 @@ def unit_profile_key_for(config: Config, spec: ModelSpec, device_type: str, micr
 
 
 def micro_batch_key_for(
-    config: Config, spec: ModelSpec, device_type: str, pipe_len: int, replica_batch: int, num_frozen_layers: int
+    config: Config, spec: ModelSpec, device_type: str, pipe_len: int, replica_batch: int,
+    num_frozen_layers: int | None = None,
 ) -> str:
     return micro_batch_key(
         model_signature_for(config, spec),
@@ -193,7 +194,7 @@ def load_unit_costs(
 
 
 def stored_micro_batch_chooser(
-    config: Config, spec: ModelSpec, store: ProfileStore, device_type: str, num_frozen_layers: int
+    config: Config, spec: ModelSpec, store: ProfileStore, device_type: str
 ) -> Callable[[int, int], int]:
     """A (pipe_len, replica_batch) -> M chooser for layout_for: a configured int as is;
     'auto' picks the fastest stored timing among the candidates, and falls back to the
@@ -202,7 +203,7 @@ def stored_micro_batch_chooser(
     def chooser(pipe_len: int, replica_batch: int) -> int:
         setting = config.pipeline.num_micro_batches
         if setting == "auto":
-            key = micro_batch_key_for(config, spec, device_type, pipe_len, replica_batch, num_frozen_layers)
+            key = micro_batch_key_for(config, spec, device_type, pipe_len, replica_batch)
             timings = store.micro_batch_timings(key)
             minimum = pipe_len if config.pipeline.schedule == "1f1b" else 1
             candidates = candidate_micro_batches(pipe_len, replica_batch, minimum)
@@ -293,7 +294,7 @@ def plan_table(
     rows = []
     pipe_len = config.pipeline.initial_pipe_len
     for frozen in range(spec.num_layers):
-        chooser = stored_micro_batch_chooser(config, spec, store, device_type, frozen)
+        chooser = stored_micro_batch_chooser(config, spec, store, device_type)
         layout = layout_for(config, planner, frozen, pipe_len, world, devices, chooser)
         pipe_len = layout.pipe_len
         plan = layout.plan

@@ -35,7 +35,8 @@ from pipetransformer.models import build_model, unit_param_names
 from pipetransformer.pipe import StageRuntime, build_stage_runtime
 from pipetransformer.trainer import optim
 from pipetransformer.trainer.distributed import WorldInfo, init_distributed
-from pipetransformer.trainer.planning import build_planner, layout_for
+from pipetransformer.trainer.planning import build_planner, layout_for, with_micro_batches
+from pipetransformer.trainer.profiling import RunProfiler
 from pipetransformer.trainer.reporting import Reporter
 from pipetransformer.trainer.tasks import loss_weights, task_for
 from pipetransformer.utils.units import layer_of_unit
@@ -103,13 +104,14 @@ class Trainer:
         check_freeze_config(cfg.freeze, self.spec.num_layers)
         self.decider = FreezeDecider(cfg.freeze, self.spec.num_layers)
 
-        self.planner = build_planner(cfg, self.spec)
-        layout = self.layout_for(0, cfg.pipeline.initial_pipe_len)
-
         # Same seed on every rank: the full model is initialised identically everywhere
         # (and equals single-process training); each rank then keeps only its own units.
         torch.manual_seed(cfg.trainer.seed)
         full = build_model(cfg.model, device="cpu", **model_args)
+        self.profiler = RunProfiler(cfg, self.spec, self.run_dir, world.rank, world.world_size, world.device, self.control)
+        costs = self.profiler.unit_costs(list(full.units)) if cfg.pipeline.balance == "time" else None
+        self.planner = build_planner(cfg, self.spec, costs)
+        layout = self.layout_for(0, cfg.pipeline.initial_pipe_len)
         self.units = {u: full.units[u].to(world.device) for u in layout.units_of_rank(world.rank)}
         del full
         # From here on each rank has its own random stream (dropout), which simply continues
@@ -119,9 +121,16 @@ class Trainer:
         self.sampler = TrainSampler(len(self.data.train), world.num_nodes, cfg.trainer.global_batch_size, cfg.trainer.seed)
         self.eval_sampler = EvalSampler(len(self.data.eval), cfg.trainer.global_batch_size)
         self.total_steps = cfg.trainer.epochs * self.sampler.steps_per_epoch
-        self._install_layout(layout, optimizer_states={})
+        self.layout = layout
+        self._build_groups()
+        self._apply_frozen()
+        self.layout = self._resolve_micro_batches(layout, epoch=0, step=0)
+        self._build_runtime({})
         self._reset_grad_norms()
-        logger.info("initial layout: %s", layout.describe())
+        profile_s = self.profiler.take_seconds()
+        if profile_s > 0:
+            self.reporter.event({"kind": "profile", "global_step": 0, "profile_s": profile_s, "cost_source": self.planner.costs.source})
+        logger.info("initial layout: %s (stage costs from %s)", self.layout.describe(), self.planner.costs.source)
 
     def layout_for(self, num_frozen_layers: int, current_pipe_len: int) -> Layout:
         return layout_for(
@@ -139,41 +148,80 @@ class Trainer:
             named.update(unit_param_names(unit, index))
         return named
 
-    def _install_layout(self, layout: Layout, optimizer_states: dict[str, dict]) -> None:
-        self.layout = layout
-        self._build_groups()
-        self._build_runtime(optimizer_states)
-
     def _build_groups(self) -> None:
         self.groups = build_training_groups(self.layout, self.world.rank, self.config.trainer.timeout_s)
 
-    def _build_runtime(self, optimizer_states: dict[str, dict]) -> None:
-        """Freeze what the layout says is frozen; build the optimizer and the stage runtime."""
-        layout = self.layout
-        frozen_end = layout.plan.frozen_end
+    def _apply_frozen(self) -> None:
+        """Units below the layout's frozen boundary stop training: no grad, no stale grads."""
+        frozen_end = self.layout.plan.frozen_end
         for index, unit in self.units.items():
             if index < frozen_end:
                 unit.requires_grad_(False)
                 for p in unit.parameters():
                     p.grad = None
+
+    def _stage_runtime(self, layout: Layout) -> StageRuntime | None:
+        role = layout.role(self.world.rank)
+        if role is None:
+            return None
+        return build_stage_runtime(
+            plan=layout.plan,
+            stage_index=role.stage,
+            replica_batch_size=layout.replica_batch_size(self.config.trainer.global_batch_size),
+            units=self.units,
+            spec=self.spec,
+            loss_fn=self.task.loss_fn,
+            schedule_name=self.config.pipeline.schedule,
+            pipeline_group=self.groups.pipeline,
+            data_group=self.groups.data,
+            device=self.world.device,
+        )
+
+    def _build_runtime(self, optimizer_states: dict[str, dict]) -> None:
+        """The optimizer over this rank's active parameters (with their carried state) and
+        the stage runtime of the current layout."""
         named = self._named_params()
         self.optimizer = optim.build_optimizer(self.config.optimizer, named)
         optim.load_states_by_name(self.optimizer, named, optimizer_states)
+        self.runtime = self._stage_runtime(self.layout)
+
+    def _resolve_micro_batches(self, layout: Layout, epoch: int, step: int) -> Layout:
+        """For num_micro_batches 'auto': the measured fastest M of this layout (collective)."""
+        if self.config.pipeline.num_micro_batches != "auto":
+            return layout
+        replica_batch = layout.replica_batch_size(self.config.trainer.global_batch_size)
+
+        def measure_step(m: int):
+            trial = Layout(with_micro_batches(layout.plan, m), layout.world_size, layout.devices_per_node, layout.dp_degree)
+            runtime = self._stage_runtime(trial)
+            if runtime is None:
+                return lambda: None
+            inputs, target = self._step_data(trial, epoch % self.config.trainer.epochs, min(step, self.sampler.steps_per_epoch - 1))
+
+            def run() -> None:
+                runtime.train_step(inputs, target)
+                for p in runtime.module.parameters():
+                    p.grad = None
+
+            return run
+
+        m = self.profiler.micro_batches(layout.pipe_len, replica_batch, measure_step)
+        return Layout(with_micro_batches(layout.plan, m), layout.world_size, layout.devices_per_node, layout.dp_degree)
+
+    def _step_data(self, layout: Layout, epoch: int, step: int, prefetched: bool = False):
+        """This rank's (inputs, target) for one step in `layout` (None where not needed).
+        `prefetched`: take the inputs from the loader that reads ahead (the training loop)."""
         role = layout.role(self.world.rank)
-        self.runtime = None
-        if role is not None:
-            self.runtime = build_stage_runtime(
-                plan=layout.plan,
-                stage_index=role.stage,
-                replica_batch_size=layout.replica_batch_size(self.config.trainer.global_batch_size),
-                units=self.units,
-                spec=self.spec,
-                loss_fn=self.task.loss_fn,
-                schedule_name=self.config.pipeline.schedule,
-                pipeline_group=self.groups.pipeline,
-                data_group=self.groups.data,
-                device=self.world.device,
-            )
+        node, local_replica = divmod(role.replica, layout.replicas_per_node)
+        batch = self.sampler.replica_batch(node, local_replica, layout.replicas_per_node, epoch, step)
+        inputs = target = None
+        if role.is_first:
+            raw = self._next_inputs(epoch, step) if prefetched else self.data.train.fetch(batch.ids)[0]
+            inputs = [t.to(self.world.device, non_blocking=True) for t in raw]
+        if role.is_last:
+            weights = loss_weights(batch.valid, layout.dp_degree, self.sampler.global_num_valid(epoch, step))
+            target = self.task.make_target(self.data.train.targets(batch.ids), weights).to(self.world.device)
+        return inputs, target
 
     # ------------------------------------------------------------------ training
 
@@ -284,14 +332,7 @@ class Trainer:
         role = layout.role(world.rank)
         if role is None:
             return torch.zeros((), dtype=torch.float64)
-        node, local_replica = divmod(role.replica, layout.replicas_per_node)
-        batch = self.sampler.replica_batch(node, local_replica, layout.replicas_per_node, epoch, step)
-        inputs = target = None
-        if role.is_first:
-            inputs = [t.to(world.device, non_blocking=True) for t in self._next_inputs(epoch, step)]
-        if role.is_last:
-            weights = loss_weights(batch.valid, layout.dp_degree, self.sampler.global_num_valid(epoch, step))
-            target = self.task.make_target(self.data.train.targets(batch.ids), weights).to(world.device)
+        inputs, target = self._step_data(layout, epoch, step, prefetched=True)
         optim.set_learning_rate(self.optimizer, optim.learning_rate(self.config.optimizer, self.global_step, self.total_steps))
         losses = self.runtime.train_step(inputs, target)
         if self.runtime.comm_timer is not None:
@@ -416,12 +457,16 @@ class Trainer:
         self.layout = new
         self._build_groups()
         times["groups_s"] = time.perf_counter() - t
+        self._apply_frozen()
+        self.layout = new = self._resolve_micro_batches(new, epoch, step or 0)
+        times["profile_s"] = self.profiler.take_seconds()
         t = time.perf_counter()
         self._build_runtime(states)
         dist.barrier(group=self.control)
         times["rebuild_s"] = time.perf_counter() - t
 
         record = {
+            "kind": "transition",
             "epoch": epoch,
             "step": step,
             "global_step": self.global_step,
