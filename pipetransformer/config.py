@@ -452,8 +452,14 @@ def check_config(config: Config, world_size: int | None = None) -> None:
             )
         if config.pipeline.schedule == "1f1b" and isinstance(m, int) and m < k:
             _fail("pipeline.num_micro_batches", f"1f1b needs at least pipe_len ({k}) micro-batches")
-    if config.cache.enabled and config.freeze.strategy == "none":
-        _fail("cache.enabled", "the cache serves frozen layers; it needs a freeze.strategy")
+    augmented = config.data.augment and config.data.name in ("cifar10", "cifar100", "imagefolder")
+    if config.cache.enabled and augmented and not config.cache.allow_augmented:
+        _fail(
+            "cache.allow_augmented",
+            "data.augment makes each epoch's inputs differ, so cached frozen-layer outputs would be "
+            "stale; set cache.allow_augmented=true to cache each sample's first view (the paper's "
+            "behaviour), data.augment=false, or cache.enabled=false",
+        )
     family = config.model.resolved_family()
     if family == "bert" and config.data.name in ("digits", "cifar10", "cifar100", "imagefolder"):
         _fail("data.name", f"'{config.data.name}' is an image dataset; model.name is BERT")

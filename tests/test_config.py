@@ -92,3 +92,12 @@ def test_dump_round_trips(tmp_path):
 @pytest.mark.parametrize("path", sorted(ROOT_CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_configs_parse(path):
     load_config(path)
+
+
+def test_cache_refuses_augmented_training_inputs_unless_allowed(tmp_path):
+    data = {"data": {"name": "imagefolder", "root": str(tmp_path), "augment": True},
+            "cache": {"enabled": True}, "freeze": {"strategy": "gradient_norm"}}
+    with pytest.raises(ConfigError, match="cache.allow_augmented"):
+        load_config(write(tmp_path, data))
+    data["cache"]["allow_augmented"] = True
+    assert load_config(write(tmp_path, data)).cache.allow_augmented

@@ -129,3 +129,25 @@ def handoff_snapshots(config_dict: dict, run_dir: str, new_frozen: list[int]):
         return snapshots
     finally:
         trainer.cleanup()
+
+
+def failing_run(config_dict: dict, run_dir: str):
+    """A run that raises at its first decision point (after the cache is up)."""
+    from pipetransformer.config import config_from_dict
+    from pipetransformer.trainer.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(config_dict), run_dir)
+    try:
+        trainer.setup()
+
+        def fail(*args, **kwargs):
+            raise RuntimeError("injected failure")
+
+        trainer._decision_point = fail
+        try:
+            trainer.train()
+        except RuntimeError as exc:
+            return str(exc)
+        return "no failure"
+    finally:
+        trainer.cleanup()

@@ -81,6 +81,8 @@ class StageRuntime:
     micro_batch_size: int
     num_micro_batches: int
     comm_timer: CommTimer | None = None
+    # (split, sample ids, inputs) -> the frozen prefix's output, served from AutoCache.
+    cached_prefix: Callable[[str, Sequence[int], Sequence[torch.Tensor]], tuple[torch.Tensor, ...]] | None = None
 
     @property
     def is_first(self) -> bool:
@@ -94,13 +96,16 @@ class StageRuntime:
         return [p for p in self.module.parameters() if p.requires_grad]
 
     def train_step(
-        self, inputs: Sequence[torch.Tensor] | None, target: torch.Tensor | None
+        self,
+        inputs: Sequence[torch.Tensor] | None,
+        target: torch.Tensor | None,
+        ids: Sequence[int] | None = None,
     ) -> list[torch.Tensor]:
         """One optimizer step's forward and backward; returns the last stage's micro-batch losses."""
         self.module.train()
         losses: list[torch.Tensor] = []
         if self.is_first:
-            activations = self.run_prefix(inputs)
+            activations = self.run_prefix(inputs, ids, "train")
             self.schedule.step(*activations, target=target, losses=losses, return_outputs=False)
         elif self.is_last:
             self.schedule.step(target=target, losses=losses, return_outputs=False)
@@ -109,13 +114,16 @@ class StageRuntime:
         return losses
 
     def eval_step(
-        self, inputs: Sequence[torch.Tensor] | None, target: torch.Tensor | None
+        self,
+        inputs: Sequence[torch.Tensor] | None,
+        target: torch.Tensor | None,
+        ids: Sequence[int] | None = None,
     ) -> torch.Tensor | None:
         """Forward only; returns the merged outputs on the last stage."""
         self.module.eval()
         try:
             if self.is_first:
-                activations = self.run_prefix(inputs)
+                activations = self.run_prefix(inputs, ids, "eval")
                 return self.schedule.eval(*activations, target=target)
             if self.is_last:
                 return self.schedule.eval(target=target)
@@ -124,9 +132,13 @@ class StageRuntime:
         finally:
             self.module.train()
 
-    def run_prefix(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def run_prefix(
+        self, inputs: Sequence[torch.Tensor], ids: Sequence[int] | None = None, split: str = "train"
+    ) -> tuple[torch.Tensor, ...]:
         if self.preprocess is None:
             return tuple(inputs)
+        if self.cached_prefix is not None and ids is not None:
+            return self.cached_prefix(split, ids, inputs)
         with torch.no_grad():
             out = self.preprocess(*inputs)
         return out if isinstance(out, tuple) else (out,)

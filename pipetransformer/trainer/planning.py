@@ -243,10 +243,12 @@ def layout_for(
     world_size: int,
     devices_per_node: int,
     micro_batch_chooser=None,
+    prefix_cost: float | None = None,
 ) -> Layout:
-    """The layout a run moves to when `num_frozen_layers` layers are frozen."""
+    """The layout a run moves to when `num_frozen_layers` layers are frozen.
+    `prefix_cost`: the frozen prefix's cost on stage 0 when AutoCache serves it."""
     if config.autopipe.enabled:
-        plan = planner.plan(num_frozen_layers, current_pipe_len)
+        plan = planner.plan(num_frozen_layers, current_pipe_len, prefix_cost)
     else:
         plan = fixed_plan(planner.costs, planner.initial, num_frozen_layers)
     initial_dp = world_size // config.pipeline.initial_pipe_len

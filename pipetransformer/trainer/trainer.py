@@ -33,9 +33,16 @@ from pipetransformer.data import build_data, iterate_batches
 from pipetransformer.freeze import FreezeDecider, check_freeze_config
 from pipetransformer.models import build_model, unit_param_names
 from pipetransformer.pipe import StageRuntime, build_stage_runtime
+from pipetransformer.pipe.prefix import CachedPrefix
 from pipetransformer.trainer import optim
+from pipetransformer.trainer.caching import RunCache
 from pipetransformer.trainer.distributed import WorldInfo, init_distributed
-from pipetransformer.trainer.planning import build_planner, layout_for, with_micro_batches
+from pipetransformer.trainer.planning import (
+    build_planner,
+    layout_for,
+    profiling_micro_batch_size,
+    with_micro_batches,
+)
 from pipetransformer.trainer.profiling import RunProfiler
 from pipetransformer.trainer.reporting import Reporter
 from pipetransformer.trainer.tasks import loss_weights, task_for
@@ -64,6 +71,9 @@ class Trainer:
         self._loader = None
         self._loader_position: tuple[int, int] | None = None
         self._comm_s = 0.0  # DDP all-reduce seconds on this rank since the epoch began
+        self.cache = None
+        self.cache_active = False
+        self._batch_ids: tuple[int, ...] | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -109,8 +119,14 @@ class Trainer:
         torch.manual_seed(cfg.trainer.seed)
         full = build_model(cfg.model, device="cpu", **model_args)
         self.profiler = RunProfiler(cfg, self.spec, self.run_dir, world.rank, world.world_size, world.device, self.control)
-        costs = self.profiler.unit_costs(list(full.units)) if cfg.pipeline.balance == "time" else None
-        self.planner = build_planner(cfg, self.spec, costs)
+        # Measured costs balance the stages (balance: time) and tell when the cache pays.
+        self.measured_costs = None
+        if cfg.pipeline.balance == "time" or cfg.cache.enabled:
+            self.measured_costs = self.profiler.unit_costs(list(full.units))
+        self.planner = build_planner(cfg, self.spec, self.measured_costs if cfg.pipeline.balance == "time" else None)
+        # The cache serves frozen layers: with nothing ever frozen (the baseline) it stays off.
+        if cfg.cache.enabled and cfg.freeze.strategy != "none":
+            self.cache = RunCache(cfg, self.spec, self.data, world, self.control)
         layout = self.layout_for(0, cfg.pipeline.initial_pipe_len)
         self.units = {u: full.units[u].to(world.device) for u in layout.units_of_rank(world.rank)}
         del full
@@ -132,7 +148,19 @@ class Trainer:
             self.reporter.event({"kind": "profile", "global_step": 0, "profile_s": profile_s, "cost_source": self.planner.costs.source})
         logger.info("initial layout: %s (stage costs from %s)", self.layout.describe(), self.planner.costs.source)
 
+    def cache_serves(self, num_frozen_layers: int) -> bool:
+        """Whether AutoCache serves the frozen prefix at this boundary (same on every rank)."""
+        if self.cache is None or not self.config.autopipe.enabled:
+            return False  # without AutoPipe frozen layers stay inside stages: nothing to serve
+        micro = profiling_micro_batch_size(self.config, self.world.world_size)
+        return self.cache.profitable(num_frozen_layers, self.measured_costs, micro)
+
     def layout_for(self, num_frozen_layers: int, current_pipe_len: int) -> Layout:
+        prefix_cost = None
+        if self.cache_serves(num_frozen_layers) and self.planner.costs.source == "time":
+            prefix_cost = self.cache.prefix_cost(profiling_micro_batch_size(self.config, self.world.world_size))
+        elif self.cache_serves(num_frozen_layers):
+            prefix_cost = 0.0  # parameter counts: a cache read costs next to nothing
         return layout_for(
             self.config,
             self.planner,
@@ -140,6 +168,7 @@ class Trainer:
             current_pipe_len,
             self.world.world_size,
             self.world.devices_per_node,
+            prefix_cost=prefix_cost,
         )
 
     def _named_params(self) -> dict[str, nn.Parameter]:
@@ -184,6 +213,12 @@ class Trainer:
         self.optimizer = optim.build_optimizer(self.config.optimizer, named)
         optim.load_states_by_name(self.optimizer, named, optimizer_states)
         self.runtime = self._stage_runtime(self.layout)
+        frozen = self.layout.plan.num_frozen_layers
+        self.cache_active = self.cache_serves(frozen)
+        if self.cache_active and self.runtime is not None and self.runtime.is_first:
+            self.runtime.cached_prefix = CachedPrefix(
+                self.units, frozen, self.cache.client, self.world.device, self.cache.counts
+            )
 
     def _resolve_micro_batches(self, layout: Layout, epoch: int, step: int) -> Layout:
         """For num_micro_batches 'auto': the measured fastest M of this layout (collective)."""
@@ -218,6 +253,7 @@ class Trainer:
         if role.is_first:
             raw = self._next_inputs(epoch, step) if prefetched else self.data.train.fetch(batch.ids)[0]
             inputs = [t.to(self.world.device, non_blocking=True) for t in raw]
+            self._batch_ids = batch.ids
         if role.is_last:
             weights = loss_weights(batch.valid, layout.dp_degree, self.sampler.global_num_valid(epoch, step))
             target = self.task.make_target(self.data.train.targets(batch.ids), weights).to(self.world.device)
@@ -243,6 +279,7 @@ class Trainer:
                 eval_time = time.perf_counter() - eval_start
                 last_eval = eval_metrics["eval_metric"]
                 best = max(best, last_eval)
+            cache_metrics = self.cache.epoch_metrics() if self.cache is not None else {}
             plan = self.layout.plan
             self.reporter.metrics(
                 {
@@ -261,6 +298,8 @@ class Trainer:
                     "pipe_len": plan.pipe_len,
                     "dp_degree": self.layout.dp_degree,
                     "num_micro_batches": plan.num_micro_batches,
+                    **cache_metrics,
+                    "cache_active": self.cache_active,
                     "lr": optim.learning_rate(cfg.optimizer, max(0, self.global_step - 1), self.total_steps),
                 }
             )
@@ -334,7 +373,7 @@ class Trainer:
             return torch.zeros((), dtype=torch.float64)
         inputs, target = self._step_data(layout, epoch, step, prefetched=True)
         optim.set_learning_rate(self.optimizer, optim.learning_rate(self.config.optimizer, self.global_step, self.total_steps))
-        losses = self.runtime.train_step(inputs, target)
+        losses = self.runtime.train_step(inputs, target, self._batch_ids if inputs is not None else None)
         if self.runtime.comm_timer is not None:
             self._comm_s += self.runtime.comm_timer.take()
         if self.config.optimizer.max_grad_norm is not None:
@@ -368,6 +407,8 @@ class Trainer:
                 for s in range(step, self.sampler.steps_per_epoch)
             ]
             self._loader = iterate_batches(self.data.train, id_batches, self.config.data.num_workers)
+            if self.cache_active:  # the cache's disk tier reads ahead in the same order
+                self.cache.client.prefetch("train", [i for ids in id_batches for i in ids])
         inputs, _ = next(self._loader)
         self._loader_position = (epoch, step + 1)
         return inputs
@@ -500,6 +541,8 @@ class Trainer:
                 self.eval_sampler.replica_batch(role.replica, layout.dp_degree, s) for s in range(self.eval_sampler.steps)
             ]
             loader = iterate_batches(self.data.eval, [b.ids for b in batches], self.config.data.num_workers) if role.is_first else None
+            if role.is_first and self.cache_active:
+                self.cache.client.prefetch("eval", [i for b in batches for i in b.ids])
             for batch in batches:
                 inputs = target = labels = None
                 if role.is_first:
@@ -507,7 +550,7 @@ class Trainer:
                 if role.is_last:
                     labels = self.data.eval.targets(batch.ids)
                     target = self.task.make_target(labels, torch.zeros(len(batch.ids))).to(world.device)
-                outputs = self.runtime.eval_step(inputs, target)
+                outputs = self.runtime.eval_step(inputs, target, batch.ids)
                 if role.is_last:
                     accumulator.add(outputs.detach(), batch.ids, batch.valid, labels)
         return accumulator.reduce(self.control)
@@ -558,6 +601,9 @@ class Trainer:
 
     def cleanup(self) -> None:
         self.runtime = None
+        if getattr(self, "cache", None) is not None:
+            self.cache.close()
+            self.cache = None
         if self.groups is not None:
             self.groups.destroy()
         if getattr(self, "reporter", None) is not None:

@@ -1,0 +1,351 @@
+"""The AutoCache daemon: one process per node that owns the store's files.
+
+Owns: starting the daemon process (a fresh interpreter, so it inherits no
+torch.distributed state, threads or CUDA context from the trainer), creating the
+shared-memory files and the disk-tier files, publishing the manifest clients attach by,
+and removing all of it: on ``stop()``, on SIGTERM/SIGINT/SIGHUP, when every watched
+trainer process is gone (SIGKILL included) and when the process that started it dies.
+Must not: import torch (the daemon starts in well under a second without it), read or
+write cached values (clients do that directly in shared memory), or let a client own
+anything. Clients map plain files under /dev/shm with ``mmap`` rather than
+``multiprocessing.shared_memory``, so Python's resource_tracker never tracks, unlinks or
+warns about a segment: the daemon is the only process that creates or removes files.
+
+Cleanup paths, all ending in ``remove_store_files``:
+(a) ``stop()`` sends SIGTERM and waits; (b) ``with CacheDaemon.start(...)`` stops on an
+exception too, and ``atexit`` stops a daemon its starter forgot; (c) the daemon polls the
+watched pids every ``poll_interval_s`` (a zombie or a reused pid counts as gone); (d) it
+polls ``getppid()``, which changes when its starter dies; signals are blocked and taken
+synchronously with ``sigtimedwait`` so a second signal cannot interrupt the cleanup. If the
+daemon itself is SIGKILLed, ``stop()`` sweeps what it left (the names are known).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import secrets
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pipetransformer.autocache.layout import (
+    TAG_BYTES,
+    CacheManifest,
+    SplitLayout,
+    normalize_specs,
+    plan_layout,
+)
+
+logger = logging.getLogger(__name__)
+
+NAME_PREFIX = "ptcache"
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+_BOOT = "from pipetransformer.autocache.daemon import main; main()"
+# Head-room left free in /dev/shm when the budget is larger than what tmpfs can hold.
+_SHM_SPARE_FRACTION = 0.1
+
+
+def shm_dir() -> Path:
+    """/dev/shm where it exists (Linux); elsewhere a temporary directory (not RAM-backed)."""
+    path = Path("/dev/shm")
+    if path.is_dir() and os.access(path, os.W_OK):
+        return path
+    logger.warning("/dev/shm is not available; the memory tier lives in %s", tempfile.gettempdir())
+    return Path(tempfile.gettempdir())
+
+
+def default_memory_budget() -> int:
+    """A quarter of the memory currently available (MemAvailable on Linux)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 // 4
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (state first); None if gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    return text[text.rindex(")") + 2 :].split()
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When the process started (clock ticks since boot): tells a reused pid apart."""
+    try:
+        fields = _proc_stat(pid)
+    except OSError:
+        return None
+    return int(fields[19]) if fields else None
+
+
+def process_alive(pid: int, start_ticks: int | None = None) -> bool:
+    """True while `pid` runs; a zombie or a different process under the same pid is gone."""
+    try:
+        fields = _proc_stat(pid)
+    except OSError:  # no /proc: fall back to signal 0 (cannot tell zombies apart)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    if fields is None or fields[0] in ("Z", "X"):
+        return False
+    return start_ticks is None or int(fields[19]) == start_ticks
+
+
+def remove_store_files(name: str, shm_path: Path, disk_dir: Path, keep: bool) -> None:
+    """Remove a store's shared-memory files, manifest and (unless `keep`) its disk dir."""
+    for path in [*shm_path.glob(f"{name}-*"), *shm_path.glob(f"{name}.json*")]:
+        path.unlink(missing_ok=True)
+    if keep:
+        if disk_dir.exists():
+            logger.info("cache.keep: the disk tier stays in %s", disk_dir)
+    else:
+        shutil.rmtree(disk_dir, ignore_errors=True)
+
+
+class CacheDaemon:
+    """Handle held by the process that started the daemon. Not picklable: pass `address`."""
+
+    def __init__(
+        self, process: subprocess.Popen, name: str, shm_path: Path, disk_dir: Path, keep: bool
+    ) -> None:
+        self._process = process
+        self._owner_pid = os.getpid()
+        self._stopped = False
+        self.name = name
+        self.address = str(shm_path / f"{name}.json")
+        self.disk_dir = disk_dir
+        self.keep = keep
+        self._shm_path = shm_path
+        self.manifest = CacheManifest.from_json(Path(self.address).read_text())
+
+    @classmethod
+    def start(
+        cls,
+        splits: Mapping[str, tuple[int, Sequence[Any]]],
+        memory_budget_bytes: int | None = None,
+        disk_dir: str | os.PathLike | None = None,
+        storage_dtype: str = "float32",
+        keep: bool = False,
+        watched_pids: Sequence[int] = (),
+        poll_interval_s: float = 0.25,
+        start_timeout_s: float = 60.0,
+    ) -> CacheDaemon:
+        """Start the node's daemon and wait until its files exist.
+
+        `splits` maps a split name to (num_samples, specs); a spec is any object with
+        `.shape` and `.dtype` or a (shape, dtype) pair. `memory_budget_bytes` None: a
+        quarter of the available memory. `disk_dir` None: the system temporary directory.
+        The store's own directory `<disk_dir>/<name>` is removed at cleanup unless `keep`.
+        """
+        name = f"{NAME_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}"
+        shm_path = shm_dir()
+        store_dir = Path(disk_dir if disk_dir is not None else tempfile.gettempdir()) / name
+        budget = default_memory_budget() if memory_budget_bytes is None else memory_budget_bytes
+        request = {
+            "name": name,
+            "splits": {k: [n, normalize_specs(specs)] for k, (n, specs) in splits.items()},
+            "memory_budget_bytes": int(budget),
+            "storage_dtype": storage_dtype,
+            "shm_dir": str(shm_path),
+            "disk_dir": str(store_dir),
+            "keep": keep,
+            "watched_pids": [int(p) for p in watched_pids],
+            "parent_pid": os.getpid(),
+            "poll_interval_s": poll_interval_s,
+        }
+        # Checks the request here, so that a bad spec fails in the caller, not in the daemon.
+        plan_layout(
+            request["splits"],
+            request["memory_budget_bytes"],
+            storage_dtype,
+            shm_path,
+            store_dir,
+            name,
+        )
+        env = dict(os.environ)
+        package_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        process = subprocess.Popen(
+            [sys.executable, "-c", _BOOT, json.dumps(request)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            start_new_session=True,  # a Ctrl-C aimed at the trainers does not reach it
+            env=env,
+        )
+        assert process.stdout is not None
+        readable, _, _ = select.select([process.stdout], [], [], start_timeout_s)
+        line = process.stdout.readline() if readable else b""
+        process.stdout.close()
+        if line.strip() != b"ready":
+            if process.poll() is None:
+                process.kill()
+            code = process.wait()
+            remove_store_files(name, shm_path, store_dir, keep=False)
+            raise RuntimeError(
+                f"the cache daemon did not start (exit code {code}); see its log above"
+            )
+        daemon = cls(process, name, shm_path, store_dir, keep)
+        atexit.register(daemon.stop)
+        logger.info("cache daemon %s started (pid %d)", name, process.pid)
+        return daemon
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the daemon and wait until it has removed its files. Idempotent."""
+        if self._stopped or os.getpid() != self._owner_pid:
+            return
+        self._stopped = True
+        atexit.unregister(self.stop)
+        if self._process.poll() is None:
+            self._process.send_signal(signal.SIGTERM)
+            try:
+                self._process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning(
+                    "cache daemon %s did not stop in %.0f s; killing it", self.name, timeout_s
+                )
+                self._process.kill()
+                self._process.wait()
+        if self._process.returncode != 0:
+            logger.warning(
+                "cache daemon %s exited with code %s; removing what it left",
+                self.name,
+                self._process.returncode,
+            )
+            remove_store_files(self.name, self._shm_path, self.disk_dir, self.keep)
+
+    def __enter__(self) -> CacheDaemon:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+# ------------------------------------------------------------------ the daemon process
+
+
+def _create_file(path: str, size: int, reserve: bool, tag_count: int = 0) -> None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        if reserve:  # tmpfs: fail now with ENOSPC rather than SIGBUS on a later write
+            os.posix_fallocate(fd, 0, size)
+        else:  # disk: sparse, blocks are allocated as slots are written
+            os.ftruncate(fd, size)
+        if tag_count:
+            os.pwrite(fd, b"\xff" * (tag_count * TAG_BYTES), 0)  # int64 -1 = absent
+    finally:
+        os.close(fd)
+
+
+def _create_store(request: dict[str, Any]) -> CacheManifest:
+    name, shm_path, store_dir = request["name"], Path(request["shm_dir"]), Path(request["disk_dir"])
+    splits = request["splits"]
+    budget = request["memory_budget_bytes"]
+    usage = shutil.disk_usage(shm_path)
+    tag_bytes = sum(n * TAG_BYTES for n, _ in splits.values())
+    shm_cap = int(usage.free * (1 - _SHM_SPARE_FRACTION)) - tag_bytes
+    if budget > shm_cap:
+        logger.warning(
+            "memory budget %d bytes exceeds what %s can hold; using %d", budget, shm_path, shm_cap
+        )
+        budget = max(0, shm_cap)
+    layouts = plan_layout(splits, budget, request["storage_dtype"], shm_path, store_dir, name)
+    store_dir.mkdir(parents=True)
+    disk_bytes = sum(layout.disk_bytes for layout in layouts)
+    if disk_bytes > shutil.disk_usage(store_dir).free:
+        raise OSError(f"the disk tier needs {disk_bytes} bytes; {store_dir} has less free")
+    for layout in layouts:
+        _create_file(layout.shm_path, layout.shm_bytes, reserve=True, tag_count=layout.num_samples)
+        if layout.disk_path is not None:
+            _create_file(layout.disk_path, layout.disk_bytes, reserve=False)
+    manifest = CacheManifest(
+        name=name,
+        daemon_pid=os.getpid(),
+        storage_dtype=request["storage_dtype"],
+        disk_dir=str(store_dir),
+        keep=request["keep"],
+        splits=tuple(layouts),
+    )
+    text = manifest.to_json()
+    (store_dir / "manifest.json").write_text(text)
+    staging = shm_path / f"{name}.json.tmp"
+    staging.write_text(text)
+    staging.replace(shm_path / f"{name}.json")  # atomic: a client never reads half a manifest
+    _log_layout(layouts)
+    return manifest
+
+
+def _log_layout(layouts: Sequence[SplitLayout]) -> None:
+    for layout in layouts:
+        logger.info(
+            "split %s: %d samples, %d bytes per slot, %d in memory, %d on disk",
+            layout.name,
+            layout.num_samples,
+            layout.slot_bytes,
+            layout.memory_rows,
+            layout.disk_rows,
+        )
+
+
+def _wait_for_shutdown(request: dict[str, Any]) -> str:
+    """Block until a stop signal, the starter's death or every watched pid's death."""
+    watched = {pid: process_start_ticks(pid) for pid in request["watched_pids"]}
+    while True:
+        if os.getppid() != request["parent_pid"]:
+            return "the process that started it exited"
+        if watched and not any(process_alive(pid, ticks) for pid, ticks in watched.items()):
+            return "every watched trainer process exited"
+        info = signal.sigtimedwait(_STOP_SIGNALS, request["poll_interval_s"])
+        if info is not None:
+            return f"received {signal.Signals(info.si_signo).name}"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry of the daemon process: create the store, wait, always clean up."""
+    # Blocked signals stay pending until sigtimedwait takes them, so none can cut the
+    # creation or the cleanup short.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    from pipetransformer.utils.logging import setup_logging
+
+    setup_logging(rank="cache")
+    request = json.loads((argv or sys.argv[1:])[0])
+    name = request["name"]
+    code = 0
+    try:
+        _create_store(request)
+        sys.stdout.write("ready\n")
+        sys.stdout.flush()
+        reason = _wait_for_shutdown(request)
+        logger.info("cache %s: %s; removing its files", name, reason)
+    except Exception:
+        logger.exception("cache daemon %s failed", name)
+        code = 1
+    finally:
+        remove_store_files(
+            name, Path(request["shm_dir"]), Path(request["disk_dir"]), request["keep"]
+        )
+    sys.exit(code)

@@ -1,0 +1,136 @@
+"""AutoCache in a run: the node's daemon, this process's client, when caching pays, metrics.
+
+Local rank 0 of each node starts the node's cache daemon, watching every trainer process
+of the node (if they all die, SIGKILL included, the daemon removes the store); every rank
+attaches a client. Whether the cache serves the frozen prefix at boundary F is decided by
+measurement, identically on every rank: a cache read of a batch (timed here, averaged
+over ranks) against recomputing the prefix (the measured no-grad forward times of its
+units). The paper found recomputation faster while few layers are frozen.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pipetransformer.autocache import CacheClient, CacheDaemon, default_memory_budget
+from pipetransformer.autopipe.planner import UnitCosts
+from pipetransformer.config import Config, ConfigError
+from pipetransformer.data import DataBundle
+from pipetransformer.models import ModelSpec
+from pipetransformer.utils.units import prefix_end
+
+logger = logging.getLogger(__name__)
+
+READ_REPEATS = 5
+
+
+def check_augmentation(config: Config, data: DataBundle) -> None:
+    if not data.train.random_inputs:
+        return
+    if not config.cache.allow_augmented:
+        raise ConfigError(
+            "cache.allow_augmented: the training inputs are randomly augmented, so a sample's "
+            "frozen-layer output differs every epoch and a cached one would be stale; set "
+            "data.augment=false, cache.enabled=false, or cache.allow_augmented=true to cache "
+            "each sample's first view (the paper's behaviour)"
+        )
+    logger.warning("training inputs are augmented: the cache serves each sample's first augmented view")
+
+
+class RunCache:
+    def __init__(self, config: Config, spec: ModelSpec, data: DataBundle, world, control) -> None:
+        check_augmentation(config, data)
+        self.config = config
+        self.world = world
+        self.control = control
+        self.daemon: CacheDaemon | None = None
+        pids: list[Any] = [None] * world.world_size
+        dist.all_gather_object(pids, os.getpid(), group=control)
+        node_ranks = range(world.node * world.devices_per_node, (world.node + 1) * world.devices_per_node)
+        address = None
+        if world.rank == node_ranks[0]:
+            specs = list(spec.activation_specs)
+            self.daemon = CacheDaemon.start(
+                splits={"train": (len(data.train), specs), "eval": (len(data.eval), specs)},
+                memory_budget_bytes=config.cache.memory_budget_bytes or default_memory_budget(),
+                disk_dir=config.cache.dir,
+                storage_dtype=config.cache.dtype,
+                keep=config.cache.keep,
+                watched_pids=[pids[r] for r in node_ranks],
+            )
+            address = self.daemon.address
+        addresses: list[Any] = [None] * world.world_size
+        dist.all_gather_object(addresses, address, group=control)
+        self.client = CacheClient.attach(addresses[node_ranks[0]])
+        self.read_s_per_sample = self._measure_read(min(len(data.train), 64))
+        self.counts = {"hits": 0, "upgrades": 0, "misses": 0}  # filled by CachedPrefix
+        logger.info("AutoCache attached (%s); a cached sample reads in %.1f us", addresses[node_ranks[0]], 1e6 * self.read_s_per_sample)
+
+    def _measure_read(self, rows: int) -> float:
+        """Seconds to read one sample from the store, averaged over every rank (collective)."""
+        ids = np.arange(rows)
+        times = []
+        for _ in range(READ_REPEATS):
+            start = time.perf_counter()
+            self.client.read("train", ids)
+            times.append(time.perf_counter() - start)
+        self.client.reset_stats()
+        mean = torch.tensor([statistics.median(times) / rows], dtype=torch.float64)
+        dist.all_reduce(mean, group=self.control)
+        return float(mean) / self.world.world_size
+
+    def profitable(self, num_frozen_layers: int, costs: UnitCosts, micro_batch_size: int) -> bool:
+        """Does reading beat recomputing the frozen prefix? (`costs` measured, in seconds
+        per micro-batch of `micro_batch_size`.)"""
+        if num_frozen_layers == 0 or not self.config.cache.profile:
+            return num_frozen_layers > 0
+        recompute = sum(costs.frozen[: prefix_end(num_frozen_layers)]) / micro_batch_size
+        decision = self.read_s_per_sample < recompute
+        logger.info(
+            "frozen prefix of %d layers: recompute %.1f us vs cache read %.1f us per sample: %s",
+            num_frozen_layers, 1e6 * recompute, 1e6 * self.read_s_per_sample, "cache" if decision else "recompute",
+        )
+        return decision
+
+    def prefix_cost(self, micro_batch_size: int) -> float:
+        """The frozen prefix's cost on stage 0 when it is read from the cache."""
+        return self.read_s_per_sample * micro_batch_size
+
+    def epoch_metrics(self) -> dict[str, float]:
+        """This epoch's counters, summed over all ranks (collective); resets them."""
+        stats = self.client.stats()
+        self.client.reset_stats()
+        holds_node_totals = self.world.rank % self.world.devices_per_node == 0
+        counts = self.counts
+        values = torch.tensor(
+            [
+                counts["hits"], counts["misses"], counts["upgrades"], stats.bytes_read, stats.read_seconds,
+                stats.bytes_in_memory if holds_node_totals else 0, stats.bytes_on_disk if holds_node_totals else 0,
+            ],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(values, group=self.control)
+        self.counts.update(hits=0, upgrades=0, misses=0)
+        hits, misses, upgrades, bytes_read, read_s, in_memory, on_disk = values.tolist()
+        return {
+            "cache_hits": int(hits),
+            "cache_misses": int(misses),
+            "cache_upgrades": int(upgrades),
+            "cache_bytes_in_memory": int(in_memory),
+            "cache_bytes_on_disk": int(on_disk),
+            "cache_read_mb_per_s": bytes_read / read_s / 1e6 if read_s > 0 else 0.0,
+        }
+
+    def close(self) -> None:
+        self.client.close()
+        if self.daemon is not None:
+            self.daemon.stop()
+            self.daemon = None

@@ -1,0 +1,93 @@
+"""AutoCache inside training: same accuracy, shared entries, no shared memory left behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import run_workers
+from workers import failing_run
+
+pytestmark = pytest.mark.distributed
+ROOT = Path(__file__).resolve().parent.parent
+SHM = Path("/dev/shm")
+
+
+def cache_files() -> set[str]:
+    return {p.name for p in SHM.glob("ptcache-*")} if SHM.is_dir() else set()
+
+
+def run(tmp_path, name, *overrides):
+    run_dir = tmp_path / name
+    result = subprocess.run(
+        [sys.executable, "-m", "pipetransformer", "train", str(ROOT / "configs" / "quickstart.yaml"),
+         "trainer.epochs=4", "data.train_subset=384", "data.eval_subset=96", "freeze.strategy=manual",
+         "freeze.manual_schedule=[3,5]", "freeze.warmup_epochs=0", "pipeline.balance=params",
+         "pipeline.num_micro_batches=4", "trainer.progress_bar=false", *overrides, "--run-dir", str(run_dir)],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_cached_training_matches_recomputing_and_shares_entries(tmp_path):
+    before = cache_files()
+    plain = run(tmp_path, "plain", "cache.enabled=false")
+    cached = run(tmp_path, "cached", "cache.enabled=true")
+    assert cache_files() == before  # nothing left in /dev/shm after a normal exit
+    assert [m["pipe_len"] for m in cached] == [2, 2, 1, 1] and cached[-1]["dp_degree"] == 2
+    # float32 storage: hits are the computed values themselves, so training is the same
+    # up to the summation order of the subsets that missed. Tolerance: 1 point.
+    for a, b in zip(plain, cached):
+        assert abs(a["eval_metric"] - b["eval_metric"]) <= 0.01 + 1e-9
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-3)
+    samples = 384 + 96
+    assert cached[0]["cache_hits"] + cached[0]["cache_misses"] == 0  # nothing frozen yet
+    assert cached[1]["cache_misses"] >= samples  # F = 3: every train and eval sample once
+    # F = 5 with a new replica: the new first stage finds the other replica's entries
+    # (upgraded once each), and from then on every read is a hit.
+    assert cached[2]["cache_misses"] == 0 and cached[2]["cache_upgrades"] == samples
+    assert cached[3]["cache_upgrades"] == 0 and cached[3]["cache_misses"] == 0
+    assert cached[3]["cache_hits"] >= samples and cached[3]["cache_bytes_in_memory"] > 0
+
+
+def test_no_shared_memory_left_after_an_exception(tmp_path):
+    before = cache_files()
+    config = {
+        "trainer": {"epochs": 3, "global_batch_size": 32, "nproc_per_node": 2, "progress_bar": False},
+        "pipeline": {"initial_pipe_len": 2, "num_micro_batches": 2, "balance": "params"},
+        "freeze": {"strategy": "manual", "manual_schedule": [3]},
+        "cache": {"enabled": True},
+        "model": {"name": "vit_tiny_patch16_224", "kwargs": {"patch_size": 4, "embed_dim": 32, "depth": 4, "num_heads": 2}},
+        "data": {"name": "digits", "image_size": 8, "train_subset": 64, "eval_subset": 32},
+    }
+    results = run_workers(failing_run, 2, config, str(tmp_path / "run"))
+    assert results == ["injected failure", "injected failure"]
+    assert cache_files() == before
+
+
+def test_no_shared_memory_left_after_sigkill(tmp_path):
+    before = cache_files()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pipetransformer", "train", str(ROOT / "configs" / "quickstart.yaml"),
+         "cache.enabled=true", "freeze.strategy=manual", "freeze.manual_schedule=[3]", "trainer.epochs=50",
+         "trainer.progress_bar=false", "--run-dir", str(tmp_path / "run")],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (cache_files() - before):
+            time.sleep(0.2)
+        assert cache_files() - before, "the cache never started"
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # the launcher and every trainer, no cleanup code runs
+        process.wait()
+    deadline = time.time() + 15
+    while time.time() < deadline and cache_files() - before:
+        time.sleep(0.2)
+    assert cache_files() == before
