@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import run_workers
 from workers import failing_run
 

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 import torch
-
 from helpers import tiny_bert, tiny_vit
+
 from pipetransformer.autocache import CacheClient, CacheDaemon
 from pipetransformer.models import UnitSequence
 from pipetransformer.pipe.prefix import CachedPrefix

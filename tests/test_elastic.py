@@ -12,15 +12,15 @@ import json
 
 import pytest
 import torch
-
 from helpers import run_workers
+from workers import elastic_run, handoff_snapshots
+
 from pipetransformer.autodp.sampler import TrainSampler
 from pipetransformer.config import config_from_dict
 from pipetransformer.data import build_data
 from pipetransformer.models import build_model
 from pipetransformer.trainer import optim
 from pipetransformer.utils.units import prefix_end
-from workers import elastic_run, handoff_snapshots
 
 pytestmark = pytest.mark.distributed
 
@@ -109,7 +109,7 @@ def test_elastic_run_matches_single_process(tmp_path, autopipe, autodp, layouts)
     state, _ = results[0]["state"]
     assert set(state) == set(ref_state)
     for name, value in ref_state.items():
-        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     # The frozen layers really stopped changing: they equal the reference, which froze them.
     assert results[0]["summary"]["final_num_frozen_layers"] == 5
 

@@ -3,8 +3,8 @@
 import pytest
 import timm
 import torch
-
 from helpers import TINY_BERT, TINY_VIT, tiny_bert, tiny_vit
+
 from pipetransformer.config import ModelConfig
 from pipetransformer.models import UnitSequence, build_model
 from pipetransformer.models.bert import create_bert
@@ -98,7 +98,7 @@ def test_frozen_units_run_in_eval_mode_without_graph():
         task="classification", num_classes=2, vocab_size=50, max_seq_length=16,
     )
     units = list(model.units)
-    seq = UnitSequence(units[:3], [True, True, False]).train()
+    UnitSequence(units[:3], [True, True, False]).train()
     assert not units[0].training and not units[1].training and units[2].training
     ids = torch.randint(5, 50, (2, 16))
     out = UnitSequence(units[:2], [True, True])(ids, torch.zeros_like(ids), torch.ones_like(ids))

@@ -6,7 +6,6 @@ rounding only: gradients agree to rtol 1e-4 / atol 1e-6, losses to 1e-5.
 
 import pytest
 import torch
-
 from helpers import run_workers
 from workers import pipeline_gradients, reference_gradients
 
@@ -30,7 +29,7 @@ def test_pipeline_matches_single_process(kind, pipe_len, dp_degree, micro, sched
     covered = set()
     for result in results:
         for name, grad in result["grads"].items():
-            torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
             covered.add(name)
     assert covered == set(ref_grads), "every parameter lives on some rank"
     # Each last stage returns its micro-batch losses weighted by R / batch: their total over

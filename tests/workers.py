@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 import torch
-
 from helpers import tiny_bert, tiny_vit
+
 from pipetransformer.autodp.groups import build_training_groups
 from pipetransformer.autodp.topology import Layout
 from pipetransformer.autopipe.planner import UnitCosts, balance
