@@ -50,7 +50,9 @@ def gradient_norm_decision(
     previous = num_frozen_layers
     if previous >= min(max_frozen_layers, num_layers):
         return previous
-    bound = previous + math.floor(alpha * (num_layers - previous))
+    # alpha is often written as a rounded fraction (0.3333333333 for 1/3): treat products
+    # within 1e-6 of an integer as that integer, or floor(0.9999999999) would stop freezing.
+    bound = previous + math.floor(alpha * (num_layers - previous) + 1e-6)
     active = range(previous, num_layers)
     # Ties go to the lower layer: fewer layers freeze when the signal is ambiguous.
     argmin = min(active, key=lambda layer: (layer_grad_norms[layer], layer))
@@ -60,7 +62,7 @@ def gradient_norm_decision(
 def alpha_schedule_decision(
     decision_index: int, num_layers: int, alpha: float, previous: int, max_frozen_layers: int
 ) -> int:
-    proposed = math.ceil(num_layers * (1 - (1 - alpha) ** decision_index) - 1e-9)
+    proposed = math.ceil(num_layers * (1 - (1 - alpha) ** decision_index) - 1e-6)
     return _clamp(previous, proposed, max_frozen_layers)
 
 

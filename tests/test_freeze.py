@@ -39,6 +39,12 @@ def test_eq1_stops_when_the_bound_rounds_to_zero():
     assert gradient_norm_decision(6, norms, 1 / 3, 7) == 6  # floor(2/3) = 0
 
 
+def test_eq1_rounded_alpha_counts_as_the_fraction():
+    # 0.3333333333 * 3 = 0.9999999999: one more layer, as with alpha = 1/3 exactly.
+    assert gradient_norm_decision(5, [1.0] * 8, 0.3333333333, 7) == 6
+    assert gradient_norm_decision(5, [1.0] * 8, 1 / 3, 7) == 6
+
+
 def test_eq1_ties_go_to_the_lower_layer():
     assert gradient_norm_decision(0, [2, 1, 1, 1, 2, 2], 0.9, 5) == 2
 
@@ -62,7 +68,7 @@ def test_eq1_sequence_is_monotone_and_capped():
 def test_closed_form_matches_formula_and_is_monotone():
     L, alpha = 12, 1 / 3
     values = [alpha_schedule_decision(t, L, alpha, 0, L) for t in range(1, 8)]
-    assert values == [math.ceil(L * (1 - (1 - alpha) ** t) - 1e-9) for t in range(1, 8)]
+    assert values == [math.ceil(L * (1 - (1 - alpha) ** t) - 1e-6) for t in range(1, 8)]
     assert values[:3] == [4, 7, 9]
     assert alpha_schedule_decision(50, L, alpha, 0, 11) == 11  # capped
 
