@@ -138,15 +138,15 @@ def write_report(results: dict[str, Any], out: Path, plots: list[str]) -> str:
             "",
             "## Transitions of the full system",
             "",
-            "| epoch | step | frozen | pipe_len | dp_degree | units moved | plan (ms) | state move (ms) | groups (ms) | rebuild (ms) | total (ms) |",
-            "| ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| epoch | step | frozen | pipe_len | dp_degree | units moved | plan (ms) | state move (ms) | groups (ms) | micro-batch profiling (ms) | rebuild (ms) | total (ms) |",
+            "| ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for e in events:
             lines.append(
                 f"| {e['epoch']} | {e['global_step']} | {e['old_num_frozen_layers']} → {e['new_num_frozen_layers']} | "
                 f"{e['old_pipe_len']} → {e['new_pipe_len']} | {e['old_dp_degree']} → {e['new_dp_degree']} | "
                 f"{e['units_moved']} | {1000 * e.get('plan_s', 0):.1f} | {1000 * e.get('state_move_s', 0):.1f} | "
-                f"{1000 * e.get('groups_s', 0):.1f} | {1000 * e.get('rebuild_s', 0):.1f} | {1000 * e['total_s']:.1f} |"
+                f"{1000 * e.get('groups_s', 0):.1f} | {1000 * e.get('profile_s', 0):.1f} | {1000 * e.get('rebuild_s', 0):.1f} | {1000 * e['total_s']:.1f} |"
             )
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
