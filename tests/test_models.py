@@ -142,3 +142,17 @@ def test_unknown_model_names_and_kwargs_fail_clearly():
         build_model(ModelConfig(name="vit_nonexistent_xyz"), task="classification", num_classes=10, device="meta")
     with pytest.raises(ValueError, match="model.kwargs"):
         build_model(ModelConfig(name="vit_tiny_patch16_224", kwargs={"depthh": 3}), task="classification", num_classes=10, device="meta")
+
+
+def test_pretrained_bert_loads_local_weights_and_rejects_kwargs_that_change_their_shapes(tmp_path):
+    saved = create_bert(task="sequence_classification", num_labels=2, vocab_size=None,
+                        kwargs={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                "intermediate_size": 64, "vocab_size": 100})
+    saved.save_pretrained(tmp_path)
+    loaded = create_bert(task="sequence_classification", num_labels=2, vocab_size=None,
+                         model_name_or_path=str(tmp_path), kwargs={"hidden_dropout_prob": 0.0})
+    assert torch.equal(loaded.bert.encoder.layer[1].output.dense.weight, saved.bert.encoder.layer[1].output.dense.weight)
+    assert loaded.config.hidden_dropout_prob == 0.0
+    with pytest.raises(ValueError, match=r"model\.kwargs\.hidden_size=64 .*hidden_size=32"):
+        create_bert(task="sequence_classification", num_labels=2, vocab_size=None,
+                    model_name_or_path=str(tmp_path), kwargs={"hidden_size": 64})

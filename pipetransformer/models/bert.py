@@ -111,6 +111,24 @@ def _is_local(path: str) -> bool:
     return Path(path).expanduser().exists()
 
 
+# Config fields that fix the shapes of pretrained weights: model.kwargs may not change them.
+_SHAPE_FIELDS = (
+    "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
+    "max_position_embeddings", "type_vocab_size",
+)
+
+
+def _check_kwargs_fit_weights(model_name_or_path: str, kwargs: dict[str, Any]) -> None:
+    saved = BertConfig.from_pretrained(model_name_or_path)
+    for key in _SHAPE_FIELDS:
+        if key in kwargs and kwargs[key] != getattr(saved, key):
+            raise ValueError(
+                f"model.kwargs.{key}={kwargs[key]} does not fit the pretrained weights of "
+                f"{model_name_or_path} ({key}={getattr(saved, key)}); drop it "
+                "(e.g. the override model.kwargs={}) or set model.pretrained=false"
+            )
+
+
 def create_bert(
     *,
     task: str,
@@ -135,6 +153,7 @@ def create_bert(
         else:
             config = BertConfig.from_pretrained(model_name_or_path, num_labels=labels, **kwargs)
         if pretrained and str(device) != "meta":
+            _check_kwargs_fit_weights(model_name_or_path, kwargs)
             model = model_cls.from_pretrained(model_name_or_path, config=config)
             logger.info("loaded pretrained BERT weights from %s", model_name_or_path)
             return model
