@@ -75,9 +75,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from pipetransformer.compare import run_compare
+    from pipetransformer.compare import rebuild_compare, run_compare
 
     config = load_config(args.config, args.overrides)
+    if args.report_only:
+        if not args.out:
+            raise ConfigError("--report-only needs --out DIR: the directory of an earlier compare")
+        return rebuild_compare(config, args.config, args.overrides, Path(args.out))
     preflight(config)
     out = Path(args.out) if args.out else _default_run_dir(args.config, "runs/compare")
     return run_compare(config, args.config, args.overrides, out, ablations=args.ablations)
@@ -109,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     common(compare)
     compare.add_argument("--ablations", action="store_true", help="also run freeze-only, no-AutoDP and no-cache")
     compare.add_argument("--out", default=None, help="output directory (default: runs/compare/<config>-<time>)")
+    compare.add_argument(
+        "--report-only", action="store_true",
+        help="rerun nothing: rebuild results.json, report.md and plots from the runs already in --out",
+    )
     compare.set_defaults(func=cmd_compare)
     return parser
 

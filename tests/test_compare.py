@@ -33,6 +33,11 @@ def test_ideal_accounting_by_hand():
     # With cache: the first epoch after the freeze fills it (12), then 9 per step.
     longer = [StepLayout(0, 2, 0, 2, 2), StepLayout(2, 6, 1, 1, 1)]
     assert ideal_step_costs(longer, trained, frozen, 2, cache=True) == [27, 27, 12, 12, 9, 9]
+    # A boundary move F=1 -> 2 upgrades entries: a sample stored at F=1 one epoch earlier runs
+    # only layer 1's two frozen units (2), on top of the one active unit, the head (3).
+    moving = [StepLayout(0, 2, 1, 1, 1), StepLayout(2, 4, 2, 1, 1), StepLayout(4, 6, 2, 1, 1)]
+    assert ideal_step_costs(moving, trained, frozen, 2, cache=True) == [12, 12, 5, 5, 3, 3]
+    assert ideal_step_costs(moving, trained, frozen, 2, cache=False) == [12, 12, 8, 8, 8, 8]
     result = ideal_speedup(
         baseline_segments=base, elastic_segments=elastic, trained=trained, frozen=frozen, steps_per_epoch=2,
         cache=False, baseline_wall_s=110.0, baseline_eval_s=2.0, elastic_wall_s=80.0,
@@ -129,3 +134,22 @@ def test_compare_command_end_to_end(tmp_path):
     assert results["variants"]["elastic"]["freeze_trajectory"][-1]["pipe_len"] == 1
     assert "ideal_speedup" in results and (out / "report.md").exists() and (out / "trajectory.png").exists()
     assert "baseline done" in result.stderr and "elastic done" in result.stderr
+    # --report-only rebuilds the outputs from the runs without rerunning them, keeping the
+    # original command and the unit costs (hence the same ideal speedup).
+    (out / "report.md").unlink()
+    rebuilt = subprocess.run(
+        [sys.executable, "-m", "pipetransformer", "compare", str(ROOT / "configs" / "quickstart.yaml"),
+         "--out", str(out), "--report-only"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+    assert rebuilt.returncode == 0, rebuilt.stderr[-3000:]
+    again = json.loads((out / "results.json").read_text())
+    assert again["command"] == results["command"] and again["ideal_speedup"] == results["ideal_speedup"]
+    assert again["variants"] == results["variants"] and (out / "report.md").exists()
+    assert "baseline done" not in rebuilt.stderr
+    empty = subprocess.run(
+        [sys.executable, "-m", "pipetransformer", "compare", str(ROOT / "configs" / "quickstart.yaml"),
+         "--out", str(tmp_path / "nothing"), "--report-only"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+    assert empty.returncode != 0 and "has no finished baseline/ and elastic/ runs" in empty.stderr

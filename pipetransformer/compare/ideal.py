@@ -1,9 +1,11 @@
 """The ideal speedup a run's own freeze trajectory allows. Pure arithmetic.
 
 A perfect system spends, per training sample, the forward + backward time of the active
-units, the forward time of the frozen prefix only while its output is not yet cached (the
-first epoch after each freeze; from then on the cache serves it), spread evenly over the
-W devices, stretched only by the pipeline bubble of GPipe, (M + K - 1) / M:
+units and, for the frozen prefix, only the forward of the frozen units its cache entry does
+not cover yet, spread evenly over the W devices, stretched only by the pipeline bubble of
+GPipe, (M + K - 1) / M. A sample met one epoch earlier was stored at the boundary then in
+effect, so at step s with F(s) frozen layers it runs the frozen units from
+F(s - steps_per_epoch) to F(s) (upgrading its entry), and all of them in the first epoch:
 
     step_time(F, K, M) = (B / W) * C(F) * (M + K - 1) / M
 
@@ -39,12 +41,13 @@ def bubble(pipe_len: int, num_micro_batches: int) -> float:
 
 
 def sample_cost(
-    trained: Sequence[float], frozen: Sequence[float], num_frozen_layers: int, prefix_cached: bool
+    trained: Sequence[float], frozen: Sequence[float], num_frozen_layers: int, cached_frozen_layers: int = 0
 ) -> float:
-    """Per-sample compute: active units forward+backward, frozen prefix forward unless cached."""
+    """Per-sample compute: active units forward+backward, plus the forward of the frozen
+    units beyond the `cached_frozen_layers` whose output the cache already holds."""
     boundary = prefix_end(num_frozen_layers)
     active = sum(trained[boundary:])
-    return active if prefix_cached else active + sum(frozen[:boundary])
+    return active + sum(frozen[prefix_end(min(cached_frozen_layers, num_frozen_layers)):boundary])
 
 
 def ideal_step_costs(
@@ -55,15 +58,12 @@ def ideal_step_costs(
     cache: bool,
 ) -> list[float]:
     """Relative cost of every step (the constant B / W factor left out)."""
+    frozen_at: dict[int, int] = {}  # step -> F in effect
     costs: list[float] = []
-    cached_from: int | None = None  # first step at which the current boundary is cached
-    last_frozen = 0
     for seg in segments:
         for step in range(seg.start, seg.end):
-            if seg.num_frozen_layers != last_frozen:
-                last_frozen = seg.num_frozen_layers
-                cached_from = step + steps_per_epoch  # one epoch fills the cache
-            cached = cache and cached_from is not None and step >= cached_from and last_frozen > 0
+            frozen_at[step] = seg.num_frozen_layers
+            cached = frozen_at.get(step - steps_per_epoch, 0) if cache else 0
             costs.append(
                 sample_cost(trained, frozen, seg.num_frozen_layers, cached) * bubble(seg.pipe_len, seg.num_micro_batches)
             )

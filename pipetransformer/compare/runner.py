@@ -7,6 +7,7 @@ per-unit costs the ideal speedup needs, and writing results.json, report.md and 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
@@ -91,13 +92,42 @@ def run_compare(config: Config, config_path: str | None, overrides: list[str], o
             file=sys.stderr,
         )
     costs = measured_unit_costs(config)
-    context = {
+    return _write_outputs(runs, costs, _context(config, config_path, overrides, ablations), config, out)
+
+
+def rebuild_compare(config: Config, config_path: str | None, overrides: list[str], out: Path) -> int:
+    """results.json, report.md and plots again from the variants' run directories in `out`
+    (after an upgrade of the report, or when a later variant failed): nothing is rerun. The
+    unit costs of an earlier results.json are reused, so the ideal speedup is comparable."""
+    names = [name for name in TITLES if (out / name / "summary.json").is_file()]
+    if BASELINE not in names or ELASTIC not in names:
+        raise ConfigError(f"--report-only: {out} has no finished {BASELINE}/ and {ELASTIC}/ runs (summary.json)")
+    runs = {name: read_run(out / name) for name in names}
+    previous = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
+    context = _context(config, config_path, overrides, ablations=len(names) > 2)
+    # The command and machine that produced the runs, not this invocation's.
+    context.update({key: previous[key] for key in context if key in previous})
+    costs = previous.get("unit_costs") or measured_unit_costs(config)
+    return _write_outputs(runs, costs, context, config, out)
+
+
+def _context(config: Config, config_path: str | None, overrides: list[str], ablations: bool) -> dict[str, Any]:
+    return {
         "config": config_path,
         "config_name": Path(config_path).stem if config_path else "default",
         "overrides": overrides,
         "command": " ".join(["pipetransformer compare", config_path or "", *overrides, *(["--ablations"] if ablations else [])]),
         "machine": machine_description(config),
     }
+
+
+def _write_outputs(
+    runs: dict[str, dict[str, Any]],
+    costs: dict[str, list[float]] | None,
+    context: dict[str, Any],
+    config: Config,
+    out: Path,
+) -> int:
     results = build_results(runs, costs, config.cache.enabled, context)
     plots = write_plots(runs, out)
     results["plots"] = sorted(plots)
