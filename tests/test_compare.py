@@ -10,6 +10,7 @@ import pytest
 from pipetransformer.compare.ideal import (
     StepLayout,
     bubble,
+    ideal_eval_costs,
     ideal_speedup,
     ideal_step_costs,
     segments_from_run,
@@ -47,6 +48,24 @@ def test_ideal_accounting_by_hand():
     assert result.ideal_speedup == pytest.approx(110 / 80)
     assert result.measured_speedup == pytest.approx(110 / 80) and result.efficiency == pytest.approx(1.0)
     assert bubble(1, 4) == 1.0 and bubble(4, 4) == pytest.approx(7 / 4)
+    # Evaluation runs all 6 units forward (1 each) unless the previous evaluation cached the
+    # prefix: F = 0, 1, 1 costs 6, 6 (nothing cached at F=0), then 3 (units 0-2 cached).
+    assert ideal_eval_costs([0, 1, 1], frozen, cache=True) == [6, 6, 3]
+    assert ideal_eval_costs([0, 1, 1], frozen, cache=False) == [6, 6, 6]
+    with_eval = ideal_speedup(
+        baseline_segments=base, elastic_segments=longer[:1] + [StepLayout(2, 4, 1, 1, 1)], trained=trained,
+        frozen=frozen, steps_per_epoch=2, cache=True, baseline_wall_s=110.0, baseline_eval_s=3.0,
+        elastic_wall_s=80.0, eval_frozen=[0, 1],
+    )
+    # Train 107 s x 78 / 108 (the second epoch still fills the cache); eval 3 s x 12 / 12.
+    assert with_eval.ideal_elastic_wall_s == pytest.approx(107 * 78 / 108 + 3)
+    three = ideal_speedup(
+        baseline_segments=[StepLayout(0, 6, 0, 2, 2)], elastic_segments=longer, trained=trained, frozen=frozen,
+        steps_per_epoch=2, cache=True, baseline_wall_s=170.0, baseline_eval_s=6.0, elastic_wall_s=100.0,
+        eval_frozen=[0, 1, 1],
+    )
+    # Train 164 s x (27+27+12+12+9+9) / (6 x 27); eval 6 s x 15 / 18.
+    assert three.ideal_elastic_wall_s == pytest.approx(164 * 96 / 162 + 6 * 15 / 18)
 
 
 def test_segments_follow_the_events():

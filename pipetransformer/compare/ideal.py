@@ -9,11 +9,13 @@ F(s - steps_per_epoch) to F(s) (upgrading its entry), and all of them in the fir
 
     step_time(F, K, M) = (B / W) * C(F) * (M + K - 1) / M
 
-The baseline is the same with F = 0 and its fixed K and M for every step. Evaluation time
-cannot be sped up by freezing, so the ideal elastic wall time keeps the baseline's
-evaluation time and scales only its training time:
+The baseline is the same with F = 0 and its fixed K and M for every step. Evaluation runs
+every unit forward; with the cache, an evaluation at F reads the prefix the previous
+evaluation stored and runs only the units after it. The ideal elastic wall time scales the
+baseline's training and evaluation times by those relative costs:
 
-    ideal_wall = base_train_s * sum(ideal elastic steps) / sum(ideal baseline steps) + base_eval_s
+    ideal_wall = base_train_s * sum(ideal elastic steps) / sum(ideal baseline steps)
+               + base_eval_s * sum(ideal elastic evals) / sum(ideal baseline evals)
     ideal_speedup = base_wall / ideal_wall;  efficiency = measured speedup / ideal speedup
 """
 
@@ -70,6 +72,17 @@ def ideal_step_costs(
     return costs
 
 
+def ideal_eval_costs(eval_frozen: Sequence[int], frozen: Sequence[float], cache: bool) -> list[float]:
+    """Relative cost of each epoch's evaluation, given F at each evaluation: every unit's
+    forward, less the frozen prefix the previous evaluation left in the cache."""
+    costs, previous = [], 0
+    for num_frozen in eval_frozen:
+        cached = min(previous, num_frozen) if cache else 0
+        costs.append(sum(frozen[prefix_end(cached):]))
+        previous = num_frozen
+    return costs
+
+
 @dataclass(frozen=True)
 class IdealSpeedup:
     ideal_speedup: float
@@ -89,11 +102,18 @@ def ideal_speedup(
     baseline_wall_s: float,
     baseline_eval_s: float,
     elastic_wall_s: float,
+    eval_frozen: Sequence[int] = (),
 ) -> IdealSpeedup:
+    """`eval_frozen`: F at each of the elastic run's evaluations (none given: evaluation is
+    counted at the baseline's time)."""
     base = sum(ideal_step_costs(baseline_segments, trained, frozen, steps_per_epoch, cache=False))
     elastic = sum(ideal_step_costs(elastic_segments, trained, frozen, steps_per_epoch, cache))
     base_train_s = max(0.0, baseline_wall_s - baseline_eval_s)
-    ideal_wall = base_train_s * elastic / base + baseline_eval_s
+    eval_scale = 1.0
+    if eval_frozen:
+        full = sum(ideal_eval_costs([0] * len(eval_frozen), frozen, cache=False))
+        eval_scale = sum(ideal_eval_costs(eval_frozen, frozen, cache)) / full
+    ideal_wall = base_train_s * elastic / base + baseline_eval_s * eval_scale
     ideal = baseline_wall_s / ideal_wall
     measured = baseline_wall_s / elastic_wall_s
     return IdealSpeedup(ideal, measured, measured / ideal, ideal_wall)

@@ -86,6 +86,7 @@ def build_results(
             baseline_wall_s=base["wall_time_s"],
             baseline_eval_s=base["eval_time_s"],
             elastic_wall_s=elastic["wall_time_s"],
+            eval_frozen=[point["num_frozen_layers"] for point in elastic["freeze_trajectory"]],
         )
         results["ideal_speedup"] = ideal.ideal_speedup
         results["efficiency"] = ideal.efficiency
