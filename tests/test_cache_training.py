@@ -74,7 +74,7 @@ def test_no_shared_memory_left_after_sigkill(tmp_path):
     before = cache_files()
     process = subprocess.Popen(
         [sys.executable, "-m", "pipetransformer", "train", str(ROOT / "configs" / "quickstart.yaml"),
-         "cache.enabled=true", "freeze.strategy=manual", "freeze.manual_schedule=[3]", "trainer.epochs=50",
+         "cache.enabled=true", "freeze.strategy=manual", "freeze.manual_schedule=[3]", "freeze.warmup_epochs=0", "trainer.epochs=50",
          "trainer.progress_bar=false", "--run-dir", str(tmp_path / "run")],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )

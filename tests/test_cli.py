@@ -58,7 +58,8 @@ def test_short_training_run_writes_its_outputs(tmp_path):
     run_dir = tmp_path / "run"
     result = cli(
         "train", QUICKSTART, "trainer.epochs=2", "data.train_subset=256", "data.eval_subset=64",
-        "freeze.strategy=manual", "freeze.manual_schedule=[5]", "trainer.save_model=true", "pipeline.balance=params",
+        "freeze.strategy=manual", "freeze.manual_schedule=[5]", "freeze.warmup_epochs=0", "trainer.save_model=true",
+        "pipeline.balance=params",
         "--run-dir", str(run_dir),
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -75,7 +76,10 @@ def test_short_training_run_writes_its_outputs(tmp_path):
     resolved = (run_dir / "config.yaml").read_text()
     assert "epochs: 2" in resolved and "train_subset: 256" in resolved
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    assert len(events) == 1 and events[0]["new_pipe_len"] == 1
+    transitions = [e for e in events if e["kind"] == "transition"]
+    assert len(transitions) == 1 and transitions[0]["new_pipe_len"] == 1
+    # num_micro_batches: auto (the default) profiles the initial layout at start-up, as its own event.
+    assert [e["kind"] for e in events] == ["profile", "transition"] and events[0]["profile_s"] > 0
     import torch
 
     state = torch.load(run_dir / "model.pt")
