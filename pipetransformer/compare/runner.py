@@ -103,6 +103,10 @@ def rebuild_compare(config: Config, config_path: str | None, overrides: list[str
     if BASELINE not in names or ELASTIC not in names:
         raise ConfigError(f"--report-only: {out} has no finished {BASELINE}/ and {ELASTIC}/ runs (summary.json)")
     runs = {name: read_run(out / name) for name in names}
+    # What the elastic run resolved (cache on or off), whatever this invocation's overrides say.
+    resolved = out / ELASTIC / "config.yaml"
+    if resolved.is_file():
+        config = load_config(str(resolved))
     previous = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
     context = _context(config, config_path, overrides, ablations=len(names) > 2)
     # The command and machine that produced the runs, not this invocation's.
