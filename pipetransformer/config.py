@@ -168,8 +168,12 @@ class CacheConfig:
     memory_budget_bytes: int | None = None
     # Directory of the disk tier; None: a temporary directory removed after the run.
     dir: str | None = None
+    # Storage precision; float16/bfloat16 halve the footprint (values rounded once).
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    # Cache a randomly augmented training set anyway (its first view; the log says so).
     allow_augmented: bool = False
+    # Keep the disk tier's files in cache.dir after the run (for inspection: a later run
+    # does not reload them, since entries belong to one run's weights and sample ids).
     keep: bool = False
     # Batches read ahead from the disk tier (the epoch's sample order is known in advance).
     prefetch_batches: int = 4
