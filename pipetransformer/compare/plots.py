@@ -18,19 +18,24 @@ def _epochs(run: dict[str, Any]) -> list[int]:
     return [p["epoch"] for p in run["freeze_trajectory"]]
 
 
-def plot_throughput(runs: dict[str, dict[str, Any]], path: Path) -> dict[str, list[float]]:
-    series = {name: run["samples_per_s"] for name, run in runs.items()}
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, values in series.items():
-        ax.plot(_epochs(runs[name]), values, marker="o", label=TITLES.get(name, name))
+def _finish(fig, ax, ylabel: str, title: str, path: Path) -> None:
+    """Label a per-epoch plot, save it as PNG and release the figure."""
     ax.set_xlabel("epoch")
-    ax.set_ylabel("training samples / s")
-    ax.set_title("Throughput per epoch")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_throughput(runs: dict[str, dict[str, Any]], path: Path) -> dict[str, list[float]]:
+    series = {name: run["samples_per_s"] for name, run in runs.items()}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, values in series.items():
+        ax.plot(_epochs(runs[name]), values, marker="o", label=TITLES.get(name, name))
+    _finish(fig, ax, "training samples / s", "Throughput per epoch", path)
     return series
 
 
@@ -41,14 +46,7 @@ def plot_eval_metric(runs: dict[str, dict[str, Any]], path: Path) -> dict[str, l
     for name, values in series.items():
         points = [(e, v) for e, v in zip(_epochs(runs[name]), values) if v is not None]
         ax.plot([e for e, _ in points], [v for _, v in points], marker="o", label=TITLES.get(name, name))
-    ax.set_xlabel("epoch")
-    ax.set_ylabel(f"eval {metric}")
-    ax.set_title(f"Eval {metric} per epoch")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(fig, ax, f"eval {metric}", f"Eval {metric} per epoch", path)
     return series
 
 

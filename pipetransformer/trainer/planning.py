@@ -48,10 +48,10 @@ logger = logging.getLogger(__name__)
 PLAN_PROFILE_PATH = Path("runs") / "profiles" / "profiles.json"
 
 
-def describe_model(config: Config, **overrides: Any) -> ModelSpec:
-    """The model's spec, built on the meta device. Raises ConfigError for a bad model."""
+def model_build_args(config: Config) -> dict[str, Any]:
+    """What build_model needs to know about the data (task, classes, input shapes)."""
     facts = data_facts(config.data)
-    args = dict(
+    return dict(
         task=facts.task,
         num_classes=facts.num_classes,
         in_chans=facts.in_chans,
@@ -59,7 +59,11 @@ def describe_model(config: Config, **overrides: Any) -> ModelSpec:
         vocab_size=facts.vocab_size,
         max_seq_length=facts.max_seq_length,
     )
-    args.update(overrides)
+
+
+def describe_model(config: Config, **overrides: Any) -> ModelSpec:
+    """The model's spec, built on the meta device. Raises ConfigError for a bad model."""
+    args = {**model_build_args(config), **overrides}
     try:
         spec = build_model(config.model, device="meta", **args).spec
     except (ValueError, TypeError, OSError) as exc:
@@ -350,20 +354,11 @@ def measure_model_costs(config: Config) -> dict[str, list[float]]:
     from pipetransformer.pipe.profiling import measure_unit_costs
 
     spec = describe_model(config)
-    facts = data_facts(config.data)
     layout_batch = config.trainer.global_batch_size // (config.nproc_per_node // config.pipeline.initial_pipe_len)
     micro = max(1, layout_batch // choose_num_micro_batches(
         config.pipeline.num_micro_batches, config.pipeline.initial_pipe_len, layout_batch
     ))
-    model = build_model(
-        config.model,
-        task=facts.task,
-        num_classes=facts.num_classes,
-        in_chans=facts.in_chans,
-        image_size=facts.image_size,
-        vocab_size=facts.vocab_size,
-        max_seq_length=facts.max_seq_length,
-    )
+    model = build_model(config.model, **model_build_args(config))
     measured = measure_unit_costs(dict(enumerate(model.units)), spec, micro, "cpu")
     units = range(spec.num_units)
     return {
