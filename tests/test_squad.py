@@ -275,15 +275,10 @@ def test_word_features_match_encode_pairs_when_everything_fits():
 
 
 def test_bundle_from_single_file_and_from_a_directory(mini_file: Path, tmp_path: Path):
-    config = DataConfig(
-        name="squad",
-        root=str(mini_file),
-        max_seq_length=128,
-        doc_stride=32,
-        train_subset=10,
-        eval_subset=5,
-    )
-    bundle = load_squad_bundle(config, None, seed=3)
+    def config_for(root: Path) -> DataConfig:
+        return DataConfig(name="squad", root=str(root), max_seq_length=128, doc_stride=32, train_subset=10, eval_subset=5)
+
+    bundle = load_squad_bundle(config_for(mini_file), None, seed=3)
     assert (bundle.task, bundle.num_classes, bundle.max_seq_length) == (
         "question_answering",
         2,
@@ -303,14 +298,7 @@ def test_bundle_from_single_file_and_from_a_directory(mini_file: Path, tmp_path:
     for name in ("train-v1.1.json", "dev-v1.1.json"):
         shutil.copy(mini_file, tmp_path / name)
     from_dir = load_squad_bundle(
-        DataConfig(
-            name="squad",
-            root=str(tmp_path),
-            max_seq_length=128,
-            doc_stride=32,
-            train_subset=10,
-            eval_subset=5,
-        ),
+        config_for(tmp_path),
         None,
         seed=3,
     )
