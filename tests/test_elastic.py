@@ -60,6 +60,9 @@ def reference_run(config):
             loss = (per_sample * valid).sum() / valid.sum()
             optim.set_learning_rate(optimizer, optim.learning_rate(config.optimizer, step, total))
             loss.backward()
+            if config.optimizer.max_grad_norm is not None:
+                trained = [p for p in model.parameters() if p.requires_grad]
+                torch.nn.utils.clip_grad_norm_(trained, config.optimizer.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))
@@ -73,16 +76,18 @@ def reference_run(config):
 
 
 @pytest.mark.parametrize(
-    "autopipe, autodp, layouts",
+    "autopipe, autodp, clip, layouts",
     [
-        (True, True, [(4, 1), (2, 2), (1, 4)]),  # the full system
-        (False, True, [(4, 1), (4, 1), (4, 1)]),  # freeze only: frozen units stay in their stages
-        (True, False, [(4, 1), (2, 1), (1, 1)]),  # no AutoDP: freed ranks idle
+        (True, True, None, [(4, 1), (2, 2), (1, 4)]),  # the full system
+        (False, True, None, [(4, 1), (4, 1), (4, 1)]),  # freeze only: frozen units stay in their stages
+        (True, False, None, [(4, 1), (2, 1), (1, 1)]),  # no AutoDP: freed ranks idle
+        # Global-norm clipping over a pipeline's stages (small enough to clip every step).
+        (True, True, 0.05, [(4, 1), (2, 2), (1, 4)]),
     ],
-    ids=["full", "freeze_only", "no_autodp"],
+    ids=["full", "freeze_only", "no_autodp", "full_clipped"],
 )
-def test_elastic_run_matches_single_process(tmp_path, autopipe, autodp, layouts):
-    config_dict = elastic_config(autopipe__enabled=autopipe)
+def test_elastic_run_matches_single_process(tmp_path, autopipe, autodp, clip, layouts):
+    config_dict = elastic_config(autopipe__enabled=autopipe, optimizer__max_grad_norm=clip)
     config_dict["autodp"] = {"enabled": autodp}
     config = config_from_dict(config_dict)
     ref_losses, ref_state, sampler = reference_run(config)

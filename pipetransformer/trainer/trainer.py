@@ -376,10 +376,14 @@ class Trainer:
         losses = self.runtime.train_step(inputs, target, self._batch_ids if inputs is not None else None)
         if self.runtime.comm_timer is not None:
             self._comm_s += self.runtime.comm_timer.take()
-        if self.config.optimizer.max_grad_norm is not None:
-            self._clip_gradients(self.config.optimizer.max_grad_norm)
-        if self.decider.needs_grad_norms:
-            self._accumulate_grad_norms()
+        clip = self.config.optimizer.max_grad_norm
+        if clip is not None or self.decider.needs_grad_norms:
+            # One pass over the gradients serves both; it stays on the device (no sync per unit).
+            unit_sq = self._unit_grad_squares()
+            scale = self._clip_gradients(unit_sq, clip) if clip is not None else 1.0
+            if self.decider.needs_grad_norms:
+                self.unit_grad_sq += unit_sq * scale**2  # the norms of the gradients applied
+                self.grad_norm_steps += 1
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -413,34 +417,38 @@ class Trainer:
         self._loader_position = (epoch, step + 1)
         return inputs
 
-    def _clip_gradients(self, max_norm: float) -> None:
-        params = [p for p in self.runtime.trainable_parameters() if p.grad is not None]
-        local = torch.zeros((), dtype=torch.float64, device=self.world.device)
-        for p in params:
-            local += p.grad.detach().double().pow(2).sum()
+    def _unit_grad_squares(self) -> torch.Tensor:
+        """Squared gradient norm of each unit this rank trains, float64 on the device."""
+        squares = torch.zeros(self.spec.num_units, dtype=torch.float64, device=self.world.device)
+        for index, unit in self.units.items():
+            grads = [p.grad.detach() for p in unit.parameters() if p.requires_grad and p.grad is not None]
+            if grads:
+                squares[index] = torch.stack([g.double().pow(2).sum() for g in grads]).sum()
+        return squares
+
+    def _clip_gradients(self, unit_squares: torch.Tensor, max_norm: float) -> float:
+        """Clip by the global norm; returns the factor applied to every gradient."""
+        total_sq = unit_squares.sum()
         # The replica's stages together hold the whole model: sum over the pipeline group.
-        dist.all_reduce(local, group=self.groups.pipeline)
-        total = float(local.sqrt())
-        if total > max_norm:
-            for p in params:
-                p.grad.mul_(max_norm / (total + 1e-6))
+        dist.all_reduce(total_sq, group=self.groups.pipeline)
+        total = float(total_sq.sqrt())
+        if total <= max_norm:
+            return 1.0
+        scale = max_norm / (total + 1e-6)
+        for p in self.runtime.trainable_parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        return scale
 
     # ------------------------------------------------------------------ freezing
 
     def _reset_grad_norms(self) -> None:
-        self.unit_grad_sq = torch.zeros(self.spec.num_units, dtype=torch.float64)
+        self.unit_grad_sq = torch.zeros(self.spec.num_units, dtype=torch.float64, device=self.world.device)
         self.grad_norm_steps = 0
-
-    def _accumulate_grad_norms(self) -> None:
-        self.grad_norm_steps += 1
-        for index, unit in self.units.items():
-            grads = [p.grad for p in unit.parameters() if p.requires_grad and p.grad is not None]
-            if grads:
-                self.unit_grad_sq[index] += float(sum(g.detach().double().pow(2).sum() for g in grads))
 
     def layer_grad_norms(self) -> list[float]:
         """Per-layer RMS gradient norm over the interval, identical on every rank (collective)."""
-        totals = self.unit_grad_sq.clone()
+        totals = self.unit_grad_sq.to("cpu", copy=True)  # the control group is gloo
         dist.all_reduce(totals, group=self.control)
         totals /= self.layout.dp_degree  # every replica holds the same (DDP-averaged) gradients
         steps = max(1, self.grad_norm_steps)
