@@ -10,8 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import shlex
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from pipetransformer.config import Config, ConfigError, load_config
@@ -19,9 +22,11 @@ from pipetransformer.config import Config, ConfigError, load_config
 logger = logging.getLogger("pipetransformer.cli")
 
 
-def _default_run_dir(config_path: str | None, prefix: str = "runs") -> Path:
+def _default_run_dir(config_path: str | None, prefix: str = "runs", run_id: str | None = None) -> Path:
+    """runs/<config>-<time>; under torchrun runs/<config>-<rendezvous id>, the same for every
+    node and across restarts (torchrun keeps the id), so a restarted worker finds its run."""
     stem = Path(config_path).stem if config_path else "default"
-    return Path(prefix) / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return Path(prefix) / f"{stem}-{run_id or time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def preflight(config: Config) -> None:
@@ -34,28 +39,114 @@ def preflight(config: Config) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from pipetransformer.launcher import WorkerFailed, launch_local, under_torchrun
-    from pipetransformer.trainer import run_worker
+    from pipetransformer.launcher import under_torchrun
 
     overrides = list(args.overrides)
     if args.nproc is not None:
         overrides.append(f"trainer.nproc_per_node={args.nproc}")
     config = load_config(args.config, overrides)
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume and --overwrite exclude each other")
+    if args.resume and args.run_dir and Path(args.run_dir) != Path(args.resume):
+        raise ConfigError("--resume RUN_DIR continues in RUN_DIR: leave out --run-dir or give the same directory")
     preflight(config)
-    run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(args.config)
+    resume = "required" if args.resume else config.trainer.resume
+    run_dir = Path(args.resume or args.run_dir or _default_run_dir(args.config, run_id=os.environ.get("TORCHELASTIC_RUN_ID")))
+    resume_line = shlex.join(["pipetransformer", *_train_arguments(args), "--resume", str(run_dir)])
     if under_torchrun():
-        run_worker(config, run_dir)
-        return 0
-    nproc = config.nproc_per_node
-    run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"pipetransformer: training on {nproc} local process(es); run directory {run_dir}", file=sys.stderr)
+        return _train_under_torchrun(config, run_dir, resume, args.overwrite, resume_line)
+    return _train_locally(config, run_dir, resume, args.overwrite, resume_line)
+
+
+def _train_arguments(args: argparse.Namespace) -> list[str]:
+    """The command line of this run, less its run-directory options (to print how to resume)."""
+    words = ["train", args.config, *args.overrides]
+    if args.nproc is not None:
+        words += ["--nproc", str(args.nproc)]
+    return words
+
+
+def _train_locally(config: Config, run_dir: Path, resume: str, overwrite: bool, resume_line: str) -> int:
+    """Start the local workers; restart them from the latest checkpoint when one dies
+    (trainer.max_restarts); turn a Ctrl-C or SIGTERM into a checkpoint and a resume line."""
+    from pipetransformer.launcher import LaunchInterrupted, WorkerFailed, launch_local
+    from pipetransformer.trainer import RunOptions, run_worker
+    from pipetransformer.trainer.rundir import RunLock, ensure_directory, prepare_run_dir
+    from pipetransformer.utils.stopping import exit_code_for
+
+    ensure_directory(run_dir)
+    lock = RunLock(run_dir).acquire()  # before looking inside: a second run must not touch it
     try:
-        launch_local(nproc, run_worker, (config, run_dir))
-    except WorkerFailed as exc:
-        print(f"pipetransformer: {exc}", file=sys.stderr)
-        return 1
+        checkpoint = prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
+        nproc = config.nproc_per_node
+        start = f"from {checkpoint}" if checkpoint else "from the start"
+        print(f"pipetransformer: training on {nproc} local process(es) {start}; run directory {run_dir}", file=sys.stderr)
+        run_id = uuid.uuid4().hex
+        restarts = 0
+        first_failure = None
+        while True:
+            options = RunOptions(
+                restart=restarts > 0, run_id=run_id, prepared_checkpoint=str(checkpoint) if checkpoint else ""
+            )
+            try:
+                launch_local(nproc, run_worker, (config, run_dir, options))
+                break
+            except LaunchInterrupted as exc:
+                if exc.stopped is None:
+                    print(f"pipetransformer: interrupted ({exc}); workers killed before a checkpoint", file=sys.stderr)
+                else:
+                    print(f"pipetransformer: {exc.stopped}. Resume with: {resume_line}", file=sys.stderr)
+                return exit_code_for(exc.signum)
+            except WorkerFailed as exc:
+                first_failure = first_failure or str(exc)
+                if restarts >= config.trainer.max_restarts:
+                    after = f" (gave up after {restarts} restarts; first failure: {first_failure})" if restarts else ""
+                    print(f"pipetransformer: a worker process failed ({exc}){after}", file=sys.stderr)
+                    return 1
+                restarts += 1
+                checkpoint = prepare_run_dir(run_dir, resume="auto", overwrite=False, restart=True, run_id=run_id)
+                start = f"from {checkpoint}" if checkpoint else "from the start (no checkpoint yet)"
+                print(
+                    f"pipetransformer: a worker process failed ({exc}); restart {restarts} of "
+                    f"{config.trainer.max_restarts} {start}",
+                    file=sys.stderr,
+                )
+    finally:
+        lock.release()
     summary = run_dir / "summary.json"
     if summary.exists():
+        print(summary.read_text().strip())
+    return 0
+
+
+def _train_under_torchrun(config: Config, run_dir: Path, resume: str, overwrite: bool, resume_line: str) -> int:
+    """This process is one worker; torchrun restarts workers (--max-restarts): a restarted
+    worker continues from the latest checkpoint by itself."""
+    from pipetransformer.trainer import RunOptions, run_worker
+    from pipetransformer.trainer.rundir import RunDirError
+    from pipetransformer.utils.stopping import RunStopped, exit_code_for
+
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    options = RunOptions(
+        resume=resume, overwrite=overwrite and not restart, restart=restart, run_id=os.environ.get("TORCHELASTIC_RUN_ID")
+    )
+    rank0 = os.environ.get("RANK", "0") == "0"
+    if config.trainer.max_restarts and rank0:
+        logger.warning(
+            "trainer.max_restarts applies to local runs; under torchrun pass --max-restarts (MAX_RESTARTS for launch/)"
+        )
+    try:
+        run_worker(config, run_dir, options)
+    except RunStopped as stopped:
+        if rank0:
+            print(f"pipetransformer: {stopped}. Resume with: {resume_line}", file=sys.stderr)
+        return exit_code_for(stopped.signum)
+    except RunDirError as exc:  # every rank learns it; one says it
+        if rank0:
+            print(f"pipetransformer: {exc}", file=sys.stderr)
+        return 2
+    summary = run_dir / "summary.json"
+    if rank0 and summary.exists():
         print(summary.read_text().strip())
     return 0
 
@@ -87,6 +178,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return run_compare(config, args.config, args.overrides, out, ablations=args.ablations)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from pipetransformer.trainer.export import export_run
+
+    checkpoint, files = export_run(Path(args.run_dir), Path(args.out), args.checkpoint)
+    print(f"pipetransformer: exported {checkpoint} to {args.out}: {', '.join(files)}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipetransformer",
@@ -102,6 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
     common(train)
     train.add_argument("--nproc", type=int, default=None, help="local worker processes (default: trainer.nproc_per_node)")
     train.add_argument("--run-dir", default=None, help="output directory (default: runs/<config>-<time>)")
+    train.add_argument(
+        "--resume", metavar="RUN_DIR", default=None,
+        help="continue the run in RUN_DIR from its latest checkpoint (at any number of processes)",
+    )
+    train.add_argument(
+        "--overwrite", action="store_true", help="start over in a run directory that holds a run (deletes its outputs)"
+    )
     train.set_defaults(func=cmd_train)
 
     plan = sub.add_parser("plan", help="print the layout AutoPipe would choose at each frozen boundary")
@@ -118,6 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="rerun nothing: rebuild results.json, report.md and plots from the runs already in --out",
     )
     compare.set_defaults(func=cmd_compare)
+
+    export = sub.add_parser(
+        "export", help="write a run's trained model as transformers / timm load it (from a checkpoint)"
+    )
+    export.add_argument("run_dir", help="the run directory (holds checkpoints/)")
+    export.add_argument("--checkpoint", choices=["latest", "best"], default="latest", help="which checkpoint")
+    export.add_argument("--out", required=True, help="output directory")
+    export.set_defaults(func=cmd_export)
     return parser
 
 
@@ -131,15 +245,25 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [e for e in extra if e.startswith("-") or "=" not in e]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.overrides = [*args.overrides, *extra]
+    args.overrides = [*getattr(args, "overrides", []), *extra]
+    from pipetransformer.trainer.rundir import RunDirError
+
+    # Exit codes: 0 done, 1 a failure during training, 2 bad input found before training,
+    # 128 + signal for a run stopped by SIGINT (130) or SIGTERM (143).
     try:
         code = args.func(args)
     except ConfigError as exc:
         print(f"pipetransformer: config error: {exc}", file=sys.stderr)
         code = 2
+    except RunDirError as exc:
+        print(f"pipetransformer: {exc}", file=sys.stderr)
+        code = 2
     except (FileNotFoundError, ValueError) as exc:
         print(f"pipetransformer: error: {exc}", file=sys.stderr)
         code = 2
+    except KeyboardInterrupt:  # before any worker started: nothing to save
+        print("pipetransformer: interrupted", file=sys.stderr)
+        code = 130
     except BrokenPipeError:  # e.g. `pipetransformer plan ... | head`
         code = 0
     sys.exit(code)

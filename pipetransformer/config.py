@@ -40,8 +40,15 @@ class TrainerConfig:
     # Seconds a collective may wait for a peer before the run fails (gloo's default is 30 min).
     timeout_s: float = 600.0
     progress_bar: bool = True
-    # Write the trained model (LayeredModel state dict) to RUN_DIR/model.pt at the end.
+    # At the end, export the trained model to RUN_DIR/export as its library loads it
+    # (transformers save_pretrained for BERT, a timm checkpoint for ViT).
     save_model: bool = False
+    # 'auto': when the run directory already holds a checkpoint, continue from its latest
+    # (as `train --resume RUN_DIR` does); 'never': a run directory is for one run.
+    resume: Literal["never", "auto"] = "never"
+    # When a worker dies (killed, out of memory, a failed collective), end the others and
+    # restart all of them from the latest checkpoint, at most this many times.
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
@@ -56,6 +63,8 @@ class TrainerConfig:
             _fail("trainer.eval_interval_epochs", "must be >= 1")
         if self.timeout_s <= 0:
             _fail("trainer.timeout_s", "must be > 0")
+        if self.max_restarts < 0:
+            _fail("trainer.max_restarts", f"must be >= 0, got {self.max_restarts}")
 
 
 @dataclass
@@ -188,6 +197,26 @@ class CacheConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    # A checkpoint at the end of every N-th epoch (after its evaluation); 0: none at epoch ends.
+    interval_epochs: int = 1
+    # Also one every N optimizer steps; None: only at epoch ends.
+    interval_steps: int | None = None
+    # Complete checkpoints kept (the newest N); older ones go once a newer one exists.
+    keep_last: int = 2
+    # Also keep the checkpoint with the best eval metric (RUN_DIR/checkpoints/best).
+    keep_best: bool = True
+
+    def __post_init__(self) -> None:
+        if self.interval_epochs < 0:
+            _fail("checkpoint.interval_epochs", f"must be >= 0, got {self.interval_epochs}")
+        if self.interval_steps is not None and self.interval_steps < 1:
+            _fail("checkpoint.interval_steps", f"must be >= 1 or null, got {self.interval_steps}")
+        if self.keep_last < 1:
+            _fail("checkpoint.keep_last", f"must be >= 1, got {self.keep_last}")
+
+
+@dataclass
 class ModelConfig:
     # A timm model name (ViT family) or 'bert'.
     name: str = "vit_tiny_patch16_224"
@@ -247,7 +276,10 @@ class DataConfig:
 
 @dataclass
 class LoggingConfig:
+    # Step and epoch metrics also to TensorBoard (RUN_DIR/tensorboard; the tensorboard extra).
     tensorboard: bool = False
+    # ... and to Weights & Biases (the wandb extra; WANDB_MODE=offline works without network).
+    wandb: bool = False
 
 
 @dataclass
@@ -259,6 +291,7 @@ class Config:
     autopipe: AutoPipeConfig = field(default_factory=AutoPipeConfig)
     autodp: AutoDPConfig = field(default_factory=AutoDPConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -471,5 +504,6 @@ def check_config(config: Config, world_size: int | None = None) -> None:
         _fail("data.name", f"'{config.data.name}' is a text dataset; model.name is a ViT")
 
 
-def dump_config(config: Config, path: str | os.PathLike) -> None:
-    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+def config_yaml(config: Config) -> str:
+    """The resolved config as YAML text (what RUN_DIR/config.yaml holds)."""
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)

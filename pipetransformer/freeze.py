@@ -117,6 +117,33 @@ class FreezeDecider:
         raise ValueError(f"freeze.strategy: unknown strategy '{strategy}'")
 
 
+@dataclass(frozen=True)
+class DecisionSchedule:
+    """When decision points fall: every `interval_steps` optimizer steps, or (None) at the
+    end of every epoch; none during the first `warmup_epochs` epochs and none after the
+    last step (nothing would train in the new layout). Pure: the trainer asks `due` once
+    after every step."""
+
+    interval_steps: int | None
+    warmup_epochs: int
+    epochs: int
+    steps_per_epoch: int
+
+    @property
+    def total_steps(self) -> int:
+        return self.epochs * self.steps_per_epoch
+
+    def due(self, global_step: int, epoch_end: bool) -> bool:
+        """After step `global_step` (1-based count of steps taken); `epoch_end`: that step
+        finished an epoch."""
+        if global_step >= self.total_steps:
+            return False
+        epoch_of_step = (global_step - 1) // self.steps_per_epoch
+        if self.interval_steps is None:
+            return epoch_end and epoch_of_step + 1 >= self.warmup_epochs
+        return global_step % self.interval_steps == 0 and epoch_of_step >= self.warmup_epochs
+
+
 def check_freeze_config(config: FreezeConfig, num_layers: int) -> None:
     """Checks that need the model's depth; raised before any process starts."""
     from pipetransformer.config import ConfigError

@@ -1,25 +1,41 @@
 """Starting worker processes: under torchrun, this process is the worker; otherwise start
 N local workers (one per device) with torchrun's environment variables.
 
-Owns: the environment each worker sees, the free port of the local rendezvous, turning a
-worker's failure into one clear error for the user.
+Owns: the environment each worker sees (a free port on the loopback interface for the
+rendezvous), watching the workers, and turning what happened to them into one outcome:
+- all finished: their results;
+- one failed (an exception, a signal such as SIGKILL, the out-of-memory killer): the others
+  are ended at once (they cannot go on without it) and `WorkerFailed` names the first
+  failure;
+- SIGINT / SIGTERM reached this process: it is forwarded to every worker, which finishes
+  its step, writes a checkpoint and stops; `LaunchInterrupted` carries where. A second
+  signal kills the workers at once.
+Workers die with this process (PR_SET_PDEATHSIG on Linux), so none is left training alone.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import multiprocessing
+import multiprocessing.connection
 import os
+import pickle
+import signal
 import socket
+import tempfile
+import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessException
+from pipetransformer.utils.stopping import STOP_SIGNALS, RunStopped
 
 logger = logging.getLogger(__name__)
 
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Seconds the other workers get to exit by themselves after one failed.
+FAILURE_GRACE_S = 5.0
 
 
 def under_torchrun() -> bool:
@@ -36,7 +52,28 @@ class WorkerFailed(RuntimeError):
     pass
 
 
-def _worker_entry(local_rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple, error_dir: str) -> None:
+class LaunchInterrupted(Exception):
+    """A stop signal reached the launcher; `stopped` is set when the workers wrote a
+    checkpoint and stopped cleanly, None when they had to be killed."""
+
+    def __init__(self, signum: int, stopped: RunStopped | None) -> None:
+        super().__init__(str(stopped) if stopped else signal.Signals(signum).name)
+        self.signum = signum
+        self.stopped = stopped
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the kernel kills us when the parent goes
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:  # it went before prctl took effect
+        os._exit(1)
+
+
+def _worker_entry(local_rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple, status_dir: str, parent_pid: int) -> None:
+    _die_with_parent(parent_pid)
     os.environ.update(
         {
             "RANK": str(local_rank),
@@ -45,35 +82,97 @@ def _worker_entry(local_rank: int, nproc: int, port: int, fn: Callable[..., Any]
             "LOCAL_WORLD_SIZE": str(nproc),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
+            # Local runs listen on the loopback interface only (see init_distributed).
+            "PIPETRANSFORMER_LOOPBACK": "1",
         }
     )
+    status = Path(status_dir)
     try:
-        fn(*args)
+        result = fn(*args)
+    except RunStopped as stopped:
+        (status / f"rank{local_rank}.stopped").write_bytes(pickle.dumps(stopped))
+        return
     except BaseException as exc:
-        # Keep the first line of each failure for the parent's one-line error.
-        with open(os.path.join(error_dir, f"rank{local_rank}.err"), "w") as f:
-            f.write(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-        raise
+        # The parent reports the first line; the whole traceback stays in the file.
+        (status / f"rank{local_rank}.err").write_text(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        os._exit(1)
+    (status / f"rank{local_rank}.result").write_bytes(pickle.dumps(result))
 
 
-def launch_local(nproc: int, fn: Callable[..., Any], args: tuple = ()) -> None:
-    """Run `fn(*args)` in `nproc` local worker processes; raise WorkerFailed on any failure."""
-    import tempfile
+def _describe(rank: int, exitcode: int | None, status: Path) -> str:
+    err = status / f"rank{rank}.err"
+    if err.exists():
+        return f"rank{rank}: {err.read_text().splitlines()[0]}"
+    if exitcode is not None and exitcode < 0:
+        return f"rank{rank}: killed by {signal.Signals(-exitcode).name}"
+    return f"rank{rank}: exited with code {exitcode}"
 
+
+def launch_local(nproc: int, fn: Callable[..., Any], args: tuple = ()) -> list[Any]:
+    """Run `fn(*args)` in `nproc` local worker processes; return each rank's result.
+    Raises WorkerFailed or LaunchInterrupted (see the module docstring)."""
+    context = multiprocessing.get_context("spawn")
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="pipetransformer-errors-") as error_dir:
-        try:
-            mp.start_processes(
-                _worker_entry,
-                args=(nproc, port, fn, args, error_dir),
-                nprocs=nproc,
-                join=True,
-                start_method="spawn",
+    received: list[int] = []
+    previous = {}
+
+    with tempfile.TemporaryDirectory(prefix="pipetransformer-status-") as status_dir:
+        status = Path(status_dir)
+        processes = [
+            context.Process(
+                target=_worker_entry, args=(rank, nproc, port, fn, args, status_dir, os.getpid()), daemon=False
             )
-        except ProcessException as exc:
-            messages = []
-            for name in sorted(os.listdir(error_dir)):
-                with open(os.path.join(error_dir, name)) as f:
-                    messages.append(f"{name[:-4]}: {f.readline().strip()}")
-            detail = "; ".join(messages) or str(exc).strip().splitlines()[-1]
-            raise WorkerFailed(f"a worker process failed ({detail})") from exc
+            for rank in range(nproc)
+        ]
+
+        def forward(signum, frame) -> None:
+            received.append(signum)
+            first = len(received) == 1
+            for process in processes:
+                if process.pid is not None and process.is_alive():
+                    try:
+                        os.kill(process.pid, signum if first else signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+
+        for signum in STOP_SIGNALS:
+            previous[signum] = signal.signal(signum, forward)
+        try:
+            for process in processes:
+                process.start()
+            failure = _watch(processes, status)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        results = [status / f"rank{rank}.result" for rank in range(nproc)]
+        if failure is None and all(path.exists() for path in results):
+            return [pickle.loads(path.read_bytes()) for path in results]  # finished, signal or not
+        stopped = sorted(status.glob("rank*.stopped"))
+        if failure is None and stopped:  # the signal may have reached the workers only
+            run_stopped = pickle.loads(stopped[0].read_bytes())
+            raise LaunchInterrupted(received[0] if received else run_stopped.signum, run_stopped)
+        if received:
+            raise LaunchInterrupted(received[0], None)
+        raise WorkerFailed(failure or "a worker exited without a result")
+
+
+def _watch(processes: list, status: Path) -> str | None:
+    """Wait for every worker; on the first failure end the rest. Returns that failure."""
+    pending = {p.sentinel: rank for rank, p in enumerate(processes)}
+    failure = None
+    deadline = None
+    while pending:
+        timeout = 0.5 if deadline is None else max(0.0, deadline - time.monotonic())
+        for sentinel in multiprocessing.connection.wait(list(pending), timeout=timeout):
+            rank = pending.pop(sentinel)
+            process = processes[rank]
+            process.join()
+            if process.exitcode != 0 and failure is None:
+                failure = _describe(rank, process.exitcode, status)
+                deadline = time.monotonic() + FAILURE_GRACE_S
+        if deadline is not None and time.monotonic() >= deadline:
+            for sentinel, rank in list(pending.items()):
+                processes[rank].kill()
+                processes[rank].join()
+                pending.pop(sentinel)
+    return failure

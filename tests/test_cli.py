@@ -78,12 +78,15 @@ def test_short_training_run_writes_its_outputs(tmp_path):
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     transitions = [e for e in events if e["kind"] == "transition"]
     assert len(transitions) == 1 and transitions[0]["new_pipe_len"] == 1
-    # num_micro_batches: auto (the default) profiles the initial layout at start-up, as its own event.
-    assert [e["kind"] for e in events] == ["profile", "transition"] and events[0]["profile_s"] > 0
-    import torch
-
-    state = torch.load(run_dir / "model.pt")
-    assert any(k.startswith("units.17.") for k in state)  # the head, gathered from its rank
+    # num_micro_batches: auto (the default) profiles the initial layout at start-up, as its own
+    # event; a checkpoint follows each epoch (the decision after epoch 1 comes first).
+    assert [e["kind"] for e in events] == ["profile", "start", "transition", "checkpoint", "checkpoint"]
+    assert events[0]["profile_s"] > 0
+    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    assert [s["global_step"] for s in steps] == [4, 5, 8]  # every 5 steps and at each epoch's end
+    # trainer.save_model: the model exported as timm loads it, from the final checkpoint.
+    assert {"config.json", "model.safetensors"} <= {p.name for p in (run_dir / "export").iterdir()}
+    assert summary["checkpoint"].endswith("step-00000008")
     assert "[rank0]" in result.stderr and "[rank1]" in result.stderr
 
 
@@ -92,4 +95,5 @@ def test_a_failing_worker_is_reported_once_with_its_cause(tmp_path):
     bad.write_bytes(b"not a checkpoint")
     result = cli("train", QUICKSTART, f"model.checkpoint_path={bad}", "trainer.epochs=1", "--run-dir", str(tmp_path / "r"))
     assert result.returncode == 1
-    assert "a worker process failed" in result.stderr and "rank0" in result.stderr
+    assert "a worker process failed (rank" in result.stderr and "weights_only" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -96,6 +96,7 @@ def test_results_and_report_agree_with_the_runs(tmp_path):
     fake_run(tmp_path / "baseline", 30.0, [(0.5, 0, 2, 1, 100.0), (0.8, 0, 2, 1, 101.0), (0.9, 0, 2, 1, 99.0)])
     event = {"epoch": 1, "step": None, "global_step": 10, "old_num_frozen_layers": 0, "new_num_frozen_layers": 3,
              "old_pipe_len": 2, "new_pipe_len": 1, "old_dp_degree": 1, "new_dp_degree": 2, "units_moved": 9,
+             "new_stage_ranges": [[7, 18]],
              "num_micro_batches": 2, "plan_s": 0.001, "state_move_s": 0.05, "groups_s": 0.02, "rebuild_s": 0.01,
              "total_s": 0.081}
     fake_run(tmp_path / "elastic", 20.0, [(0.5, 0, 2, 1, 100.0), (0.82, 3, 1, 2, 160.0), (0.89, 3, 1, 2, 170.0)], [event])

@@ -1,7 +1,7 @@
 import pytest
 import yaml
 
-from pipetransformer.config import Config, ConfigError, config_from_dict, dump_config, load_config
+from pipetransformer.config import Config, ConfigError, config_from_dict, config_yaml, load_config
 
 ROOT_CONFIGS = __import__("pathlib").Path(__file__).resolve().parent.parent / "configs"
 
@@ -84,8 +84,7 @@ def test_missing_and_malformed_files(tmp_path):
 
 def test_dump_round_trips(tmp_path):
     c = load_config(ROOT_CONFIGS / "quickstart.yaml", ["trainer.epochs=2"])
-    dump_config(c, tmp_path / "resolved.yaml")
-    again = config_from_dict(yaml.safe_load((tmp_path / "resolved.yaml").read_text()))
+    again = config_from_dict(yaml.safe_load(config_yaml(c)))
     assert again == c
 
 

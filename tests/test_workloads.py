@@ -123,10 +123,18 @@ def test_pretrained_minilm_sst2_offline(tmp_path, shared_data):
         if env_before is None:
             os.environ.pop("HF_HUB_OFFLINE")
     assert 0.0 <= metrics[-1]["eval_metric"] <= 1.0
-    saved = torch.load(tmp_path / "model.pt")
+    # trainer.save_model exported a transformers directory: the pretrained weights and tokenizer.
+    exported = tmp_path / "export"
+    with safe_open(str(exported / "model.safetensors"), "pt") as f:
+        saved = {k: f.get_tensor(k) for k in ("bert.embeddings.word_embeddings.weight",
+                                               "bert.encoder.layer.5.attention.self.query.weight")}
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         pretrained = f.get_tensor("embeddings.word_embeddings.weight")
         query = f.get_tensor("encoder.layer.5.attention.self.query.weight")
-    torch.testing.assert_close(saved["units.0.embeddings.word_embeddings.weight"], pretrained, atol=1e-6, rtol=0)
-    torch.testing.assert_close(saved["units.11.attention.self.query.weight"], query, atol=1e-6, rtol=0)
+    torch.testing.assert_close(saved["bert.embeddings.word_embeddings.weight"], pretrained, atol=1e-6, rtol=0)
+    torch.testing.assert_close(saved["bert.encoder.layer.5.attention.self.query.weight"], query, atol=1e-6, rtol=0)
     assert pretrained.shape[0] == 30522  # the directory's WordPiece vocabulary, not a built one
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(exported)("a fine film")["input_ids"] == AutoTokenizer.from_pretrained(
+        model_dir)("a fine film")["input_ids"]

@@ -80,20 +80,49 @@ def env_rank() -> int:
     return int(os.environ["RANK"])
 
 
-def elastic_run(config_dict: dict, run_dir: str, gather_optimizer: bool = False):
-    """A whole Trainer run; returns step losses, transitions and (rank 0) the final state."""
+def gather_state(trainer, include_optimizer: bool = False):
+    """The whole model's state (LayeredModel keys) and optimizer state by parameter name,
+    assembled on rank 0 from every rank's units (None elsewhere). Collective."""
+    from pipetransformer.trainer import optim as optim_module
+    from pipetransformer.utils.units import param_key, parse_param_key
+
+    def reporter(unit: int) -> int:  # the lowest rank holding a unit reports it
+        return min(r for r in range(trainer.world.world_size) if unit in trainer.layout.units_of_rank(r))
+
+    mine, states = {}, {}
+    for index, unit in trainer.units.items():
+        if reporter(index) == trainer.world.rank:
+            for name, tensor in unit.state_dict().items():
+                mine[param_key(index, name)] = tensor.detach().cpu().clone()
+    if include_optimizer:
+        for name, state in optim_module.states_by_name(trainer.optimizer, trainer._named_params()).items():
+            if reporter(parse_param_key(name)[0]) == trainer.world.rank:
+                states[name] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+    gathered = [None] * trainer.world.world_size if trainer.world.rank == 0 else None
+    torch.distributed.gather_object((mine, states), gathered, dst=0, group=trainer.control)
+    if trainer.world.rank != 0:
+        return None
+    model_state, optimizer_state = {}, {}
+    for part, part_states in gathered:
+        model_state.update(part)
+        optimizer_state.update(part_states)
+    return model_state, optimizer_state
+
+
+def elastic_run(config_dict: dict, run_dir: str, gather_optimizer: bool = False, options=None):
+    """A whole Trainer run; returns transitions and (rank 0) the final state. Per-step
+    losses are in RUN_DIR/steps.jsonl (log_interval_steps 1)."""
     from pipetransformer.config import config_from_dict
     from pipetransformer.trainer.trainer import Trainer
 
-    trainer = Trainer(config_from_dict(config_dict), run_dir)
+    trainer = Trainer(config_from_dict(config_dict), run_dir, options)
     try:
         trainer.setup()
         summary = trainer.train()
-        state = trainer.gather_state(include_optimizer=gather_optimizer)
+        state = gather_state(trainer, include_optimizer=gather_optimizer)
         return {
             "rank": trainer.world.rank,
             "summary": summary,
-            "step_losses": trainer.step_losses,
             "transitions": trainer.transitions,
             "state": state,
         }
@@ -124,7 +153,7 @@ def handoff_snapshots(config_dict: dict, run_dir: str, new_frozen: list[int]):
         trainer.train()
         snapshots = [(trainer.layout, _snapshot(trainer))]
         for frozen in new_frozen:
-            trainer.transition(frozen, epoch=0, step=None)
+            trainer.transition(frozen)
             snapshots.append((trainer.layout, _snapshot(trainer)))
         return snapshots
     finally:

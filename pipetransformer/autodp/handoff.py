@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetransformer.autodp.topology import Layout
+from pipetransformer.utils.units import param_key
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def unit_tensors(
     for name, param in unit.named_parameters():
         tensors.append((f"param:{name}", param.detach()))
         if optimizer_states is not None:
-            for key, value in optimizer_states.get(f"u{unit_index}.{name}", {}).items():
+            for key, value in optimizer_states.get(param_key(unit_index, name), {}).items():
                 if isinstance(value, torch.Tensor):
                     tensors.append((f"opt:{name}:{key}", value))
                 else:
@@ -129,10 +130,10 @@ def _receive_unit(
             buffers.pop(rest)
         else:
             param_name, _, key = rest.rpartition(":")
-            states.setdefault(f"u{transfer.unit}.{param_name}", {})[key] = value
+            states.setdefault(param_key(transfer.unit, param_name), {})[key] = value
     for name, value in manifest["scalars"].items():
         param_name, _, key = name[len("opt:") :].rpartition(":")
-        states.setdefault(f"u{transfer.unit}.{param_name}", {})[key] = value
+        states.setdefault(param_key(transfer.unit, param_name), {})[key] = value
     if buffers:
         raise RuntimeError(f"unit {transfer.unit}: buffers {sorted(buffers)} were not received")
     return unit, states

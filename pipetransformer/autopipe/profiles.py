@@ -222,14 +222,7 @@ class ProfileStore:
         units.update(self._unit_profiles)
         for key, timings in self._micro_batch_timings.items():
             micro.setdefault(key, {}).update(timings)
-        payload = {
-            "format_version": FORMAT_VERSION,
-            "unit_profiles": {k: units[k].to_dict() for k in sorted(units)},
-            "micro_batch_timings": {
-                k: {str(m): micro[k][m] for m in sorted(micro[k])} for k in sorted(micro)
-            },
-        }
-        write_json_atomic(self.path, payload)
+        write_json_atomic(self.path, _payload(units, micro))
         self._unit_profiles, self._micro_batch_timings = units, micro
         logger.info(
             "saved %d unit profiles and %d micro-batch timings to %s",
@@ -237,6 +230,10 @@ class ProfileStore:
             len(micro),
             self.path,
         )
+
+    def save_copy(self, path: str | os.PathLike) -> None:
+        """Write this store's records, and only them, to another file (a checkpoint's copy)."""
+        write_json_atomic(path, _payload(self._unit_profiles, self._micro_batch_timings))
 
     def _read(self) -> tuple[dict[str, UnitProfile], dict[str, dict[int, float]]]:
         if not self.path.exists():
@@ -267,6 +264,16 @@ class ProfileStore:
             ) from exc
         return units, micro
 
+    def update(self, other: ProfileStore) -> None:
+        """Add `other`'s records (e.g. a checkpoint's copy of a run's measurements); where
+        both hold a record, this store's stays."""
+        for key, profile in other._unit_profiles.items():
+            self._unit_profiles.setdefault(key, profile)
+        for key, timings in other._micro_batch_timings.items():
+            own = self._micro_batch_timings.setdefault(key, {})
+            for m, seconds in timings.items():
+                own.setdefault(m, seconds)
+
     def unit_profile(self, key: str) -> UnitProfile | None:
         return self._unit_profiles.get(key)
 
@@ -288,6 +295,14 @@ class ProfileStore:
 
     def keys(self) -> list[str]:
         return sorted([*self._unit_profiles, *self._micro_batch_timings])
+
+
+def _payload(units: Mapping[str, UnitProfile], micro: Mapping[str, Mapping[int, float]]) -> dict[str, Any]:
+    return {
+        "format_version": FORMAT_VERSION,
+        "unit_profiles": {k: units[k].to_dict() for k in sorted(units)},
+        "micro_batch_timings": {k: {str(m): micro[k][m] for m in sorted(micro[k])} for k in sorted(micro)},
+    }
 
 
 def get_or_measure_unit_profile(

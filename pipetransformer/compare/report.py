@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pipetransformer.compare.ideal import StepLayout, ideal_speedup, segments_from_run
+from pipetransformer.trainer.records import EpochMetrics, TransitionEvent, event_from_dict
 from pipetransformer.utils.files import read_jsonl, write_json_atomic
 
 BASELINE = "baseline"
@@ -25,38 +26,40 @@ TITLES = {
 
 
 def read_run(run_dir: Path) -> dict[str, Any]:
+    """One variant's entry of results.json, from the records its run wrote."""
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         raise FileNotFoundError(f"{summary_path} is missing: the run did not finish")
     summary = json.loads(summary_path.read_text())
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    events = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("kind", "transition") == "transition"]
-    epoch_time = sum(m["epoch_time_s"] for m in metrics)
-    comm = sum(m.get("ddp_comm_s", 0.0) for m in metrics)
+    metrics = [EpochMetrics.from_dict(m) for m in read_jsonl(run_dir / "metrics.jsonl")]
+    events = [event_from_dict(e) for e in read_jsonl(run_dir / "events.jsonl")]
+    transitions = [e for e in events if isinstance(e, TransitionEvent)]
+    epoch_time = sum(m.epoch_time_s for m in metrics)
+    comm = sum(m.ddp_comm_s for m in metrics)
     return {
         "run_dir": str(run_dir),
         "wall_time_s": summary["wall_time_s"],
         "final_eval_metric": summary["final_eval_metric"],
         "best_eval_metric": summary["best_eval_metric"],
         "metric_name": summary.get("metric_name", "eval_metric"),
-        "samples_per_s": [m["samples_per_s"] for m in metrics],
-        "epoch_time_s": [m["epoch_time_s"] for m in metrics],
-        "eval_time_s": sum(m.get("eval_time_s", 0.0) for m in metrics),
-        "eval_metric": [m["eval_metric"] for m in metrics],
+        "samples_per_s": [m.samples_per_s for m in metrics],
+        "epoch_time_s": [m.epoch_time_s for m in metrics],
+        "eval_time_s": sum(m.eval_time_s for m in metrics),
+        "eval_metric": [m.eval_metric for m in metrics],
         "freeze_trajectory": [
             {
-                "epoch": m["epoch"],
-                "global_step": m["global_step"],
-                "num_frozen_layers": m["num_frozen_layers"],
-                "pipe_len": m["pipe_len"],
-                "dp_degree": m["dp_degree"],
-                "num_micro_batches": m["num_micro_batches"],
+                "epoch": m.epoch,
+                "global_step": m.global_step,
+                "num_frozen_layers": m.num_frozen_layers,
+                "pipe_len": m.pipe_len,
+                "dp_degree": m.dp_degree,
+                "num_micro_batches": m.num_micro_batches,
             }
             for m in metrics
         ],
-        "transitions": events,
+        "transitions": [t.to_dict() for t in transitions],
         "ddp_comm_share": comm / epoch_time if epoch_time > 0 else 0.0,
-        "steps_per_epoch": metrics[0]["global_step"] if metrics else 0,
+        "steps_per_epoch": metrics[0].global_step if metrics else 0,
     }
 
 
@@ -142,12 +145,12 @@ def write_report(results: dict[str, Any], out: Path, plots: list[str]) -> str:
             "| epoch | step | frozen | pipe_len | dp_degree | units moved | plan (ms) | state move (ms) | groups (ms) | micro-batch profiling (ms) | rebuild (ms) | total (ms) |",
             "| ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
-        for e in events:
+        for e in map(TransitionEvent.from_dict, events):
             lines.append(
-                f"| {e['epoch']} | {e['global_step']} | {e['old_num_frozen_layers']} → {e['new_num_frozen_layers']} | "
-                f"{e['old_pipe_len']} → {e['new_pipe_len']} | {e['old_dp_degree']} → {e['new_dp_degree']} | "
-                f"{e['units_moved']} | {1000 * e.get('plan_s', 0):.1f} | {1000 * e.get('state_move_s', 0):.1f} | "
-                f"{1000 * e.get('groups_s', 0):.1f} | {1000 * e.get('profile_s', 0):.1f} | {1000 * e.get('rebuild_s', 0):.1f} | {1000 * e['total_s']:.1f} |"
+                f"| {e.epoch} | {e.global_step} | {e.old_num_frozen_layers} → {e.new_num_frozen_layers} | "
+                f"{e.old_pipe_len} → {e.new_pipe_len} | {e.old_dp_degree} → {e.new_dp_degree} | "
+                f"{e.units_moved} | {1000 * e.plan_s:.1f} | {1000 * e.state_move_s:.1f} | "
+                f"{1000 * e.groups_s:.1f} | {1000 * e.profile_s:.1f} | {1000 * e.rebuild_s:.1f} | {1000 * e.total_s:.1f} |"
             )
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]

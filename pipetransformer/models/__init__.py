@@ -24,6 +24,8 @@ from pipetransformer.models.layered import (
 
 __all__ = [
     "LayeredModel",
+    "export_model",
+    "materialize",
     "ModelSpec",
     "TensorSpec",
     "UnitSequence",
@@ -77,3 +79,34 @@ def build_model(
         device=device,
     )
     return layered_bert(model, max_seq_length)
+
+
+def export_model(model: LayeredModel, out_dir, tokenizer: str | None = None) -> list[str]:
+    """Write `model` in its library's own format (transformers `save_pretrained` for BERT,
+    a timm hub checkpoint for ViT) into `out_dir`; returns the file names."""
+    from pathlib import Path
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if model.spec.family == "vit":
+        from pipetransformer.models.vit import export_vit
+
+        return export_vit(model, out_dir)
+    from pipetransformer.models.bert import export_bert
+
+    return export_bert(model, out_dir, tokenizer)
+
+
+def materialize(model: LayeredModel, device: str | torch.device = "cpu") -> LayeredModel:
+    """A model built on the meta device, given real (uninitialised) storage on `device` and
+    cut into units again, so that the units and the library model share every tensor (a
+    tensor a unit registers itself, such as ViT's class token, would otherwise stay behind
+    on the meta device in one of the two)."""
+    source = model.source.to_empty(device=device)
+    if model.spec.family == "vit":
+        from pipetransformer.models.vit import layered_vit
+
+        return layered_vit(source)
+    from pipetransformer.models.bert import layered_bert
+
+    return layered_bert(source, model.spec.input_specs[0].shape[0])

@@ -200,4 +200,22 @@ def layered_bert(model: nn.Module, max_seq_length: int) -> LayeredModel:
         activation_specs=(TensorSpec((max_seq_length, config.hidden_size), torch.float32), tokens),
         output_spec=output,
     )
-    return LayeredModel(units, spec)
+    return LayeredModel(units, spec, source=model)
+
+
+def export_bert(model: LayeredModel, out_dir: Path, tokenizer: str | None) -> list[str]:
+    """Write a transformers `save_pretrained` directory (config.json, model.safetensors and,
+    from `tokenizer` (a hub id or directory), the tokenizer's files), which
+    AutoModelForSequenceClassification / AutoModelForQuestionAnswering.from_pretrained
+    loads. Returns the files written."""
+    model.source.save_pretrained(str(out_dir), safe_serialization=True)
+    if tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tokenizer).save_pretrained(str(out_dir))
+    else:
+        logger.warning(
+            "no tokenizer exported: the run used a word vocabulary built from its training text "
+            "(set data.tokenizer or model.model_name_or_path to train with a transformers tokenizer)"
+        )
+    return sorted(p.name for p in out_dir.iterdir())

@@ -23,7 +23,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pipetransformer.utils.units import attention_unit, layer_of_unit, mlp_unit, prefix_end
+from pipetransformer.utils.units import (
+    attention_unit,
+    layer_of_unit,
+    mlp_unit,
+    param_key,
+    prefix_end,
+)
 
 Activations = tuple[torch.Tensor, ...]
 
@@ -84,12 +90,16 @@ class ModelSpec:
 class LayeredModel(nn.Module):
     """A model cut into units. Adapters build it; nothing else looks inside the units."""
 
-    def __init__(self, units: Sequence[nn.Module], spec: ModelSpec) -> None:
+    def __init__(self, units: Sequence[nn.Module], spec: ModelSpec, source: nn.Module | None = None) -> None:
         super().__init__()
         if len(units) != spec.num_units:
             raise ValueError(f"{len(units)} units but the spec names {spec.num_units}")
         self.units = nn.ModuleList(units)
         self.spec = spec
+        # The timm / transformers model the units were cut from: they share its modules, so
+        # it holds whatever the units hold (what export writes). Not a submodule: its
+        # parameters are the units' and must not appear twice.
+        object.__setattr__(self, "source", source)
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         return UnitSequence(list(self.units), frozen=[False] * len(self.units))(*inputs)
@@ -99,8 +109,8 @@ class LayeredModel(nn.Module):
 
 
 def unit_param_names(unit: nn.Module, unit_index: int) -> dict[str, nn.Parameter]:
-    """Parameters of a unit under global names 'u<index>.<name>' (stable across ranks)."""
-    return {f"u{unit_index}.{name}": p for name, p in unit.named_parameters()}
+    """Parameters of a unit under their global names (`param_key`, stable across ranks)."""
+    return {param_key(unit_index, name): p for name, p in unit.named_parameters()}
 
 
 class UnitSequence(nn.Module):

@@ -160,4 +160,16 @@ def layered_vit(model: VisionTransformer) -> LayeredModel:
         activation_specs=(TensorSpec((num_tokens, model.embed_dim), dtype),),
         output_spec=TensorSpec((model.num_classes,), dtype),
     )
-    return LayeredModel(units, spec)
+    return LayeredModel(units, spec, source=model)
+
+
+def export_vit(model: LayeredModel, out_dir: Path) -> list[str]:
+    """Write the ViT as timm writes a hub checkpoint: model.safetensors (what
+    `timm.create_model(name, num_classes=..., checkpoint_path=...)` loads, with the run's
+    model kwargs) and config.json (architecture, model args, pretrained_cfg), so that
+    `timm.create_model("local-dir:OUT")` rebuilds it. Returns the files written."""
+    from timm.models import save_for_hf
+
+    vit = model.source
+    save_for_hf(vit, str(out_dir), safe_serialization=True)
+    return sorted(p.name for p in out_dir.iterdir())

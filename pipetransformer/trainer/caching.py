@@ -46,7 +46,17 @@ def check_augmentation(config: Config, data: DataBundle) -> None:
 
 
 class RunCache:
-    def __init__(self, config: Config, spec: ModelSpec, data: DataBundle, world, control) -> None:
+    def __init__(
+        self,
+        config: Config,
+        spec: ModelSpec,
+        data: DataBundle,
+        world,
+        control,
+        read_s_per_sample: float | None = None,
+    ) -> None:
+        """`read_s_per_sample`: the read time an earlier attempt of the run measured (a
+        resumed run decides where the cache pays as the run did); None: measure it."""
         check_augmentation(config, data)
         self.config = config
         self.world = world
@@ -55,7 +65,6 @@ class RunCache:
         pids: list[Any] = [None] * world.world_size
         dist.all_gather_object(pids, os.getpid(), group=control)
         node_ranks = range(world.node * world.devices_per_node, (world.node + 1) * world.devices_per_node)
-        address = None
         if world.rank == node_ranks[0]:
             specs = list(spec.activation_specs)
             self.daemon = CacheDaemon.start(
@@ -66,13 +75,19 @@ class RunCache:
                 keep=config.cache.keep,
                 watched_pids=[pids[r] for r in node_ranks],
             )
-            address = self.daemon.address
-        addresses: list[Any] = [None] * world.world_size
-        dist.all_gather_object(addresses, address, group=control)
-        self.client = CacheClient.attach(addresses[node_ranks[0]])
-        self.read_s_per_sample = self._measure_read(min(len(data.train), 64))
+            started = {"node": world.node, "rank": world.rank, "daemon_pid": self.daemon.pid, "address": self.daemon.address}
+        else:
+            started = None
+        gathered: list[Any] = [None] * world.world_size
+        dist.all_gather_object(gathered, started, group=control)
+        # One daemon per node (what the run's start event reports).
+        self.daemons = [{k: v for k, v in e.items() if k != "address"} for e in gathered if e is not None]
+        self.client = CacheClient.attach(gathered[node_ranks[0]]["address"])
+        if read_s_per_sample is None:
+            read_s_per_sample = self._measure_read(min(len(data.train), 64))
+        self.read_s_per_sample = read_s_per_sample
         self.counts = {"hits": 0, "upgrades": 0, "misses": 0}  # filled by CachedPrefix
-        logger.info("AutoCache attached (%s); a cached sample reads in %.1f us", addresses[node_ranks[0]], 1e6 * self.read_s_per_sample)
+        logger.info("AutoCache attached (%s); a cached sample reads in %.1f us", self.client.address, 1e6 * self.read_s_per_sample)
 
     def _measure_read(self, rows: int) -> float:
         """Seconds to read one sample from the store, averaged over every rank (collective)."""
@@ -118,9 +133,13 @@ class RunCache:
             dtype=torch.float64,
         )
         dist.all_reduce(values, group=self.control)
+        by_node = torch.zeros(self.world.num_nodes, dtype=torch.float64)
+        by_node[self.world.node] = counts["hits"]
+        dist.all_reduce(by_node, group=self.control)
         self.counts.update(hits=0, upgrades=0, misses=0)
         hits, misses, upgrades, bytes_read, read_s, in_memory, on_disk = values.tolist()
         return {
+            "cache_hits_by_node": [int(h) for h in by_node.tolist()],
             "cache_hits": int(hits),
             "cache_misses": int(misses),
             "cache_upgrades": int(upgrades),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -57,11 +58,38 @@ def init_distributed(device_kind: str, timeout_s: float) -> WorldInfo:
         # Several processes share the cores: one thread each, or they slow each other 5-15x.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // devices_per_node))
     if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = _loopback_store(rank, world_size, timeout) if os.environ.get(LOOPBACK_ENV) == "1" else None
         dist.init_process_group(
             backend,
+            store=store,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
             device_id=device if use_cuda else None,
         )
     return WorldInfo(rank, world_size, local_rank, devices_per_node, device)
+
+
+# Set by the local launcher: every process of the run is on this machine, so nothing it
+# opens needs to be reachable from elsewhere.
+LOOPBACK_ENV = "PIPETRANSFORMER_LOOPBACK"
+_listening: list[socket.socket] = []  # the store's socket lives as long as the process
+
+
+def _loopback_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The rendezvous store of a local run, listening on 127.0.0.1 only (a TCPStore on its
+    own binds every interface), and gloo's / NCCL's sockets on the loopback interface."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(world_size * 4)
+    _listening.append(listener)
+    return dist.TCPStore(
+        host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=listener.fileno()
+    )

@@ -1,9 +1,10 @@
 """Optimizer and learning-rate schedule, keyed by global parameter names.
 
 The optimizer is rebuilt at every transition over the parameters a rank trains in the new
-layout; its per-parameter state is carried across by name ('u<unit>.<param>'), so a
-parameter that moved ranks continues with its own moments and step count. The learning
-rate is a pure function of the global step, so nothing about it needs moving.
+layout; its per-parameter state is carried across by name (`param_key`:
+'units.<unit>.<param>'), so a parameter that moved ranks continues with its own moments and
+step count. The learning rate is a pure function of the global step, so nothing about it
+needs moving.
 """
 
 from __future__ import annotations

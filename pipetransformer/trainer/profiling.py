@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -49,8 +50,18 @@ PROFILE_STEPS = 3
 
 class RunProfiler:
     def __init__(
-        self, config: Config, spec: ModelSpec, run_dir, rank: int, world_size: int, device: torch.device, control
+        self,
+        config: Config,
+        spec: ModelSpec,
+        run_dir,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        control,
+        carried: Path | None = None,
     ) -> None:
+        """`carried`: a profile file to take measurements from too (a checkpoint's copy), so
+        that a resumed run reuses what its earlier attempts measured."""
         self.config = config
         self.spec = spec
         self.rank = rank
@@ -58,7 +69,13 @@ class RunProfiler:
         self.device = device
         self.control = control
         self.device_type = device_type_for(device)
-        box = [ProfileStore(profile_path_for(config, run_dir)).load() if rank == 0 else None]
+        self.path = profile_path_for(config, run_dir)
+        store = None
+        if rank == 0:
+            store = ProfileStore(self.path).load()
+            if carried is not None and carried.is_file():
+                store.update(ProfileStore(carried).load())
+        box = [store]
         dist.broadcast_object_list(box, src=0, group=control)
         self.store: ProfileStore = box[0]
         self.seconds = 0.0  # time spent measuring (not reading) since the last take()

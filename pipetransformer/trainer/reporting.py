@@ -1,7 +1,10 @@
-"""Run outputs: metrics.jsonl, events.jsonl, summary.json, the progress bar, TensorBoard.
+"""Run outputs: metrics.jsonl, steps.jsonl, events.jsonl, summary.json, the progress bar,
+and optionally TensorBoard and Weights & Biases.
 
 Only the reporting rank (global rank 0) writes; every value it writes was reduced over the
-ranks that own it before it got here.
+ranks that own it before it got here. The JSON-lines files are always written; TensorBoard
+(`logging.tensorboard`) and W&B (`logging.wandb`, offline with WANDB_MODE=offline) get the
+same step and epoch values when their packages are installed.
 """
 
 from __future__ import annotations
@@ -11,18 +14,34 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pipetransformer.trainer.records import EpochMetrics, Event, StepMetrics
 from pipetransformer.utils.files import append_jsonl, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
 
+def _numbers(record: dict[str, Any], skip: tuple[str, ...]) -> dict[str, float]:
+    return {
+        k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in skip
+    }
+
+
 class Reporter:
-    def __init__(self, run_dir: Path, enabled: bool, progress_bar: bool, tensorboard: bool) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool,
+        progress_bar: bool,
+        tensorboard: bool,
+        wandb: bool = False,
+        wandb_config: dict[str, Any] | None = None,
+    ) -> None:
         self.run_dir = run_dir
         self.enabled = enabled
         self.progress_bar = progress_bar and enabled
         self._bar = None
         self._tb = None
+        self._wandb = None
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -30,15 +49,29 @@ class Reporter:
                 self._tb = SummaryWriter(str(run_dir / "tensorboard"))
             except ImportError:
                 logger.warning("logging.tensorboard: the tensorboard package is not installed; skipping")
+        if enabled and wandb:
+            try:
+                import wandb as wandb_module
+            except ImportError:
+                logger.warning("logging.wandb: the wandb package is not installed (pip install wandb); skipping")
+            else:
+                self._wandb = wandb_module.init(
+                    project="pipetransformer",
+                    name=run_dir.name,
+                    dir=str(run_dir),
+                    config=wandb_config or {},
+                    resume="allow",
+                    id=f"{run_dir.name}".replace("/", "-")[:64],
+                )
 
-    def start_epoch(self, epoch: int, epochs: int, steps: int) -> None:
+    def start_epoch(self, epoch: int, epochs: int, steps: int, done: int = 0) -> None:
         if not self.progress_bar:
             return
         from tqdm import tqdm
 
         self._bar = tqdm(
-            total=steps, desc=f"epoch {epoch + 1}/{epochs}", unit="step", file=sys.stderr, leave=True,
-            dynamic_ncols=True,
+            total=steps, initial=done, desc=f"epoch {epoch + 1}/{epochs}", unit="step", file=sys.stderr,
+            leave=True, dynamic_ncols=True,
         )
 
     def step(self, **postfix: Any) -> None:
@@ -52,31 +85,56 @@ class Reporter:
             self._bar.close()
             self._bar = None
 
-    def metrics(self, record: dict[str, Any]) -> None:
+    def log_step(self, record: StepMetrics) -> None:
         if not self.enabled:
             return
-        append_jsonl(self.run_dir / "metrics.jsonl", record)
+        values = record.to_dict()
+        append_jsonl(self.run_dir / "steps.jsonl", values)
+        if self._bar is not None:
+            self._bar.set_postfix(
+                loss=f"{record.loss:.4f}", frozen=record.num_frozen_layers, K=record.pipe_len, R=record.dp_degree,
+                refresh=False,
+            )
+        scalars = _numbers(values, skip=("global_step", "epoch"))
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(f"step/{key}", value, record.global_step)
+        if self._wandb is not None:
+            self._wandb.log({f"step/{k}": v for k, v in scalars.items()}, step=record.global_step)
+
+    def metrics(self, record: EpochMetrics) -> None:
+        if not self.enabled:
+            return
+        values = record.to_dict()
+        append_jsonl(self.run_dir / "metrics.jsonl", values)
         logger.info(
             "epoch %d: train_loss %.4f eval_metric %.4f, %.1f samples/s, frozen %d, pipe_len %d, dp_degree %d",
-            record["epoch"], record["train_loss"],
-            float("nan") if record.get("eval_metric") is None else record["eval_metric"],
-            record["samples_per_s"], record["num_frozen_layers"], record["pipe_len"], record["dp_degree"],
+            record.epoch, record.train_loss, float("nan") if record.eval_metric is None else record.eval_metric,
+            record.samples_per_s, record.num_frozen_layers, record.pipe_len, record.dp_degree,
         )
+        scalars = _numbers(values, skip=("epoch", "global_step"))
         if self._tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "epoch":
-                    self._tb.add_scalar(key, value, record["epoch"])
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, record.epoch)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({f"epoch/{k}": v for k, v in scalars.items()} | {"epoch": record.epoch}, step=record.global_step)
 
-    def event(self, record: dict[str, Any]) -> None:
+    def event(self, record: Event) -> None:
         if self.enabled:
-            append_jsonl(self.run_dir / "events.jsonl", record)
+            append_jsonl(self.run_dir / "events.jsonl", record.to_dict())
 
     def summary(self, record: dict[str, Any]) -> None:
         if self.enabled:
             write_json_atomic(self.run_dir / "summary.json", record)
+            if self._wandb is not None:
+                self._wandb.summary.update(_numbers(record, skip=()))
 
     def close(self) -> None:
         self.end_epoch()
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None

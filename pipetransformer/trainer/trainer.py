@@ -1,17 +1,24 @@
-"""The trainer: the one place that coordinates. Step loop, evaluation, metrics, transitions.
+"""The trainer: the one place that coordinates. Step loop, evaluation, metrics, transitions,
+checkpoints.
 
 Every rank runs this. Ranks agree on everything by computing it from the same values (the
 config, the sampler, all-reduced gradient norms); the only messages are the pipeline's
-own, DDP's, small all-reduces on the control group and the state handoff at transitions.
+own, DDP's, small all-reduces on the control group, the state handoff at transitions and
+checkpoint writes.
 
+`train()` reads top to bottom: after every step each component says whether it acts now
+(evaluation and metrics at an epoch's end, a freeze decision, a checkpoint, a stop).
 At a decision point: freeze decides F (pure) -> AutoPipe plans the layout (pure) -> AutoDP
 moves units and optimizer state, rebuilds the groups -> the stage runtime is rebuilt.
+Everything that must survive a crash is `self.state` (a RunState) plus the units' weights
+and optimizer state, which a checkpoint writes by parameter name.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -28,14 +35,21 @@ from pipetransformer.autodp.groups import (
 from pipetransformer.autodp.handoff import execute_transfers, plan_transfers
 from pipetransformer.autodp.sampler import EvalSampler, TrainSampler
 from pipetransformer.autodp.topology import Layout
-from pipetransformer.config import Config, check_config, dump_config
+from pipetransformer.config import Config, check_config
 from pipetransformer.data import build_data, iterate_batches
-from pipetransformer.freeze import FreezeDecider, check_freeze_config
+from pipetransformer.freeze import DecisionSchedule, FreezeDecider, check_freeze_config
 from pipetransformer.models import build_model, unit_param_names
 from pipetransformer.pipe import StageRuntime, build_stage_runtime
 from pipetransformer.pipe.prefix import CachedPrefix
 from pipetransformer.trainer import optim
 from pipetransformer.trainer.caching import RunCache
+from pipetransformer.trainer.checkpoint import (
+    PROFILES,
+    Checkpointer,
+    model_key,
+    optimizer_key,
+    rng_key,
+)
 from pipetransformer.trainer.distributed import WorldInfo, init_distributed
 from pipetransformer.trainer.planning import (
     build_planner,
@@ -44,9 +58,21 @@ from pipetransformer.trainer.planning import (
     with_micro_batches,
 )
 from pipetransformer.trainer.profiling import RunProfiler
+from pipetransformer.trainer.records import (
+    CheckpointEvent,
+    EpochMetrics,
+    ProfileEvent,
+    StartEvent,
+    StepMetrics,
+    TransitionEvent,
+)
 from pipetransformer.trainer.reporting import Reporter
+from pipetransformer.trainer.resume import load_checkpoint_tensors, start_run_directory
+from pipetransformer.trainer.rundir import RunOptions
+from pipetransformer.trainer.state import RunState, reseed, rng_state, set_rng_state
 from pipetransformer.trainer.tasks import loss_weights, task_for
-from pipetransformer.utils.units import layer_of_unit
+from pipetransformer.utils.stopping import RunStopped, StopRequest
+from pipetransformer.utils.units import layer_of_unit, param_key
 
 logger = logging.getLogger(__name__)
 
@@ -54,26 +80,28 @@ logger = logging.getLogger(__name__)
 class Trainer:
     """setup() -> train() -> cleanup(); see the module docstring."""
 
-    def __init__(self, config: Config, run_dir: str | Path) -> None:
+    def __init__(
+        self, config: Config, run_dir: str | Path, options: RunOptions | None = None, stop: StopRequest | None = None
+    ) -> None:
         self.config = config
         self.run_dir = Path(run_dir)
+        self.options = options or RunOptions()
+        self.stop = stop or StopRequest()
         self.world: WorldInfo | None = None
         self.units: dict[int, nn.Module] = {}
         self.optimizer: torch.optim.Optimizer | None = None
         self.runtime: StageRuntime | None = None
         self.groups: TrainingGroups | None = None
         self.layout: Layout | None = None
-        self.global_step = 0
-        self.decision_index = 0
-        self.transitions: list[dict[str, Any]] = []
-        # (global_step, this replica's sum of per-sample losses) on last-stage ranks.
-        self.step_losses: list[tuple[int, float]] = []
+        self.state = RunState()
+        self.transitions: list[TransitionEvent] = []
+        self.cache: RunCache | None = None
+        self.cache_active = False
+        self.reporter: Reporter | None = None
         self._loader = None
         self._loader_position: tuple[int, int] | None = None
-        self._comm_s = 0.0  # DDP all-reduce seconds on this rank since the epoch began
-        self.cache = None
-        self.cache_active = False
         self._batch_ids: tuple[int, ...] | None = None
+        self._comm_s = 0.0  # DDP all-reduce seconds on this rank since the last reduction
 
     # ------------------------------------------------------------------ setup
 
@@ -90,16 +118,16 @@ class Trainer:
         chosen = [str(self.run_dir)]
         dist.broadcast_object_list(chosen, src=0, group=self.control)
         self.run_dir = Path(chosen[0])
+        # Whether this run resumes, decided once (by rank 0 or the launcher) for all ranks.
+        resumption = start_run_directory(self.run_dir, self.options, cfg, world.rank, self.control)
         self.reporter = Reporter(
-            self.run_dir, world.rank == 0, cfg.trainer.progress_bar, cfg.logging.tensorboard
+            self.run_dir, world.rank == 0, cfg.trainer.progress_bar, cfg.logging.tensorboard, cfg.logging.wandb,
+            cfg.to_dict(),
         )
-        if world.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            dump_config(cfg, self.run_dir / "config.yaml")
 
         self.data = build_data(cfg.data, seed=cfg.trainer.seed, model_name_or_path=cfg.model.model_name_or_path)
         self.task = task_for(self.data.task)
-        model_args = dict(
+        self.model_args = model_args = dict(
             task=self.data.task,
             num_classes=self.data.num_classes,
             in_chans=self.data.in_chans,
@@ -113,12 +141,18 @@ class Trainer:
         self.spec = self.skeleton.spec
         check_freeze_config(cfg.freeze, self.spec.num_layers)
         self.decider = FreezeDecider(cfg.freeze, self.spec.num_layers)
+        checkpoint = resumption.checkpoint if resumption is not None else None
+        if resumption is not None:
+            self.state = resumption.state(self.spec)
 
         # Same seed on every rank: the full model is initialised identically everywhere
         # (and equals single-process training); each rank then keeps only its own units.
         torch.manual_seed(cfg.trainer.seed)
         full = build_model(cfg.model, device="cpu", **model_args)
-        self.profiler = RunProfiler(cfg, self.spec, self.run_dir, world.rank, world.world_size, world.device, self.control)
+        carried_profiles = checkpoint / PROFILES if checkpoint is not None else None
+        self.profiler = RunProfiler(
+            cfg, self.spec, self.run_dir, world.rank, world.world_size, world.device, self.control, carried_profiles
+        )
         # Measured costs balance the stages (balance: time) and tell when the cache pays.
         self.measured_costs = None
         if cfg.pipeline.balance == "time" or cfg.cache.enabled:
@@ -126,27 +160,60 @@ class Trainer:
         self.planner = build_planner(cfg, self.spec, self.measured_costs if cfg.pipeline.balance == "time" else None)
         # The cache serves frozen layers: with nothing ever frozen (the baseline) it stays off.
         if cfg.cache.enabled and cfg.freeze.strategy != "none":
-            self.cache = RunCache(cfg, self.spec, self.data, world, self.control)
-        layout = self.layout_for(0, cfg.pipeline.initial_pipe_len)
+            self.cache = RunCache(
+                cfg, self.spec, self.data, world, self.control, read_s_per_sample=self.state.cache_read_s_per_sample
+            )
+            self.state.cache_read_s_per_sample = self.cache.read_s_per_sample
+        layout = self.layout_for(self.state.num_frozen_layers, self._resume_pipe_len())
         self.units = {u: full.units[u].to(world.device) for u in layout.units_of_rank(world.rank)}
         del full
-        # From here on each rank has its own random stream (dropout), which simply continues
-        # across transitions.
-        torch.manual_seed(cfg.trainer.seed + 1 + world.rank)
 
         self.sampler = TrainSampler(len(self.data.train), world.num_nodes, cfg.trainer.global_batch_size, cfg.trainer.seed)
         self.eval_sampler = EvalSampler(len(self.data.eval), cfg.trainer.global_batch_size)
         self.total_steps = cfg.trainer.epochs * self.sampler.steps_per_epoch
+        self.decisions = DecisionSchedule(
+            cfg.freeze.interval_steps, cfg.freeze.warmup_epochs, cfg.trainer.epochs, self.sampler.steps_per_epoch
+        )
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, world.rank, self.control)
         self.layout = layout
         self._build_groups()
         self._apply_frozen()
-        self.layout = self._resolve_micro_batches(layout, epoch=0, step=0)
-        self._build_runtime({})
-        self._reset_grad_norms()
+        optimizer_states: dict[str, dict] = {}
+        saved_rng = None
+        if checkpoint is not None:
+            start = time.perf_counter()
+            optimizer_states, saved_rng = load_checkpoint_tensors(
+                checkpoint, self.units, layout.plan.frozen_end, world, self.control, resumption.world_size
+            )
+            resumption.load_s = time.perf_counter() - start
+            self.checkpointer.last_step = self.state.global_step
+        self.layout = self._resolve_micro_batches(layout, epoch=self.state.epoch, step=self.state.step_in_epoch)
+        self._build_runtime(optimizer_states)
+        self._reset_interval()
         profile_s = self.profiler.take_seconds()
         if profile_s > 0:
-            self.reporter.event({"kind": "profile", "global_step": 0, "profile_s": profile_s, "cost_source": self.planner.costs.source})
+            self.reporter.event(ProfileEvent(self.state.global_step, profile_s, self.planner.costs.source))
+        if resumption is not None:
+            self.reporter.event(resumption.event(self.layout, world))
         logger.info("initial layout: %s (stage costs from %s)", self.layout.describe(), self.planner.costs.source)
+        # Last, so nothing in setup draws from the streams a checkpoint restored.
+        if saved_rng is not None:
+            set_rng_state(saved_rng, world.device)
+        elif checkpoint is not None:
+            reseed(cfg.trainer.seed, world.rank, self.state.global_step)
+        else:
+            # From here on each rank has its own random stream (dropout), which simply
+            # continues across transitions.
+            torch.manual_seed(cfg.trainer.seed + 1 + world.rank)
+
+    def _resume_pipe_len(self) -> int:
+        """The pipeline length to plan the (resumed) layout from: the checkpoint's when it
+        was taken in a world of the same shape (so a resumed run continues exactly as it
+        would have), otherwise the initial one (re-planned for the new world)."""
+        initial = self.config.pipeline.initial_pipe_len
+        state, world = self.state, self.world
+        same_world = (state.world_size, state.devices_per_node) == (world.world_size, world.devices_per_node)
+        return min(state.pipe_len, initial) if same_world and state.pipe_len > 0 else initial
 
     def cache_serves(self, num_frozen_layers: int) -> bool:
         """Whether AutoCache serves the frozen prefix at this boundary (same on every rank)."""
@@ -219,6 +286,10 @@ class Trainer:
             self.runtime.cached_prefix = CachedPrefix(
                 self.units, frozen, self.cache.client, self.world.device, self.cache.counts
             )
+        state, layout = self.state, self.layout
+        state.num_frozen_layers, state.pipe_len, state.dp_degree = frozen, layout.pipe_len, layout.dp_degree
+        state.num_micro_batches = layout.plan.num_micro_batches
+        state.world_size, state.devices_per_node = self.world.world_size, self.world.devices_per_node
 
     def _resolve_micro_batches(self, layout: Layout, epoch: int, step: int) -> Layout:
         """For num_micro_batches 'auto': the measured fastest M of this layout (collective)."""
@@ -231,7 +302,9 @@ class Trainer:
             runtime = self._stage_runtime(trial)
             if runtime is None:
                 return lambda: None
-            inputs, target = self._step_data(trial, epoch % self.config.trainer.epochs, min(step, self.sampler.steps_per_epoch - 1))
+            inputs, target = self._step_data(
+                trial, min(epoch, self.config.trainer.epochs - 1), min(step, self.sampler.steps_per_epoch - 1)
+            )
 
             def run() -> None:
                 runtime.train_step(inputs, target)
@@ -262,97 +335,210 @@ class Trainer:
     # ------------------------------------------------------------------ training
 
     def train(self) -> dict[str, Any]:
-        cfg = self.config
-        start = time.perf_counter()
-        best = -math.inf
-        last_eval = None
-        for epoch in range(cfg.trainer.epochs):
-            epoch_start = time.perf_counter()
-            train_loss, transition_s = self._train_epoch(epoch)
-            epoch_time = time.perf_counter() - epoch_start
-            comm_s = self._mean_comm_seconds()
-            eval_metrics: dict[str, float] = {}
-            eval_time = 0.0
-            if (epoch + 1) % cfg.trainer.eval_interval_epochs == 0 or epoch + 1 == cfg.trainer.epochs:
-                eval_start = time.perf_counter()
-                eval_metrics = self.evaluate()
-                eval_time = time.perf_counter() - eval_start
-                last_eval = eval_metrics["eval_metric"]
-                best = max(best, last_eval)
-            cache_metrics = self.cache.epoch_metrics() if self.cache is not None else {}
-            plan = self.layout.plan
-            self.reporter.metrics(
-                {
-                    "epoch": epoch + 1,
-                    "global_step": self.global_step,
-                    "train_loss": train_loss,
-                    "eval_metric": eval_metrics.get("eval_metric"),
-                    **{k: v for k, v in eval_metrics.items() if k != "eval_metric"},
-                    "samples_per_s": len(self.data.train) / epoch_time,
-                    "epoch_time_s": epoch_time,
-                    "eval_time_s": eval_time,
-                    "transition_time_s": transition_s,
-                    "ddp_comm_s": comm_s,
-                    "ddp_comm_share": comm_s / epoch_time,
-                    "num_frozen_layers": plan.num_frozen_layers,
-                    "pipe_len": plan.pipe_len,
-                    "dp_degree": self.layout.dp_degree,
-                    "num_micro_batches": plan.num_micro_batches,
-                    **cache_metrics,
-                    "cache_active": self.cache_active,
-                    "lr": optim.learning_rate(cfg.optimizer, max(0, self.global_step - 1), self.total_steps),
-                }
+        """Train to the last epoch (from wherever the state says the run is). Raises
+        RunStopped after writing a checkpoint when a stop signal arrives."""
+        cfg, state = self.config, self.state
+        steps = self.sampler.steps_per_epoch
+        started = self._interval_clock = time.perf_counter()
+        self.reporter.event(self._start_event())
+        self._start_epoch()
+        while state.epoch < cfg.trainer.epochs:
+            self._train_step()
+            epoch_end = state.step_in_epoch == steps
+            if state.global_step % cfg.trainer.log_interval_steps == 0 or epoch_end:
+                self._log_steps()
+            eval_metric = self._end_epoch() if epoch_end else None
+            if self.decisions.due(state.global_step, epoch_end):
+                self._decision_point()
+            stop = self._agree_on_stop()
+            if stop or self.checkpointer.due(
+                epoch_end=epoch_end, completed_epochs=state.epoch, global_step=state.global_step
+            ):
+                self.save_checkpoint(signal_name(stop) if stop else "epoch" if epoch_end else "steps", eval_metric)
+            if stop:
+                raise RunStopped(stop, state.global_step, state.epoch, state.step_in_epoch, str(self.last_checkpoint))
+            if epoch_end and state.epoch < cfg.trainer.epochs:
+                self._start_epoch()
+        if cfg.trainer.save_model:
+            self.export_model()
+        return self._finish(time.perf_counter() - started)
+
+    def export_model(self) -> None:
+        """Write the trained model as its library loads it to RUN_DIR/export, from a final
+        checkpoint (collective: the checkpoint; rank 0 exports)."""
+        if self.checkpointer.last_step != self.state.global_step:
+            self.save_checkpoint("final")
+        if self.world.rank == 0:
+            from pipetransformer.trainer.export import export_run
+
+            export_run(self.run_dir, self.run_dir / "export")
+        dist.barrier(group=self.control)
+
+    def _start_epoch(self) -> None:
+        steps = self.sampler.steps_per_epoch
+        self.reporter.start_epoch(self.state.epoch, self.config.trainer.epochs, steps, self.state.step_in_epoch)
+        self._epoch_clock = time.perf_counter()
+
+    def _train_step(self) -> None:
+        """Forward, backward and update for this rank's part of one global step. No host
+        synchronisation: the loss and the gradient norms stay on the device."""
+        state, layout = self.state, self.layout
+        epoch, step = state.epoch, state.step_in_epoch
+        role = layout.role(self.world.rank)
+        if role is not None:
+            inputs, target = self._step_data(layout, epoch, step, prefetched=True)
+            optim.set_learning_rate(self.optimizer, self._learning_rate(state.global_step))
+            losses = self.runtime.train_step(inputs, target, self._batch_ids if inputs is not None else None)
+            if self.runtime.comm_timer is not None:
+                self._comm_s += self.runtime.comm_timer.take()
+            clip = self.config.optimizer.max_grad_norm
+            if clip is not None or self.decider.needs_grad_norms:
+                # One pass over the gradients serves both.
+                unit_sq = self._unit_grad_squares()
+                scale = self._clip_gradients(unit_sq, clip) if clip is not None else None
+                if self.decider.needs_grad_norms:
+                    # The norms of the gradients applied.
+                    self.unit_grad_sq += unit_sq if scale is None else unit_sq * scale.square()
+            if self.optimizer is not None:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            if losses:
+                # Losses are weighted by R / (valid samples in the global batch): undo that to
+                # get this replica's sum of per-sample losses.
+                weight = self.sampler.global_num_valid(epoch, step) / layout.dp_degree
+                replica_loss = torch.stack([l.detach() for l in losses]).double().sum() * weight
+                self._interval_loss += replica_loss
+                self._epoch_loss += replica_loss
+        self._interval_samples += self.sampler.global_num_valid(epoch, step)
+        state.interval_steps += 1
+        state.global_step += 1
+        state.step_in_epoch += 1
+        self.reporter.step(frozen=layout.plan.num_frozen_layers, K=layout.pipe_len, R=layout.dp_degree)
+
+    def _learning_rate(self, global_step: int) -> float:
+        return optim.learning_rate(self.config.optimizer, global_step, self.total_steps)
+
+    def _log_steps(self) -> None:
+        """steps.jsonl (and TensorBoard / W&B): the mean loss of the steps since the last
+        line. Collective; the one place a step's loss leaves the device."""
+        now = time.perf_counter()
+        loss = self._all_sum(self._interval_loss) / max(1, self._interval_samples)
+        record = StepMetrics(
+            global_step=self.state.global_step,
+            epoch=self.state.epoch + 1,
+            loss=loss,
+            lr=self._learning_rate(self.state.global_step - 1),
+            samples_per_s=self._interval_samples / max(1e-9, now - self._interval_clock),
+            num_frozen_layers=self.layout.plan.num_frozen_layers,
+            pipe_len=self.layout.pipe_len,
+            dp_degree=self.layout.dp_degree,
+        )
+        self.reporter.log_step(record)
+        self._interval_loss.zero_()
+        self._interval_samples = 0
+        self._interval_clock = now
+
+    def _end_epoch(self) -> float | None:
+        """Evaluation (when due) and the epoch's metrics line; moves the state to the next
+        epoch. Collective. Returns the eval metric when this epoch evaluated."""
+        cfg, state = self.config, self.state
+        self.reporter.end_epoch()
+        self._carry_epoch_partials()
+        epoch_time = state.epoch_train_s
+        eval_metrics: dict[str, float] = {}
+        eval_time = 0.0
+        if (state.epoch + 1) % cfg.trainer.eval_interval_epochs == 0 or state.epoch + 1 == cfg.trainer.epochs:
+            eval_start = time.perf_counter()
+            eval_metrics = self.evaluate()
+            eval_time = time.perf_counter() - eval_start
+            state.last_eval_metric = eval_metrics["eval_metric"]
+            best = state.best_eval_metric
+            state.best_eval_metric = state.last_eval_metric if best is None else max(best, state.last_eval_metric)
+        cache_metrics = self.cache.epoch_metrics() if self.cache is not None else {}
+        plan = self.layout.plan
+        self.reporter.metrics(
+            EpochMetrics(
+                epoch=state.epoch + 1,
+                global_step=state.global_step,
+                train_loss=state.epoch_loss_sum / len(self.data.train),
+                eval_metric=eval_metrics.get("eval_metric"),
+                eval_loss=eval_metrics.get("eval_loss"),
+                eval_samples=eval_metrics.get("eval_samples"),
+                exact_match=eval_metrics.get("exact_match"),
+                samples_per_s=len(self.data.train) / epoch_time,
+                epoch_time_s=epoch_time,
+                eval_time_s=eval_time,
+                transition_time_s=state.epoch_transition_s,
+                ddp_comm_s=state.epoch_comm_s,
+                ddp_comm_share=state.epoch_comm_s / epoch_time,
+                num_frozen_layers=plan.num_frozen_layers,
+                pipe_len=plan.pipe_len,
+                dp_degree=self.layout.dp_degree,
+                num_micro_batches=plan.num_micro_batches,
+                lr=self._learning_rate(max(0, state.global_step - 1)),
+                cache_active=self.cache_active,
+                **cache_metrics,
             )
-            if cfg.freeze.interval_steps is None and epoch + 1 < cfg.trainer.epochs:
-                if epoch + 1 >= cfg.freeze.warmup_epochs:
-                    self._decision_point(epoch + 1)
-        wall = time.perf_counter() - start
+        )
+        state.epoch += 1
+        state.step_in_epoch = 0
+        state.epoch_loss_sum = state.epoch_train_s = state.epoch_transition_s = state.epoch_comm_s = 0.0
+        return eval_metrics.get("eval_metric")
+
+    def _carry_epoch_partials(self) -> None:
+        """Fold what this attempt accumulated of the epoch in progress into the state, reduced
+        over the ranks (collective): the loss, training seconds, DDP communication."""
+        state = self.state
+        now = time.perf_counter()
+        state.epoch_train_s += now - self._epoch_clock
+        self._epoch_clock = now
+        state.epoch_loss_sum += self._all_sum(self._epoch_loss)
+        self._epoch_loss.zero_()
+        state.epoch_comm_s += self._mean_comm_seconds()
+
+    def _finish(self, wall_s: float) -> dict[str, Any]:
+        state = self.state
         summary = {
-            "wall_time_s": wall,
-            "final_eval_metric": last_eval,
-            "best_eval_metric": best if best > -math.inf else None,
+            "wall_time_s": state.previous_attempts_wall_s + wall_s,
+            "attempts": state.attempt,
+            "final_eval_metric": state.last_eval_metric,
+            "best_eval_metric": state.best_eval_metric,
             "metric_name": self.task.metric_name,
-            "epochs": cfg.trainer.epochs,
-            "global_steps": self.global_step,
-            "num_transitions": len(self.transitions),
+            "epochs": self.config.trainer.epochs,
+            "global_steps": state.global_step,
+            "num_transitions": state.num_transitions,
             "final_num_frozen_layers": self.layout.plan.num_frozen_layers,
             "final_pipe_len": self.layout.pipe_len,
             "final_dp_degree": self.layout.dp_degree,
             "world_size": self.world.world_size,
             "device": str(self.world.device.type),
+            "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
         }
-        if cfg.trainer.save_model:
-            self.save_model(self.run_dir / "model.pt")
         self.reporter.summary(summary)
         return summary
 
-    def _train_epoch(self, epoch: int) -> tuple[float, float]:
-        cfg = self.config
-        steps = self.sampler.steps_per_epoch
-        self.reporter.start_epoch(epoch, cfg.trainer.epochs, steps)
-        loss_sum = torch.zeros((), dtype=torch.float64)  # sum of per-sample losses, this replica
-        samples_seen = 0
-        transition_s = 0.0
-        for step in range(steps):
-            step_loss = self._train_step(epoch, step)
-            loss_sum += step_loss
-            samples_seen += self.sampler.global_num_valid(epoch, step)
-            self.global_step += 1
-            postfix = {}
-            if (step + 1) % cfg.trainer.log_interval_steps == 0 or step + 1 == steps:
-                postfix["loss"] = f"{self._all_sum(loss_sum) / samples_seen:.4f}"
-            self.reporter.step(**postfix, frozen=self.layout.plan.num_frozen_layers, K=self.layout.pipe_len, R=self.layout.dp_degree)
-            interval = cfg.freeze.interval_steps
-            if interval is not None and self.global_step % interval == 0 and epoch >= cfg.freeze.warmup_epochs:
-                if not (epoch + 1 == cfg.trainer.epochs and step + 1 == steps):
-                    t0 = time.perf_counter()
-                    self._decision_point(epoch, step + 1)
-                    transition_s += time.perf_counter() - t0
-        self.reporter.end_epoch()
-        return self._all_sum(loss_sum) / len(self.data.train), transition_s
+    def _start_event(self) -> StartEvent:
+        return StartEvent(
+            global_step=self.state.global_step,
+            attempt=self.state.attempt,
+            time=time.time(),
+            world_size=self.world.world_size,
+            pipe_len=self.layout.pipe_len,
+            dp_degree=self.layout.dp_degree,
+            num_frozen_layers=self.layout.plan.num_frozen_layers,
+            cache_daemons=self.cache.daemons if self.cache is not None else [],
+        )
+
+    def _agree_on_stop(self) -> int:
+        """The stop signal any rank received (0: none), the same on every rank (collective:
+        all ranks stop after the same step)."""
+        flag = torch.tensor([self.stop.signum], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
+        return int(flag)
 
     def _mean_comm_seconds(self) -> float:
-        """DDP all-reduce seconds this epoch, averaged over the ranks that ran DDP (collective)."""
+        """DDP all-reduce seconds since the last call, averaged over the ranks that ran DDP
+        (collective)."""
         ran_ddp = 1.0 if self._comm_s > 0 else 0.0
         totals = torch.tensor([self._comm_s, ran_ddp], dtype=torch.float64)
         dist.all_reduce(totals, group=self.control)
@@ -360,41 +546,11 @@ class Trainer:
         return float(totals[0] / totals[1]) if totals[1] > 0 else 0.0
 
     def _all_sum(self, value: torch.Tensor) -> float:
-        """Sum over all ranks (control group; collective)."""
-        total = value.detach().to(torch.float64).cpu().clone().reshape(1)
+        """Sum over all ranks (control group; collective). A host sync on a GPU: call it at
+        log intervals and epoch ends, never per step."""
+        total = value.detach().to("cpu", torch.float64).clone().reshape(1)
         dist.all_reduce(total, group=self.control)
         return float(total.item())
-
-    def _train_step(self, epoch: int, step: int) -> torch.Tensor:
-        """Forward, backward and update for this rank's part of one global step."""
-        layout, world = self.layout, self.world
-        role = layout.role(world.rank)
-        if role is None:
-            return torch.zeros((), dtype=torch.float64)
-        inputs, target = self._step_data(layout, epoch, step, prefetched=True)
-        optim.set_learning_rate(self.optimizer, optim.learning_rate(self.config.optimizer, self.global_step, self.total_steps))
-        losses = self.runtime.train_step(inputs, target, self._batch_ids if inputs is not None else None)
-        if self.runtime.comm_timer is not None:
-            self._comm_s += self.runtime.comm_timer.take()
-        clip = self.config.optimizer.max_grad_norm
-        if clip is not None or self.decider.needs_grad_norms:
-            # One pass over the gradients serves both; it stays on the device (no sync per unit).
-            unit_sq = self._unit_grad_squares()
-            scale = self._clip_gradients(unit_sq, clip) if clip is not None else 1.0
-            if self.decider.needs_grad_norms:
-                self.unit_grad_sq += unit_sq * scale**2  # the norms of the gradients applied
-                self.grad_norm_steps += 1
-        if self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        if not losses:
-            return torch.zeros((), dtype=torch.float64)
-        # Losses are weighted by R / (valid samples in the global batch): undo that to get
-        # this replica's sum of per-sample losses.
-        scale = self.sampler.global_num_valid(epoch, step) / layout.dp_degree
-        replica_loss = torch.stack([l.detach().double().cpu() for l in losses]).sum() * scale
-        self.step_losses.append((self.global_step, float(replica_loss)))
-        return replica_loss
 
     def _next_inputs(self, epoch: int, step: int) -> tuple[torch.Tensor, ...]:
         """This replica's inputs for `step`, loaded ahead by `data.num_workers` workers.
@@ -426,48 +582,64 @@ class Trainer:
                 squares[index] = torch.stack([g.double().pow(2).sum() for g in grads]).sum()
         return squares
 
-    def _clip_gradients(self, unit_squares: torch.Tensor, max_norm: float) -> float:
-        """Clip by the global norm; returns the factor applied to every gradient."""
+    def _clip_gradients(self, unit_squares: torch.Tensor, max_norm: float) -> torch.Tensor:
+        """Clip by the global norm; returns the factor applied to every gradient, on the
+        device (as torch.nn.utils.clip_grad_norm_ does: no host sync)."""
         total_sq = unit_squares.sum()
-        # The replica's stages together hold the whole model: sum over the pipeline group.
-        dist.all_reduce(total_sq, group=self.groups.pipeline)
-        total = float(total_sq.sqrt())
-        if total <= max_norm:
-            return 1.0
-        scale = max_norm / (total + 1e-6)
-        for p in self.runtime.trainable_parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
+        if self.layout.pipe_len > 1:  # the replica's stages together hold the whole model
+            dist.all_reduce(total_sq, group=self.groups.pipeline)
+        scale = (max_norm / (total_sq.sqrt() + 1e-6)).clamp(max=1.0)
+        grads = [p.grad for p in self.runtime.trainable_parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale.to(grads[0].dtype))
         return scale
 
     # ------------------------------------------------------------------ freezing
 
-    def _reset_grad_norms(self) -> None:
-        self.unit_grad_sq = torch.zeros(self.spec.num_units, dtype=torch.float64, device=self.world.device)
-        self.grad_norm_steps = 0
+    def _reset_interval(self) -> None:
+        """Start the device-side accumulators of a decision interval and of the step log."""
+        device = self.world.device
+        self.unit_grad_sq = torch.zeros(self.spec.num_units, dtype=torch.float64, device=device)
+        self._interval_loss = torch.zeros((), dtype=torch.float64, device=device)
+        self._epoch_loss = torch.zeros((), dtype=torch.float64, device=device)
+        self._interval_samples = 0
+        if len(self.state.interval_grad_sq) != self.spec.num_units:
+            self.state.interval_grad_sq = [0.0] * self.spec.num_units
 
-    def layer_grad_norms(self) -> list[float]:
-        """Per-layer RMS gradient norm over the interval, identical on every rank (collective)."""
+    def _reduced_grad_squares(self) -> list[float]:
+        """Per unit, the interval's squared gradient norms summed over its steps, reduced over
+        replicas (collective): this attempt's part plus what a checkpoint carried."""
         totals = self.unit_grad_sq.to("cpu", copy=True)  # the control group is gloo
         dist.all_reduce(totals, group=self.control)
         totals /= self.layout.dp_degree  # every replica holds the same (DDP-averaged) gradients
-        steps = max(1, self.grad_norm_steps)
+        self.unit_grad_sq.zero_()
+        return [carried + float(t) for carried, t in zip(self.state.interval_grad_sq, totals)]
+
+    def layer_grad_norms(self) -> list[float]:
+        """Per-layer RMS gradient norm over the interval, identical on every rank (collective)."""
+        totals = self._reduced_grad_squares()
+        steps = max(1, self.state.interval_steps)
         norms = [0.0] * self.spec.num_layers
         for unit in range(self.spec.num_units):
             layer = layer_of_unit(unit, self.spec.num_layers)
             if layer is not None:
-                norms[layer] += float(totals[unit])
+                norms[layer] += totals[unit]
         return [math.sqrt(n / steps) for n in norms]
 
-    def _decision_point(self, epoch: int, step: int | None = None) -> None:
-        self.decision_index += 1
+    def _decision_point(self) -> None:
+        state = self.state
+        state.decision_index += 1
         current = self.layout.plan.num_frozen_layers
         norms = self.layer_grad_norms() if self.decider.needs_grad_norms else None
-        decided = self.decider.decide(self.decision_index, current, norms)
+        decided = self.decider.decide(state.decision_index, current, norms)
         self._check_agreement(decided)
-        self._reset_grad_norms()
+        state.interval_grad_sq = [0.0] * self.spec.num_units
+        state.interval_steps = 0
+        self.unit_grad_sq.zero_()
         if decided != current:
-            self.transition(decided, epoch=epoch, step=step, grad_norms=norms)
+            started = time.perf_counter()
+            self.transition(decided, grad_norms=norms)
+            state.epoch_transition_s += time.perf_counter() - started
 
     def _check_agreement(self, value: int) -> None:
         both = torch.tensor([value, -value], dtype=torch.int64)
@@ -477,8 +649,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ transitions
 
-    def transition(self, num_frozen_layers: int, *, epoch: int, step: int | None, grad_norms=None) -> Layout:
+    def transition(self, num_frozen_layers: int, grad_norms: list[float] | None = None) -> Layout:
         """Move to the layout for `num_frozen_layers`. Collective: every rank, same order."""
+        state = self.state
         times = {}
         t = time.perf_counter()
         old = self.layout
@@ -507,34 +680,35 @@ class Trainer:
         self._build_groups()
         times["groups_s"] = time.perf_counter() - t
         self._apply_frozen()
-        self.layout = new = self._resolve_micro_batches(new, epoch, step or 0)
+        self.layout = new = self._resolve_micro_batches(new, state.epoch, state.step_in_epoch)
         times["profile_s"] = self.profiler.take_seconds()
         t = time.perf_counter()
         self._build_runtime(states)
         dist.barrier(group=self.control)
         times["rebuild_s"] = time.perf_counter() - t
 
-        record = {
-            "kind": "transition",
-            "epoch": epoch,
-            "step": step,
-            "global_step": self.global_step,
-            "old_num_frozen_layers": old.plan.num_frozen_layers,
-            "new_num_frozen_layers": new.plan.num_frozen_layers,
-            "old_pipe_len": old.pipe_len,
-            "new_pipe_len": new.pipe_len,
-            "old_dp_degree": old.dp_degree,
-            "new_dp_degree": new.dp_degree,
-            "new_stage_ranges": [list(r) for r in new.plan.stage_ranges],
-            "num_micro_batches": new.plan.num_micro_batches,
-            "units_moved": len(transfers),
-            "layer_grad_norms": grad_norms,
+        record = TransitionEvent(
+            epoch=state.epoch if state.step_in_epoch else state.epoch - 1,
+            step=state.step_in_epoch or self.sampler.steps_per_epoch,
+            global_step=state.global_step,
+            old_num_frozen_layers=old.plan.num_frozen_layers,
+            new_num_frozen_layers=new.plan.num_frozen_layers,
+            old_pipe_len=old.pipe_len,
+            new_pipe_len=new.pipe_len,
+            old_dp_degree=old.dp_degree,
+            new_dp_degree=new.dp_degree,
+            new_stage_ranges=[list(r) for r in new.plan.stage_ranges],
+            num_micro_batches=new.plan.num_micro_batches,
+            units_moved=len(transfers),
+            layer_grad_norms=grad_norms,
+            data_groups=[new.data_ranks(s) for s in range(new.pipe_len)] if new.dp_degree > 1 else [],
             **times,
-            "total_s": sum(times.values()),
-        }
+            total_s=sum(times.values()),
+        )
+        state.num_transitions += 1
         self.transitions.append(record)
         self.reporter.event(record)
-        logger.info("transition: %s (%.3f s)", new.describe(), record["total_s"])
+        logger.info("transition: %s (%.3f s)", new.describe(), record.total_s)
         return new
 
     # ------------------------------------------------------------------ evaluation
@@ -563,58 +737,73 @@ class Trainer:
                     accumulator.add(outputs.detach(), batch.ids, batch.valid, labels)
         return accumulator.reduce(self.control)
 
-    # ------------------------------------------------------------------ model state
+    # ------------------------------------------------------------------ checkpoints
 
-    def _designated_holder(self, unit: int) -> int:
-        """The lowest rank holding `unit`: the one that reports it."""
-        for rank in range(self.world.world_size):
-            if unit in self.layout.units_of_rank(rank):
-                return rank
-        raise RuntimeError(f"no rank holds unit {unit}")
+    @property
+    def last_checkpoint(self) -> Path | None:
+        step = self.checkpointer.last_step
+        return None if step is None else self.checkpointer.root / f"step-{step:08d}"
 
-    def gather_state(self, include_optimizer: bool = False) -> tuple[dict, dict] | None:
-        """The whole model's state dict (LayeredModel keys) and optimizer state by parameter
-        name, assembled on rank 0 (None elsewhere). Collective."""
-        mine: dict[str, torch.Tensor] = {}
+    def save_checkpoint(self, reason: str, eval_metric: float | None = None) -> None:
+        """A checkpoint of the run as it stands after the current step (collective)."""
+        state = self.state
+        if state.step_in_epoch:  # inside an epoch: its partial sums travel in the state
+            self._carry_epoch_partials()
+        state.interval_grad_sq = self._reduced_grad_squares()
+        tensors: dict[str, torch.Tensor] = {}
+        for key, tensor in self._unit_tensors().items():
+            tensors[model_key(key)] = tensor
+        named = self._named_params()
+        for key, entries in optim.states_by_name(self.optimizer, named).items():
+            for name, value in entries.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[optimizer_key(key, name)] = value
+        for stream, value in rng_state(self.world.device).items():
+            tensors[rng_key(self.world.rank, stream)] = value
+        run_state = {
+            "state": state.to_dict(),
+            "config": self.config.to_dict(),
+            "model": {
+                "unit_names": list(self.spec.unit_names),
+                "unit_param_counts": list(self.spec.unit_param_counts),
+                "build_args": self.model_args,  # what export rebuilds the model from
+            },
+            "time": time.time(),
+            "reason": reason,
+        }
+        saved = self.checkpointer.save(
+            state.global_step, tensors, run_state, eval_metric, lambda directory: self.profiler.store.save_copy(directory / PROFILES)
+        )
+        self.reporter.event(
+            CheckpointEvent(state.global_step, state.epoch, str(saved.path), reason, saved.write_s, saved.bytes, eval_metric)
+        )
+        self._epoch_clock = time.perf_counter()  # writing a checkpoint is not training time
+
+    def _unit_tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer this rank holds, by global name (buffers include the
+        non-persistent ones: a resumed unit is materialised without initialisation)."""
+        tensors = {}
         for index, unit in self.units.items():
-            if self._designated_holder(index) == self.world.rank:
-                for name, tensor in unit.state_dict().items():
-                    mine[f"units.{index}.{name}"] = tensor.detach().cpu().clone()
-        states = {}
-        if include_optimizer:
-            for name, state in optim.states_by_name(self.optimizer, self._named_params()).items():
-                unit = int(name.split(".", 1)[0][1:])
-                if self._designated_holder(unit) == self.world.rank:
-                    states[name] = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-        gathered = [None] * self.world.world_size if self.world.rank == 0 else None
-        dist.gather_object((mine, states), gathered, dst=0, group=self.control)
-        if self.world.rank != 0:
-            return None
-        model_state: dict[str, torch.Tensor] = {}
-        optimizer_state: dict[str, dict] = {}
-        for part, part_states in gathered:
-            model_state.update(part)
-            for name, state in part_states.items():
-                optimizer_state.setdefault(name, state)
-        return model_state, optimizer_state
-
-    def save_model(self, path: Path) -> None:
-        """Write the trained model (all units) to `path` from rank 0. Collective."""
-        gathered = self.gather_state()
-        if gathered is not None:
-            torch.save(gathered[0], path)
-            logger.info("saved the model to %s", path)
+            for name, param in unit.named_parameters():
+                tensors[param_key(index, name)] = param.detach()
+            for name, buffer in unit.named_buffers():
+                tensors[param_key(index, name)] = buffer
+        return tensors
 
     # ------------------------------------------------------------------ teardown
 
     def cleanup(self) -> None:
         self.runtime = None
-        if getattr(self, "cache", None) is not None:
+        if self.cache is not None:
             self.cache.close()
             self.cache = None
         if self.groups is not None:
             self.groups.destroy()
-        if getattr(self, "reporter", None) is not None:
+        if self.reporter is not None:
             self.reporter.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name

@@ -30,3 +30,19 @@ def layer_of_unit(unit: int, num_layers: int) -> int | None:
     if unit == 0 or unit == 2 * num_layers + 1:
         return None
     return (unit - 1) // 2
+
+
+def param_key(unit: int, name: str) -> str:
+    """The global name of a unit's parameter, buffer or optimizer state entry:
+    'units.<unit>.<name>', the key LayeredModel.state_dict() uses. Stable across ranks,
+    layouts and world sizes: handoffs, optimizer state and checkpoints all key by it."""
+    return f"units.{unit}.{name}"
+
+
+def parse_param_key(key: str) -> tuple[int, str]:
+    """(unit, name) of a `param_key`; ValueError for anything else."""
+    prefix, _, rest = key.partition(".")
+    index, _, name = rest.partition(".")
+    if prefix != "units" or not index.isdigit() or not name:
+        raise ValueError(f"not a parameter key: {key!r} (expected 'units.<unit>.<name>')")
+    return int(index), name

@@ -1,0 +1,253 @@
+"""Checkpoints: sharded with torch.distributed.checkpoint (DCP), loadable at any layout.
+
+A checkpoint is a directory `RUN_DIR/checkpoints/step-<global step>/` holding DCP's files
+and two small ones written by rank 0: `run_state.json` (the RunState, the resolved config,
+the model's unit names) and `profiles.json` (what the profilers had measured). Tensors are
+keyed by name, not by rank or layout:
+
+    model/units.<u>.<name>                   every parameter and buffer of unit u
+    optim/units.<u>.<name>/<state>           optimizer state of a trained parameter
+    rng/rank<r>/cpu, rng/rank<r>/cuda        rank r's random streams
+
+Every rank offers the units it holds; replicas hold the same units, and DCP's planner
+keeps one writer per key, so each rank writes a share of the model and no rank gathers it.
+A resuming rank asks for exactly the keys of the units it holds in the layout planned for
+the new world, and DCP reads them from whichever files hold them: the same world size or
+another, any layout.
+
+A checkpoint exists once every rank has finished writing it: the files go to
+`.tmp-step-N/`, then, after a barrier, rank 0 adds run_state.json, renames the directory
+to `step-N/` and only then moves the `latest` pointer. A crash at any point leaves either
+no `step-N/` or a complete one; `find_checkpoint` never picks a `.tmp-` directory or one
+without run_state.json, and leftovers of an interrupted write are removed at the next
+start.
+
+Owns: the directory layout, the keys, writing and reading. Must not: decide when to
+checkpoint (the trainer asks `due`) or what the state means.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from pipetransformer.config import CheckpointConfig
+from pipetransformer.utils.files import write_json_atomic, write_text_atomic
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+RUN_STATE = "run_state.json"
+PROFILES = "profiles.json"
+_NAME = re.compile(r"^step-(\d{8,})$")
+
+
+def model_key(param_key: str) -> str:
+    return f"model/{param_key}"
+
+
+def optimizer_key(param_key: str, state_name: str) -> str:
+    return f"optim/{param_key}/{state_name}"
+
+
+def rng_key(rank: int, stream: str) -> str:
+    return f"rng/rank{rank}/{stream}"
+
+
+def checkpoint_name(global_step: int) -> str:
+    return f"step-{global_step:08d}"
+
+
+def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def is_complete(path: Path) -> bool:
+    return bool(_NAME.match(path.name)) and (path / RUN_STATE).is_file() and (path / ".metadata").is_file()
+
+
+def complete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def find_checkpoint(run_dir: str | os.PathLike, which: str = "latest") -> Path | None:
+    """The checkpoint `latest` (or `best`) points at; for `latest`, the newest complete one
+    when the pointer is missing or names a checkpoint that is gone. None when there is none."""
+    root = checkpoints_dir(run_dir)
+    if which not in ("latest", "best"):
+        raise ValueError(f"which checkpoint: 'latest' or 'best', got {which!r}")
+    pointer = root / (which if which == "latest" else "best.json")
+    if pointer.is_file():
+        text = pointer.read_text().strip()
+        name = json.loads(text)["checkpoint"] if which == "best" else text
+        if _NAME.match(name) and is_complete(root / name):
+            return root / name
+    if which == "best":
+        return None
+    complete = complete_checkpoints(run_dir)
+    return complete[-1] if complete else None
+
+
+def read_run_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's run_state.json: {"state": ..., "config": ..., "model": ..., ...}."""
+    try:
+        return json.loads((path / RUN_STATE).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path / RUN_STATE}: not a readable run state ({exc})") from exc
+
+
+def stored_tensors(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Every tensor key of a checkpoint with its shape and dtype (from DCP's metadata)."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    found = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if hasattr(entry, "size"):
+            found[key] = (entry.size, entry.properties.dtype)
+    return found
+
+
+def load_tensors(path: Path, destinations: dict[str, torch.Tensor], process_group=None) -> None:
+    """Fill `destinations` (key -> tensor, written in place) from the checkpoint. Collective
+    over `process_group` when torch.distributed is initialised; every key must exist."""
+    if not destinations and not dist.is_initialized():
+        return
+    dcp.load(
+        destinations,
+        storage_reader=dcp.FileSystemReader(str(path)),
+        process_group=process_group,
+        no_dist=not dist.is_initialized(),
+    )
+
+
+def remove_interrupted_writes(run_dir: str | os.PathLike) -> list[Path]:
+    """Delete `.tmp-` directories an interrupted checkpoint write left behind."""
+    root = checkpoints_dir(run_dir)
+    removed = []
+    if root.is_dir():
+        for path in root.iterdir():
+            if path.name.startswith(".tmp-") and path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    for path in removed:
+        logger.info("removed %s, left by an interrupted checkpoint write", path)
+    return removed
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    path: Path
+    write_s: float
+    bytes: int
+
+
+class Checkpointer:
+    """Writes a run's checkpoints on every rank (collective) and keeps the newest few."""
+
+    def __init__(self, config: CheckpointConfig, run_dir: Path, rank: int, group) -> None:
+        self.config = config
+        self.root = checkpoints_dir(run_dir)
+        self.rank = rank
+        self.group = group
+        self.last_step: int | None = None  # global step of the newest checkpoint written or loaded
+
+    def due(self, *, epoch_end: bool, completed_epochs: int, global_step: int) -> bool:
+        """Whether a checkpoint is due now (after `global_step` steps)."""
+        if self.last_step == global_step:
+            return False
+        every_steps = self.config.interval_steps
+        if every_steps is not None and global_step % every_steps == 0:
+            return True
+        every_epochs = self.config.interval_epochs
+        return epoch_end and every_epochs > 0 and completed_epochs % every_epochs == 0
+
+    def save(
+        self,
+        global_step: int,
+        tensors: Mapping[str, torch.Tensor],
+        run_state: dict[str, Any],
+        eval_metric: float | None,
+        write_extra: Callable[[Path], None] | None = None,
+    ) -> SavedCheckpoint:
+        """Write a checkpoint of `global_step`. Collective: every rank, its own tensors.
+        `write_extra(directory)`: rank 0 adds its own files (e.g. the profiles)."""
+        start = time.perf_counter()
+        name = checkpoint_name(global_step)
+        final = self.root / name
+        staging = self.root / f".tmp-{name}"
+        if self.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        dist.barrier(group=self.group)
+        dcp.save(
+            dict(tensors),
+            storage_writer=dcp.FileSystemWriter(str(staging), sync_files=True),
+            process_group=self.group,
+        )
+        dist.barrier(group=self.group)  # every rank's files are written
+        size = 0
+        if self.rank == 0:
+            if write_extra is not None:
+                write_extra(staging)
+            write_json_atomic(staging / RUN_STATE, run_state)  # last: marks the files complete
+            size = sum(p.stat().st_size for p in staging.iterdir() if p.is_file())
+            if final.exists():  # the same step again (e.g. written before a crash): replace it
+                shutil.rmtree(final)
+            os.replace(staging, final)
+            _fsync_dir(self.root)
+            write_text_atomic(self.root / "latest", name + "\n")
+            if eval_metric is not None and self.config.keep_best:
+                self._update_best(name, eval_metric)
+            self._prune()
+        dist.barrier(group=self.group)
+        self.last_step = global_step
+        seconds = time.perf_counter() - start
+        logger.info("checkpoint %s written in %.2f s", final, seconds)
+        return SavedCheckpoint(final, seconds, size)
+
+    def _update_best(self, name: str, eval_metric: float) -> None:
+        path = self.root / "best.json"
+        best = json.loads(path.read_text()) if path.is_file() else None
+        if best is None or not is_complete(self.root / best["checkpoint"]) or eval_metric > best["eval_metric"]:
+            write_json_atomic(path, {"checkpoint": name, "eval_metric": eval_metric})
+
+    def _prune(self) -> None:
+        """Keep the newest `keep_last` complete checkpoints and the best one."""
+        complete = complete_checkpoints(self.root.parent)
+        keep = {p.name for p in complete[-self.config.keep_last :]}
+        best = find_checkpoint(self.root.parent, "best") if self.config.keep_best else None
+        if best is not None:
+            keep.add(best.name)
+        for path in complete:
+            if path.name not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable (a power cut after it cannot undo it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,61 @@
+"""Export: a run's trained model, taken from one of its checkpoints, in the format its own
+library loads (transformers `from_pretrained` for BERT, `timm.create_model` for ViT).
+
+The model is rebuilt on the meta device from the config and build arguments the checkpoint
+recorded (no weights are initialised or downloaded), materialised empty, and filled with
+every unit's tensors from the checkpoint, frozen layers included. One process, no
+torch.distributed: `pipetransformer export` runs anywhere the run directory is readable.
+
+Owns: that assembly. Must not: know a library's file format (the model adapters do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from pipetransformer.config import Config, config_from_dict
+from pipetransformer.models import LayeredModel, build_model, export_model, materialize
+from pipetransformer.trainer.checkpoint import find_checkpoint, model_key, read_run_state
+from pipetransformer.utils.units import param_key
+
+logger = logging.getLogger(__name__)
+
+
+def load_trained_model(run_dir: str | Path, which: str = "latest") -> tuple[LayeredModel, Config, Path]:
+    """The model of a run's `latest` or `best` checkpoint, in eval mode on the CPU."""
+    run_dir = Path(run_dir)
+    checkpoint = find_checkpoint(run_dir, which)
+    if checkpoint is None:
+        raise FileNotFoundError(f"{run_dir}: no {which} checkpoint under {run_dir / 'checkpoints'}")
+    saved = read_run_state(checkpoint)
+    config = config_from_dict(saved["config"])
+    # Weights come from the checkpoint: build the structure only.
+    model_config = dataclasses.replace(config.model, pretrained=False, checkpoint_path=None)
+    model = materialize(build_model(model_config, device="meta", **saved["model"]["build_args"]))
+    destinations = {}
+    for index, unit in enumerate(model.units):
+        for name, tensor in [*unit.named_parameters(), *unit.named_buffers()]:
+            destinations[model_key(param_key(index, name))] = tensor.detach()
+    covered = {t.untyped_storage().data_ptr() for t in destinations.values()}
+    missing = [n for n, p in model.source.named_parameters() if p.untyped_storage().data_ptr() not in covered]
+    if missing:  # an adapter that leaves parameters outside its units would export garbage
+        raise RuntimeError(f"parameters outside every unit: {missing[:5]}")
+    with torch.no_grad():
+        dcp.load(destinations, storage_reader=dcp.FileSystemReader(str(checkpoint)), no_dist=True)
+    model.eval()
+    return model, config, checkpoint
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "latest") -> tuple[Path, list[str]]:
+    """Write the model of the run's `which` checkpoint to `out_dir`; returns (the checkpoint
+    exported, the files written)."""
+    model, config, checkpoint = load_trained_model(run_dir, which)
+    tokenizer = config.data.tokenizer or config.model.model_name_or_path
+    files = export_model(model, out_dir, tokenizer=tokenizer)
+    logger.info("exported %s to %s: %s", checkpoint, out_dir, ", ".join(files))
+    return checkpoint, files

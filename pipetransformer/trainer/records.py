@@ -1,0 +1,172 @@
+"""The records a run writes, as types shared by their writer (the trainer) and their readers
+(`compare`, resume, tests): one line of metrics.jsonl per epoch, of steps.jsonl per logged
+step, and of events.jsonl per event (transition, profiling, checkpoint, resume, start).
+
+Each record is a dataclass; `to_dict` is what goes on disk, `from_dict` reads it back
+(fields a record of an older run lacks take their defaults, unknown keys are ignored), so
+no reader picks values out of loose dicts by key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+T = TypeVar("T", bound="Record")
+
+
+@dataclass
+class Record:
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class EpochMetrics(Record):
+    """One line of metrics.jsonl: an epoch's training, evaluation and layout."""
+
+    epoch: int  # 1-based
+    global_step: int
+    train_loss: float
+    eval_metric: float | None
+    samples_per_s: float
+    epoch_time_s: float
+    num_frozen_layers: int
+    pipe_len: int
+    dp_degree: int
+    num_micro_batches: int
+    lr: float = 0.0
+    eval_loss: float | None = None
+    eval_samples: int | None = None
+    exact_match: float | None = None  # question answering
+    eval_time_s: float = 0.0
+    transition_time_s: float = 0.0
+    ddp_comm_s: float = 0.0
+    ddp_comm_share: float = 0.0
+    cache_active: bool = False
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cache_upgrades: int = 0
+    cache_bytes_in_memory: int = 0
+    cache_bytes_on_disk: int = 0
+    cache_read_mb_per_s: float = 0.0
+    cache_hits_by_node: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepMetrics(Record):
+    """One line of steps.jsonl, every trainer.log_interval_steps steps."""
+
+    global_step: int
+    epoch: int  # 1-based
+    loss: float  # mean per-sample loss over the steps since the previous line
+    lr: float
+    samples_per_s: float
+    num_frozen_layers: int
+    pipe_len: int
+    dp_degree: int
+
+
+@dataclass
+class Event(Record):
+    kind: ClassVar[str] = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **dataclasses.asdict(self)}
+
+
+@dataclass
+class TransitionEvent(Event):
+    kind: ClassVar[str] = "transition"
+    epoch: int  # 0-based epoch the transition happened in
+    step: int  # steps of that epoch before it
+    global_step: int
+    old_num_frozen_layers: int
+    new_num_frozen_layers: int
+    old_pipe_len: int
+    new_pipe_len: int
+    old_dp_degree: int
+    new_dp_degree: int
+    new_stage_ranges: list[list[int]]
+    num_micro_batches: int
+    units_moved: int
+    layer_grad_norms: list[float] | None = None
+    data_groups: list[list[int]] = field(default_factory=list)  # ranks of each stage's replicas
+    plan_s: float = 0.0
+    state_move_s: float = 0.0
+    groups_s: float = 0.0
+    profile_s: float = 0.0
+    rebuild_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass
+class ProfileEvent(Event):
+    kind: ClassVar[str] = "profile"
+    global_step: int
+    profile_s: float
+    cost_source: str
+
+
+@dataclass
+class StartEvent(Event):
+    """An attempt began: the first of a run, or a resume or restart."""
+
+    kind: ClassVar[str] = "start"
+    global_step: int
+    attempt: int
+    time: float  # unix time
+    world_size: int
+    pipe_len: int
+    dp_degree: int
+    num_frozen_layers: int
+    cache_daemons: list[dict[str, Any]] = field(default_factory=list)  # one per node
+
+
+@dataclass
+class ResumeEvent(Event):
+    kind: ClassVar[str] = "resume"
+    global_step: int
+    epoch: int  # 0-based epoch it continues
+    step: int  # steps of that epoch already taken
+    checkpoint: str
+    attempt: int
+    num_frozen_layers: int
+    pipe_len: int
+    dp_degree: int
+    num_micro_batches: int
+    world_size: int
+    checkpoint_world_size: int
+    rng: str  # "restored" or "reseeded" (the world size changed)
+    load_s: float
+    previous_attempt_wall_s: float
+
+
+@dataclass
+class CheckpointEvent(Event):
+    kind: ClassVar[str] = "checkpoint"
+    global_step: int
+    epoch: int  # completed epochs at the checkpoint
+    path: str
+    reason: str  # "epoch", "steps" or the signal that stopped the run
+    write_s: float
+    bytes: int
+    eval_metric: float | None = None
+
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.kind: cls for cls in (TransitionEvent, ProfileEvent, StartEvent, ResumeEvent, CheckpointEvent)
+}
+
+
+def event_from_dict(data: dict[str, Any]) -> Event:
+    kind = data.get("kind", "transition")  # the first runs wrote transitions without a kind
+    if kind not in EVENT_TYPES:
+        raise ValueError(f"unknown event kind {kind!r}")
+    return EVENT_TYPES[kind].from_dict(data)
