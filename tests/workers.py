@@ -180,3 +180,21 @@ def failing_run(config_dict: dict, run_dir: str):
         return "no failure"
     finally:
         trainer.cleanup()
+
+
+def checkpoint_killed_half_way(config_dict: dict, run_dir: str, step: int):
+    """A run whose rank 0 is SIGKILLed while it completes the checkpoint of `step`: every
+    rank has written its tensors, run_state.json is not there yet."""
+    import signal
+
+    from pipetransformer.trainer import checkpoint
+
+    write = checkpoint.write_json_atomic
+
+    def dying_write(path, payload):
+        if env_rank() == 0 and str(path).endswith(f".tmp-step-{step:08d}/run_state.json"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write(path, payload)
+
+    checkpoint.write_json_atomic = dying_write
+    return elastic_run(config_dict, run_dir)

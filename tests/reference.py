@@ -1,0 +1,72 @@
+"""The elastic tests' reference: a plain single-process loop over the same global batches,
+freezing the same layers at the same points, and the config those tests share."""
+
+import json
+
+import torch
+
+from pipetransformer.autodp.sampler import TrainSampler
+from pipetransformer.data import build_data
+from pipetransformer.models import build_model
+from pipetransformer.trainer import optim
+from pipetransformer.utils.units import prefix_end
+
+
+def elastic_config(**changes):
+    data = {
+        "trainer": {
+            "epochs": 3, "seed": 0, "global_batch_size": 32, "nproc_per_node": 4, "progress_bar": False,
+            "log_interval_steps": 1,
+        },
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "lr_schedule": "cosine", "warmup_steps": 2},
+        "pipeline": {"initial_pipe_len": 4, "num_micro_batches": 2, "balance": "params"},
+        "freeze": {"strategy": "manual", "manual_schedule": [3, 5]},
+        "autopipe": {"lambda_frozen": 0.02},
+        "model": {"name": "vit_tiny_patch16_224", "kwargs": {"patch_size": 4, "embed_dim": 32, "depth": 6, "num_heads": 2, "mlp_ratio": 2.0}},
+        "data": {"name": "digits", "image_size": 8, "train_subset": 200, "eval_subset": 64},
+    }
+    for key, value in changes.items():
+        section, name = key.split("__")
+        data.setdefault(section, {})[name] = value
+    return data
+
+
+def step_losses(run_dir) -> list[float]:
+    """Each step's mean loss from steps.jsonl (written every step with log_interval_steps 1)."""
+    records = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    assert [r["global_step"] for r in records] == list(range(1, len(records) + 1))
+    return [r["loss"] for r in records]
+
+
+def reference_run(config):
+    """Single process, whole model, same batches, same freeze points."""
+    data = build_data(config.data, seed=config.trainer.seed)
+    torch.manual_seed(config.trainer.seed)
+    model = build_model(config.model, task="classification", num_classes=10, in_chans=1, image_size=8)
+    named = {f"units.{i}.{n}": p for i, u in enumerate(model.units) for n, p in u.named_parameters()}
+    optimizer = optim.build_optimizer(config.optimizer, named)
+    sampler = TrainSampler(len(data.train), 1, config.trainer.global_batch_size, config.trainer.seed)
+    total = config.trainer.epochs * sampler.steps_per_epoch
+    losses, step = [], 0
+    for epoch in range(config.trainer.epochs):
+        for s in range(sampler.steps_per_epoch):
+            batch = sampler.node_batch(0, epoch, s)
+            (images,), labels = data.train.fetch(batch.ids)
+            valid = torch.tensor(batch.valid)
+            per_sample = torch.nn.functional.cross_entropy(model(images), labels, reduction="none")
+            loss = (per_sample * valid).sum() / valid.sum()
+            optim.set_learning_rate(optimizer, optim.learning_rate(config.optimizer, step, total))
+            loss.backward()
+            if config.optimizer.max_grad_norm is not None:
+                trained = [p for p in model.parameters() if p.requires_grad]
+                torch.nn.utils.clip_grad_norm_(trained, config.optimizer.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+            step += 1
+        if epoch + 1 < config.trainer.epochs:
+            frozen = config.freeze.manual_schedule[min(epoch, len(config.freeze.manual_schedule) - 1)]
+            for unit in list(model.units)[: prefix_end(frozen)]:
+                unit.requires_grad_(False)
+                unit.eval()
+    return losses, model.state_dict(), sampler

@@ -1,0 +1,256 @@
+"""Checkpoints, resume, crash restarts and clean stops.
+
+Exactness: a run resumed at the same world size continues bit for bit as the uninterrupted
+run would have (same layout, micro-batches, data order, optimizer state and random
+streams): per-step losses and final parameters agree to 1e-6. Resumed at another world
+size the layout changes, so it is held to the elastic tests' tolerances against
+single-process training (1e-5 on losses, rtol 1e-4 / atol 1e-5 on parameters).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import run_workers
+from reference import elastic_config, reference_run, step_losses
+from workers import checkpoint_killed_half_way, elastic_run
+
+from pipetransformer.config import CheckpointConfig, config_from_dict
+from pipetransformer.launcher import WorkerFailed
+from pipetransformer.trainer.checkpoint import Checkpointer, complete_checkpoints, find_checkpoint
+from pipetransformer.trainer.rundir import RunDirError, RunOptions, prepare_run_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+RESUME = RunOptions(resume="required")
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def events(run_dir: Path, kind: str) -> list[dict]:
+    return [e for e in records(run_dir / "events.jsonl") if e["kind"] == kind]
+
+
+def continue_from(run_dir: Path, into: Path, step: int) -> None:
+    """A copy of `run_dir` as a run interrupted after its checkpoint at `step` would leave it."""
+    shutil.copytree(run_dir, into)
+    for path in complete_checkpoints(into):
+        if int(path.name.split("-")[1]) > step:
+            shutil.rmtree(path)
+    (into / "checkpoints" / "latest").write_text(f"step-{step:08d}\n")
+
+
+# ---------------------------------------------------------------- without processes
+
+
+def test_find_checkpoint_ignores_incomplete_writes(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (3, 6):
+        (root / f"step-{step:08d}").mkdir(parents=True)
+        (root / f"step-{step:08d}" / ".metadata").write_bytes(b"m")
+        (root / f"step-{step:08d}" / "run_state.json").write_text("{}")
+    # A write that died before its rename, and one that died before run_state.json.
+    (root / ".tmp-step-00000009").mkdir()
+    (root / "step-00000012").mkdir()
+    (root / "step-00000012" / ".metadata").write_bytes(b"m")
+    (root / "latest").write_text("step-00000012\n")  # a pointer to something incomplete
+    assert find_checkpoint(tmp_path) == root / "step-00000006"
+    assert find_checkpoint(tmp_path, "best") is None
+    assert prepare_run_dir(tmp_path, resume="auto", overwrite=False) == root / "step-00000006"
+    assert not (root / ".tmp-step-00000009").exists()  # leftovers of the interrupted write go
+
+
+def test_checkpoint_cadence():
+    ckpt = Checkpointer(CheckpointConfig(interval_epochs=2, interval_steps=5), Path("/nonexistent"), 0, None)
+    due = [s for s in range(1, 21) if ckpt.due(epoch_end=s % 7 == 0, completed_epochs=s // 7, global_step=s)]
+    assert due == [5, 10, 14, 15, 20]  # every 5 steps, and at the end of epoch 2 (step 14)
+    ckpt.last_step = 10
+    assert not ckpt.due(epoch_end=False, completed_epochs=1, global_step=10)  # written already
+
+
+def test_a_used_run_directory_is_refused_and_left_untouched(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 1}\n')
+    with pytest.raises(RunDirError, match="already holds a run"):
+        prepare_run_dir(tmp_path, resume="never", overwrite=False)
+    with pytest.raises(RunDirError, match="no complete checkpoint"):
+        prepare_run_dir(tmp_path, resume="required", overwrite=False)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"epoch": 1}\n'
+    (tmp_path / "notes.txt").write_text("mine")
+    assert prepare_run_dir(tmp_path, resume="never", overwrite=True) is None
+    assert not (tmp_path / "metrics.jsonl").exists() and (tmp_path / "notes.txt").read_text() == "mine"
+
+
+# ---------------------------------------------------------------- distributed, in process
+
+
+@pytest.mark.distributed
+def test_resume_after_a_transition_reproduces_the_uninterrupted_run(tmp_path):
+    """4 ranks, 1x4 -> 2x2 -> 4x1; interrupted mid-epoch after the first transition."""
+    config_dict = elastic_config(checkpoint__interval_steps=5, checkpoint__keep_last=20)
+    full = tmp_path / "full"
+    uninterrupted = run_workers(elastic_run, 4, config_dict, str(full))
+    steps = [int(p.name.split("-")[1]) for p in complete_checkpoints(full)]
+    assert steps == [5, 7, 10, 14, 15, 20, 21]  # every 5 steps and at each epoch's end
+    resumed_dir = tmp_path / "resumed"
+    continue_from(full, resumed_dir, 10)  # epoch 2, step 3 of 7, layout 2x2
+    resumed = run_workers(elastic_run, 4, config_dict, str(resumed_dir), False, RESUME)
+
+    (event,) = events(resumed_dir, "resume")
+    assert (event["global_step"], event["epoch"], event["step"]) == (10, 1, 3)
+    assert (event["pipe_len"], event["dp_degree"], event["rng"]) == (2, 2, "restored")
+    assert step_losses(resumed_dir) == pytest.approx(step_losses(full), abs=1e-6)
+    # The epoch split across attempts has the same training loss; every epoch appears once.
+    got, want = records(resumed_dir / "metrics.jsonl"), records(full / "metrics.jsonl")
+    assert [m["epoch"] for m in got] == [1, 2, 3]
+    assert [m["train_loss"] for m in got] == pytest.approx([m["train_loss"] for m in want], abs=1e-6)
+    assert [m["eval_metric"] for m in got] == [m["eval_metric"] for m in want]
+    assert [(m["pipe_len"], m["dp_degree"]) for m in got] == [(4, 1), (2, 2), (1, 4)]
+    state, reference = resumed[0]["state"][0], uninterrupted[0]["state"][0]
+    assert set(state) == set(reference)
+    for name, value in reference.items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    assert resumed[0]["summary"]["attempts"] == 2
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("first, second", [(2, 4), (4, 2)])
+def test_resume_at_another_world_size_matches_single_process(tmp_path, first, second):
+    def config(world: int) -> dict:
+        return elastic_config(trainer__nproc_per_node=world, pipeline__initial_pipe_len=world)
+
+    run_workers(elastic_run, first, config(first), str(tmp_path / "first"))
+    resumed_dir = tmp_path / "resumed"
+    continue_from(tmp_path / "first", resumed_dir, 7)  # after epoch 1 and the 0 -> 3 transition
+    results = run_workers(elastic_run, second, config(second), str(resumed_dir), False, RESUME)
+
+    (event,) = events(resumed_dir, "resume")
+    assert (event["world_size"], event["checkpoint_world_size"], event["rng"]) == (second, first, "reseeded")
+    assert event["num_frozen_layers"] == 3 and event["pipe_len"] * event["dp_degree"] == second
+    ref_losses, ref_state, _ = reference_run(config_from_dict(config(first)))
+    assert step_losses(resumed_dir) == pytest.approx(ref_losses, abs=1e-5)
+    state = results[0]["state"][0]
+    assert set(state) == set(ref_state)
+    for name, value in ref_state.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_write_killed_half_way_is_ignored(tmp_path):
+    """Rank 0 is killed after every rank wrote its tensors for step 14 but before the
+    checkpoint was complete: resume takes step 7 and the run ends as it would have."""
+    config_dict = elastic_config()
+    with pytest.raises(WorkerFailed, match="SIGKILL"):
+        run_workers(checkpoint_killed_half_way, 4, config_dict, str(tmp_path), 14)
+    assert (tmp_path / "checkpoints" / ".tmp-step-00000014").is_dir()
+    assert find_checkpoint(tmp_path).name == "step-00000007"
+    run_workers(elastic_run, 4, config_dict, str(tmp_path), False, RESUME)
+    assert not (tmp_path / "checkpoints" / ".tmp-step-00000014").exists()
+    (event,) = events(tmp_path, "resume")
+    assert event["global_step"] == 7
+    ref_losses, _, _ = reference_run(config_from_dict(config_dict))
+    assert step_losses(tmp_path) == pytest.approx(ref_losses, abs=1e-5)
+    assert [m["epoch"] for m in records(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def quick_run_args(run_dir: Path, *extra: str) -> list[str]:
+    """A short elastic quickstart: 6 epochs of 4 steps, two transitions, cache on."""
+    return [
+        "train", QUICKSTART, "trainer.epochs=6", "data.train_subset=256", "data.eval_subset=64",
+        "freeze.strategy=manual", "freeze.manual_schedule=[3,5]", "freeze.warmup_epochs=1",
+        "pipeline.balance=params", "pipeline.num_micro_batches=2", "trainer.progress_bar=false",
+        *extra, "--run-dir", str(run_dir),
+    ]
+
+
+def start_cli(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipetransformer", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_checkpoint(run_dir: Path, step: int, process: subprocess.Popen, timeout_s: float = 240) -> None:
+    """Until the run has a complete checkpoint at `step` or later."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        latest = find_checkpoint(run_dir) if (run_dir / "checkpoints").is_dir() else None
+        if latest is not None and int(latest.name.split("-")[1]) >= step:
+            return
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.05)
+    raise AssertionError(f"no checkpoint at step {step} in {timeout_s} s")
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The trainer processes the launcher `pid` started (not multiprocessing's helpers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid and b"spawn_main" in cmdline:
+                found.append(int(entry.name))
+    return sorted(found)
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_worker_restarts_from_the_latest_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    process = start_cli(quick_run_args(run_dir, "trainer.max_restarts=1"))
+    wait_for_checkpoint(run_dir, 8, process)  # past the first transition (after epoch 1)
+    workers = worker_pids(process.pid)
+    assert len(workers) == 2
+    os.kill(workers[-1], signal.SIGKILL)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr[-3000:]
+    assert "killed by SIGKILL" in stderr and "restart 1 of 1 from" in stderr
+    assert [m["epoch"] for m in records(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    (resume,) = events(run_dir, "resume")
+    assert resume["global_step"] >= 8 and resume["num_frozen_layers"] >= 3
+    assert [e["attempt"] for e in events(run_dir, "start")] == [1, 2]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["attempts"] == 2 and summary["final_eval_metric"] is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_to_the_parent_checkpoints_and_the_resume_command_finishes(tmp_path, signum):
+    run_dir = tmp_path / "run"
+    process = start_cli(quick_run_args(run_dir))
+    wait_for_checkpoint(run_dir, 8, process)
+    process.send_signal(signum)  # to the parent only, as a scheduler may
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signum, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert f"stopped by {signal.Signals(signum).name}" in last and "Resume with: " in last
+    (checkpoint,) = [e for e in events(run_dir, "checkpoint") if e["reason"] == signal.Signals(signum).name]
+    assert find_checkpoint(run_dir).name == Path(checkpoint["path"]).name
+    if signum != signal.SIGTERM:
+        return
+    command = shlex.split(last.split("Resume with: ", 1)[1])
+    assert command[0] == "pipetransformer" and command[-2:] == ["--resume", str(run_dir)]
+    finished = subprocess.run(
+        [sys.executable, "-m", "pipetransformer", *command[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert [m["epoch"] for m in records(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert json.loads((run_dir / "summary.json").read_text())["attempts"] == 2
