@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Train across nodes through torchrun; run the same command on every node.
-#   launch/run_multi_node.sh CONFIG [key.sub=value ...] [--run-dir DIR]
+#   launch/run_multi_node.sh CONFIG [key.sub=value ...] [--run-dir DIR | --resume DIR]
 # From the environment (cluster schedulers set these): NNODES, NODE_RANK, MASTER_ADDR,
-# MASTER_PORT (default 29500), NPROC_PER_NODE (default: visible GPUs).
-# Pipelines never span nodes; the run directory should be on a shared file system.
+# MASTER_PORT (default 29500), NPROC_PER_NODE (default: visible GPUs),
+# RDZV_ID (names the run on every node; default: SLURM_JOB_ID, else "pipetransformer"),
+# MAX_RESTARTS (torchrun restarts all workers this often after a failure; default 0: a
+# restarted worker continues from the run's latest checkpoint by itself).
+# Rendezvous is torchrun's c10d store on MASTER_ADDR:MASTER_PORT. Pipelines never span
+# nodes; the run directory must be on a file system every node shares (each rank writes its
+# share of every checkpoint there). Without --run-dir it is runs/<config>-<RDZV_ID>.
 # DRY_RUN=1 prints the command instead of running it.
 set -euo pipefail
 if [ $# -lt 1 ]; then
@@ -14,6 +19,8 @@ fi
 : "${NODE_RANK:?set NODE_RANK (index of this node, 0..NNODES-1)}"
 : "${MASTER_ADDR:?set MASTER_ADDR (host name or address of node 0)}"
 MASTER_PORT=${MASTER_PORT:-29500}
+RDZV_ID=${RDZV_ID:-${SLURM_JOB_ID:-pipetransformer}}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
 if [ -z "${NPROC_PER_NODE:-}" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     NPROC_PER_NODE=$(nvidia-smi -L | wc -l)
@@ -23,7 +30,8 @@ if [ -z "${NPROC_PER_NODE:-}" ]; then
   fi
 fi
 cmd=(torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE"
-     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
+     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID"
+     --max-restarts "$MAX_RESTARTS"
      -m pipetransformer train "$@")
 if [ "${DRY_RUN:-0}" = "1" ]; then
   printf '%q ' "${cmd[@]}"; echo

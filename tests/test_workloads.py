@@ -49,6 +49,7 @@ def test_single_node_launch_passes_arguments_to_torchrun():
     words = result.stdout.split()
     assert words[:2] == ["torchrun", "--standalone"]
     assert words[words.index("--nproc-per-node") + 1] == "4"
+    assert words[words.index("--max-restarts") + 1] == "0"
     assert words[-5:] == ["-m", "pipetransformer", "train", "configs/vit_cifar100.yaml", "trainer.epochs=2"]
 
 
@@ -57,9 +58,10 @@ def test_multi_node_launch_takes_the_scheduler_environment():
     result = dry_run("run_multi_node.sh", "configs/vit_imagenet.yaml", "--run-dir", "/shared/run", **env)
     assert result.returncode == 0, result.stderr
     words = result.stdout.split()
-    for flag, value in [("--nnodes", "2"), ("--node-rank", "1"), ("--master-addr", "node0"),
-                        ("--master-port", "1234"), ("--nproc-per-node", "8")]:
+    for flag, value in [("--nnodes", "2"), ("--node-rank", "1"), ("--rdzv-backend", "c10d"),
+                        ("--rdzv-endpoint", "node0:1234"), ("--nproc-per-node", "8"), ("--max-restarts", "0")]:
         assert words[words.index(flag) + 1] == value
+    assert words[words.index("--rdzv-id") + 1] == "pipetransformer"  # the same on every node
     assert words[-4:] == ["train", "configs/vit_imagenet.yaml", "--run-dir", "/shared/run"]
     missing = dry_run("run_multi_node.sh", "configs/vit_imagenet.yaml", NNODES="2")
     assert missing.returncode != 0 and "NODE_RANK" in missing.stderr

@@ -59,7 +59,11 @@ def init_distributed(device_kind: str, timeout_s: float) -> WorldInfo:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // devices_per_node))
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = _loopback_store(rank, world_size, timeout) if os.environ.get(LOOPBACK_ENV) == "1" else None
+        store = None
+        if os.environ.get(LOOPBACK_ENV) == "1":
+            store = _loopback_store(rank, world_size, timeout)
+        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+            store = _attempt_store(timeout)
         dist.init_process_group(
             backend,
             store=store,
@@ -75,6 +79,18 @@ def init_distributed(device_kind: str, timeout_s: float) -> WorldInfo:
 # opens needs to be reachable from elsewhere.
 LOOPBACK_ENV = "PIPETRANSFORMER_LOOPBACK"
 _listening: list[socket.socket] = []  # the store's socket lives as long as the process
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.PrefixStore:
+    """torchrun's agent store seen under a prefix of its own per restart. Measured on torch
+    2.14: with the default env:// init, the workers of a restarted round (after one was
+    SIGKILLed mid-collective) fail or hang in gloo's connectFullMesh, connecting to the dead
+    round's addresses; keys under a per-attempt prefix avoid that."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"pipetransformer/attempt_{attempt}", client)
 
 
 def _loopback_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
