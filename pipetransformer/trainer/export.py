@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -45,7 +46,9 @@ def load_trained_model(run_dir: str | Path, which: str = "latest") -> tuple[Laye
     missing = [n for n, p in model.source.named_parameters() if p.untyped_storage().data_ptr() not in covered]
     if missing:  # an adapter that leaves parameters outside its units would export garbage
         raise RuntimeError(f"parameters outside every unit: {missing[:5]}")
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # One process by design: DCP's "assuming the intent is to load in a single process".
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(destinations, storage_reader=dcp.FileSystemReader(str(checkpoint)), no_dist=True)
     model.eval()
     return model, config, checkpoint
