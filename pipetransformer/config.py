@@ -49,6 +49,10 @@ class TrainerConfig:
     # When a worker dies (killed, out of memory, a failed collective), end the others and
     # restart all of them from the latest checkpoint, at most this many times.
     max_restarts: int = 0
+    # Compute precision: 'bf16' runs every stage's forward (and the frozen prefix) under
+    # bfloat16 autocast with float32 weights, gradients and optimizer state; activations
+    # cross stage boundaries in bfloat16.
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
@@ -65,6 +69,18 @@ class TrainerConfig:
             _fail("trainer.timeout_s", "must be > 0")
         if self.max_restarts < 0:
             _fail("trainer.max_restarts", f"must be >= 0, got {self.max_restarts}")
+        if self.precision == "fp16":
+            _fail(
+                "trainer.precision",
+                "fp16 needs dynamic loss scaling agreed across pipeline stages and replicas, which "
+                "this system does not implement; use bf16 (no scaling needed, the same speed on GPUs "
+                "with bfloat16 units) or fp32",
+            )
+
+    @property
+    def autocast_dtype(self) -> str | None:
+        """The autocast dtype name, None for float32 training."""
+        return "bfloat16" if self.precision == "bf16" else None
 
 
 @dataclass
@@ -177,8 +193,9 @@ class CacheConfig:
     memory_budget_bytes: int | None = None
     # Directory of the disk tier; None: a temporary directory removed after the run.
     dir: str | None = None
-    # Storage precision; float16/bfloat16 halve the footprint (values rounded once).
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    # Storage precision; float16/bfloat16 halve the footprint (values rounded once). 'auto':
+    # the training precision's (bfloat16 under trainer.precision bf16, else float32).
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     # Cache a randomly augmented training set anyway (its first view; the log says so).
     allow_augmented: bool = False
     # Keep the disk tier's files in cache.dir after the run (for inspection: a later run
@@ -299,6 +316,13 @@ class Config:
     @property
     def nproc_per_node(self) -> int:
         return self.trainer.nproc_per_node or self.pipeline.initial_pipe_len
+
+    @property
+    def cache_dtype(self) -> str:
+        """What AutoCache stores activations as (cache.dtype with 'auto' resolved)."""
+        if self.cache.dtype != "auto":
+            return self.cache.dtype
+        return self.trainer.autocast_dtype or "float32"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

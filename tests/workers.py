@@ -34,7 +34,10 @@ def build(kind: str):
     return tiny_vit(seed=0) if kind == "vit" else tiny_bert(seed=0)
 
 
-def pipeline_gradients(kind: str, pipe_len: int, dp_degree: int, micro_batches: int, schedule: str, batch_size: int):
+def pipeline_gradients(
+    kind: str, pipe_len: int, dp_degree: int, micro_batches: int, schedule: str, batch_size: int,
+    autocast_dtype: torch.dtype | None = None,
+):
     """One step of a K-stage x R-replica pipeline; return this rank's gradients and losses."""
     world = init_distributed("cpu", 60)
     model = build(kind)
@@ -46,8 +49,12 @@ def pipeline_gradients(kind: str, pipe_len: int, dp_degree: int, micro_batches: 
     runtime = build_stage_runtime(
         plan=plan, stage_index=role.stage, replica_batch_size=batch_size // dp_degree, units=units,
         spec=model.spec, loss_fn=ClassificationTask.loss_fn, schedule_name=schedule,
-        pipeline_group=groups.pipeline, data_group=groups.data, device=world.device,
+        pipeline_group=groups.pipeline, data_group=groups.data, device=world.device, autocast_dtype=autocast_dtype,
     )
+    linear_dtypes = set()  # what the stage's matrix multiplies ran in
+    for module in runtime.module.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(lambda m, args, out: linear_dtypes.add(out.dtype))
     inputs, labels = fixed_batch(kind, batch_size)
     share = batch_size // dp_degree
     window = slice(role.replica * share, (role.replica + 1) * share)
@@ -60,14 +67,18 @@ def pipeline_gradients(kind: str, pipe_len: int, dp_degree: int, micro_batches: 
         for name, p in unit_param_names(unit, index).items():
             grads[name] = p.grad.clone()
     torch.distributed.destroy_process_group()
-    return {"rank": world.rank, "role": role, "grads": grads, "losses": [float(l) for l in losses]}
+    return {
+        "rank": world.rank, "role": role, "grads": grads, "losses": [float(l) for l in losses],
+        "linear_dtypes": linear_dtypes,
+    }
 
 
-def reference_gradients(kind: str, batch_size: int):
+def reference_gradients(kind: str, batch_size: int, autocast_dtype: torch.dtype | None = None):
     model = build(kind)
     inputs, labels = fixed_batch(kind, batch_size)
-    logits = model(*inputs)
-    loss = torch.nn.functional.cross_entropy(logits, labels)
+    with torch.autocast("cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        logits = model(*inputs)
+    loss = torch.nn.functional.cross_entropy(logits.float(), labels)
     loss.backward()
     grads = {}
     for index, unit in enumerate(model.units):

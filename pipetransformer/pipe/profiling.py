@@ -156,6 +156,7 @@ def measure_unit_costs(
     device: torch.device | str,
     repeats: int = 3,
     warmup: int = 1,
+    autocast_dtype: torch.dtype | None = None,
 ) -> dict[int, UnitMeasurement]:
     """Measure each given unit (already on `device`) at `micro_batch_size`; medians of `repeats`.
 
@@ -163,6 +164,7 @@ def measure_unit_costs(
     after the embedding require grad, as inside a pipeline, so backward times include the
     input gradient. Frozen units are measured as if trained too (requires_grad is switched
     on for the measurement and restored), so one profile serves every frozen boundary.
+    `autocast_dtype`: measure under autocast (times and saved bytes of bf16 training).
     """
     if micro_batch_size < 1 or repeats < 1 or warmup < 0:
         raise ValueError("need micro_batch_size >= 1, repeats >= 1, warmup >= 0")
@@ -185,7 +187,9 @@ def measure_unit_costs(
                 if device.type == "cuda"
                 else []
             )
-            with torch.random.fork_rng(devices=rng_devices):
+            with torch.random.fork_rng(devices=rng_devices), torch.autocast(
+                device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None
+            ):
                 results[index] = _measure_unit(
                     unit,
                     spec.unit_input_specs(index),

@@ -25,7 +25,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.nn.parallel import DistributedDataParallel
 
 from pipetransformer.autopipe.planner import PipelinePlan
-from pipetransformer.models.layered import ModelSpec, UnitSequence
+from pipetransformer.models.layered import ModelSpec, TensorSpec, UnitSequence
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,37 @@ class CommTimer:
         return seconds
 
 
+class MixedPrecisionStage(nn.Module):
+    """Runs a stage's units under autocast (float32 weights, gradients and optimizer state).
+
+    Activations enter the units in float32, so the residual stream inside a stage is float32
+    as in single-process autocast training; the hidden state leaving a stage is cast to the
+    autocast dtype (half the bytes on the wire), the last stage's logits to float32 (the
+    loss is computed in float32)."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype, device_type: str, is_last: bool) -> None:
+        super().__init__()
+        self.module = module
+        self.dtype = dtype
+        self.device_type = device_type
+        self.output_dtype = torch.float32 if is_last else dtype
+
+    def forward(self, *inputs: torch.Tensor):
+        inputs = tuple(t.float() if t.is_floating_point() else t for t in inputs)
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            out = self.module(*inputs)
+        if isinstance(out, torch.Tensor):
+            return out.to(self.output_dtype)
+        return tuple(t.to(self.output_dtype) if t.is_floating_point() else t for t in out)
+
+
+def boundary_specs(specs, dtype: torch.dtype | None):
+    """Specs of what crosses a stage boundary: floating tensors in `dtype` when given."""
+    if dtype is None:
+        return specs
+    return tuple(TensorSpec(s.shape, dtype) if s.dtype.is_floating_point else s for s in specs)
+
+
 @dataclass
 class StageRuntime:
     stage_index: int
@@ -81,6 +112,7 @@ class StageRuntime:
     micro_batch_size: int
     num_micro_batches: int
     comm_timer: CommTimer | None = None
+    autocast_dtype: torch.dtype | None = None
     # (split, sample ids, inputs) -> the frozen prefix's output, served from AutoCache.
     cached_prefix: Callable[[str, Sequence[int], Sequence[torch.Tensor]], tuple[torch.Tensor, ...]] | None = None
 
@@ -135,13 +167,19 @@ class StageRuntime:
     def run_prefix(
         self, inputs: Sequence[torch.Tensor], ids: Sequence[int] | None = None, split: str = "train"
     ) -> tuple[torch.Tensor, ...]:
+        """The frozen prefix's output (computed, or served by AutoCache), in float32: what
+        stage 0 takes in."""
         if self.preprocess is None:
             return tuple(inputs)
-        if self.cached_prefix is not None and ids is not None:
-            return self.cached_prefix(split, ids, inputs)
-        with torch.no_grad():
-            out = self.preprocess(*inputs)
-        return out if isinstance(out, tuple) else (out,)
+        device_type = inputs[0].device.type
+        with torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None):
+            if self.cached_prefix is not None and ids is not None:
+                out = self.cached_prefix(split, ids, inputs)
+            else:
+                with torch.no_grad():
+                    out = self.preprocess(*inputs)
+        out = out if isinstance(out, tuple) else (out,)
+        return tuple(t.float() if t.is_floating_point() else t for t in out)
 
 
 def build_stage_runtime(
@@ -156,6 +194,7 @@ def build_stage_runtime(
     pipeline_group: dist.ProcessGroup,
     data_group: dist.ProcessGroup | None,
     device: torch.device,
+    autocast_dtype: torch.dtype | None = None,
 ) -> StageRuntime:
     frozen_end = plan.frozen_end
     start, end = plan.stage_ranges[stage_index]
@@ -173,17 +212,26 @@ def build_stage_runtime(
     micro = replica_batch // num_micro_batches
 
     # The hidden state carries gradients into a stage when a trained unit precedes it.
+    is_last = stage_index == plan.pipe_len - 1
+    input_specs = spec.unit_input_specs(start)
     input_args = _examples(
-        spec.unit_input_specs(start), micro, device, grad_first=stage_index > 0 and frozen_end < start
+        boundary_specs(input_specs, autocast_dtype) if stage_index > 0 else input_specs,
+        micro, device, grad_first=stage_index > 0 and frozen_end < start,
     )
-    output_args = _examples(spec.unit_output_specs(end - 1), micro, device, grad_first=frozen_end < end)
+    output_specs = spec.unit_output_specs(end - 1)
+    output_args = _examples(
+        output_specs if is_last else boundary_specs(output_specs, autocast_dtype),
+        micro, device, grad_first=frozen_end < end,
+    )
 
     wrapped: nn.Module = module
+    if autocast_dtype is not None:
+        wrapped = MixedPrecisionStage(module, autocast_dtype, device.type, is_last)
     comm_timer = None
     trainable = any(p.requires_grad for p in module.parameters())
     if data_group is not None and trainable:
         wrapped = DistributedDataParallel(
-            module,
+            wrapped,
             device_ids=[device.index] if device.type == "cuda" else None,
             process_group=data_group,
             forward_sync_buffers=False,
@@ -204,5 +252,6 @@ def build_stage_runtime(
         stage, n_microbatches=num_micro_batches, loss_fn=loss_fn, scale_grads=False
     )
     return StageRuntime(
-        stage_index, plan.pipe_len, module, wrapped, stage, schedule, preprocess, micro, num_micro_batches, comm_timer
+        stage_index, plan.pipe_len, module, wrapped, stage, schedule, preprocess, micro, num_micro_batches, comm_timer,
+        autocast_dtype=autocast_dtype,
     )

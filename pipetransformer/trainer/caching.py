@@ -71,7 +71,7 @@ class RunCache:
                 splits={"train": (len(data.train), specs), "eval": (len(data.eval), specs)},
                 memory_budget_bytes=config.cache.memory_budget_bytes or default_memory_budget(),
                 disk_dir=config.cache.dir,
-                storage_dtype=config.cache.dtype,
+                storage_dtype=config.cache_dtype,
                 keep=config.cache.keep,
                 watched_pids=[pids[r] for r in node_ranks],
             )

@@ -141,13 +141,14 @@ def _input_shapes(spec: ModelSpec) -> list[tuple[int, ...]]:
     return [s.shape for s in spec.input_specs]
 
 
-def _dtype_name(spec: ModelSpec) -> str:
-    return str(spec.activation_specs[0].dtype).removeprefix("torch.")
+def _dtype_name(config: Config, spec: ModelSpec) -> str:
+    """The compute dtype costs are measured in: the autocast dtype, else the activations'."""
+    return config.trainer.autocast_dtype or str(spec.activation_specs[0].dtype).removeprefix("torch.")
 
 
 def unit_profile_key_for(config: Config, spec: ModelSpec, device_type: str, micro_batch_size: int) -> str:
     return unit_profile_key(
-        model_signature_for(config, spec), device_type, _dtype_name(spec), micro_batch_size, _input_shapes(spec)
+        model_signature_for(config, spec), device_type, _dtype_name(config, spec), micro_batch_size, _input_shapes(spec)
     )
 
 
@@ -163,7 +164,7 @@ def micro_batch_key_for(
         _input_shapes(spec),
         config.pipeline.schedule,
         num_frozen_layers,
-        _dtype_name(spec),
+        _dtype_name(config, spec),
     )
 
 

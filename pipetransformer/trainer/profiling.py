@@ -99,7 +99,10 @@ class RunProfiler:
             start = time.perf_counter()
             mine = {u: units[u] for u in range(len(units)) if u % self.world_size == self.rank}
             on_device = {u: unit.to(self.device) for u, unit in mine.items()}
-            measured = measure_unit_costs(on_device, self.spec, micro, self.device)
+            name = self.config.trainer.autocast_dtype
+            measured = measure_unit_costs(
+                on_device, self.spec, micro, self.device, autocast_dtype=getattr(torch, name) if name else None
+            )
             for unit in mine.values():
                 unit.to("cpu")
             gathered: list[dict] = [None] * self.world_size

@@ -108,6 +108,8 @@ class Trainer:
     def setup(self) -> None:
         cfg = self.config
         self.world = world = init_distributed(cfg.trainer.device, cfg.trainer.timeout_s)
+        name = cfg.trainer.autocast_dtype
+        self.autocast_dtype = getattr(torch, name) if name else None
         self.control = create_control_group(cfg.trainer.timeout_s)
         if cfg.nproc_per_node != world.devices_per_node:
             # Under torchrun the launcher decides how many devices a node has.
@@ -271,6 +273,7 @@ class Trainer:
             pipeline_group=self.groups.pipeline,
             data_group=self.groups.data,
             device=self.world.device,
+            autocast_dtype=self.autocast_dtype,
         )
 
     def _build_runtime(self, optimizer_states: dict[str, dict]) -> None:
