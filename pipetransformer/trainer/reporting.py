@@ -55,13 +55,16 @@ class Reporter:
             except ImportError:
                 logger.warning("logging.wandb: the wandb package is not installed (pip install wandb); skipping")
             else:
+                # The run's id (kept in RUN_DIR across resumes and restarts) names the W&B
+                # run, so a resumed run continues its own W&B run and no other.
+                run_id = run_dir / ".run_id"
                 self._wandb = wandb_module.init(
                     project="pipetransformer",
                     name=run_dir.name,
                     dir=str(run_dir),
                     config=wandb_config or {},
                     resume="allow",
-                    id=f"{run_dir.name}".replace("/", "-")[:64],
+                    id=run_id.read_text().strip() if run_id.is_file() else None,
                 )
 
     def start_epoch(self, epoch: int, epochs: int, steps: int, done: int = 0) -> None:
