@@ -30,12 +30,19 @@ def _default_run_dir(config_path: str | None, prefix: str = "runs", run_id: str 
 
 
 def preflight(config: Config) -> None:
-    """Checks that need more than the config itself; raise ConfigError naming the key."""
+    """Checks that need more than the config itself, before any worker starts; raise
+    ConfigError naming the key or the file. Fetches datasets from the network (once: the
+    workers find them on disk) and parses local data files, so bad contents are one line
+    here rather than one traceback per worker."""
     from pipetransformer.data.checks import check_data_config
+    from pipetransformer.data.fetch import fetch_data
+    from pipetransformer.data.validate import validate_data_files
     from pipetransformer.trainer.planning import describe_model
 
     check_data_config(config.data)
     describe_model(config)  # builds the model on the meta device: bad names/kwargs fail here
+    fetch_data(config.data)
+    validate_data_files(config.data)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ import torch
 
 from pipetransformer.config import DataConfig
 from pipetransformer.data.base import DataBundle, TensorSampleDataset, subset_indices
+from pipetransformer.utils.files import looks_like_path
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,8 @@ def encode(tokenizer, sentences: Sequence[str], max_length: int):
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
+    if looks_like_path(name) and not Path(name).expanduser().exists():
+        raise FileNotFoundError(f"data.tokenizer: no such directory: {name}")
     try:
         return AutoTokenizer.from_pretrained(name)
     except OSError as exc:

@@ -76,9 +76,13 @@ def load_cifar_bundle(config: DataConfig, num_classes: int) -> DataBundle:
         raise ValueError(f"data.root: cifar{num_classes} needs a directory (data.download=true fetches into it)")
     root = Path(config.root).expanduser()
     cls = datasets.CIFAR10 if num_classes == 10 else datasets.CIFAR100
+    if config.download:  # one process fetches; the others wait and find the files
+        from pipetransformer.data.fetch import fetch_cifar
+
+        fetch_cifar(root, num_classes)
     try:
-        train = cls(str(root), train=True, download=config.download)
-        eval_ = cls(str(root), train=False, download=config.download)
+        train = cls(str(root), train=True, download=False)
+        eval_ = cls(str(root), train=False, download=False)
     except RuntimeError as exc:
         raise FileNotFoundError(
             f"data.root: no CIFAR-{num_classes} data under {root} ({exc}); "

@@ -21,6 +21,7 @@ from transformers import BertConfig, BertForQuestionAnswering, BertForSequenceCl
 from transformers.masking_utils import create_bidirectional_mask
 
 from pipetransformer.models.layered import LayeredModel, ModelSpec, TensorSpec, count_params
+from pipetransformer.utils.files import looks_like_path
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +145,8 @@ def create_bert(
     labels = 2 if task == "question_answering" else num_labels
     kwargs = dict(kwargs or {})
     if model_name_or_path is not None:
+        if looks_like_path(model_name_or_path) and not _is_local(model_name_or_path):
+            raise FileNotFoundError(f"model.model_name_or_path: no such directory: {model_name_or_path}")
         if _is_local(model_name_or_path) and not (Path(model_name_or_path) / "config.json").is_file():
             raise FileNotFoundError(
                 f"model.model_name_or_path: {model_name_or_path} has no config.json"

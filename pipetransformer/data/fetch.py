@@ -1,0 +1,76 @@
+"""Fetching datasets from the network, once per node, before any worker starts.
+
+The command line calls `fetch_data` in the launching process (under torchrun, in every
+worker, serialised by a lock file next to the data), so the workers only read what is
+already on disk. A failed fetch is one error line naming the dataset, where it was to go
+and how to point the run at a local copy instead.
+
+Owns: those downloads and their lock. Must not: parse or tokenise data (the loaders do).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from pipetransformer.config import ConfigError, DataConfig
+
+logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def fetch_lock(directory: Path) -> Iterator[None]:
+    """One process of the machine fetches into `directory` at a time; the others wait, then
+    find the files there."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / ".pipetransformer-fetch.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def fetch_cifar(root: Path, num_classes: int) -> None:
+    from torchvision import datasets
+
+    cls = datasets.CIFAR10 if num_classes == 10 else datasets.CIFAR100
+    with fetch_lock(root):
+        try:
+            for train in (True, False):
+                cls(str(root), train=train, download=True)
+        except Exception as exc:  # urllib, ssl, http, checksum: all mean the same to the user
+            raise ConfigError(
+                f"data.download: cannot fetch CIFAR-{num_classes} into {root} ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}); download it where there is "
+                f"network and point data.root at the directory holding cifar-{num_classes}-python/, "
+                "with data.download=false"
+            ) from None
+
+
+def fetch_hub_dataset(name: str, subset: str | None, local_form: str) -> None:
+    import datasets
+
+    try:
+        datasets.load_dataset(name, subset) if subset else datasets.load_dataset(name)
+    except Exception as exc:  # offline, hub errors, a proxy: one line either way
+        label = f"{name}/{subset}" if subset else name
+        raise ConfigError(
+            f"data.root: not set, and the '{label}' dataset cannot be fetched through `datasets` "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}); "
+            f"point data.root at a local copy ({local_form})"
+        ) from None
+
+
+def fetch_data(config: DataConfig) -> None:
+    """Download what a run of `config` reads from the network (nothing for local data)."""
+    if config.name in ("cifar10", "cifar100") and config.download and config.root is not None:
+        fetch_cifar(Path(config.root).expanduser(), 10 if config.name == "cifar10" else 100)
+    elif config.name == "sst2" and config.root is None:
+        fetch_hub_dataset("glue", "sst2", "a directory with train.tsv and dev.tsv")
+    elif config.name == "squad" and config.root is None:
+        fetch_hub_dataset("squad", None, "a SQuAD v1.1 JSON file, or a directory with train-v1.1.json and dev-v1.1.json")

@@ -1,0 +1,162 @@
+"""What a careless or unlucky user meets: each is one line and a documented exit code
+(2: bad input found before training; 1: a failure during it; 130/143: interrupted), and
+nothing of theirs is lost. Also what a local run exposes: sockets on loopback only."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+SHORT = ["trainer.epochs=2", "data.train_subset=128", "data.eval_subset=32", "trainer.progress_bar=false"]
+
+
+def cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pipetransformer", *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def one_line_error(result: subprocess.CompletedProcess, code: int, *words: str) -> None:
+    assert result.returncode == code, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("pipetransformer: ")]
+    assert len(errors) == 1, result.stderr[-2000:]
+    for word in words:
+        assert word in errors[0], errors[0]
+    assert "training on" not in result.stderr  # no worker was started
+
+
+def digest(directory: Path) -> dict[str, str]:
+    """Every file's contents (the lock file a refused run may create aside)."""
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+def test_a_used_run_directory_is_refused_with_its_files_untouched(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("trainer: {}\n")
+    (run_dir / "metrics.jsonl").write_text('{"epoch": 1}\n{"epoch": 2}\n')
+    before = digest(run_dir)
+    one_line_error(cli("train", QUICKSTART, *SHORT, "--run-dir", str(run_dir)), 2, str(run_dir), "--resume", "--overwrite")
+    one_line_error(cli("train", QUICKSTART, *SHORT, "--resume", str(run_dir)), 2, "no complete checkpoint")
+    assert digest(run_dir) == before
+
+
+def test_a_file_in_the_way_of_the_run_directory(tmp_path):
+    blocker = tmp_path / "run"
+    blocker.write_text("mine")
+    one_line_error(cli("train", QUICKSTART, *SHORT, "--run-dir", str(blocker)), 2, "a file is in the way")
+    assert blocker.read_text() == "mine"
+
+
+@pytest.mark.parametrize("kind", ["truncated_tsv", "malformed_squad"])
+def test_bad_data_files_are_one_line_before_any_worker(tmp_path, shared_data, kind):
+    if kind == "truncated_tsv":
+        root = tmp_path / "sst2"
+        root.mkdir()
+        lines = (shared_data / "sst2" / "train.tsv").read_text().splitlines()[:200]
+        (root / "train.tsv").write_text("\n".join(lines) + "\nthe film is a cut-off line with no lab")
+        (root / "dev.tsv").write_text((shared_data / "sst2" / "dev.tsv").read_text())
+        args = ["train", str(ROOT / "configs" / "bert_sst2_local.yaml"), f"data.root={root}"]
+        words = [str(root / "train.tsv") + ":201"]
+    else:
+        bad = tmp_path / "squad.json"
+        text = (shared_data / "squad" / "train-mini-v1.1.json").read_text()
+        bad.write_text(text[: len(text) // 2])  # a download cut short
+        args = ["train", str(ROOT / "configs" / "bert_squad_local.yaml"), f"data.root={bad}", f"data.eval_root={bad}"]
+        words = [str(bad), "not valid JSON"]
+    result = cli(*args, "--run-dir", str(tmp_path / "run"))
+    one_line_error(result, 2, *words)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_missing_local_model_directory_is_named_as_such(tmp_path):
+    result = cli("train", str(ROOT / "configs" / "bert_sst2_local.yaml"), "model.model_name_or_path=/no/such/dir",
+                 "--run-dir", str(tmp_path / "run"))
+    one_line_error(result, 2, "model.model_name_or_path: no such directory: /no/such/dir")
+
+
+def test_a_dataset_that_cannot_be_fetched_is_one_line(tmp_path):
+    # A closed local proxy stands in for "no network" whatever the machine can reach.
+    closed = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1"}
+    result = cli("train", str(ROOT / "configs" / "vit_cifar100.yaml"), f"data.root={tmp_path / 'cifar'}",
+                 "--run-dir", str(tmp_path / "run"), env=closed)
+    one_line_error(result, 2, "CIFAR-100", str(tmp_path / "cifar"), "point data.root")
+
+
+def listening_sockets(pids: list[int]) -> list[str]:
+    """Local addresses of the TCP sockets in LISTEN state that `pids` hold."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.append(fields[1])
+    return found
+
+
+def run_pids(parent: int) -> list[int]:
+    pids = [parent]
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) in pids:
+                pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.slow
+def test_concurrent_runs_local_sockets_and_file_modes(tmp_path):
+    """A second run on a live run's directory is refused (even with --overwrite) and the
+    first finishes intact; a local run listens on the loopback interface only; every run
+    file has the same mode."""
+    run_dir = tmp_path / "run"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "pipetransformer", "train", QUICKSTART, "trainer.epochs=20", "data.train_subset=512",
+         "trainer.progress_bar=false", "--run-dir", str(run_dir)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (run_dir / "steps.jsonl").exists():  # training has started
+        assert time.monotonic() < deadline and first.poll() is None
+        time.sleep(0.05)
+    addresses = listening_sockets(run_pids(first.pid))
+    assert addresses, "the run's rendezvous store listens somewhere"
+    # 0100007F: 127.0.0.1 in /proc/net/tcp; ::1 in tcp6.
+    loopback = ("0100007F:", "00000000000000000000000001000000:")
+    assert all(a.startswith(loopback) for a in addresses), addresses
+    second = cli("train", QUICKSTART, *SHORT, "--run-dir", str(run_dir), "--overwrite")
+    one_line_error(second, 2, "in use by another run", f"pid {first.pid}")
+    _, stderr = first.communicate(timeout=300)
+    assert first.returncode == 0, stderr[-3000:]
+    assert [json.loads(line)["epoch"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == list(
+        range(1, 21)
+    )
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in run_dir.iterdir() if p.is_file() and p.name != ".lock"}
+    assert set(modes) >= {"config.yaml", "metrics.jsonl", "events.jsonl", "steps.jsonl", "summary.json"}
+    assert set(modes.values()) == {0o666 & ~umask}, modes
