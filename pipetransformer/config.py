@@ -117,7 +117,12 @@ class OptimizerConfig:
 
 @dataclass
 class PipelineConfig:
-    initial_pipe_len: int = 2
+    # Stages of the first pipeline. 'auto': the shortest pipeline whose stages fit a device
+    # (pipeline.device_memory_bytes), 1 (plain DDP) when the whole model fits.
+    initial_pipe_len: int | Literal["auto"] = "auto"
+    # Memory of one device for the planner. None: on CUDA the device's total memory less a
+    # reserve (1 GiB + 10% for the CUDA context, NCCL and fragmentation); on CPU unlimited.
+    device_memory_bytes: int | None = None
     # An int is used for every layout; "auto" measures M in [K, 6K] the first time a
     # layout (K, replica batch) is seen and keeps the fastest (profile file).
     num_micro_batches: int | Literal["auto"] = "auto"
@@ -129,8 +134,10 @@ class PipelineConfig:
     profile_path: str | None = None
 
     def __post_init__(self) -> None:
-        if self.initial_pipe_len < 1:
-            _fail("pipeline.initial_pipe_len", f"must be >= 1, got {self.initial_pipe_len}")
+        if isinstance(self.initial_pipe_len, int) and self.initial_pipe_len < 1:
+            _fail("pipeline.initial_pipe_len", f"must be >= 1 or 'auto', got {self.initial_pipe_len}")
+        if self.device_memory_bytes is not None and self.device_memory_bytes < 1:
+            _fail("pipeline.device_memory_bytes", f"must be >= 1 or null, got {self.device_memory_bytes}")
         if isinstance(self.num_micro_batches, int) and self.num_micro_batches < 1:
             _fail("pipeline.num_micro_batches", f"must be >= 1 or 'auto', got {self.num_micro_batches}")
 
@@ -315,7 +322,12 @@ class Config:
 
     @property
     def nproc_per_node(self) -> int:
-        return self.trainer.nproc_per_node or self.pipeline.initial_pipe_len
+        """Local worker processes: trainer.nproc_per_node, else the configured pipeline
+        length, else 2 (under torchrun the launcher's count replaces it)."""
+        if self.trainer.nproc_per_node:
+            return self.trainer.nproc_per_node
+        setting = self.pipeline.initial_pipe_len
+        return setting if isinstance(setting, int) else 2
 
     @property
     def cache_dtype(self) -> str:
@@ -466,9 +478,17 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     return config
 
 
-def reachable_pipe_lens(config: Config) -> list[int]:
-    """Every K a run may use: K only halves, and only when AutoPipe and freezing are on."""
-    k = config.pipeline.initial_pipe_len
+def pipe_len_candidates(devices_per_node: int) -> list[int]:
+    """Pipeline lengths a run with `initial_pipe_len: auto` may start at: the powers of two
+    dividing a node's devices, and the whole node (a pipeline never spans nodes)."""
+    powers = {2**i for i in range(devices_per_node.bit_length()) if devices_per_node % 2**i == 0}
+    return sorted(powers | {devices_per_node})
+
+
+def reachable_pipe_lens(config: Config, initial: int | None = None) -> list[int]:
+    """Every K a run starting at `initial` (default: the configured K) may use: K only
+    halves, and only when AutoPipe and freezing are on."""
+    k = initial if initial is not None else config.pipeline.initial_pipe_len
     lens = [k]
     if config.autopipe.enabled and config.freeze.strategy != "none":
         while k % 2 == 0:
@@ -477,42 +497,53 @@ def reachable_pipe_lens(config: Config) -> list[int]:
     return lens
 
 
+def _layout_problem(config: Config, world: int, k0: int) -> tuple[str, str] | None:
+    """(key, message) of the first reason a run cannot start at pipeline length `k0`."""
+    nproc = config.nproc_per_node
+    if nproc % k0 != 0:
+        return "pipeline.initial_pipe_len", f"{k0} does not divide the {nproc} devices per node (trainer.nproc_per_node)"
+    batch = config.trainer.global_batch_size
+    m = config.pipeline.num_micro_batches
+    for k in reachable_pipe_lens(config, k0):
+        replicas = world // k if (config.autodp.enabled or k == k0) else world // k0
+        if batch % replicas != 0:
+            return "trainer.global_batch_size", (
+                f"{batch} does not split evenly over {replicas} pipeline replicas (pipe_len {k} on {world} devices)"
+            )
+        per_replica = batch // replicas
+        if isinstance(m, int) and per_replica % m != 0:
+            return "pipeline.num_micro_batches", (
+                f"{m} does not divide the per-replica batch {per_replica} "
+                f"(global batch {batch} over {replicas} replicas at pipe_len {k})"
+            )
+        if m == "auto" and per_replica < k:
+            return "trainer.global_batch_size", f"per-replica batch {per_replica} is smaller than pipe_len {k}"
+        if config.pipeline.schedule == "1f1b" and isinstance(m, int) and m < k:
+            return "pipeline.num_micro_batches", f"1f1b needs at least pipe_len ({k}) micro-batches"
+    return None
+
+
+def initial_pipe_lens(config: Config, world_size: int | None = None) -> list[int]:
+    """The pipeline lengths a run may start at: the configured one, or for 'auto' every
+    candidate whose layouts the batch and micro-batch settings allow."""
+    world = world_size or config.nproc_per_node
+    setting = config.pipeline.initial_pipe_len
+    if isinstance(setting, int):
+        return [setting]
+    return [k for k in pipe_len_candidates(config.nproc_per_node) if _layout_problem(config, world, k) is None]
+
+
 def check_config(config: Config, world_size: int | None = None) -> None:
     """Cross-field checks. `world_size` defaults to one node of `nproc_per_node` devices."""
     nproc = config.nproc_per_node
     world = world_size or nproc
-    k0 = config.pipeline.initial_pipe_len
-    if nproc % k0 != 0:
-        _fail(
-            "pipeline.initial_pipe_len",
-            f"{k0} does not divide the {nproc} devices per node (trainer.nproc_per_node)",
-        )
     if world % nproc != 0:
         _fail("trainer.nproc_per_node", f"{nproc} does not divide the world size {world}")
-    batch = config.trainer.global_batch_size
-    m = config.pipeline.num_micro_batches
-    for k in reachable_pipe_lens(config):
-        replicas = world // k if (config.autodp.enabled or k == k0) else world // k0
-        if batch % replicas != 0:
-            _fail(
-                "trainer.global_batch_size",
-                f"{batch} does not split evenly over {replicas} pipeline replicas "
-                f"(pipe_len {k} on {world} devices)",
-            )
-        per_replica = batch // replicas
-        if isinstance(m, int) and per_replica % m != 0:
-            _fail(
-                "pipeline.num_micro_batches",
-                f"{m} does not divide the per-replica batch {per_replica} "
-                f"(global batch {batch} over {replicas} replicas at pipe_len {k})",
-            )
-        if m == "auto" and per_replica < k:
-            _fail(
-                "trainer.global_batch_size",
-                f"per-replica batch {per_replica} is smaller than pipe_len {k}",
-            )
-        if config.pipeline.schedule == "1f1b" and isinstance(m, int) and m < k:
-            _fail("pipeline.num_micro_batches", f"1f1b needs at least pipe_len ({k}) micro-batches")
+    setting = config.pipeline.initial_pipe_len
+    candidates = [setting] if isinstance(setting, int) else pipe_len_candidates(nproc)
+    problems = [_layout_problem(config, world, k0) for k0 in candidates]
+    if all(problems):  # 'auto' needs one possible start; a configured K must work itself
+        _fail(*problems[0])
     augmented = config.data.augment and config.data.name in ("cifar10", "cifar100", "imagefolder")
     if config.cache.enabled and augmented and not config.cache.allow_augmented:
         _fail(

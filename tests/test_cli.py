@@ -48,9 +48,13 @@ def test_plan_for_a_large_model_needs_no_download():
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert "12 layers" in lines[0] and len(lines) == 2 + 12
-    pipe_lens = [int(line.split()[1]) for line in lines[2:]]
+    assert "12 layers" in lines[0] and len(lines) == 3 + 12
+    assert "memory per stage" in lines[1] and "MiB/stage" in lines[2]
+    pipe_lens = [int(line.split()[1]) for line in lines[3:]]
     assert pipe_lens[0] == 8 and all(b <= a for a, b in zip(pipe_lens, pipe_lens[1:]))
+    # ViT-B/16 on 8 devices: ~86M float32 parameters with AdamW's two moments, ~170 MB a stage.
+    first_stage_mib = [float(v) for v in lines[3].split()[5].split("/")]
+    assert len(first_stage_mib) == 8 and all(100 < v < 250 for v in first_stage_mib)
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ import pytest
 
 from pipetransformer.autopipe.planner import (
     AutoPipePlanner,
-    MemoryModel,
     UnitCosts,
     balance,
     fixed_plan,
@@ -108,14 +107,17 @@ def test_compression_stops_when_one_more_halving_would_exceed():
     assert plan.pipe_len == 1 and plan.max_stage_cost <= planner.initial.max_stage_cost
 
 
-def test_memory_model_can_veto_compression():
+def test_memory_can_veto_compression():
     costs = vit_like()
-    units = costs.num_units
-    tight = MemoryModel(tuple([1.0] * units), tuple([0.1] * units), device_budget_bytes=8.0)
-    planner = AutoPipePlanner(costs, 2, memory=tight)
-    assert planner.plan(5, 2).pipe_len == 2  # 7 trained units + the prefix need 8.1 bytes
-    loose = MemoryModel(tuple([1.0] * units), tuple([0.1] * units), device_budget_bytes=100.0)
-    assert AutoPipePlanner(costs, 2, memory=loose).plan(5, 2).pipe_len == 1
+
+    def fits_in(budget):  # toy memory: one byte per trained unit, 0.1 per frozen one
+        return lambda plan: max(
+            sum(0.1 if u < plan.frozen_end else 1.0 for u in range(a, b)) + (0.1 * plan.prefix_end if s == 0 else 0)
+            for s, (a, b) in enumerate(plan.stage_ranges)
+        ) <= budget
+
+    assert AutoPipePlanner(costs, 2, fits=fits_in(8.0)).plan(5, 2).pipe_len == 2  # 7 units + the prefix: 8.1
+    assert AutoPipePlanner(costs, 2, fits=fits_in(100.0)).plan(5, 2).pipe_len == 1
 
 
 def test_fixed_plan_keeps_the_initial_stages():

@@ -18,7 +18,6 @@ from pipetransformer.autopipe.profiles import (
     choose_micro_batches,
     get_or_measure_micro_batches,
     get_or_measure_unit_profile,
-    memory_model_from_profile,
     micro_batch_key,
     model_signature,
     unit_costs_from_profile,
@@ -193,29 +192,6 @@ def test_corrupt_or_foreign_profile_file_is_an_error_naming_the_path(tmp_path):
     )
     with pytest.raises(ProfileError, match=str(path)):
         ProfileStore(path).load()
-
-
-# ------------------------------------------------------------------ memory model
-
-
-def test_memory_model_counts_optimizer_state_and_micro_batches_in_flight():
-    profile = bert_base_like_profile(num_layers=2)
-    plan = balance(unit_costs_from_profile(profile), 0, 1)
-    adam = memory_model_from_profile(profile, "adamw", 4, 1e12)
-    sgd = memory_model_from_profile(profile, "sgd", 4, 1e12)
-    adam_bytes = adam.stage_bytes(0, profile.num_units, 0)
-    sgd_bytes = sgd.stage_bytes(0, profile.num_units, 0)
-    params = sum(profile.param_bytes)
-    assert adam_bytes - sgd_bytes == pytest.approx(params)  # Adam keeps 2x, SGD+momentum 1x
-    budget = (adam_bytes + sgd_bytes) / 2
-    assert not memory_model_from_profile(profile, "adam", 4, budget).fits(plan)
-    assert memory_model_from_profile(profile, "sgd", 4, budget).fits(plan)
-    # GPipe holds all M micro-batches' activations; 1F1B at most K of them.
-    one_f_one_b = memory_model_from_profile(profile, "sgd", 4, 1e12, in_flight_micro_batches=1)
-    assert sgd_bytes - one_f_one_b.stage_bytes(0, profile.num_units, 0) == pytest.approx(
-        3 * sum(profile.saved_bytes)
-    )
-    assert sgd.unit_frozen_bytes[1] == profile.param_bytes[1] + profile.output_bytes[1]
 
 
 # ------------------------------------------------------------------ measurement

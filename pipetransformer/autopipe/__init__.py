@@ -1,8 +1,8 @@
 """AutoPipe: pure planning of pipeline layouts (planner) and the measurements feeding it."""
 
+from pipetransformer.autopipe.memory import LayoutShape, MemoryModel, StageMemory
 from pipetransformer.autopipe.planner import (
     AutoPipePlanner,
-    MemoryModel,
     PipelinePlan,
     UnitCosts,
     balance,
@@ -12,8 +12,10 @@ from pipetransformer.autopipe.planner import (
 )
 
 __all__ = [
-    "AutoPipePlanner",
+    "LayoutShape",
     "MemoryModel",
+    "StageMemory",
+    "AutoPipePlanner",
     "PipelinePlan",
     "UnitCosts",
     "balance",

@@ -14,7 +14,7 @@ average); `optimal` minimises the largest stage exactly (dynamic programming).
 
 Compression: from the current K, try K/2 while the largest stage of the packed plan is no
 larger than the largest stage of the initial plan (F = 0, K = initial_pipe_len), and, when
-a memory model is given, every stage fits the device. K only halves; it always divides
+memory is limited, every stage of the packed plan fits the device (autopipe/memory.py). K only halves; it always divides
 the devices of a node because the initial K does.
 """
 
@@ -212,28 +212,6 @@ def fixed_plan(costs: UnitCosts, initial: PipelinePlan, num_frozen_layers: int) 
     )
 
 
-@dataclass(frozen=True)
-class MemoryModel:
-    """Bytes a stage needs, to refuse a compression that would not fit the device."""
-
-    unit_trained_bytes: tuple[float, ...]  # params + grads + optimizer state + activations
-    unit_frozen_bytes: tuple[float, ...]  # params (+ cached activation working set)
-    device_budget_bytes: float
-
-    def stage_bytes(self, start: int, end: int, frozen_end: int) -> float:
-        return sum(
-            self.unit_frozen_bytes[u] if u < frozen_end else self.unit_trained_bytes[u] for u in range(start, end)
-        )
-
-    def fits(self, plan: PipelinePlan) -> bool:
-        frozen_end = plan.frozen_end
-        for stage, (start, end) in enumerate(plan.stage_ranges):
-            extra = self.stage_bytes(0, plan.prefix_end, frozen_end) if stage == 0 else 0.0
-            if self.stage_bytes(start, end, frozen_end) + extra > self.device_budget_bytes:
-                return False
-        return True
-
-
 @dataclass
 class AutoPipePlanner:
     """Chooses the plan for each frozen boundary. Holds only the run's fixed inputs."""
@@ -241,7 +219,8 @@ class AutoPipePlanner:
     costs: UnitCosts
     initial_pipe_len: int
     method: str = "greedy"
-    memory: MemoryModel | None = None
+    # Whether a plan's stages fit the device (autopipe/memory.py); None: memory is not limited.
+    fits: Callable[[PipelinePlan], bool] | None = None
     initial: PipelinePlan = field(init=False)
 
     def __post_init__(self) -> None:
@@ -263,7 +242,7 @@ class AutoPipePlanner:
             packed = balance(self.costs, num_frozen_layers, plan.pipe_len // 2, self.method, prefix_cost)
             if packed.max_stage_cost > budget:
                 break
-            if self.memory is not None and not self.memory.fits(packed):
+            if self.fits is not None and not self.fits(packed):
                 break
             plan = packed
         return plan

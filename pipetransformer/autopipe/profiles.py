@@ -8,8 +8,8 @@ Owns:
   from plain values, so a record is reused only for the same model, device, shapes and
   layout;
 - `ProfileStore`, the versioned JSON file they live in (atomic writes);
-- the conversions the planner needs: `unit_costs_from_profile`,
-  `memory_model_from_profile`, and the micro-batch count choice
+- the conversions the planner needs: `unit_costs_from_profile` (memory: autopipe/memory.py's
+  `MemoryModel.from_profile`), and the micro-batch count choice
   (`candidate_micro_batches`, `choose_micro_batches`).
 
 Must not: measure anything, build models or touch torch / torch.distributed. Measuring is
@@ -28,16 +28,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from pipetransformer.autopipe.planner import MemoryModel, UnitCosts
+from pipetransformer.autopipe.planner import UnitCosts
 from pipetransformer.utils.files import write_json_atomic
 
 logger = logging.getLogger(__name__)
 
 # Bump when the file layout or the meaning of a field changes; older files are refused.
 FORMAT_VERSION = 1
-
-# Optimizer state per parameter, in multiples of the parameter's own bytes.
-_OPTIMIZER_STATE_FACTOR = {"adam": 2.0, "adamw": 2.0}  # exp_avg + exp_avg_sq
 
 
 class ProfileError(ValueError):
@@ -355,46 +352,6 @@ def unit_costs_from_profile(profile: UnitProfile) -> UnitCosts:
         frozen=tuple(profile.frozen_forward_s),
         source="time",
     )
-
-
-def optimizer_state_factor(optimizer_name: str, momentum: float = 0.9) -> float:
-    """Optimizer state bytes per parameter byte: Adam/AdamW 2, SGD 1 with momentum else 0."""
-    name = optimizer_name.lower()
-    if name in _OPTIMIZER_STATE_FACTOR:
-        return _OPTIMIZER_STATE_FACTOR[name]
-    if name == "sgd":
-        return 1.0 if momentum > 0 else 0.0
-    raise ValueError(f"unknown optimizer '{optimizer_name}' (expected adam, adamw or sgd)")
-
-
-def memory_model_from_profile(
-    profile: UnitProfile,
-    optimizer_name: str,
-    num_micro_batches: int,
-    device_budget_bytes: float,
-    *,
-    in_flight_micro_batches: int | None = None,
-    momentum: float = 0.9,
-) -> MemoryModel:
-    """Bytes per unit from the profile, for the planner's fits-on-the-device check.
-
-    Trained unit: parameters + gradients + optimizer state + saved activations of every
-    micro-batch still waiting for its backward. GPipe runs all M forwards before any
-    backward, so it holds all M (the default, `in_flight_micro_batches=None`); 1F1B holds at
-    most K on stage 0 (pass `min(pipe_len, M)`). Frozen unit: parameters + one
-    micro-batch's output, as it runs without autograd. Activations are taken at the
-    profile's micro-batch size: profile at the run's micro-batch size.
-    """
-    in_flight = num_micro_batches if in_flight_micro_batches is None else in_flight_micro_batches
-    if num_micro_batches < 1 or in_flight < 1:
-        raise ValueError("micro-batch counts must be >= 1")
-    state = optimizer_state_factor(optimizer_name, momentum)
-    trained = tuple(
-        p * (2.0 + state) + saved * in_flight
-        for p, saved in zip(profile.param_bytes, profile.saved_bytes)
-    )
-    frozen = tuple(float(p + out) for p, out in zip(profile.param_bytes, profile.output_bytes))
-    return MemoryModel(trained, frozen, float(device_budget_bytes))
 
 
 # ----------------------------------------------------------------------------- micro-batches

@@ -20,7 +20,6 @@ import torch
 from pipetransformer.autodp.topology import Layout, dp_degree_for
 from pipetransformer.autopipe.planner import (
     AutoPipePlanner,
-    MemoryModel,
     PipelinePlan,
     UnitCosts,
     fixed_plan,
@@ -34,7 +33,7 @@ from pipetransformer.autopipe.profiles import (
     unit_costs_from_profile,
     unit_profile_key,
 )
-from pipetransformer.config import Config, ConfigError
+from pipetransformer.config import Config, ConfigError, initial_pipe_lens
 from pipetransformer.data.checks import data_facts
 from pipetransformer.freeze import check_freeze_config
 from pipetransformer.models import ModelSpec, build_model
@@ -75,15 +74,23 @@ def describe_model(config: Config, **overrides: Any) -> ModelSpec:
     return spec
 
 
-def build_planner(
-    config: Config, spec: ModelSpec, costs: UnitCosts | None = None, memory: MemoryModel | None = None
-) -> AutoPipePlanner:
-    """The run's planner: measured `costs` when given, else parameter counts and lambda_frozen."""
+def planner_costs(config: Config, spec: ModelSpec, costs: UnitCosts | None = None) -> UnitCosts:
+    """Measured `costs` when given, else parameter counts with lambda_frozen."""
     if costs is None:
         costs = UnitCosts.from_param_counts(spec.unit_param_counts, config.autopipe.lambda_frozen)
     if costs.num_units != spec.num_units:
         raise ValueError(f"{costs.num_units} unit costs for a model of {spec.num_units} units")
-    return AutoPipePlanner(costs, config.pipeline.initial_pipe_len, config.autopipe.partition_method, memory)
+    return costs
+
+
+def build_planner(
+    config: Config, spec: ModelSpec, costs: UnitCosts | None = None, fits=None
+) -> AutoPipePlanner:
+    """The run's planner (config.pipeline.initial_pipe_len resolved to a number); `fits`: the
+    memory check of trainer/sizing.py, None when memory is unlimited."""
+    return AutoPipePlanner(
+        planner_costs(config, spec, costs), config.pipeline.initial_pipe_len, config.autopipe.partition_method, fits
+    )
 
 
 # ----------------------------------------------------------------------------- profiles
@@ -174,28 +181,11 @@ def profiling_micro_batch_size(config: Config, world_size: int | None = None) ->
     because the measured choice of M itself needs the plan these costs produce."""
     world = world_size or config.nproc_per_node
     pipe_len = config.pipeline.initial_pipe_len
+    if pipe_len == "auto":  # before the start is chosen: the shortest pipeline's (the costs
+        pipe_len = min(initial_pipe_lens(config, world))  # of other sizes scale from it)
     dp_degree = dp_degree_for(pipe_len, world, world // pipe_len, config.autodp.enabled)
     replica_batch = config.trainer.global_batch_size // dp_degree
     return replica_batch // choose_num_micro_batches(config.pipeline.num_micro_batches, pipe_len, replica_batch)
-
-
-def load_unit_costs(
-    config: Config,
-    spec: ModelSpec,
-    store_path: str | os.PathLike,
-    device_type: str,
-    micro_batch_size: int,
-) -> UnitCosts | None:
-    """Measured costs (source 'time') from the profile file, or None when it has none for
-    this model, device and micro-batch size. A corrupt file raises ProfileError."""
-    profile = ProfileStore(store_path).load().unit_profile(
-        unit_profile_key_for(config, spec, device_type, micro_batch_size)
-    )
-    if profile is None:
-        return None
-    if profile.num_units != spec.num_units:  # only a hash collision could get here
-        raise ValueError(f"{store_path}: unit profile has {profile.num_units} units, the model {spec.num_units}")
-    return unit_costs_from_profile(profile)
 
 
 def stored_micro_batch_chooser(
@@ -272,34 +262,51 @@ def plan_table(
     profile_path: str | os.PathLike | None = None,
     device_type: str | None = None,
 ) -> list[dict[str, Any]]:
-    """For F = 0 .. L-1 in order (K only shrinks), the layout the run would use.
+    """For F = 0 .. L-1 in order (K only shrinks), the layout the run would use and the
+    bytes each stage would hold.
 
-    With `pipeline.balance: time` and a unit profile for this model in the profile file
-    (`profile_path`, default `profile_path_for(config)`), stages are balanced on measured
-    seconds (rows say cost_source 'time'); with `num_micro_batches: auto`, stored timings
-    choose M. Otherwise parameter counts, as before.
+    With a unit profile for this model in the profile file (`profile_path`, default
+    `profile_path_for(config)`): stages are balanced on measured seconds under
+    `pipeline.balance: time` (rows say cost_source 'time'), stage bytes include activations
+    (memory_source 'profile'), and `initial_pipe_len: auto` is resolved as a run would;
+    with `num_micro_batches: auto`, stored timings choose M. Without one: parameter counts,
+    and stage bytes of parameters, gradients and optimizer state only (memory_source
+    'params'). The CPU has no memory limit unless pipeline.device_memory_bytes is set.
     """
+    import dataclasses
+
+    from pipetransformer.trainer.sizing import (
+        choose_initial_pipe_len,
+        device_memory_budget,
+        memory_model,
+        plan_fits,
+        stage_bytes,
+    )
+
     spec = describe_model(config)
     devices = config.nproc_per_node
     world = world_size or devices
     path = Path(profile_path) if profile_path is not None else profile_path_for(config)
     device_type = device_type or configured_device_type(config)
-    costs = None
-    store = ProfileStore(path)
-    if config.pipeline.balance == "time" or config.pipeline.num_micro_batches == "auto":
-        store.load()
-    if config.pipeline.balance == "time":
-        micro_batch_size = profiling_micro_batch_size(config, world)
-        costs = load_unit_costs(config, spec, path, device_type, micro_batch_size)
-        if costs is None:
-            logger.warning(
-                "pipeline.balance is 'time' but %s has no unit profile for this model on %s at "
-                "micro-batch %d: costs from parameter counts (a training run measures them)",
-                path, device_type, micro_batch_size,
-            )
-    planner = build_planner(config, spec, costs)
+    store = ProfileStore(path).load()
+    micro_batch_size = profiling_micro_batch_size(config, world)
+    profile = store.unit_profile(unit_profile_key_for(config, spec, device_type, micro_batch_size))
+    if profile is None and (config.pipeline.balance == "time" or config.pipeline.initial_pipe_len == "auto"):
+        logger.warning(
+            "%s has no unit profile for this model on %s at micro-batch %d: costs from parameter counts, "
+            "memory without activations (a training run measures them)", path, device_type, micro_batch_size,
+        )
+    measured = unit_costs_from_profile(profile) if profile is not None and config.pipeline.balance == "time" else None
+    costs = planner_costs(config, spec, measured)
+    memory = memory_model(config, spec, profile)
+    # The budget of this machine's device; a GPU profile planned elsewhere: the configured one.
+    on_gpu = device_type.startswith("cuda") and torch.cuda.is_available()
+    budget = device_memory_budget(config, "cuda" if on_gpu else "cpu")
+    initial = choose_initial_pipe_len(config, costs, memory, budget, world)
+    config = dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline, initial_pipe_len=initial))
+    planner = build_planner(config, spec, costs, plan_fits(config, memory, budget, world, initial))
     rows = []
-    pipe_len = config.pipeline.initial_pipe_len
+    pipe_len = initial
     for frozen in range(spec.num_layers):
         chooser = stored_micro_batch_chooser(config, spec, store, device_type)
         layout = layout_for(config, planner, frozen, pipe_len, world, devices, chooser)
@@ -319,6 +326,9 @@ def plan_table(
                 "stage_costs": [_rounded(c, planner.costs.source) for c in plan.stage_costs],
                 "max_stage_cost": _rounded(plan.max_stage_cost, planner.costs.source),
                 "cost_source": planner.costs.source,
+                "stage_bytes": [int(b) for b in stage_bytes(config, memory, plan, world, initial)],
+                "memory_source": "profile" if profile is not None else "params",
+                "device_memory_bytes": budget,
             }
         )
     return rows
@@ -334,17 +344,25 @@ def format_plan_table(config: Config, rows: list[dict[str, Any]]) -> str:
     described = "params" if unit == "params" else "s (measured: forward+backward, frozen prefix forward only)"
     lines = [
         f"model {config.model.name}: {len(rows)} layers, initial pipe_len "
-        f"{config.pipeline.initial_pipe_len}, {config.nproc_per_node} devices per node; costs in {described}",
-        f"{'frozen':>6} {'K':>3} {'R':>3} {'M':>3}  {'max stage':>12}  stages",
+        f"{rows[0]['pipe_len'] if rows else config.pipeline.initial_pipe_len}"
+        f"{' (auto)' if config.pipeline.initial_pipe_len == 'auto' else ''}, {config.nproc_per_node} devices per "
+        f"node; costs in {described}",
+        "memory per stage: "
+        + ("measured unit profile" if rows and rows[0]["memory_source"] == "profile" else
+           "parameters, gradients, optimizer state (no profile yet: activations unknown)")
+        + (f"; device budget {rows[0]['device_memory_bytes'] / 2**20:,.0f} MiB" if rows and rows[0]["device_memory_bytes"] else
+           "; no device limit"),
+        f"{'frozen':>6} {'K':>3} {'R':>3} {'M':>3}  {'max stage':>12}  {'MiB/stage':>16}  stages",
     ]
     for row in rows:
         stages = " | ".join(
             f"{name} ({cost:,.0f})" if unit == "params" else f"{name} ({cost:.4g})"
             for name, cost in zip(row["stage_names"], row["stage_costs"])
         )
+        mib = "/".join(f"{b / 2**20:.1f}" for b in row["stage_bytes"])
         lines.append(
             f"{row['num_frozen_layers']:>6} {row['pipe_len']:>3} {row['dp_degree']:>3} "
-            f"{row['num_micro_batches']:>3}  {row['max_stage_cost']:>12,.6g}  {stages}"
+            f"{row['num_micro_batches']:>3}  {row['max_stage_cost']:>12,.6g}  {mib:>16}  {stages}"
         )
     return "\n".join(lines)
 
@@ -355,10 +373,7 @@ def measure_model_costs(config: Config) -> dict[str, list[float]]:
     from pipetransformer.pipe.profiling import measure_unit_costs
 
     spec = describe_model(config)
-    layout_batch = config.trainer.global_batch_size // (config.nproc_per_node // config.pipeline.initial_pipe_len)
-    micro = max(1, layout_batch // choose_num_micro_batches(
-        config.pipeline.num_micro_batches, config.pipeline.initial_pipe_len, layout_batch
-    ))
+    micro = profiling_micro_batch_size(config)
     model = build_model(config.model, **model_build_args(config))
     measured = measure_unit_costs(dict(enumerate(model.units)), spec, micro, "cpu")
     units = range(spec.num_units)

@@ -23,13 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetransformer.autopipe.planner import UnitCosts
 from pipetransformer.autopipe.profiles import (
     ProfileStore,
     UnitProfile,
     candidate_micro_batches,
     choose_micro_batches,
-    unit_costs_from_profile,
 )
 from pipetransformer.config import Config
 from pipetransformer.models import ModelSpec
@@ -90,8 +88,9 @@ class RunProfiler:
 
     # ------------------------------------------------------------------ unit costs
 
-    def unit_costs(self, units: list[nn.Module]) -> UnitCosts:
-        """Measured per-unit costs of the whole model (collective). `units`: every unit."""
+    def unit_profile(self, units: list[nn.Module]) -> UnitProfile:
+        """Measured per-unit times and bytes of the whole model, from the profile file when it
+        has them (collective). `units`: every unit."""
         micro = profiling_micro_batch_size(self.config, self.world_size)
         key = unit_profile_key_for(self.config, self.spec, self.device_type, micro)
         profile = self.store.unit_profile(key)
@@ -115,7 +114,7 @@ class RunProfiler:
             logger.info("measured %d unit costs at micro-batch %d in %.2f s", len(merged), micro, time.perf_counter() - start)
         else:
             logger.info("unit costs from %s", self.store.path)
-        return unit_costs_from_profile(profile)
+        return profile
 
     # ------------------------------------------------------------------ micro-batches
 

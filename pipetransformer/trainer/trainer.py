@@ -35,7 +35,8 @@ from pipetransformer.autodp.groups import (
 from pipetransformer.autodp.handoff import execute_transfers, plan_transfers
 from pipetransformer.autodp.sampler import EvalSampler, TrainSampler
 from pipetransformer.autodp.topology import Layout
-from pipetransformer.config import Config, check_config
+from pipetransformer.autopipe.profiles import unit_costs_from_profile
+from pipetransformer.config import Config, check_config, config_yaml
 from pipetransformer.data import build_data, iterate_batches
 from pipetransformer.freeze import DecisionSchedule, FreezeDecider, check_freeze_config
 from pipetransformer.models import build_model, unit_param_names
@@ -54,6 +55,7 @@ from pipetransformer.trainer.distributed import WorldInfo, init_distributed
 from pipetransformer.trainer.planning import (
     build_planner,
     layout_for,
+    planner_costs,
     profiling_micro_batch_size,
     with_micro_batches,
 )
@@ -69,8 +71,16 @@ from pipetransformer.trainer.records import (
 from pipetransformer.trainer.reporting import Reporter
 from pipetransformer.trainer.resume import load_checkpoint_tensors, start_run_directory
 from pipetransformer.trainer.rundir import RunOptions
+from pipetransformer.trainer.sizing import (
+    choose_initial_pipe_len,
+    device_memory_budget,
+    format_bytes,
+    memory_model,
+    plan_fits,
+)
 from pipetransformer.trainer.state import RunState, reseed, rng_state, set_rng_state
 from pipetransformer.trainer.tasks import loss_weights, task_for
+from pipetransformer.utils.files import write_text_atomic
 from pipetransformer.utils.stopping import RunStopped, StopRequest
 from pipetransformer.utils.units import layer_of_unit, param_key
 
@@ -155,11 +165,28 @@ class Trainer:
         self.profiler = RunProfiler(
             cfg, self.spec, self.run_dir, world.rank, world.world_size, world.device, self.control, carried_profiles
         )
-        # Measured costs balance the stages (balance: time) and tell when the cache pays.
-        self.measured_costs = None
-        if cfg.pipeline.balance == "time" or cfg.cache.enabled:
-            self.measured_costs = self.profiler.unit_costs(list(full.units))
-        self.planner = build_planner(cfg, self.spec, self.measured_costs if cfg.pipeline.balance == "time" else None)
+        # Measured unit profiles balance the stages (balance: time), tell when the cache
+        # pays and what a stage holds in memory.
+        budget = device_memory_budget(cfg, world.device)
+        profile = None
+        if cfg.pipeline.balance == "time" or cfg.cache.enabled or budget is not None:
+            profile = self.profiler.unit_profile(list(full.units))
+        self.measured_costs = unit_costs_from_profile(profile) if profile is not None else None
+        self.profile_micro_batch_size = (
+            profile.micro_batch_size if profile is not None else profiling_micro_batch_size(cfg, world.world_size)
+        )
+        costs = planner_costs(cfg, self.spec, self.measured_costs if cfg.pipeline.balance == "time" else None)
+        memory = memory_model(cfg, self.spec, profile)
+        if cfg.pipeline.initial_pipe_len == "auto":
+            cfg.pipeline.initial_pipe_len = choose_initial_pipe_len(cfg, costs, memory, budget, world.world_size)
+            logger.info("initial_pipe_len auto: %d (device memory %s)", cfg.pipeline.initial_pipe_len,
+                        "unlimited" if budget is None else format_bytes(budget))
+            if world.rank == 0:  # the resolved config says where the run started
+                write_text_atomic(self.run_dir / "config.yaml", config_yaml(cfg))
+        self.planner = build_planner(
+            cfg, self.spec, costs, plan_fits(cfg, memory, budget, world.world_size, cfg.pipeline.initial_pipe_len)
+        )
+        self.memory = memory
         # The cache serves frozen layers: with nothing ever frozen (the baseline) it stays off.
         if cfg.cache.enabled and cfg.freeze.strategy != "none":
             self.cache = RunCache(
@@ -221,13 +248,12 @@ class Trainer:
         """Whether AutoCache serves the frozen prefix at this boundary (same on every rank)."""
         if self.cache is None or not self.config.autopipe.enabled:
             return False  # without AutoPipe frozen layers stay inside stages: nothing to serve
-        micro = profiling_micro_batch_size(self.config, self.world.world_size)
-        return self.cache.profitable(num_frozen_layers, self.measured_costs, micro)
+        return self.cache.profitable(num_frozen_layers, self.measured_costs, self.profile_micro_batch_size)
 
     def layout_for(self, num_frozen_layers: int, current_pipe_len: int) -> Layout:
         prefix_cost = None
         if self.cache_serves(num_frozen_layers) and self.planner.costs.source == "time":
-            prefix_cost = self.cache.prefix_cost(profiling_micro_batch_size(self.config, self.world.world_size))
+            prefix_cost = self.cache.prefix_cost(self.profile_micro_batch_size)
         elif self.cache_serves(num_frozen_layers):
             prefix_cost = 0.0  # parameter counts: a cache read costs next to nothing
         return layout_for(

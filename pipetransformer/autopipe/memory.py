@@ -1,0 +1,116 @@
+"""What a pipeline stage holds in device memory at its peak, from a measured unit profile.
+Pure arithmetic on plain values: no processes, no torch.
+
+For one rank of a layout (stage s of K, M micro-batches of m samples, R replicas):
+
+    parameters      every unit the rank holds (its stage's, and on stage 0 the frozen prefix)
+    gradients       one per trained parameter
+    optimizer       Adam/AdamW two moments, SGD with momentum one buffer, per trained parameter
+    DDP buckets     a flat copy of the trained gradients when R > 1 (DDP's reducer buckets)
+    activations     what autograd saves for backward, per micro-batch still waiting for its
+                    backward: GPipe holds all M, 1F1B at most K - s on stage s
+    boundary        the pipeline's buffers: received inputs (M, stage > 0), received output
+                    gradients (M, all but the last stage) and the outputs kept for backward;
+                    stage 0 also holds the frozen prefix's output for the replica batch
+
+Activation terms are measured at the profile's micro-batch size and scale linearly with the
+micro-batch size (and are taken in the precision the profile was measured in). The sum is
+checked against measured peaks in tests/test_memory.py and docs/profiling.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from pipetransformer.autopipe.planner import PipelinePlan
+
+# Optimizer state per parameter, in multiples of the parameter's own bytes.
+_OPTIMIZER_STATE_FACTOR = {"adam": 2.0, "adamw": 2.0}
+
+
+def optimizer_state_factor(optimizer_name: str, momentum: float = 0.9) -> float:
+    """Optimizer state bytes per parameter byte: Adam/AdamW 2, SGD 1 with momentum else 0."""
+    name = optimizer_name.lower()
+    if name in _OPTIMIZER_STATE_FACTOR:
+        return _OPTIMIZER_STATE_FACTOR[name]
+    if name == "sgd":
+        return 1.0 if momentum > 0 else 0.0
+    raise ValueError(f"unknown optimizer '{optimizer_name}' (expected adam, adamw or sgd)")
+
+
+@dataclass(frozen=True)
+class LayoutShape:
+    """The layout facts memory depends on besides the plan."""
+
+    micro_batch_size: int
+    num_micro_batches: int
+    dp_degree: int
+    schedule: str = "gpipe"
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    parameters: float
+    gradients: float
+    optimizer: float
+    ddp_buckets: float
+    activations: float
+    boundary: float
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.ddp_buckets + self.activations + self.boundary
+
+    def to_dict(self) -> dict[str, float]:
+        return {**asdict(self), "total": self.total}
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    param_bytes: tuple[int, ...]
+    saved_bytes: tuple[int, ...]  # per unit, one micro-batch of `profile_micro_batch_size`
+    output_bytes: tuple[int, ...]  # likewise
+    profile_micro_batch_size: int
+    optimizer_state_factor: float
+
+    @classmethod
+    def from_profile(cls, profile, optimizer_name: str, momentum: float = 0.9) -> MemoryModel:
+        """From a UnitProfile (autopipe/profiles.py)."""
+        return cls(
+            tuple(profile.param_bytes),
+            tuple(profile.saved_bytes),
+            tuple(profile.output_bytes),
+            profile.micro_batch_size,
+            optimizer_state_factor(optimizer_name, momentum),
+        )
+
+    def stage_memory(self, plan: PipelinePlan, stage: int, shape: LayoutShape) -> StageMemory:
+        start, end = plan.stage_ranges[stage]
+        frozen_end = plan.frozen_end
+        held = list(range(start, end)) + (list(range(plan.prefix_end)) if stage == 0 else [])
+        trained = [u for u in range(start, end) if u >= frozen_end]
+        scale = shape.micro_batch_size / self.profile_micro_batch_size
+        m = shape.num_micro_batches
+        in_flight = m if shape.schedule == "gpipe" else min(m, plan.pipe_len - stage)
+        grads = float(sum(self.param_bytes[u] for u in trained))
+        boundary = in_flight * self.output_bytes[end - 1]  # outputs kept for their backward
+        if stage > 0:
+            boundary += m * self.output_bytes[start - 1]  # received inputs
+        if stage < plan.pipe_len - 1:
+            boundary += m * self.output_bytes[end - 1]  # received output gradients
+        if stage == 0 and plan.prefix_end > 0:
+            boundary += m * self.output_bytes[plan.prefix_end - 1]  # the prefix's output
+        return StageMemory(
+            parameters=float(sum(self.param_bytes[u] for u in held)),
+            gradients=grads,
+            optimizer=grads * self.optimizer_state_factor,
+            ddp_buckets=grads if shape.dp_degree > 1 else 0.0,
+            activations=in_flight * scale * sum(self.saved_bytes[u] for u in trained),
+            boundary=scale * boundary,
+        )
+
+    def peak_bytes(self, plan: PipelinePlan, shape: LayoutShape) -> list[float]:
+        return [self.stage_memory(plan, s, shape).total for s in range(plan.pipe_len)]
+
+    def fits(self, plan: PipelinePlan, shape: LayoutShape, budget_bytes: float | None) -> bool:
+        return budget_bytes is None or max(self.peak_bytes(plan, shape)) <= budget_bytes
