@@ -296,3 +296,48 @@ def measured_stage_memory(config_dict: dict, pipe_len: int, dp_degree: int, sche
     predicted = memory.stage_memory(plan, role.stage, LayoutShape(micro, micro_batches, dp_degree, schedule))
     torch.distributed.destroy_process_group()
     return {"stage": role.stage, "predicted": predicted.to_dict(), "measured": peak[0] - baseline}
+
+
+SYNC_METHODS = {"item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy", "__index__"}
+
+
+def host_syncs_of_a_step(config_dict: dict, run_dir: str):
+    """The calls that would make the host wait for the device (GPU) in one training step
+    that logs nothing: (method, where) for each, counted with a TorchFunctionMode."""
+    import traceback
+
+    from torch.overrides import TorchFunctionMode
+
+    from pipetransformer.config import config_from_dict
+    from pipetransformer.trainer.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(config_dict), run_dir)
+    found = []
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            # .to(cpu) waits for the device unless it is a non-blocking host-to-device copy
+            # (on this CPU-only machine the two look alike but for that flag).
+            to_cpu = (
+                name == "to"
+                and any(str(a) == "cpu" for a in [*args[1:], *(kwargs or {}).values()])
+                and not (kwargs or {}).get("non_blocking", False)
+            )
+            if name in SYNC_METHODS or to_cpu:
+                frame = next(
+                    (f for f in reversed(traceback.extract_stack()[:-1]) if "pipetransformer" in f.filename),
+                    None,
+                )
+                found.append((name, f"{frame.filename.rsplit('/', 2)[-1]}:{frame.lineno}" if frame else "torch"))
+            return func(*args, **(kwargs or {}))
+
+    try:
+        trainer.setup()
+        trainer._start_epoch()
+        trainer._train_step()  # warm: first-step work (buffers, DDP) is not per step
+        with Count():
+            trainer._train_step()
+        return found
+    finally:
+        trainer.cleanup()

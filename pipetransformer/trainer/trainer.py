@@ -358,7 +358,8 @@ class Trainer:
             self._batch_ids = batch.ids
         if role.is_last:
             weights = loss_weights(batch.valid, layout.dp_degree, self.sampler.global_num_valid(epoch, step))
-            target = self.task.make_target(self.data.train.targets(batch.ids), weights).to(self.world.device)
+            target = self.task.make_target(self.data.train.targets(batch.ids), weights)
+            target = target.to(self.world.device, non_blocking=True)  # host to device: no sync
         return inputs, target
 
     # ------------------------------------------------------------------ training
