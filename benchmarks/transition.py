@@ -34,10 +34,10 @@ def worker(config, run_dir: str, frozen: list[int], out_path: str) -> None:
         trainer.setup()
         trainer.train()
         for value in frozen:
-            trainer.transition(value, epoch=config.trainer.epochs, step=None)
+            trainer.transition(value)
         if trainer.world.rank == 0:
             with open(out_path, "w") as f:
-                json.dump(trainer.transitions, f)
+                json.dump([t.to_dict() for t in trainer.transitions], f)
     finally:
         trainer.cleanup()
 

@@ -146,8 +146,10 @@ class PipelineConfig:
 class FreezeConfig:
     strategy: Literal["none", "gradient_norm", "alpha_schedule", "manual"] = "none"
     alpha: float = 1 / 3
-    # Decision every N optimizer steps; None: at the end of every epoch.
-    interval_steps: int | None = None
+    # Decision every N optimizer steps; null: at the end of every epoch; 'auto': three per
+    # epoch, spaced further apart when a transition would cost more than 5% of the time
+    # between decisions (docs/architecture.md, "Decision cadence").
+    interval_steps: int | Literal["auto"] | None = "auto"
     # No decision before this many epochs have completed (layers must learn something first).
     warmup_epochs: int = 0
     # Most layers that may freeze; None: all but the last layer.
@@ -158,8 +160,8 @@ class FreezeConfig:
     def __post_init__(self) -> None:
         if not 0 < self.alpha < 1:
             _fail("freeze.alpha", f"must be in (0, 1), got {self.alpha}")
-        if self.interval_steps is not None and self.interval_steps < 1:
-            _fail("freeze.interval_steps", "must be >= 1 or null")
+        if isinstance(self.interval_steps, int) and self.interval_steps < 1:
+            _fail("freeze.interval_steps", "must be >= 1, 'auto' or null")
         if self.warmup_epochs < 0:
             _fail("freeze.warmup_epochs", "must be >= 0")
         if self.max_frozen_layers is not None and self.max_frozen_layers < 0:

@@ -117,31 +117,54 @@ class FreezeDecider:
         raise ValueError(f"freeze.strategy: unknown strategy '{strategy}'")
 
 
+# freeze.interval_steps 'auto': decisions per epoch, and the share of the time between two
+# decisions a transition may take before decisions are spaced further apart.
+DECISIONS_PER_EPOCH = 3
+TRANSITION_TIME_SHARE = 0.05
+
+
 @dataclass(frozen=True)
 class DecisionSchedule:
-    """When decision points fall: every `interval_steps` optimizer steps, or (None) at the
-    end of every epoch; none during the first `warmup_epochs` epochs and none after the
-    last step (nothing would train in the new layout). Pure: the trainer asks `due` once
-    after every step."""
+    """When decision points fall: every `interval_steps` optimizer steps (counted from the
+    previous decision), or (None) at the end of every epoch; none during the first
+    `warmup_epochs` epochs and none after the last step (nothing would train in the new
+    layout). Pure: the trainer asks `due` once after every step."""
 
     interval_steps: int | None
     warmup_epochs: int
     epochs: int
     steps_per_epoch: int
 
+    @classmethod
+    def for_config(cls, config: FreezeConfig, epochs: int, steps_per_epoch: int, min_interval_steps: int = 1):
+        """`min_interval_steps`: the lower bound 'auto' has learnt from transition costs."""
+        interval = config.interval_steps
+        if interval == "auto":
+            interval = max(math.ceil(steps_per_epoch / DECISIONS_PER_EPOCH), min_interval_steps)
+        return cls(interval, config.warmup_epochs, epochs, steps_per_epoch)
+
     @property
     def total_steps(self) -> int:
         return self.epochs * self.steps_per_epoch
 
-    def due(self, global_step: int, epoch_end: bool) -> bool:
+    def due(self, global_step: int, epoch_end: bool, steps_since_decision: int) -> bool:
         """After step `global_step` (1-based count of steps taken); `epoch_end`: that step
-        finished an epoch."""
+        finished an epoch; `steps_since_decision`: steps since the previous decision point
+        (since the start before the first)."""
         if global_step >= self.total_steps:
             return False
         epoch_of_step = (global_step - 1) // self.steps_per_epoch
         if self.interval_steps is None:
             return epoch_end and epoch_of_step + 1 >= self.warmup_epochs
-        return global_step % self.interval_steps == 0 and epoch_of_step >= self.warmup_epochs
+        return steps_since_decision >= self.interval_steps and epoch_of_step >= self.warmup_epochs
+
+
+def min_interval_for(transition_s: float, step_s: float) -> int:
+    """Fewest steps between decisions for a transition of `transition_s` to take at most
+    TRANSITION_TIME_SHARE of the time between them."""
+    if step_s <= 0:
+        return 1
+    return max(1, math.ceil(transition_s / (TRANSITION_TIME_SHARE * step_s)))
 
 
 def check_freeze_config(config: FreezeConfig, num_layers: int) -> None:

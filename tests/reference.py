@@ -20,7 +20,7 @@ def elastic_config(**changes):
         },
         "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "lr_schedule": "cosine", "warmup_steps": 2},
         "pipeline": {"initial_pipe_len": 4, "num_micro_batches": 2, "balance": "params"},
-        "freeze": {"strategy": "manual", "manual_schedule": [3, 5]},
+        "freeze": {"strategy": "manual", "manual_schedule": [3, 5], "interval_steps": None},  # epoch ends
         "autopipe": {"lambda_frozen": 0.02},
         "model": {"name": "vit_tiny_patch16_224", "kwargs": {"patch_size": 4, "embed_dim": 32, "depth": 6, "num_heads": 2, "mlp_ratio": 2.0}},
         "data": {"name": "digits", "image_size": 8, "train_subset": 200, "eval_subset": 64},

@@ -26,7 +26,7 @@ def run(tmp_path, name, *overrides):
     result = subprocess.run(
         [sys.executable, "-m", "pipetransformer", "train", str(ROOT / "configs" / "quickstart.yaml"),
          "trainer.epochs=4", "data.train_subset=384", "data.eval_subset=96", "freeze.strategy=manual",
-         "freeze.manual_schedule=[3,5]", "freeze.warmup_epochs=0", "pipeline.balance=params",
+         "freeze.manual_schedule=[3,5]", "freeze.warmup_epochs=0", "freeze.interval_steps=null", "pipeline.balance=params",
          "pipeline.num_micro_batches=4", "trainer.progress_bar=false", *overrides, "--run-dir", str(run_dir)],
         capture_output=True, text=True, cwd=ROOT, timeout=600,
     )
@@ -60,7 +60,7 @@ def test_no_shared_memory_left_after_an_exception(tmp_path):
     config = {
         "trainer": {"epochs": 3, "global_batch_size": 32, "nproc_per_node": 2, "progress_bar": False},
         "pipeline": {"initial_pipe_len": 2, "num_micro_batches": 2, "balance": "params"},
-        "freeze": {"strategy": "manual", "manual_schedule": [3]},
+        "freeze": {"strategy": "manual", "manual_schedule": [3], "interval_steps": None},
         "cache": {"enabled": True},
         "model": {"name": "vit_tiny_patch16_224", "kwargs": {"patch_size": 4, "embed_dim": 32, "depth": 4, "num_heads": 2}},
         "data": {"name": "digits", "image_size": 8, "train_subset": 64, "eval_subset": 32},
@@ -74,7 +74,7 @@ def test_no_shared_memory_left_after_sigkill(tmp_path):
     before = cache_files()
     process = subprocess.Popen(
         [sys.executable, "-m", "pipetransformer", "train", str(ROOT / "configs" / "quickstart.yaml"),
-         "cache.enabled=true", "freeze.strategy=manual", "freeze.manual_schedule=[3]", "freeze.warmup_epochs=0", "trainer.epochs=50",
+         "cache.enabled=true", "freeze.strategy=manual", "freeze.manual_schedule=[3]", "freeze.warmup_epochs=0", "freeze.interval_steps=null", "trainer.epochs=50",
          "trainer.progress_bar=false", "--run-dir", str(tmp_path / "run")],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )

@@ -62,7 +62,7 @@ def test_short_training_run_writes_its_outputs(tmp_path):
     run_dir = tmp_path / "run"
     result = cli(
         "train", QUICKSTART, "trainer.epochs=2", "data.train_subset=256", "data.eval_subset=64",
-        "freeze.strategy=manual", "freeze.manual_schedule=[5]", "freeze.warmup_epochs=0", "trainer.save_model=true",
+        "freeze.strategy=manual", "freeze.manual_schedule=[5]", "freeze.warmup_epochs=0", "freeze.interval_steps=null", "trainer.save_model=true",
         "pipeline.balance=params",
         "--run-dir", str(run_dir),
     )

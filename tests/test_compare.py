@@ -138,7 +138,7 @@ def test_compare_command_end_to_end(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "pipetransformer", "compare", str(ROOT / "configs" / "quickstart.yaml"),
          "trainer.epochs=2", "data.train_subset=256", "data.eval_subset=64", "freeze.strategy=manual",
-         "freeze.manual_schedule=[5]", "freeze.warmup_epochs=0", "trainer.progress_bar=false",
+         "freeze.manual_schedule=[5]", "freeze.warmup_epochs=0", "freeze.interval_steps=null", "trainer.progress_bar=false",
          "pipeline.balance=params", "--out", str(out)],
         capture_output=True, text=True, cwd=ROOT, timeout=600,
     )

@@ -23,7 +23,7 @@ BASE = {
     "trainer": {"epochs": 2, "seed": 0, "global_batch_size": 16, "nproc_per_node": 2, "progress_bar": False},
     "optimizer": {"name": "adamw", "lr": 0.005},
     "pipeline": {"initial_pipe_len": 2, "num_micro_batches": 2, "balance": "params"},
-    "freeze": {"strategy": "manual", "manual_schedule": [2]},
+    "freeze": {"strategy": "manual", "manual_schedule": [2], "interval_steps": None},
 }
 
 

@@ -95,3 +95,29 @@ def test_depth_dependent_checks():
         check_freeze_config(FreezeConfig(max_frozen_layers=9), 8)
     with pytest.raises(ConfigError, match="freeze.manual_schedule"):
         check_freeze_config(FreezeConfig(strategy="manual", manual_schedule=[2, 12]), 8)
+
+
+def test_decision_cadence():
+    from pipetransformer.config import FreezeConfig
+    from pipetransformer.freeze import DecisionSchedule, min_interval_for
+
+    def due_steps(schedule, steps_per_epoch=7, epochs=3):
+        found, since = [], 0
+        for step in range(1, steps_per_epoch * epochs + 1):
+            since += 1
+            if schedule.due(step, step % steps_per_epoch == 0, since):
+                found.append(step)
+                since = 0
+        return found
+
+    # Epoch ends (null), after one warm-up epoch; never after the last step.
+    per_epoch = DecisionSchedule.for_config(FreezeConfig(interval_steps=None, warmup_epochs=1), 3, 7)
+    assert due_steps(per_epoch) == [7, 14]
+    # auto: three a 7-step epoch (every ceil(7 / 3) = 3 steps); none in the warm-up epoch, the
+    # first once it is over (its steps count towards the interval).
+    auto = DecisionSchedule.for_config(FreezeConfig(interval_steps="auto", warmup_epochs=1), 3, 7)
+    assert auto.interval_steps == 3 and due_steps(auto) == [8, 11, 14, 17, 20]
+    # ... spaced out when transitions are costly: 0.2 s transitions, 0.1 s steps -> 40 steps.
+    assert min_interval_for(0.2, 0.1) == 40 and min_interval_for(0.001, 0.1) == 1
+    spaced = DecisionSchedule.for_config(FreezeConfig(interval_steps="auto"), 3, 7, min_interval_steps=10)
+    assert due_steps(spaced) == [10, 20]

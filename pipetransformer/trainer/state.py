@@ -39,6 +39,8 @@ class RunState:
     # per unit, summed squared gradient norms reduced over replicas (as layer_grad_norms
     # reduces them) and the number of steps summed.
     decision_index: int = 0
+    # freeze.interval_steps 'auto': the fewest steps between decisions transition costs allow.
+    min_decision_interval: int = 1
     interval_grad_sq: list[float] = field(default_factory=list)
     interval_steps: int = 0
     # The epoch in progress, so far: sum of per-sample losses over all replicas, seconds of

@@ -38,7 +38,12 @@ from pipetransformer.autodp.topology import Layout
 from pipetransformer.autopipe.profiles import unit_costs_from_profile
 from pipetransformer.config import Config, check_config, config_yaml
 from pipetransformer.data import build_data, iterate_batches
-from pipetransformer.freeze import DecisionSchedule, FreezeDecider, check_freeze_config
+from pipetransformer.freeze import (
+    DecisionSchedule,
+    FreezeDecider,
+    check_freeze_config,
+    min_interval_for,
+)
 from pipetransformer.models import build_model, unit_param_names
 from pipetransformer.pipe import StageRuntime, build_stage_runtime
 from pipetransformer.pipe.prefix import CachedPrefix
@@ -200,8 +205,8 @@ class Trainer:
         self.sampler = TrainSampler(len(self.data.train), world.num_nodes, cfg.trainer.global_batch_size, cfg.trainer.seed)
         self.eval_sampler = EvalSampler(len(self.data.eval), cfg.trainer.global_batch_size)
         self.total_steps = cfg.trainer.epochs * self.sampler.steps_per_epoch
-        self.decisions = DecisionSchedule(
-            cfg.freeze.interval_steps, cfg.freeze.warmup_epochs, cfg.trainer.epochs, self.sampler.steps_per_epoch
+        self.decisions = DecisionSchedule.for_config(
+            cfg.freeze, cfg.trainer.epochs, self.sampler.steps_per_epoch, self.state.min_decision_interval
         )
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, world.rank, self.control)
         self.layout = layout
@@ -378,7 +383,7 @@ class Trainer:
             if state.global_step % cfg.trainer.log_interval_steps == 0 or epoch_end:
                 self._log_steps()
             eval_metric = self._end_epoch() if epoch_end else None
-            if self.decisions.due(state.global_step, epoch_end):
+            if self.decisions.due(state.global_step, epoch_end, state.interval_steps):
                 self._decision_point()
             stop = self._agree_on_stop()
             if stop or self.checkpointer.due(
@@ -415,6 +420,7 @@ class Trainer:
         state, layout = self.state, self.layout
         epoch, step = state.epoch, state.step_in_epoch
         role = layout.role(self.world.rank)
+        started = time.perf_counter()
         if role is not None:
             inputs, target = self._step_data(layout, epoch, step, prefetched=True)
             optim.set_learning_rate(self.optimizer, self._learning_rate(state.global_step))
@@ -440,6 +446,7 @@ class Trainer:
                 self._interval_loss += replica_loss
                 self._epoch_loss += replica_loss
         self._interval_samples += self.sampler.global_num_valid(epoch, step)
+        self._interval_train_s += time.perf_counter() - started
         state.interval_steps += 1
         state.global_step += 1
         state.step_in_epoch += 1
@@ -633,6 +640,7 @@ class Trainer:
         self._interval_loss = torch.zeros((), dtype=torch.float64, device=device)
         self._epoch_loss = torch.zeros((), dtype=torch.float64, device=device)
         self._interval_samples = 0
+        self._interval_train_s = 0.0  # seconds of training steps since the last decision
         if len(self.state.interval_grad_sq) != self.spec.num_units:
             self.state.interval_grad_sq = [0.0] * self.spec.num_units
 
@@ -663,13 +671,35 @@ class Trainer:
         norms = self.layer_grad_norms() if self.decider.needs_grad_norms else None
         decided = self.decider.decide(state.decision_index, current, norms)
         self._check_agreement(decided)
+        step_s = self._interval_train_s / max(1, state.interval_steps)
         state.interval_grad_sq = [0.0] * self.spec.num_units
         state.interval_steps = 0
+        self._interval_train_s = 0.0
         self.unit_grad_sq.zero_()
         if decided != current:
             started = time.perf_counter()
-            self.transition(decided, grad_norms=norms)
+            record = self.transition(decided, grad_norms=norms)
             state.epoch_transition_s += time.perf_counter() - started
+            self._space_decisions(record.total_s - record.profile_s, step_s)
+
+    def _space_decisions(self, transition_s: float, step_s: float) -> None:
+        """freeze.interval_steps 'auto': keep the recurring cost of a transition (not the
+        one-time micro-batch profiling of a new layout) within TRANSITION_TIME_SHARE of the
+        time between decisions. The slowest rank's figures decide, the same on every rank."""
+        if self.config.freeze.interval_steps != "auto":
+            return
+        figures = torch.tensor([transition_s, step_s], dtype=torch.float64)
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.control)
+        bound = min_interval_for(float(figures[0]), float(figures[1]))
+        if bound > self.state.min_decision_interval:
+            self.state.min_decision_interval = bound
+            self.decisions = DecisionSchedule.for_config(
+                self.config.freeze, self.config.trainer.epochs, self.sampler.steps_per_epoch, bound
+            )
+            logger.info(
+                "decision interval: %d steps (a transition took %.3f s, a step %.3f s)",
+                self.decisions.interval_steps, float(figures[0]), float(figures[1]),
+            )
 
     def _check_agreement(self, value: int) -> None:
         both = torch.tensor([value, -value], dtype=torch.int64)
@@ -679,7 +709,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ transitions
 
-    def transition(self, num_frozen_layers: int, grad_norms: list[float] | None = None) -> Layout:
+    def transition(self, num_frozen_layers: int, grad_norms: list[float] | None = None) -> TransitionEvent:
         """Move to the layout for `num_frozen_layers`. Collective: every rank, same order."""
         state = self.state
         times = {}
@@ -739,7 +769,7 @@ class Trainer:
         self.transitions.append(record)
         self.reporter.event(record)
         logger.info("transition: %s (%.3f s)", new.describe(), record.total_s)
-        return new
+        return record
 
     # ------------------------------------------------------------------ evaluation
 
