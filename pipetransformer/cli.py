@@ -182,7 +182,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         return rebuild_compare(config, args.config, args.overrides, Path(args.out))
     preflight(config)
     out = Path(args.out) if args.out else _default_run_dir(args.config, "runs/compare")
-    return run_compare(config, args.config, args.overrides, out, ablations=args.ablations)
+    return run_compare(config, args.config, args.overrides, out, ablations=args.ablations, peers=args.peers)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -225,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     compare = sub.add_parser("compare", help="baseline (Pipe+DDP) vs elastic run: speedup, accuracy, plots")
     common(compare)
     compare.add_argument("--ablations", action="store_true", help="also run freeze-only, no-AutoDP and no-cache")
+    compare.add_argument(
+        "--peers", action="store_true",
+        help="also run what users run instead: ddp (K=1, no freezing) and freeze-ddp (K=1, freezing and AutoCache)",
+    )
     compare.add_argument("--out", default=None, help="output directory (default: runs/compare/<config>-<time>)")
     compare.add_argument(
         "--report-only", action="store_true",

@@ -139,12 +139,23 @@ def test_compare_command_end_to_end(tmp_path):
         [sys.executable, "-m", "pipetransformer", "compare", str(ROOT / "configs" / "quickstart.yaml"),
          "trainer.epochs=2", "data.train_subset=256", "data.eval_subset=64", "freeze.strategy=manual",
          "freeze.manual_schedule=[5]", "freeze.warmup_epochs=0", "freeze.interval_steps=null", "trainer.progress_bar=false",
-         "pipeline.balance=params", "--out", str(out)],
+         "pipeline.balance=params", "pipeline.initial_pipe_len=2", "--peers", "--out", str(out)],
         capture_output=True, text=True, cwd=ROOT, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
-    assert set(results["variants"]) == {"baseline", "elastic"}
+    assert list(results["variants"]) == ["baseline", "ddp", "freeze_ddp", "elastic"]
+    layouts = {name: [(p["pipe_len"], p["dp_degree"], p["num_frozen_layers"]) for p in run["freeze_trajectory"]]
+               for name, run in results["variants"].items()}
+    assert layouts == {
+        "baseline": [(2, 1, 0), (2, 1, 0)], "ddp": [(1, 2, 0), (1, 2, 0)],
+        "freeze_ddp": [(1, 2, 0), (1, 2, 5)], "elastic": [(2, 1, 0), (1, 2, 5)],
+    }
+    matrix = results["speedup_matrix"]
+    for a, run_a in results["variants"].items():
+        for b, run_b in results["variants"].items():
+            assert matrix[a][b] == pytest.approx(run_b["wall_time_s"] / run_a["wall_time_s"])
+    assert "Each variant against each other" in (out / "report.md").read_text()
     for name in ("baseline", "elastic"):
         summary = json.loads((out / name / "summary.json").read_text())
         assert results["variants"][name]["wall_time_s"] == summary["wall_time_s"]

@@ -11,13 +11,22 @@ from pathlib import Path
 from typing import Any
 
 from pipetransformer.compare.ideal import StepLayout, ideal_speedup, segments_from_run
-from pipetransformer.trainer.records import EpochMetrics, TransitionEvent, event_from_dict
+from pipetransformer.trainer.records import (
+    EpochMetrics,
+    StartEvent,
+    TransitionEvent,
+    event_from_dict,
+)
 from pipetransformer.utils.files import read_jsonl, write_json_atomic
 
 BASELINE = "baseline"
+DDP = "ddp"
+FREEZE_DDP = "freeze_ddp"
 ELASTIC = "elastic"
 TITLES = {
     BASELINE: "baseline (Pipe + DDP, no freezing)",
+    DDP: "DDP (K = 1, no freezing)",
+    FREEZE_DDP: "freeze + DDP (K = 1, freeze algorithm and AutoCache)",
     "freeze_only": "freeze only (no AutoPipe)",
     "no_autodp": "freeze + AutoPipe (no AutoDP)",
     "no_cache": "freeze + AutoPipe + AutoDP (no cache)",
@@ -34,6 +43,7 @@ def read_run(run_dir: Path) -> dict[str, Any]:
     metrics = [EpochMetrics.from_dict(m) for m in read_jsonl(run_dir / "metrics.jsonl")]
     events = [event_from_dict(e) for e in read_jsonl(run_dir / "events.jsonl")]
     transitions = [e for e in events if isinstance(e, TransitionEvent)]
+    starts = [e for e in events if isinstance(e, StartEvent)]
     epoch_time = sum(m.epoch_time_s for m in metrics)
     comm = sum(m.ddp_comm_s for m in metrics)
     return {
@@ -58,6 +68,9 @@ def read_run(run_dir: Path) -> dict[str, Any]:
             for m in metrics
         ],
         "transitions": [t.to_dict() for t in transitions],
+        # Whether its starting layout fits the device memory the run was planned for.
+        "predicted_peak_bytes": max(starts[0].predicted_stage_bytes, default=None) if starts else None,
+        "device_memory_bytes": starts[0].device_memory_bytes if starts else None,
         "ddp_comm_share": comm / epoch_time if epoch_time > 0 else 0.0,
         "steps_per_epoch": metrics[0].global_step if metrics else 0,
     }
@@ -75,6 +88,10 @@ def build_results(
     results["speedup"] = base["wall_time_s"] / elastic["wall_time_s"]
     results["eval_metric_delta"] = elastic["final_eval_metric"] - base["final_eval_metric"]
     results["speedups"] = {name: base["wall_time_s"] / run["wall_time_s"] for name, run in runs.items()}
+    # How many times faster each variant is than each other one (row / column).
+    results["speedup_matrix"] = {
+        a: {b: runs[b]["wall_time_s"] / runs[a]["wall_time_s"] for b in runs} for a in runs
+    }
     if unit_costs is not None:
         steps = base["steps_per_epoch"]
         first = base["freeze_trajectory"][0]
@@ -136,6 +153,18 @@ def write_report(results: dict[str, Any], out: Path, plots: list[str]) -> str:
             f"{run['final_eval_metric']:.4f} | {run['best_eval_metric']:.4f} | "
             f"{run['freeze_trajectory'][-1]['num_frozen_layers']} | {_fmt_layout(run)} | {100 * run['ddp_comm_share']:.1f}% |"
         )
+    if len(runs) > 2:
+        names = list(runs)
+        lines += [
+            "",
+            "## Each variant against each other (times faster: row over column)",
+            "",
+            "| | " + " | ".join(names) + " | fits the device |",
+            "| --- | " + " | ".join("---:" for _ in names) + " | --- |",
+        ]
+        for a in names:
+            cells = " | ".join(f"{results['speedup_matrix'][a][b]:.2f}x" for b in names)
+            lines.append(f"| {a} | {cells} | {_fits(runs[a])} |")
     events = runs[ELASTIC]["transitions"]
     if events:
         lines += [
@@ -160,6 +189,16 @@ def write_report(results: dict[str, Any], out: Path, plots: list[str]) -> str:
     text = "\n".join(lines) + "\n"
     (out / "report.md").write_text(text)
     return text
+
+
+def _fits(run: dict[str, Any]) -> str:
+    peak, budget = run.get("predicted_peak_bytes"), run.get("device_memory_bytes")
+    if peak is None:
+        return "?"
+    if budget is None:
+        return f"yes ({peak / 2**20:,.0f} MiB a stage; no limit)"
+    verdict = "yes" if peak <= budget else "**no**"
+    return f"{verdict} ({peak / 2**20:,.0f} of {budget / 2**20:,.0f} MiB)"
 
 
 def save_results(results: dict[str, Any], out: Path) -> None:

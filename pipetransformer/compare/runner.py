@@ -21,7 +21,9 @@ import torch
 from pipetransformer.compare.plots import write_plots
 from pipetransformer.compare.report import (
     BASELINE,
+    DDP,
     ELASTIC,
+    FREEZE_DDP,
     TITLES,
     build_results,
     read_run,
@@ -35,10 +37,18 @@ from pipetransformer.trainer import run_worker
 logger = logging.getLogger(__name__)
 
 
-def variant_overrides(config: Config, ablations: bool) -> dict[str, list[str]]:
+def variant_overrides(config: Config, ablations: bool, peers: bool = False) -> dict[str, list[str]]:
     """Overrides per variant, in the order they run. The baseline is the same config with
-    freezing (and so every elastic component) off."""
-    variants = {BASELINE: ["freeze.strategy=none", "cache.enabled=false"]}
+    freezing (and so every elastic component) off, as a fixed pipeline: the configured
+    length, or with 'auto' the whole node (the paper's Pipe+DDP). Peers are what a user
+    would run instead when the model fits one device: plain DDP, and DDP with the same
+    freeze algorithm and AutoCache but no pipeline."""
+    pipe_len = config.pipeline.initial_pipe_len
+    fixed = pipe_len if isinstance(pipe_len, int) else config.nproc_per_node
+    variants = {BASELINE: ["freeze.strategy=none", "cache.enabled=false", f"pipeline.initial_pipe_len={fixed}"]}
+    if peers:
+        variants[DDP] = ["freeze.strategy=none", "cache.enabled=false", "pipeline.initial_pipe_len=1"]
+        variants[FREEZE_DDP] = ["pipeline.initial_pipe_len=1"]
     if ablations:
         variants["freeze_only"] = ["autopipe.enabled=false", "cache.enabled=false"]
         variants["no_autodp"] = ["autodp.enabled=false", "cache.enabled=false"]
@@ -68,12 +78,14 @@ def measured_unit_costs(config: Config) -> dict[str, list[float]] | None:
         return None
 
 
-def run_compare(config: Config, config_path: str | None, overrides: list[str], out: Path, ablations: bool) -> int:
+def run_compare(
+    config: Config, config_path: str | None, overrides: list[str], out: Path, ablations: bool, peers: bool = False
+) -> int:
     if config.freeze.strategy == "none":
         raise ConfigError("freeze.strategy: compare needs a freeze strategy (the baseline turns it off)")
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict[str, Any]] = {}
-    variants = variant_overrides(config, ablations)
+    variants = variant_overrides(config, ablations, peers)
     for index, (name, extra) in enumerate(variants.items(), start=1):
         variant_config = load_config(config_path, [*overrides, *extra])
         run_dir = out / name
@@ -92,7 +104,7 @@ def run_compare(config: Config, config_path: str | None, overrides: list[str], o
             file=sys.stderr,
         )
     costs = measured_unit_costs(config)
-    return _write_outputs(runs, costs, _context(config, config_path, overrides, ablations), config, out)
+    return _write_outputs(runs, costs, _context(config, config_path, overrides, ablations, peers), config, out)
 
 
 def rebuild_compare(config: Config, config_path: str | None, overrides: list[str], out: Path) -> int:
@@ -108,19 +120,24 @@ def rebuild_compare(config: Config, config_path: str | None, overrides: list[str
     if resolved.is_file():
         config = load_config(str(resolved))
     previous = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
-    context = _context(config, config_path, overrides, ablations=len(names) > 2)
+    context = _context(
+        config, config_path, overrides, ablations="freeze_only" in names, peers=DDP in names
+    )
     # The command and machine that produced the runs, not this invocation's.
     context.update({key: previous[key] for key in context if key in previous})
     costs = previous.get("unit_costs") or measured_unit_costs(config)
     return _write_outputs(runs, costs, context, config, out)
 
 
-def _context(config: Config, config_path: str | None, overrides: list[str], ablations: bool) -> dict[str, Any]:
+def _context(
+    config: Config, config_path: str | None, overrides: list[str], ablations: bool, peers: bool = False
+) -> dict[str, Any]:
+    options = [*(["--peers"] if peers else []), *(["--ablations"] if ablations else [])]
     return {
         "config": config_path,
         "config_name": Path(config_path).stem if config_path else "default",
         "overrides": overrides,
-        "command": " ".join(["pipetransformer compare", config_path or "", *overrides, *(["--ablations"] if ablations else [])]),
+        "command": " ".join(["pipetransformer compare", config_path or "", *overrides, *options]),
         "machine": machine_description(config),
     }
 

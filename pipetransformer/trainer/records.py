@@ -127,6 +127,11 @@ class StartEvent(Event):
     dp_degree: int
     num_frozen_layers: int
     cache_daemons: list[dict[str, Any]] = field(default_factory=list)  # one per node
+    # The memory model's peak bytes per stage of the starting layout, and the device budget
+    # (None: unlimited); memory_source 'profile' (measured) or 'params' (no activations).
+    predicted_stage_bytes: list[int] = field(default_factory=list)
+    device_memory_bytes: float | None = None
+    memory_source: str = "params"
 
 
 @dataclass

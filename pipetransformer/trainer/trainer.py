@@ -82,6 +82,7 @@ from pipetransformer.trainer.sizing import (
     format_bytes,
     memory_model,
     plan_fits,
+    stage_bytes,
 )
 from pipetransformer.trainer.state import RunState, reseed, rng_state, set_rng_state
 from pipetransformer.trainer.tasks import loss_weights, task_for
@@ -191,7 +192,8 @@ class Trainer:
         self.planner = build_planner(
             cfg, self.spec, costs, plan_fits(cfg, memory, budget, world.world_size, cfg.pipeline.initial_pipe_len)
         )
-        self.memory = memory
+        self.memory, self.memory_budget = memory, budget
+        self.memory_source = "profile" if profile is not None else "params"
         # The cache serves frozen layers: with nothing ever frozen (the baseline) it stays off.
         if cfg.cache.enabled and cfg.freeze.strategy != "none":
             self.cache = RunCache(
@@ -564,6 +566,13 @@ class Trainer:
             dp_degree=self.layout.dp_degree,
             num_frozen_layers=self.layout.plan.num_frozen_layers,
             cache_daemons=self.cache.daemons if self.cache is not None else [],
+            predicted_stage_bytes=[
+                int(b) for b in stage_bytes(
+                    self.config, self.memory, self.layout.plan, self.world.world_size, self.config.pipeline.initial_pipe_len
+                )
+            ],
+            device_memory_bytes=self.memory_budget,
+            memory_source=self.memory_source,
         )
 
     def _agree_on_stop(self) -> int:

@@ -1,0 +1,118 @@
+"""Predicted step and epoch times of a layout, and the speedup of a whole run over Pipe+DDP
+along a freeze trajectory. Pure arithmetic on a measured unit profile and stated link
+speeds: no processes, no torch.
+
+One optimizer step of a layout (K stages, M micro-batches of m samples, R replicas):
+
+    compute   GPipe: (M + K - 1) x the slowest stage's time for one micro-batch (forward +
+              backward of its trained units; on stage 0 also the frozen prefix's forward,
+              or reading it from AutoCache), the fill and drain of the pipeline included
+    stage p2p the hidden state (and its gradient) sent between stages, per micro-batch,
+              over the intra-node link
+    all-reduce DDP's ring all-reduce of the slowest stage's trained gradients:
+              2 (R - 1) / R x bytes / bandwidth (the inter-node link once replicas span nodes)
+
+Unit times scale linearly with the micro-batch size from the profile's. An epoch is
+`steps_per_epoch` such steps. Evaluation, transitions and start-up are not included.
+Checked against measured epoch times on this project's machine in tests/test_predict.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipetransformer.autopipe.planner import PipelinePlan
+
+
+@dataclass(frozen=True)
+class Links:
+    """Bandwidths in bytes per second and a fixed latency per message."""
+
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    latency_s: float = 20e-6
+
+
+@dataclass(frozen=True)
+class UnitTimes:
+    """Per unit, seconds for one micro-batch of `micro_batch_size` samples."""
+
+    trained_s: tuple[float, ...]  # forward + backward
+    frozen_s: tuple[float, ...]  # forward without autograd
+    output_bytes: tuple[int, ...]
+    param_bytes: tuple[int, ...]
+    micro_batch_size: int
+    cache_read_s_per_sample: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    compute_s: float
+    p2p_s: float
+    allreduce_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.p2p_s + self.allreduce_s
+
+
+def predict_step(
+    times: UnitTimes,
+    plan: PipelinePlan,
+    *,
+    micro_batch_size: int,
+    num_micro_batches: int,
+    dp_degree: int,
+    replicas_per_node: int,
+    links: Links,
+    cached_prefix: bool,
+) -> StepPrediction:
+    scale = micro_batch_size / times.micro_batch_size
+    frozen_end = plan.frozen_end
+    stage_s = []
+    for stage, (start, end) in enumerate(plan.stage_ranges):
+        seconds = sum(times.frozen_s[u] if u < frozen_end else times.trained_s[u] for u in range(start, end))
+        if stage == 0 and plan.prefix_end > 0:
+            seconds += (
+                times.cache_read_s_per_sample * times.micro_batch_size
+                if cached_prefix
+                else sum(times.frozen_s[: plan.prefix_end])
+            )
+        stage_s.append(seconds * scale)
+    k, m = plan.pipe_len, num_micro_batches
+    compute = (m + k - 1) * max(stage_s)
+    p2p = 0.0
+    if k > 1:  # forward activation and backward gradient across each boundary, per micro-batch
+        boundary_bytes = max(times.output_bytes[end - 1] for _, end in plan.stage_ranges[:-1]) * scale
+        p2p = 2 * (m + k - 2) * (links.latency_s + boundary_bytes / links.intra_node_bytes_per_s)
+    allreduce = 0.0
+    if dp_degree > 1:
+        grads = max(
+            sum(times.param_bytes[u] for u in range(start, end) if u >= frozen_end)
+            for start, end in plan.stage_ranges
+        )
+        bandwidth = links.intra_node_bytes_per_s if dp_degree <= replicas_per_node else links.inter_node_bytes_per_s
+        allreduce = 2 * (dp_degree - 1) / dp_degree * grads / bandwidth + 2 * (dp_degree - 1) * links.latency_s
+    return StepPrediction(compute, p2p, allreduce)
+
+
+def paper_trajectory(num_layers: int, alpha: float, decisions: int, max_frozen: int | None = None) -> list[int]:
+    """F after each decision under the paper's closed form ceil(L (1 - (1 - alpha)^T))."""
+    cap = num_layers - 1 if max_frozen is None else max_frozen
+    return [min(cap, math.ceil(num_layers * (1 - (1 - alpha) ** t) - 1e-6)) for t in range(1, decisions + 1)]
+
+
+def per_epoch_frozen(
+    decision_frozen: Sequence[int], decisions_per_epoch: int, epochs: int, warmup_epochs: int
+) -> list[int]:
+    """F in effect during each epoch when decisions come `decisions_per_epoch` times an epoch
+    after `warmup_epochs` (the epoch's value: what it ran with for most of its steps)."""
+    frozen, taken = [], 0
+    for epoch in range(epochs):
+        if epoch >= warmup_epochs and epoch > 0:
+            taken += decisions_per_epoch
+        value = decision_frozen[min(taken, len(decision_frozen)) - 1] if taken else 0
+        frozen.append(value)
+    return frozen
