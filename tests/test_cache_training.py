@@ -26,7 +26,7 @@ def run(tmp_path, name, *overrides):
     result = subprocess.run(
         [sys.executable, "-m", "pipetransformer", "train", str(ROOT / "configs" / "quickstart.yaml"),
          "trainer.epochs=4", "data.train_subset=384", "data.eval_subset=96", "freeze.strategy=manual",
-         "freeze.manual_schedule=[3,5]", "freeze.warmup_epochs=0", "freeze.interval_steps=null", "pipeline.balance=params",
+         "freeze.manual_schedule=[3,5]", "freeze.warmup_epochs=0", "freeze.interval_steps=null", "pipeline.balance=params", "pipeline.initial_pipe_len=2",
          "pipeline.num_micro_batches=4", "trainer.progress_bar=false", *overrides, "--run-dir", str(run_dir)],
         capture_output=True, text=True, cwd=ROOT, timeout=600,
     )

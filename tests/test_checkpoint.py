@@ -172,7 +172,7 @@ def quick_run_args(run_dir: Path, *extra: str) -> list[str]:
     return [
         "train", QUICKSTART, "trainer.epochs=6", "data.train_subset=256", "data.eval_subset=64",
         "freeze.strategy=manual", "freeze.manual_schedule=[3,5]", "freeze.warmup_epochs=1", "freeze.interval_steps=null",
-        "pipeline.balance=params", "pipeline.num_micro_batches=2", "trainer.progress_bar=false",
+        "pipeline.balance=params", "pipeline.initial_pipe_len=2", "pipeline.num_micro_batches=2", "trainer.progress_bar=false",
         *extra, "--run-dir", str(run_dir),
     ]
 

@@ -30,7 +30,7 @@ def test_config_errors_stop_before_any_worker_starts():
 
 
 def test_plan_json_for_the_quickstart():
-    result = cli("plan", QUICKSTART, "--json", "pipeline.balance=params")
+    result = cli("plan", QUICKSTART, "--json", "pipeline.balance=params", "pipeline.initial_pipe_len=2")
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)
     assert [r["num_frozen_layers"] for r in rows] == list(range(8))
@@ -63,7 +63,7 @@ def test_short_training_run_writes_its_outputs(tmp_path):
     result = cli(
         "train", QUICKSTART, "trainer.epochs=2", "data.train_subset=256", "data.eval_subset=64",
         "freeze.strategy=manual", "freeze.manual_schedule=[5]", "freeze.warmup_epochs=0", "freeze.interval_steps=null", "trainer.save_model=true",
-        "pipeline.balance=params",
+        "pipeline.balance=params", "pipeline.initial_pipe_len=2",
         "--run-dir", str(run_dir),
     )
     assert result.returncode == 0, result.stderr[-3000:]
