@@ -162,6 +162,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from pipetransformer.trainer.planning import plan_table
 
     config = load_config(args.config, args.overrides)
+    if args.predict:
+        return _predict(config, args)
     rows = plan_table(config)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -169,6 +171,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from pipetransformer.trainer.planning import format_plan_table
 
     print(format_plan_table(config, rows))
+    return 0
+
+
+def _predict(config: Config, args: argparse.Namespace) -> int:
+    from pipetransformer.autopipe.predict import Links
+    from pipetransformer.trainer.planning import profile_path_for
+    from pipetransformer.trainer.prediction import (
+        Cluster,
+        find_unit_profile,
+        format_prediction,
+        predict,
+        steps_per_epoch_for,
+    )
+
+    devices = args.devices_per_node or config.nproc_per_node
+    path = Path(args.profile) if args.profile else profile_path_for(config)
+    profile, key = find_unit_profile(config, path)
+    links = Links(args.intra_node_gbps * 1e9, args.inter_node_gbps * 1e9)
+    steps = args.steps_per_epoch or steps_per_epoch_for(config, args.nodes)
+    result = predict(config, profile, Cluster(args.nodes, devices, links), steps, args.trajectory)
+    source = f"{path} [{key.split('|device=')[1].split('|')[0]}]"
+    print(json.dumps(result, indent=2) if args.json else format_prediction(config, result, source))
     return 0
 
 
@@ -220,6 +244,18 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="print the layout AutoPipe would choose at each frozen boundary")
     common(plan)
     plan.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    predict = plan.add_argument_group("prediction (--predict): step times and the run's speedup over Pipe+DDP")
+    predict.add_argument("--predict", action="store_true", help="predict step times and the speedup on a cluster")
+    predict.add_argument("--nodes", type=int, default=1, help="nodes of the cluster (default 1)")
+    predict.add_argument("--devices-per-node", type=int, default=None, help="default: trainer.nproc_per_node")
+    predict.add_argument("--profile", default=None, help="profile file with this model's unit profile (default: the runs')")
+    predict.add_argument(
+        "--trajectory", default="auto",
+        help="'auto' (the config's freeze strategy and cadence), 'paper' (closed form each epoch) or F per epoch: 0,0,2,4",
+    )
+    predict.add_argument("--steps-per-epoch", type=int, default=None, help="default: from the local training data")
+    predict.add_argument("--intra-node-gbps", type=float, default=150.0, help="GB/s between devices of a node")
+    predict.add_argument("--inter-node-gbps", type=float, default=25.0, help="GB/s between nodes")
     plan.set_defaults(func=cmd_plan)
 
     compare = sub.add_parser("compare", help="baseline (Pipe+DDP) vs elastic run: speedup, accuracy, plots")

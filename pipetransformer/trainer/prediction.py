@@ -1,0 +1,219 @@
+"""`pipetransformer plan --predict`: what a run of a config would take on a cluster, before
+it spends GPU hours: per frozen boundary, the layout the planner would pick and its
+predicted step time; along a freeze trajectory, the whole run against Pipe+DDP.
+
+Inputs: a measured unit profile (a profile file of a run of this model, on the target
+device type when there is one), the cluster shape (nodes x devices per node) and stated
+link bandwidths. The arithmetic is autopipe/predict.py's; this module only turns a config
+into its inputs. Evaluation, transitions and start-up are left out of both sides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipetransformer.autodp.topology import Layout
+from pipetransformer.autopipe.predict import Links, UnitTimes, paper_trajectory, predict_step
+from pipetransformer.autopipe.profiles import ProfileStore, UnitProfile, unit_costs_from_profile
+from pipetransformer.config import Config, ConfigError
+from pipetransformer.freeze import DecisionSchedule
+from pipetransformer.trainer.planning import (
+    build_planner,
+    describe_model,
+    layout_for,
+    model_signature_for,
+    planner_costs,
+)
+from pipetransformer.trainer.sizing import (
+    choose_initial_pipe_len,
+    device_memory_budget,
+    memory_model,
+    plan_fits,
+)
+
+# Stated defaults of a GPU cluster: NVLink-class links inside a node, one 200 Gb/s
+# InfiniBand / RoCE port per GPU between nodes.
+INTRA_NODE_GBPS = 150.0
+INTER_NODE_GBPS = 25.0
+# A cache read moves the prefix's output from host shared memory: at this bandwidth.
+CACHE_READ_GBPS = 10.0
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    devices_per_node: int
+    links: Links
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+
+def find_unit_profile(config: Config, path: Path) -> tuple[UnitProfile, str]:
+    """This model's unit profile from a profile file: (profile, the key it was stored under).
+    Prefers the largest micro-batch measured on a GPU, else any device."""
+    spec = describe_model(config)
+    signature = model_signature_for(config, spec)
+    store = ProfileStore(path).load()
+    keys = [k for k in store.keys() if k.startswith(f"unit|model={signature}|")]
+    if not keys:
+        raise ConfigError(
+            f"--profile: {path} has no unit profile of this model ({config.model.name}); a run of this "
+            "config writes one (RUN_DIR/../profiles/profiles.json)"
+        )
+    keys.sort(key=lambda k: ("device=cuda" in k, store.unit_profile(k).micro_batch_size))
+    return store.unit_profile(keys[-1]), keys[-1]
+
+
+def unit_times(profile: UnitProfile, cache_read_s_per_sample: float | None = None) -> UnitTimes:
+    costs = unit_costs_from_profile(profile)
+    if cache_read_s_per_sample is None:
+        # Reading the prefix's output back: its bytes at the stated bandwidth.
+        cache_read_s_per_sample = profile.output_bytes[0] / profile.micro_batch_size / (CACHE_READ_GBPS * 1e9)
+    return UnitTimes(
+        costs.trained, costs.frozen, profile.output_bytes, profile.param_bytes, profile.micro_batch_size,
+        cache_read_s_per_sample,
+    )
+
+
+def frozen_per_step(config: Config, trajectory: str, num_layers: int, steps_per_epoch: int) -> list[int]:
+    """F during each step of the run. `trajectory`: 'auto' (the config's own: a manual
+    schedule, or the paper's closed form with the config's alpha for gradient_norm and
+    alpha_schedule — the fastest pace Eq. 1 allows — at the config's decision points),
+    'paper' (the closed form at every epoch end, as the paper ran it) or F per epoch as a
+    comma-separated list (the last value repeats)."""
+    epochs = config.trainer.epochs
+    total = epochs * steps_per_epoch
+    freeze = config.freeze
+    if trajectory not in ("auto", "paper"):
+        try:
+            values = [int(v) for v in trajectory.split(",")]
+        except ValueError:
+            raise ConfigError(f"--trajectory: 'auto', 'paper' or F per epoch such as 0,0,2,4; got {trajectory!r}") from None
+        per_epoch = [values[min(e, len(values) - 1)] for e in range(epochs)]
+        return [min(per_epoch[s // steps_per_epoch], num_layers - 1) for s in range(total)]
+    if trajectory == "paper" or freeze.strategy in ("gradient_norm", "alpha_schedule"):
+        decisions = paper_trajectory(num_layers, freeze.alpha, total, freeze.max_frozen_layers)
+    elif freeze.strategy == "manual":
+        decisions = freeze.manual_schedule
+    else:
+        return [0] * total
+    cadence = freeze if trajectory == "auto" else dataclasses.replace(freeze, interval_steps=None, warmup_epochs=0)
+    schedule = DecisionSchedule.for_config(cadence, epochs, steps_per_epoch)
+    frozen, current, taken, since = [], 0, 0, 0
+    for step in range(1, total + 1):
+        frozen.append(current)
+        since += 1
+        if schedule.due(step, step % steps_per_epoch == 0, since):
+            current = max(current, decisions[min(taken, len(decisions) - 1)])
+            taken, since = taken + 1, 0
+    return frozen
+
+
+def predict(
+    config: Config, profile: UnitProfile, cluster: Cluster, steps_per_epoch: int, trajectory: str = "auto"
+) -> dict[str, Any]:
+    """Rows per frozen boundary and the run's predicted time against Pipe+DDP."""
+    spec = describe_model(config)
+    config = dataclasses.replace(
+        config, trainer=dataclasses.replace(config.trainer, nproc_per_node=cluster.devices_per_node)
+    )
+    times = unit_times(profile)
+    costs = planner_costs(config, spec, unit_costs_from_profile(profile) if config.pipeline.balance == "time" else None)
+    memory = memory_model(config, spec, profile)
+    budget = device_memory_budget(config, "cpu")  # the configured budget; GPUs: set it
+    world = cluster.world_size
+    initial = choose_initial_pipe_len(config, costs, memory, budget, world)
+    elastic = dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline, initial_pipe_len=initial))
+    planner = build_planner(elastic, spec, costs, plan_fits(elastic, memory, budget, world, initial))
+    rows, layouts = [], {}
+    pipe_len = initial
+    for frozen in range(spec.num_layers):
+        layout = layout_for(elastic, planner, frozen, pipe_len, world, cluster.devices_per_node)
+        pipe_len = layout.pipe_len
+        layouts[frozen] = layout
+        step = _step(times, layout, config, cluster, cached=frozen > 0)
+        rows.append({
+            "num_frozen_layers": frozen, "pipe_len": layout.pipe_len, "dp_degree": layout.dp_degree,
+            "num_micro_batches": layout.plan.num_micro_batches, "compute_s": step.compute_s, "p2p_s": step.p2p_s,
+            "allreduce_s": step.allreduce_s, "step_s": step.step_s,
+            "bubble": (layout.plan.num_micro_batches + layout.pipe_len - 1) / layout.plan.num_micro_batches,
+        })
+    # The baseline: Pipe+DDP at the configured pipeline length, or a whole node's.
+    fixed = config.pipeline.initial_pipe_len if isinstance(config.pipeline.initial_pipe_len, int) else cluster.devices_per_node
+    baseline_config = dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline, initial_pipe_len=fixed))
+    base_planner = build_planner(baseline_config, spec, costs)
+    base_layout = layout_for(baseline_config, base_planner, 0, fixed, world, cluster.devices_per_node)
+    base_step = _step(times, base_layout, config, cluster, cached=False).step_s
+    frozen = frozen_per_step(config, trajectory, spec.num_layers, steps_per_epoch)
+    elastic_s = 0.0
+    for step, value in enumerate(frozen):
+        # A boundary's first epoch computes the prefix (filling the cache); then it is read.
+        first_epoch = step < steps_per_epoch or frozen[step - steps_per_epoch] != value
+        elastic_s += rows[value]["step_s"] if not first_epoch or value == 0 else _step(
+            times, layouts[value], config, cluster, cached=False
+        ).step_s
+    epochs = config.trainer.epochs
+    return {
+        "cluster": {"nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
+                    "intra_node_gbps": cluster.links.intra_node_bytes_per_s / 1e9,
+                    "inter_node_gbps": cluster.links.inter_node_bytes_per_s / 1e9},
+        "profile_micro_batch_size": profile.micro_batch_size,
+        "steps_per_epoch": steps_per_epoch,
+        "rows": rows,
+        "trajectory": [frozen[e * steps_per_epoch] for e in range(epochs)],
+        "baseline": {"pipe_len": base_layout.pipe_len, "dp_degree": base_layout.dp_degree,
+                     "num_micro_batches": base_layout.plan.num_micro_batches, "step_s": base_step},
+        "baseline_s": base_step * len(frozen),
+        "elastic_s": elastic_s,
+        "speedup": base_step * len(frozen) / elastic_s,
+    }
+
+
+def _step(times: UnitTimes, layout: Layout, config: Config, cluster: Cluster, cached: bool):
+    replica_batch = config.trainer.global_batch_size // layout.dp_degree
+    m = layout.plan.num_micro_batches
+    return predict_step(
+        times, layout.plan, micro_batch_size=replica_batch // m, num_micro_batches=m, dp_degree=layout.dp_degree,
+        replicas_per_node=layout.replicas_per_node, links=cluster.links, cached_prefix=cached,
+    )
+
+
+def format_prediction(config: Config, result: dict[str, Any], source: str) -> str:
+    c = result["cluster"]
+    lines = [
+        f"predicted for {c['nodes']} node(s) x {c['devices_per_node']} devices, links {c['intra_node_gbps']:g} GB/s "
+        f"in a node, {c['inter_node_gbps']:g} GB/s between nodes; unit profile {source} "
+        f"(micro-batch {result['profile_micro_batch_size']}); {result['steps_per_epoch']} steps an epoch",
+        f"{'frozen':>6} {'K':>3} {'R':>3} {'M':>3} {'bubble':>7} {'compute':>10} {'p2p':>9} {'all-reduce':>10} {'step':>10}",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"{r['num_frozen_layers']:>6} {r['pipe_len']:>3} {r['dp_degree']:>3} {r['num_micro_batches']:>3} "
+            f"{r['bubble']:>7.2f} {1e3 * r['compute_s']:>8.2f}ms {1e3 * r['p2p_s']:>7.2f}ms "
+            f"{1e3 * r['allreduce_s']:>8.2f}ms {1e3 * r['step_s']:>8.2f}ms"
+        )
+    b = result["baseline"]
+    lines += [
+        f"trajectory (frozen layers per epoch): {result['trajectory']}",
+        f"Pipe+DDP (K={b['pipe_len']}, R={b['dp_degree']}, M={b['num_micro_batches']}): "
+        f"{result['baseline_s'] / 60:.2f} min of training; PipeTransformer: {result['elastic_s'] / 60:.2f} min; "
+        f"predicted speedup {result['speedup']:.2f}x",
+    ]
+    return "\n".join(lines)
+
+
+def steps_per_epoch_for(config: Config, nodes: int) -> int:
+    """Steps an epoch, from the size of the local training data."""
+    if config.data.root is None and config.data.name != "digits":
+        raise ConfigError("--steps-per-epoch: needed when the data is fetched from the network (data.root unset)")
+    from pipetransformer.data import build_data
+
+    samples = len(build_data(config.data, seed=config.trainer.seed, model_name_or_path=config.model.model_name_or_path).train)
+    per_node = config.trainer.global_batch_size // nodes
+    return math.ceil(math.ceil(samples / nodes) / per_node)
