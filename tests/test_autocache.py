@@ -9,8 +9,10 @@ float32 and integers round-trip exactly; float16/bfloat16 return exactly
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -380,7 +382,7 @@ def test_two_processes_see_each_others_writes(start_daemon, capfd):
 
 def test_stop_removes_everything_and_keep_keeps_the_disk_dir(start_daemon, tmp_path):
     daemon = start_daemon({"train": (8, VIT_SPECS)}, memory_budget_bytes=0)
-    assert len(residue(daemon.name)) == 2 and (daemon.disk_dir / "train.slots").exists()
+    assert len(residue(daemon.name)) == 1 and (daemon.disk_dir / "train.slots").exists()  # one private dir
     daemon.stop()
     daemon.stop()
     assert residue(daemon.name) == [] and not daemon.disk_dir.exists() and not daemon.alive()
@@ -462,3 +464,104 @@ def test_the_death_of_the_starter_cleans_up(tmp_path):
         starter.kill()
         if process_alive(int(pid)):  # only when the test failed: do not leak its daemon
             os.kill(int(pid), signal.SIGTERM)
+
+
+# ---------------------------------------------------------------- who can touch the store
+
+
+def test_the_store_is_private_and_not_on_the_command_line(start_daemon):
+    import stat
+
+    daemon = start_daemon({"train": (8, VIT_SPECS)}, memory_budget_bytes=4 * 4352)  # 4 rows in memory
+    shm_store = Path(daemon.address).parent
+    for directory in (shm_store, daemon.disk_dir):
+        info = directory.lstat()
+        assert stat.S_ISDIR(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.geteuid()
+        for path in directory.iterdir():
+            assert stat.S_IMODE(path.lstat().st_mode) == 0o600 and path.lstat().st_uid == os.geteuid(), path
+    assert {p.name for p in shm_store.iterdir()} == {"store-train", "manifest.json", "owner.json"}
+    cmdline = Path(f"/proc/{daemon.pid}/cmdline").read_bytes().decode(errors="replace")
+    assert shm_store.name not in cmdline and "disk" not in cmdline
+
+
+def test_planted_symlinks_are_never_followed(tmp_path, monkeypatch):
+    """A local attacker who knows the next store's name plants symlinks at every path it will
+    create: the store takes another, fresh private directory and writes nothing outside it."""
+    from pipetransformer.autocache import private
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    before = (victim.read_text(), victim.stat().st_mtime_ns)
+    names = itertools.cycle(["aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb"])
+    monkeypatch.setattr(private.secrets, "token_hex", lambda n: next(names))
+    prefix = private.store_prefix()
+    planted = []
+    for parent, suffix in ((shm_dir(), ""), (tmp_path / "cache", "-disk")):
+        parent.mkdir(exist_ok=True)
+        first = parent / f"{prefix}-aaaaaaaaaaaaaaaa{suffix}"
+        first.symlink_to(tmp_path)  # the directory itself
+        planted.append(first)
+    # And inside a directory the attacker made at the second name: it is not ours to use.
+    decoy = shm_dir() / f"{prefix}-bbbbbbbbbbbbbbbb"
+    decoy.mkdir(mode=0o777)
+    os.chmod(decoy, 0o777)
+    for name in ("store-train", "manifest.json", ".manifest.json.tmp", "owner.json"):
+        (decoy / name).symlink_to(victim)
+    planted.append(decoy)
+    try:
+        with pytest.raises(OSError):  # the only names left are taken or unsafe: refused
+            CacheDaemon.start({"train": (4, VIT_SPECS)}, memory_budget_bytes=BIG_BUDGET, disk_dir=tmp_path / "cache")
+        monkeypatch.undo()
+        daemon = CacheDaemon.start({"train": (4, VIT_SPECS)}, memory_budget_bytes=BIG_BUDGET, disk_dir=tmp_path / "cache")
+        with CacheClient.attach(daemon.address) as client:
+            client.write("train", [0], 1, sample_values(VIT_SPECS, [0], seed=0))
+        daemon.stop()
+    finally:
+        for path in planted:
+            if path.is_symlink():
+                path.unlink()
+            else:
+                shutil.rmtree(path)
+    assert (victim.read_text(), victim.stat().st_mtime_ns) == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == ["victim.txt"]
+
+
+def test_a_client_refuses_a_store_it_cannot_trust(start_daemon, tmp_path):
+    from pipetransformer.autocache.private import UnsafeStore
+
+    daemon = start_daemon({"train": (4, VIT_SPECS)})
+    store = Path(daemon.address).parent
+    os.chmod(store, 0o755)
+    try:
+        with pytest.raises(UnsafeStore, match="open to other users"):
+            CacheClient.attach(daemon.address)
+    finally:
+        os.chmod(store, 0o700)
+    link = tmp_path / "linked"
+    link.symlink_to(store)
+    with pytest.raises(UnsafeStore, match="not a directory"):
+        CacheClient.attach(str(link / "manifest.json"))
+
+
+def test_stale_stores_of_killed_runs_are_swept_at_the_next_start(start_daemon, tmp_path, caplog):
+    """Every process SIGKILLed at once (trainer and daemon) leaves the store behind; the next
+    start removes it and says so, and leaves a live store alone."""
+    import logging
+
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    live = start_daemon({"train": (4, VIT_SPECS)})
+    dead = CacheDaemon.start(
+        {"train": (8, VIT_SPECS)}, memory_budget_bytes=0, disk_dir=tmp_path / "cache", watched_pids=[trainer.pid]
+    )
+    shm_store = Path(dead.address).parent
+    os.kill(dead.pid, signal.SIGKILL)
+    trainer.kill()
+    trainer.wait()
+    dead._process.wait()
+    assert shm_store.exists() and dead.disk_dir.exists()  # the leak
+    dead._stopped = True  # its handle must not clean up: the sweep has to
+    with caplog.at_level(logging.INFO, logger="pipetransformer.autocache.private"):
+        fresh = start_daemon({"train": (4, VIT_SPECS)})
+    assert not shm_store.exists() and not dead.disk_dir.exists()
+    assert f"removed a stale AutoCache store {shm_store} left by pid {dead.pid}" in caplog.text
+    assert Path(live.address).exists() and live.alive() and fresh.alive()

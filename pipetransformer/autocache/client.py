@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ import torch
 
 from pipetransformer.autocache.layout import ABSENT, CacheManifest, SplitLayout
 from pipetransformer.autocache.prefetch import SplitPrefetcher
+from pipetransformer.autocache.private import open_private_file
 from pipetransformer.autocache.store import SplitStore, torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -70,12 +72,14 @@ class CacheClient:
     def attach(cls, address: str, prefetch_window_rows: int = 256) -> CacheClient:
         """Map the store published at `address` (CacheDaemon.address) into this process."""
         path = Path(address)
-        try:
-            manifest = CacheManifest.from_json(path.read_text())
+        try:  # only from a private directory of this user (private.py), never via a symlink
+            fd = open_private_file(path, os.O_RDONLY)
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"no AutoCache at {address}: its daemon is not running or has stopped"
             ) from None
+        with os.fdopen(fd) as f:
+            manifest = CacheManifest.from_json(f.read())
         return cls(manifest, address, prefetch_window_rows)
 
     @property

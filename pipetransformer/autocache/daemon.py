@@ -26,7 +26,6 @@ import atexit
 import json
 import logging
 import os
-import secrets
 import select
 import shutil
 import signal
@@ -44,10 +43,27 @@ from pipetransformer.autocache.layout import (
     normalize_specs,
     plan_layout,
 )
+from pipetransformer.autocache.private import (
+    KEEP_FILE,
+    create_file,
+    make_private_dir,
+    open_private_file,
+    sweep_stale_stores,
+    write_new_file,
+    write_owner,
+)
+
+MANIFEST_FILE = "manifest.json"
+
+
+def read_manifest(path: Path) -> CacheManifest:
+    """A store's manifest, read only from a private directory of this user."""
+    fd = open_private_file(path, os.O_RDONLY)
+    with os.fdopen(fd) as f:
+        return CacheManifest.from_json(f.read())
 
 logger = logging.getLogger(__name__)
 
-NAME_PREFIX = "ptcache"
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
 _BOOT = "from pipetransformer.autocache.daemon import main; main()"
 # Head-room left free in /dev/shm when the budget is larger than what tmpfs can hold.
@@ -109,32 +125,30 @@ def process_alive(pid: int, start_ticks: int | None = None) -> bool:
     return start_ticks is None or int(fields[19]) == start_ticks
 
 
-def remove_store_files(name: str, shm_path: Path, disk_dir: Path, keep: bool) -> None:
-    """Remove a store's shared-memory files, manifest and (unless `keep`) its disk dir."""
-    for path in [*shm_path.glob(f"{name}-*"), *shm_path.glob(f"{name}.json*")]:
-        path.unlink(missing_ok=True)
+def remove_store_files(shm_store: Path, disk_store: Path, keep: bool) -> None:
+    """Remove a store's private shared-memory directory and (unless `keep`) its disk tier."""
+    shutil.rmtree(shm_store, ignore_errors=True)
     if keep:
-        if disk_dir.exists():
-            logger.info("cache.keep: the disk tier stays in %s", disk_dir)
+        if disk_store.exists():
+            (disk_store / KEEP_FILE).touch()
+            logger.info("cache.keep: the disk tier stays in %s", disk_store)
     else:
-        shutil.rmtree(disk_dir, ignore_errors=True)
+        shutil.rmtree(disk_store, ignore_errors=True)
 
 
 class CacheDaemon:
     """Handle held by the process that started the daemon. Not picklable: pass `address`."""
 
-    def __init__(
-        self, process: subprocess.Popen, name: str, shm_path: Path, disk_dir: Path, keep: bool
-    ) -> None:
+    def __init__(self, process: subprocess.Popen, shm_store: Path, disk_store: Path, keep: bool) -> None:
         self._process = process
         self._owner_pid = os.getpid()
         self._stopped = False
-        self.name = name
-        self.address = str(shm_path / f"{name}.json")
-        self.disk_dir = disk_dir
+        self.name = shm_store.name
+        self.address = str(shm_store / MANIFEST_FILE)
+        self.disk_dir = disk_store
         self.keep = keep
-        self._shm_path = shm_path
-        self.manifest = CacheManifest.from_json(Path(self.address).read_text())
+        self._shm_store = shm_store
+        self.manifest = read_manifest(Path(self.address))
 
     @classmethod
     def start(
@@ -155,42 +169,38 @@ class CacheDaemon:
         quarter of the available memory. `disk_dir` None: the system temporary directory.
         The store's own directory `<disk_dir>/<name>` is removed at cleanup unless `keep`.
         """
-        name = f"{NAME_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}"
-        shm_path = shm_dir()
-        store_dir = Path(disk_dir if disk_dir is not None else tempfile.gettempdir()) / name
+        shm_parent = shm_dir()
+        disk_parent = Path(disk_dir if disk_dir is not None else tempfile.gettempdir())
         budget = default_memory_budget() if memory_budget_bytes is None else memory_budget_bytes
         request = {
-            "name": name,
             "splits": {k: [n, normalize_specs(specs)] for k, (n, specs) in splits.items()},
             "memory_budget_bytes": int(budget),
             "storage_dtype": storage_dtype,
-            "shm_dir": str(shm_path),
-            "disk_dir": str(store_dir),
             "keep": keep,
             "watched_pids": [int(p) for p in watched_pids],
             "parent_pid": os.getpid(),
             "poll_interval_s": poll_interval_s,
         }
         # Checks the request here, so that a bad spec fails in the caller, not in the daemon.
-        plan_layout(
-            request["splits"],
-            request["memory_budget_bytes"],
-            storage_dtype,
-            shm_path,
-            store_dir,
-            name,
-        )
+        plan_layout(request["splits"], request["memory_budget_bytes"], storage_dtype, shm_parent, disk_parent, "check")
+        sweep_stale_stores(shm_parent, disk_parent, process_alive)
+        shm_store = make_private_dir(shm_parent)
+        disk_store = make_private_dir(disk_parent, "-disk")
+        request.update(name=shm_store.name, shm_dir=str(shm_store), disk_dir=str(disk_store))
         env = dict(os.environ)
         package_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        # The request goes through stdin: nothing about the store shows in the command line.
         process = subprocess.Popen(
-            [sys.executable, "-c", _BOOT, json.dumps(request)],
-            stdin=subprocess.DEVNULL,
+            [sys.executable, "-c", _BOOT],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             start_new_session=True,  # a Ctrl-C aimed at the trainers does not reach it
             env=env,
         )
-        assert process.stdout is not None
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.write(json.dumps(request).encode())
+        process.stdin.close()
         readable, _, _ = select.select([process.stdout], [], [], start_timeout_s)
         line = process.stdout.readline() if readable else b""
         process.stdout.close()
@@ -198,13 +208,13 @@ class CacheDaemon:
             if process.poll() is None:
                 process.kill()
             code = process.wait()
-            remove_store_files(name, shm_path, store_dir, keep=False)
+            remove_store_files(shm_store, disk_store, keep=False)
             raise RuntimeError(
                 f"the cache daemon did not start (exit code {code}); see its log above"
             )
-        daemon = cls(process, name, shm_path, store_dir, keep)
+        daemon = cls(process, shm_store, disk_store, keep)
         atexit.register(daemon.stop)
-        logger.info("cache daemon %s started (pid %d)", name, process.pid)
+        logger.info("cache daemon %s started (pid %d)", daemon.name, process.pid)
         return daemon
 
     @property
@@ -236,7 +246,7 @@ class CacheDaemon:
                 self.name,
                 self._process.returncode,
             )
-            remove_store_files(self.name, self._shm_path, self.disk_dir, self.keep)
+            remove_store_files(self._shm_store, self.disk_dir, self.keep)
 
     def __enter__(self) -> CacheDaemon:
         return self
@@ -249,7 +259,7 @@ class CacheDaemon:
 
 
 def _create_file(path: str, size: int, reserve: bool, tag_count: int = 0) -> None:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = create_file(Path(path))  # O_EXCL | O_NOFOLLOW, mode 0600
     try:
         if reserve:  # tmpfs: fail now with ENOSPC rather than SIGBUS on a later write
             os.posix_fallocate(fd, 0, size)
@@ -262,22 +272,21 @@ def _create_file(path: str, size: int, reserve: bool, tag_count: int = 0) -> Non
 
 
 def _create_store(request: dict[str, Any]) -> CacheManifest:
-    name, shm_path, store_dir = request["name"], Path(request["shm_dir"]), Path(request["disk_dir"])
+    name, shm_store, disk_store = request["name"], Path(request["shm_dir"]), Path(request["disk_dir"])
     splits = request["splits"]
     budget = request["memory_budget_bytes"]
-    usage = shutil.disk_usage(shm_path)
+    usage = shutil.disk_usage(shm_store)
     tag_bytes = sum(n * TAG_BYTES for n, _ in splits.values())
     shm_cap = int(usage.free * (1 - _SHM_SPARE_FRACTION)) - tag_bytes
     if budget > shm_cap:
         logger.warning(
-            "memory budget %d bytes exceeds what %s can hold; using %d", budget, shm_path, shm_cap
+            "memory budget %d bytes exceeds what %s can hold; using %d", budget, shm_store.parent, shm_cap
         )
         budget = max(0, shm_cap)
-    layouts = plan_layout(splits, budget, request["storage_dtype"], shm_path, store_dir, name)
-    store_dir.mkdir(parents=True)
+    layouts = plan_layout(splits, budget, request["storage_dtype"], shm_store, disk_store, "store")
     disk_bytes = sum(layout.disk_bytes for layout in layouts)
-    if disk_bytes > shutil.disk_usage(store_dir).free:
-        raise OSError(f"the disk tier needs {disk_bytes} bytes; {store_dir} has less free")
+    if disk_bytes > shutil.disk_usage(disk_store).free:
+        raise OSError(f"the disk tier needs {disk_bytes} bytes; {disk_store} has less free")
     for layout in layouts:
         _create_file(layout.shm_path, layout.shm_bytes, reserve=True, tag_count=layout.num_samples)
         if layout.disk_path is not None:
@@ -286,15 +295,15 @@ def _create_store(request: dict[str, Any]) -> CacheManifest:
         name=name,
         daemon_pid=os.getpid(),
         storage_dtype=request["storage_dtype"],
-        disk_dir=str(store_dir),
+        disk_dir=str(disk_store),
         keep=request["keep"],
         splits=tuple(layouts),
     )
     text = manifest.to_json()
-    (store_dir / "manifest.json").write_text(text)
-    staging = shm_path / f"{name}.json.tmp"
-    staging.write_text(text)
-    staging.replace(shm_path / f"{name}.json")  # atomic: a client never reads half a manifest
+    write_new_file(disk_store / MANIFEST_FILE, text)
+    staging = shm_store / f".{MANIFEST_FILE}.tmp"
+    write_new_file(staging, text)
+    os.replace(staging, shm_store / MANIFEST_FILE)  # atomic, inside the private directory
     _log_layout(layouts)
     return manifest
 
@@ -332,10 +341,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     from pipetransformer.utils.logging import setup_logging
 
     setup_logging(rank="cache")
-    request = json.loads((argv or sys.argv[1:])[0])
+    request = json.loads(argv[0] if argv else sys.stdin.read())
     name = request["name"]
+    shm_store, disk_store = Path(request["shm_dir"]), Path(request["disk_dir"])
     code = 0
     try:
+        # First, before any data file: the record that lets a later start sweep this store.
+        write_owner(shm_store, os.getpid(), process_start_ticks(os.getpid()), disk_store)
         _create_store(request)
         sys.stdout.write("ready\n")
         sys.stdout.flush()
@@ -345,7 +357,5 @@ def main(argv: Sequence[str] | None = None) -> None:
         logger.exception("cache daemon %s failed", name)
         code = 1
     finally:
-        remove_store_files(
-            name, Path(request["shm_dir"]), Path(request["disk_dir"]), request["keep"]
-        )
+        remove_store_files(shm_store, disk_store, request["keep"])
     sys.exit(code)

@@ -25,11 +25,13 @@ import logging
 import mmap
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from pipetransformer.autocache.layout import ABSENT, FieldLayout, SplitLayout
+from pipetransformer.autocache.private import open_private_file
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +41,11 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def _map(path: str, size: int) -> mmap.mmap:
-    with open(path, "r+b") as f:
-        return mmap.mmap(f.fileno(), size)
+    fd = open_private_file(Path(path), os.O_RDWR)  # in a private directory, not a symlink
+    try:
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
 
 
 def _field_views(
