@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 from helpers import run_workers
-from workers import measured_stage_memory
 
 from pipetransformer.autopipe.memory import LayoutShape, MemoryModel
 from pipetransformer.autopipe.planner import UnitCosts, balance
 from pipetransformer.config import ConfigError, config_from_dict
+from pipetransformer.trainer.memory_check import measure_stage_memory
 from pipetransformer.trainer.sizing import choose_initial_pipe_len
 
 # Six units: embedding, two layers (attention, MLP), head. Parameters 100 bytes each, 10
@@ -65,7 +65,7 @@ CONFIG = {
 @pytest.mark.distributed
 @pytest.mark.parametrize("pipe_len, dp_degree, schedule, micro", [(2, 1, "gpipe", 4), (1, 2, "gpipe", 2), (2, 1, "1f1b", 4)])
 def test_predicted_stage_peak_is_within_25_percent_of_the_measured_one(pipe_len, dp_degree, schedule, micro):
-    results = run_workers(measured_stage_memory, pipe_len * dp_degree, CONFIG, pipe_len, dp_degree, schedule, micro)
+    results = run_workers(measure_stage_memory, pipe_len * dp_degree, CONFIG, pipe_len, dp_degree, schedule, micro)
     for result in results:
         predicted, measured = result["predicted"]["total"], result["measured"]
         assert measured > 0

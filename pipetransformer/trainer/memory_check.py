@@ -1,0 +1,84 @@
+"""Predicted against measured memory of one pipeline stage, in a worker process: the check
+that keeps the memory model honest (tests/test_memory.py, benchmarks/memory_model.py).
+
+Owns: building one rank's stage of a K x R layout of a ViT fed with synthetic images,
+measuring its unit profile and the peak of a training step, and predicting that peak.
+Must not: run anywhere but inside a worker started with torchrun's environment.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from pipetransformer.autodp.groups import build_training_groups
+from pipetransformer.autodp.topology import Layout
+from pipetransformer.autopipe.memory import LayoutShape, MemoryModel
+from pipetransformer.autopipe.planner import UnitCosts, balance
+from pipetransformer.autopipe.profiles import UnitProfile
+from pipetransformer.config import config_from_dict
+from pipetransformer.models import build_model, unit_param_names
+from pipetransformer.pipe import build_stage_runtime
+from pipetransformer.pipe.memory_probe import bytes_in_use, peak_bytes
+from pipetransformer.pipe.profiling import measure_unit_costs
+from pipetransformer.trainer import optim as optim_module
+from pipetransformer.trainer.distributed import init_distributed
+from pipetransformer.trainer.planning import with_micro_batches
+from pipetransformer.trainer.tasks import ClassificationTask, loss_weights
+
+
+def measure_stage_memory(
+    config_dict: dict, pipe_len: int, dp_degree: int, schedule: str, micro_batches: int, image_size: int = 32
+) -> dict:
+    """One rank of a K x R layout: its stage's predicted peak bytes (MemoryModel over a unit
+    profile measured here) and its measured peak (pipe/memory_probe.py: malloc's bytes in
+    use, sampled after every operator of a training step, above what the process held
+    before the stage existed)."""
+    config = config_from_dict(config_dict)
+    world = init_distributed("cpu", 120)
+    batch = config.trainer.global_batch_size
+    replica_batch = batch // dp_degree
+    micro = replica_batch // micro_batches
+    torch.manual_seed(0)
+    model = build_model(config.model, task="classification", num_classes=10, in_chans=1, image_size=image_size)
+    profile = UnitProfile.from_measurements(measure_unit_costs(dict(enumerate(model.units)), model.spec, micro, "cpu"), micro)
+    # The first model and measurement also paid for lazy imports and oneDNN's primitive
+    # caches (tens of MB, once per process): the baseline is taken after them.
+    del model
+    gc.collect()
+    baseline = bytes_in_use()
+    model = build_model(config.model, task="classification", num_classes=10, in_chans=1, image_size=image_size)
+    plan = with_micro_batches(balance(UnitCosts.from_param_counts(model.spec.unit_param_counts, 1 / 6), 0, pipe_len), micro_batches)
+    layout = Layout(plan, world.world_size, world.world_size, dp_degree)
+    groups = build_training_groups(layout, world.rank, 120)
+    role = layout.role(world.rank)
+    units = {u: model.units[u] for u in layout.units_of_rank(world.rank)}
+    spec = model.spec
+    del model  # only this stage's units stay alive, as in training
+    gc.collect()
+    runtime = build_stage_runtime(
+        plan=plan, stage_index=role.stage, replica_batch_size=replica_batch, units=units, spec=spec,
+        loss_fn=ClassificationTask.loss_fn, schedule_name=schedule, pipeline_group=groups.pipeline,
+        data_group=groups.data, device=world.device,
+    )
+    named = {name: p for index, unit in units.items() for name, p in unit_param_names(unit, index).items()}
+    optimizer = optim_module.build_optimizer(config.optimizer, named)
+    g = torch.Generator().manual_seed(1)
+    images = torch.randn(replica_batch, 1, image_size, image_size, generator=g)
+    target = ClassificationTask.make_target(
+        torch.randint(0, 10, (replica_batch,), generator=g), loss_weights([True] * replica_batch, dp_degree, batch)
+    )
+
+    def step():
+        runtime.train_step([images] if role.is_first else None, target if role.is_last else None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # optimizer state and the pipeline's buffers exist from here on, as in training
+    gc.collect()
+    peak = peak_bytes(step)
+    memory = MemoryModel.from_profile(profile, config.optimizer.name, config.optimizer.momentum)
+    predicted = memory.stage_memory(plan, role.stage, LayoutShape(micro, micro_batches, dp_degree, schedule))
+    torch.distributed.destroy_process_group()
+    return {"stage": role.stage, "predicted": predicted.to_dict(), "measured": peak - baseline}
