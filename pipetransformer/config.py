@@ -53,6 +53,9 @@ class TrainerConfig:
     # bfloat16 autocast with float32 weights, gradients and optimizer state; activations
     # cross stage boundaries in bfloat16.
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # Audit the data order: every first-stage rank appends the sample ids it trains on
+    # (shape padding left out) to RUN_DIR/samples/rank<r>.jsonl, one line per step.
+    record_sample_ids: bool = False
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
@@ -268,6 +271,10 @@ class DataConfig:
     # Dataset location: a directory (imagefolder, cifar, sst2 TSVs) or file (squad JSON).
     # None: fetch through torchvision / datasets.
     root: str | None = None
+    # Where the evaluation split lives when it is not under data.root: for squad, a SQuAD
+    # v1.1 JSON file (data.root, or datasets' "squad" when null, then gives only the
+    # training split). Other datasets reject it.
+    eval_root: str | None = None
     # Side length images are resized to; None: the dataset's default (16 for digits).
     image_size: int | None = None
     max_seq_length: int = 128

@@ -38,21 +38,22 @@ def step_losses(run_dir) -> list[float]:
     return [r["loss"] for r in records]
 
 
-def reference_run(config):
-    """Single process, whole model, same batches, same freeze points."""
+def reference_run(config, num_nodes: int = 1):
+    """Single process, whole model, same batches, same freeze points. With several nodes a
+    global batch is every node's batch of the step (each node samples its own subset)."""
     data = build_data(config.data, seed=config.trainer.seed)
     torch.manual_seed(config.trainer.seed)
     model = build_model(config.model, task="classification", num_classes=10, in_chans=1, image_size=8)
     named = {f"units.{i}.{n}": p for i, u in enumerate(model.units) for n, p in u.named_parameters()}
     optimizer = optim.build_optimizer(config.optimizer, named)
-    sampler = TrainSampler(len(data.train), 1, config.trainer.global_batch_size, config.trainer.seed)
+    sampler = TrainSampler(len(data.train), num_nodes, config.trainer.global_batch_size, config.trainer.seed)
     total = config.trainer.epochs * sampler.steps_per_epoch
     losses, step = [], 0
     for epoch in range(config.trainer.epochs):
         for s in range(sampler.steps_per_epoch):
-            batch = sampler.node_batch(0, epoch, s)
-            (images,), labels = data.train.fetch(batch.ids)
-            valid = torch.tensor(batch.valid)
+            batches = [sampler.node_batch(node, epoch, s) for node in range(num_nodes)]
+            (images,), labels = data.train.fetch([i for b in batches for i in b.ids])
+            valid = torch.tensor([v for b in batches for v in b.valid])
             per_sample = torch.nn.functional.cross_entropy(model(images), labels, reduction="none")
             loss = (per_sample * valid).sum() / valid.sum()
             optim.set_learning_rate(optimizer, optim.learning_rate(config.optimizer, step, total))

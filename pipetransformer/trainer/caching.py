@@ -82,7 +82,9 @@ class RunCache:
         dist.all_gather_object(gathered, started, group=control)
         # One daemon per node (what the run's start event reports).
         self.daemons = [{k: v for k, v in e.items() if k != "address"} for e in gathered if e is not None]
-        self.client = CacheClient.attach(gathered[node_ranks[0]]["address"])
+        # cache.prefetch_batches of the largest batch a replica of this node can read.
+        window = config.cache.prefetch_batches * config.trainer.global_batch_size // world.num_nodes
+        self.client = CacheClient.attach(gathered[node_ranks[0]]["address"], prefetch_window_rows=window)
         if read_s_per_sample is None:
             read_s_per_sample = self._measure_read(min(len(data.train), 64))
         self.read_s_per_sample = read_s_per_sample
@@ -133,13 +135,13 @@ class RunCache:
             dtype=torch.float64,
         )
         dist.all_reduce(values, group=self.control)
-        by_node = torch.zeros(self.world.num_nodes, dtype=torch.float64)
-        by_node[self.world.node] = counts["hits"]
-        dist.all_reduce(by_node, group=self.control)
+        by_rank = torch.zeros(self.world.world_size, dtype=torch.float64)
+        by_rank[self.world.rank] = counts["hits"]
+        dist.all_reduce(by_rank, group=self.control)
         self.counts.update(hits=0, upgrades=0, misses=0)
         hits, misses, upgrades, bytes_read, read_s, in_memory, on_disk = values.tolist()
         return {
-            "cache_hits_by_node": [int(h) for h in by_node.tolist()],
+            "cache_hits_by_rank": [int(h) for h in by_rank.tolist()],
             "cache_hits": int(hits),
             "cache_misses": int(misses),
             "cache_upgrades": int(upgrades),

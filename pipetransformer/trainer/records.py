@@ -56,7 +56,7 @@ class EpochMetrics(Record):
     cache_bytes_in_memory: int = 0
     cache_bytes_on_disk: int = 0
     cache_read_mb_per_s: float = 0.0
-    cache_hits_by_node: list[int] = field(default_factory=list)
+    cache_hits_by_rank: list[int] = field(default_factory=list)
 
 
 @dataclass

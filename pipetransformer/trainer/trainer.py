@@ -86,7 +86,7 @@ from pipetransformer.trainer.sizing import (
 )
 from pipetransformer.trainer.state import RunState, reseed, rng_state, set_rng_state
 from pipetransformer.trainer.tasks import loss_weights, task_for
-from pipetransformer.utils.files import write_text_atomic
+from pipetransformer.utils.files import append_jsonl, write_text_atomic
 from pipetransformer.utils.stopping import RunStopped, StopRequest
 from pipetransformer.utils.units import layer_of_unit, param_key
 
@@ -363,6 +363,12 @@ class Trainer:
             raw = self._next_inputs(epoch, step) if prefetched else self.data.train.fetch(batch.ids)[0]
             inputs = [t.to(self.world.device, non_blocking=True) for t in raw]
             self._batch_ids = batch.ids
+            if prefetched and self.config.trainer.record_sample_ids:
+                trained = [i for i, valid in zip(batch.ids, batch.valid) if valid]
+                append_jsonl(
+                    self.run_dir / "samples" / f"rank{self.world.rank}.jsonl",
+                    {"epoch": epoch + 1, "step": step, "node": node, "ids": trained},
+                )
         if role.is_last:
             weights = loss_weights(batch.valid, layout.dp_degree, self.sampler.global_num_valid(epoch, step))
             target = self.task.make_target(self.data.train.targets(batch.ids), weights)
