@@ -179,18 +179,21 @@ def _predict(config: Config, args: argparse.Namespace) -> int:
     from pipetransformer.trainer.planning import profile_path_for
     from pipetransformer.trainer.prediction import (
         Cluster,
+        calibrated_times,
         find_unit_profile,
         format_prediction,
         predict,
         steps_per_epoch_for,
+        unit_times,
     )
 
     devices = args.devices_per_node or config.nproc_per_node
     path = Path(args.profile) if args.profile else profile_path_for(config)
-    profile, key = find_unit_profile(config, path)
+    profile, key, store = find_unit_profile(config, path)
     links = Links(args.intra_node_gbps * 1e9, args.inter_node_gbps * 1e9)
+    times = calibrated_times(config, store, key, unit_times(profile, args.memory_gbps * 1e9), links)
     steps = args.steps_per_epoch or steps_per_epoch_for(config, args.nodes)
-    result = predict(config, profile, Cluster(args.nodes, devices, links), steps, args.trajectory)
+    result = predict(config, profile, Cluster(args.nodes, devices, links), steps, args.trajectory, times)
     source = f"{path} [{key.split('|device=')[1].split('|')[0]}]"
     print(json.dumps(result, indent=2) if args.json else format_prediction(config, result, source))
     return 0
@@ -256,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--steps-per-epoch", type=int, default=None, help="default: from the local training data")
     predict.add_argument("--intra-node-gbps", type=float, default=150.0, help="GB/s between devices of a node")
     predict.add_argument("--inter-node-gbps", type=float, default=25.0, help="GB/s between nodes")
+    predict.add_argument("--memory-gbps", type=float, default=2000.0, help="a device's memory bandwidth, GB/s")
     plan.set_defaults(func=cmd_plan)
 
     compare = sub.add_parser("compare", help="baseline (Pipe+DDP) vs elastic run: speedup, accuracy, plots")

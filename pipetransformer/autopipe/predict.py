@@ -11,6 +11,11 @@ One optimizer step of a layout (K stages, M micro-batches of m samples, R replic
               over the intra-node link
     all-reduce DDP's ring all-reduce of the slowest stage's trained gradients:
               2 (R - 1) / R x bytes / bandwidth (the inter-node link once replicas span nodes)
+    optimizer AdamW / SGD touch each trained parameter's bytes about 7 / 4 times (parameter,
+              gradient, state read and written): bytes / the device's memory bandwidth
+    overhead  what a step costs beyond its units' kernels (Python, the schedule, the loss,
+              data): a per-step constant calibrated from the whole steps the trainer times
+              when it chooses M (`calibrate_overhead`), 0 without them
 
 Unit times scale linearly with the micro-batch size from the profile's. An epoch is
 `steps_per_epoch` such steps. Evaluation, transitions and start-up are not included.
@@ -45,6 +50,9 @@ class UnitTimes:
     param_bytes: tuple[int, ...]
     micro_batch_size: int
     cache_read_s_per_sample: float = 0.0
+    memory_bytes_per_s: float = 2e12  # the device's memory bandwidth (the optimizer's step)
+    optimizer_passes: float = 7.0  # AdamW: parameter, gradient, two moments read; three written
+    step_overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -52,10 +60,12 @@ class StepPrediction:
     compute_s: float
     p2p_s: float
     allreduce_s: float
+    optimizer_s: float = 0.0
+    overhead_s: float = 0.0
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.p2p_s + self.allreduce_s
+        return self.compute_s + self.p2p_s + self.allreduce_s + self.optimizer_s + self.overhead_s
 
 
 def predict_step(
@@ -87,15 +97,22 @@ def predict_step(
     if k > 1:  # forward activation and backward gradient across each boundary, per micro-batch
         boundary_bytes = max(times.output_bytes[end - 1] for _, end in plan.stage_ranges[:-1]) * scale
         p2p = 2 * (m + k - 2) * (links.latency_s + boundary_bytes / links.intra_node_bytes_per_s)
+    grads = max(
+        sum(times.param_bytes[u] for u in range(start, end) if u >= frozen_end) for start, end in plan.stage_ranges
+    )
     allreduce = 0.0
     if dp_degree > 1:
-        grads = max(
-            sum(times.param_bytes[u] for u in range(start, end) if u >= frozen_end)
-            for start, end in plan.stage_ranges
-        )
         bandwidth = links.intra_node_bytes_per_s if dp_degree <= replicas_per_node else links.inter_node_bytes_per_s
         allreduce = 2 * (dp_degree - 1) / dp_degree * grads / bandwidth + 2 * (dp_degree - 1) * links.latency_s
-    return StepPrediction(compute, p2p, allreduce)
+    optimizer = times.optimizer_passes * grads / times.memory_bytes_per_s
+    return StepPrediction(compute, p2p, allreduce, optimizer, times.step_overhead_s)
+
+
+def calibrate_overhead(measured_s: dict[int, float], predicted_s: dict[int, float]) -> float:
+    """The per-step overhead: the median of what whole measured steps took beyond the
+    prediction without it (by M, the same layout), never below 0."""
+    gaps = sorted(measured_s[m] - predicted_s[m] for m in measured_s if m in predicted_s)
+    return max(0.0, gaps[len(gaps) // 2]) if gaps else 0.0
 
 
 def paper_trajectory(num_layers: int, alpha: float, decisions: int, max_frozen: int | None = None) -> list[int]:

@@ -54,8 +54,8 @@ class Cluster:
         return self.nodes * self.devices_per_node
 
 
-def find_unit_profile(config: Config, path: Path) -> tuple[UnitProfile, str]:
-    """This model's unit profile from a profile file: (profile, the key it was stored under).
+def find_unit_profile(config: Config, path: Path) -> tuple[UnitProfile, str, ProfileStore]:
+    """This model's unit profile from a profile file: (profile, its key, the file's store).
     Prefers the largest micro-batch measured on a GPU, else any device."""
     spec = describe_model(config)
     signature = model_signature_for(config, spec)
@@ -67,18 +67,52 @@ def find_unit_profile(config: Config, path: Path) -> tuple[UnitProfile, str]:
             "config writes one (RUN_DIR/../profiles/profiles.json)"
         )
     keys.sort(key=lambda k: ("device=cuda" in k, store.unit_profile(k).micro_batch_size))
-    return store.unit_profile(keys[-1]), keys[-1]
+    return store.unit_profile(keys[-1]), keys[-1], store
 
 
-def unit_times(profile: UnitProfile, cache_read_s_per_sample: float | None = None) -> UnitTimes:
+def unit_times(
+    profile: UnitProfile, memory_bytes_per_s: float = 2e12, cache_read_s_per_sample: float | None = None
+) -> UnitTimes:
     costs = unit_costs_from_profile(profile)
     if cache_read_s_per_sample is None:
         # Reading the prefix's output back: its bytes at the stated bandwidth.
         cache_read_s_per_sample = profile.output_bytes[0] / profile.micro_batch_size / (CACHE_READ_GBPS * 1e9)
     return UnitTimes(
         costs.trained, costs.frozen, profile.output_bytes, profile.param_bytes, profile.micro_batch_size,
-        cache_read_s_per_sample,
+        cache_read_s_per_sample, memory_bytes_per_s,
     )
+
+
+def calibrated_times(config: Config, store: ProfileStore, profile_key: str, times: UnitTimes, links: Links) -> UnitTimes:
+    """`times` with the per-step overhead calibrated from the whole steps the trainer timed
+    for this model on the profile's device (micro-batch timings: forward and backward of
+    the initial layout, nothing frozen)."""
+    from pipetransformer.autopipe.planner import balance
+    from pipetransformer.autopipe.predict import calibrate_overhead
+
+    model_device = profile_key.split("|micro_batch=")[0].replace("unit|", "micro|", 1)
+    model_part, device_part = model_device.split("|device=")
+    device = device_part.split("|")[0]
+    costs = unit_costs_from_profile(store.unit_profile(profile_key))
+    measured, predicted = {}, {}
+    for key in store.keys():
+        if not key.startswith(f"{model_part}|device={device}|") or "|pipe_len=" not in key:
+            continue
+        fields = dict(part.split("=", 1) for part in key.split("|")[1:] if "=" in part)
+        pipe_len, replica_batch = int(fields["pipe_len"]), int(fields["replica_batch"])
+        if "frozen" in fields:
+            continue
+        plan = balance(costs, 0, pipe_len)
+        replicas = max(1, config.trainer.global_batch_size // replica_batch)
+        for m, seconds in store.micro_batch_timings(key).items():
+            step = predict_step(
+                times, plan, micro_batch_size=replica_batch // m, num_micro_batches=m, dp_degree=replicas,
+                replicas_per_node=replicas, links=links, cached_prefix=False,
+            )
+            measured[(key, m)] = seconds
+            predicted[(key, m)] = step.compute_s + step.p2p_s + step.allreduce_s
+    overhead = calibrate_overhead(measured, predicted)
+    return dataclasses.replace(times, step_overhead_s=overhead)
 
 
 def frozen_per_step(config: Config, trajectory: str, num_layers: int, steps_per_epoch: int) -> list[int]:
@@ -116,14 +150,21 @@ def frozen_per_step(config: Config, trajectory: str, num_layers: int, steps_per_
 
 
 def predict(
-    config: Config, profile: UnitProfile, cluster: Cluster, steps_per_epoch: int, trajectory: str = "auto"
+    config: Config,
+    profile: UnitProfile,
+    cluster: Cluster,
+    steps_per_epoch: int,
+    trajectory: str = "auto",
+    times: UnitTimes | None = None,
 ) -> dict[str, Any]:
-    """Rows per frozen boundary and the run's predicted time against Pipe+DDP."""
+    """Rows per frozen boundary and the run's predicted time against Pipe+DDP. `times`:
+    the profile's unit times with the device's memory bandwidth and step overhead (default:
+    a GPU's bandwidth, no overhead)."""
     spec = describe_model(config)
     config = dataclasses.replace(
         config, trainer=dataclasses.replace(config.trainer, nproc_per_node=cluster.devices_per_node)
     )
-    times = unit_times(profile)
+    times = times or unit_times(profile)
     costs = planner_costs(config, spec, unit_costs_from_profile(profile) if config.pipeline.balance == "time" else None)
     memory = memory_model(config, spec, profile)
     budget = device_memory_budget(config, "cpu")  # the configured budget; GPUs: set it
@@ -141,7 +182,8 @@ def predict(
         rows.append({
             "num_frozen_layers": frozen, "pipe_len": layout.pipe_len, "dp_degree": layout.dp_degree,
             "num_micro_batches": layout.plan.num_micro_batches, "compute_s": step.compute_s, "p2p_s": step.p2p_s,
-            "allreduce_s": step.allreduce_s, "step_s": step.step_s,
+            "allreduce_s": step.allreduce_s, "optimizer_s": step.optimizer_s, "overhead_s": step.overhead_s,
+            "step_s": step.step_s,
             "bubble": (layout.plan.num_micro_batches + layout.pipe_len - 1) / layout.plan.num_micro_batches,
         })
     # The baseline: Pipe+DDP at the configured pipeline length, or a whole node's.
@@ -190,13 +232,15 @@ def format_prediction(config: Config, result: dict[str, Any], source: str) -> st
         f"predicted for {c['nodes']} node(s) x {c['devices_per_node']} devices, links {c['intra_node_gbps']:g} GB/s "
         f"in a node, {c['inter_node_gbps']:g} GB/s between nodes; unit profile {source} "
         f"(micro-batch {result['profile_micro_batch_size']}); {result['steps_per_epoch']} steps an epoch",
-        f"{'frozen':>6} {'K':>3} {'R':>3} {'M':>3} {'bubble':>7} {'compute':>10} {'p2p':>9} {'all-reduce':>10} {'step':>10}",
+        f"{'frozen':>6} {'K':>3} {'R':>3} {'M':>3} {'bubble':>7} {'compute':>10} {'p2p':>9} {'all-reduce':>10} "
+        f"{'optimizer':>10} {'overhead':>9} {'step':>10}",
     ]
     for r in result["rows"]:
         lines.append(
             f"{r['num_frozen_layers']:>6} {r['pipe_len']:>3} {r['dp_degree']:>3} {r['num_micro_batches']:>3} "
             f"{r['bubble']:>7.2f} {1e3 * r['compute_s']:>8.2f}ms {1e3 * r['p2p_s']:>7.2f}ms "
-            f"{1e3 * r['allreduce_s']:>8.2f}ms {1e3 * r['step_s']:>8.2f}ms"
+            f"{1e3 * r['allreduce_s']:>8.2f}ms {1e3 * r['optimizer_s']:>8.2f}ms {1e3 * r['overhead_s']:>7.2f}ms "
+            f"{1e3 * r['step_s']:>8.2f}ms"
         )
     b = result["baseline"]
     lines += [
