@@ -2,7 +2,9 @@
 
 Owns: this process's mappings of the store (one SplitStore per split, found through the
 manifest the daemon published at `address`), argument checks, the prefetch threads, and
-this process's counters (CacheStats).
+this process's counters (CacheStats). It opens the manifest and the data files only as
+regular files of this user, closed to others, in a private directory of this user, never
+through a symlink (private.py), and refuses anything else with UnsafeStore naming the path.
 Must not: create or remove files (the daemon does), decide hit / upgrade / miss against
 the current frozen boundary (the trainer compares the tags; the store keeps the latest
 write per sample), or move tensors through pipes or sockets: values travel through

@@ -1,15 +1,18 @@
 """The AutoCache daemon: one process per node that owns the store's files.
 
 Owns: starting the daemon process (a fresh interpreter, so it inherits no
-torch.distributed state, threads or CUDA context from the trainer), creating the
-shared-memory files and the disk-tier files, publishing the manifest clients attach by,
-and removing all of it: on ``stop()``, on SIGTERM/SIGINT/SIGHUP, when every watched
-trainer process is gone (SIGKILL included) and when the process that started it dies.
+torch.distributed state, threads or CUDA context from the trainer; its request comes on
+stdin, never on the command line every local user can read), creating the shared-memory
+files and the disk-tier files inside the store's two private directories (private.py: the
+starter sweeps stale stores and creates the directories, so it knows their names before
+the daemon runs), publishing the manifest clients attach by, and removing all of it: on
+``stop()``, on SIGTERM/SIGINT/SIGHUP, when every watched trainer process is gone (SIGKILL
+included) and when the process that started it dies.
 Must not: import torch (the daemon starts in well under a second without it), read or
 write cached values (clients do that directly in shared memory), or let a client own
 anything. Clients map plain files under /dev/shm with ``mmap`` rather than
 ``multiprocessing.shared_memory``, so Python's resource_tracker never tracks, unlinks or
-warns about a segment: the daemon is the only process that creates or removes files.
+warns about a segment: only the daemon and its starter create or remove files.
 
 Cleanup paths, all ending in ``remove_store_files``:
 (a) ``stop()`` sends SIGTERM and waits; (b) ``with CacheDaemon.start(...)`` stops on an
@@ -17,7 +20,9 @@ exception too, and ``atexit`` stops a daemon its starter forgot; (c) the daemon 
 watched pids every ``poll_interval_s`` (a zombie or a reused pid counts as gone); (d) it
 polls ``getppid()``, which changes when its starter dies; signals are blocked and taken
 synchronously with ``sigtimedwait`` so a second signal cannot interrupt the cleanup. If the
-daemon itself is SIGKILLed, ``stop()`` sweeps what it left (the names are known).
+daemon itself is SIGKILLed, ``stop()`` removes what it left (the names are known); if the
+starter is SIGKILLed with it, the next start of a store by the same user removes it
+(``sweep_stale_stores``, by the owner record the daemon writes first).
 """
 
 from __future__ import annotations
@@ -44,25 +49,21 @@ from pipetransformer.autocache.layout import (
     plan_layout,
 )
 from pipetransformer.autocache.private import (
-    KEEP_FILE,
+    DISK_SUFFIX,
     create_file,
     make_private_dir,
+    mark_kept,
+    open_private_dir,
     open_private_file,
     sweep_stale_stores,
     write_new_file,
     write_owner,
 )
 
-MANIFEST_FILE = "manifest.json"
-
-
-def read_manifest(path: Path) -> CacheManifest:
-    """A store's manifest, read only from a private directory of this user."""
-    fd = open_private_file(path, os.O_RDONLY)
-    with os.fdopen(fd) as f:
-        return CacheManifest.from_json(f.read())
-
 logger = logging.getLogger(__name__)
+
+MANIFEST_FILE = "manifest.json"
+_MANIFEST_STAGING = f".{MANIFEST_FILE}.tmp"
 
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
 _BOOT = "from pipetransformer.autocache.daemon import main; main()"
@@ -125,12 +126,22 @@ def process_alive(pid: int, start_ticks: int | None = None) -> bool:
     return start_ticks is None or int(fields[19]) == start_ticks
 
 
+def read_manifest(path: Path) -> CacheManifest:
+    """A store's manifest, read only from a private directory of this user."""
+    fd = open_private_file(path, os.O_RDONLY)
+    with os.fdopen(fd) as f:
+        return CacheManifest.from_json(f.read())
+
+
 def remove_store_files(shm_store: Path, disk_store: Path, keep: bool) -> None:
     """Remove a store's private shared-memory directory and (unless `keep`) its disk tier."""
-    shutil.rmtree(shm_store, ignore_errors=True)
+    shutil.rmtree(shm_store, ignore_errors=True)  # rmtree never follows a symlink
     if keep:
         if disk_store.exists():
-            (disk_store / KEEP_FILE).touch()
+            try:
+                mark_kept(disk_store)
+            except OSError as error:  # the files stay all the same; only the marker is missing
+                logger.warning("could not mark %s as kept: %s", disk_store, error)
             logger.info("cache.keep: the disk tier stays in %s", disk_store)
     else:
         shutil.rmtree(disk_store, ignore_errors=True)
@@ -139,7 +150,9 @@ def remove_store_files(shm_store: Path, disk_store: Path, keep: bool) -> None:
 class CacheDaemon:
     """Handle held by the process that started the daemon. Not picklable: pass `address`."""
 
-    def __init__(self, process: subprocess.Popen, shm_store: Path, disk_store: Path, keep: bool) -> None:
+    def __init__(
+        self, process: subprocess.Popen, shm_store: Path, disk_store: Path, keep: bool
+    ) -> None:
         self._process = process
         self._owner_pid = os.getpid()
         self._stopped = False
@@ -167,10 +180,13 @@ class CacheDaemon:
         `splits` maps a split name to (num_samples, specs); a spec is any object with
         `.shape` and `.dtype` or a (shape, dtype) pair. `memory_budget_bytes` None: a
         quarter of the available memory. `disk_dir` None: the system temporary directory.
-        The store's own directory `<disk_dir>/<name>` is removed at cleanup unless `keep`.
+        The store's own private directory `<disk_dir>/ptcache-<uid>-<random>-disk` is
+        removed at cleanup unless `keep`. Stale stores of this user, under /dev/shm and
+        `disk_dir`, are removed first (private.py says which are stale).
         """
         shm_parent = shm_dir()
-        disk_parent = Path(disk_dir if disk_dir is not None else tempfile.gettempdir())
+        # Absolute: the owner record and the manifest must mean the same from any directory.
+        disk_parent = Path(disk_dir if disk_dir is not None else tempfile.gettempdir()).absolute()
         budget = default_memory_budget() if memory_budget_bytes is None else memory_budget_bytes
         request = {
             "splits": {k: [n, normalize_specs(specs)] for k, (n, specs) in splits.items()},
@@ -182,10 +198,21 @@ class CacheDaemon:
             "poll_interval_s": poll_interval_s,
         }
         # Checks the request here, so that a bad spec fails in the caller, not in the daemon.
-        plan_layout(request["splits"], request["memory_budget_bytes"], storage_dtype, shm_parent, disk_parent, "check")
+        plan_layout(
+            request["splits"],
+            request["memory_budget_bytes"],
+            storage_dtype,
+            shm_parent,
+            disk_parent,
+            "check",
+        )
         sweep_stale_stores(shm_parent, disk_parent, process_alive)
         shm_store = make_private_dir(shm_parent)
-        disk_store = make_private_dir(disk_parent, "-disk")
+        try:
+            disk_store = make_private_dir(disk_parent, DISK_SUFFIX)
+        except BaseException:
+            shutil.rmtree(shm_store, ignore_errors=True)
+            raise
         request.update(name=shm_store.name, shm_dir=str(shm_store), disk_dir=str(disk_store))
         env = dict(os.environ)
         package_root = str(Path(__file__).resolve().parents[2])
@@ -258,8 +285,10 @@ class CacheDaemon:
 # ------------------------------------------------------------------ the daemon process
 
 
-def _create_file(path: str, size: int, reserve: bool, tag_count: int = 0) -> None:
-    fd = create_file(Path(path))  # O_EXCL | O_NOFOLLOW, mode 0600
+def _create_file(dir_fd: int, path: str, size: int, reserve: bool, tag_count: int = 0) -> None:
+    # `path` lies in the directory of `dir_fd` (plan_layout put it there); the name is
+    # created relative to the checked descriptor, O_EXCL | O_NOFOLLOW, mode 0600.
+    fd = create_file(dir_fd, Path(path).name)
     try:
         if reserve:  # tmpfs: fail now with ENOSPC rather than SIGBUS on a later write
             os.posix_fallocate(fd, 0, size)
@@ -271,8 +300,10 @@ def _create_file(path: str, size: int, reserve: bool, tag_count: int = 0) -> Non
         os.close(fd)
 
 
-def _create_store(request: dict[str, Any]) -> CacheManifest:
-    name, shm_store, disk_store = request["name"], Path(request["shm_dir"]), Path(request["disk_dir"])
+def _create_store(request: dict[str, Any], shm_fd: int, disk_fd: int) -> CacheManifest:
+    """Every file of the store, relative to the descriptors of its two private directories."""
+    name = request["name"]
+    shm_store, disk_store = Path(request["shm_dir"]), Path(request["disk_dir"])
     splits = request["splits"]
     budget = request["memory_budget_bytes"]
     usage = shutil.disk_usage(shm_store)
@@ -280,7 +311,10 @@ def _create_store(request: dict[str, Any]) -> CacheManifest:
     shm_cap = int(usage.free * (1 - _SHM_SPARE_FRACTION)) - tag_bytes
     if budget > shm_cap:
         logger.warning(
-            "memory budget %d bytes exceeds what %s can hold; using %d", budget, shm_store.parent, shm_cap
+            "memory budget %d bytes exceeds what %s can hold; using %d",
+            budget,
+            shm_store.parent,
+            shm_cap,
         )
         budget = max(0, shm_cap)
     layouts = plan_layout(splits, budget, request["storage_dtype"], shm_store, disk_store, "store")
@@ -288,9 +322,11 @@ def _create_store(request: dict[str, Any]) -> CacheManifest:
     if disk_bytes > shutil.disk_usage(disk_store).free:
         raise OSError(f"the disk tier needs {disk_bytes} bytes; {disk_store} has less free")
     for layout in layouts:
-        _create_file(layout.shm_path, layout.shm_bytes, reserve=True, tag_count=layout.num_samples)
+        _create_file(
+            shm_fd, layout.shm_path, layout.shm_bytes, reserve=True, tag_count=layout.num_samples
+        )
         if layout.disk_path is not None:
-            _create_file(layout.disk_path, layout.disk_bytes, reserve=False)
+            _create_file(disk_fd, layout.disk_path, layout.disk_bytes, reserve=False)
     manifest = CacheManifest(
         name=name,
         daemon_pid=os.getpid(),
@@ -300,10 +336,10 @@ def _create_store(request: dict[str, Any]) -> CacheManifest:
         splits=tuple(layouts),
     )
     text = manifest.to_json()
-    write_new_file(disk_store / MANIFEST_FILE, text)
-    staging = shm_store / f".{MANIFEST_FILE}.tmp"
-    write_new_file(staging, text)
-    os.replace(staging, shm_store / MANIFEST_FILE)  # atomic, inside the private directory
+    write_new_file(disk_fd, MANIFEST_FILE, text)  # what a kept disk tier holds, for people
+    write_new_file(shm_fd, _MANIFEST_STAGING, text)
+    # Atomic, and inside the private directory: a client sees no manifest or a whole one.
+    os.replace(_MANIFEST_STAGING, MANIFEST_FILE, src_dir_fd=shm_fd, dst_dir_fd=shm_fd)
     _log_layout(layouts)
     return manifest
 
@@ -333,22 +369,28 @@ def _wait_for_shutdown(request: dict[str, Any]) -> str:
             return f"received {signal.Signals(info.si_signo).name}"
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Entry of the daemon process: create the store, wait, always clean up."""
+def main() -> None:
+    """Entry of the daemon process: create the store, wait, always clean up. The request
+    comes on stdin: a command line is readable by every local user (/proc/PID/cmdline)."""
     # Blocked signals stay pending until sigtimedwait takes them, so none can cut the
     # creation or the cleanup short.
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     from pipetransformer.utils.logging import setup_logging
 
     setup_logging(rank="cache")
-    request = json.loads(argv[0] if argv else sys.stdin.read())
+    request = json.loads(sys.stdin.read())
     name = request["name"]
     shm_store, disk_store = Path(request["shm_dir"]), Path(request["disk_dir"])
     code = 0
+    fds: list[int] = []
     try:
-        # First, before any data file: the record that lets a later start sweep this store.
-        write_owner(shm_store, os.getpid(), process_start_ticks(os.getpid()), disk_store)
-        _create_store(request)
+        for directory in (shm_store, disk_store):
+            fds.append(open_private_dir(directory))
+        # First, before any data file: the records that let a later start sweep this store.
+        owner = (os.getpid(), process_start_ticks(os.getpid()), disk_store, request["keep"])
+        for fd in fds:
+            write_owner(fd, *owner)
+        _create_store(request, *fds)
         sys.stdout.write("ready\n")
         sys.stdout.flush()
         reason = _wait_for_shutdown(request)
@@ -357,5 +399,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         logger.exception("cache daemon %s failed", name)
         code = 1
     finally:
+        for fd in fds:
+            os.close(fd)
         remove_store_files(shm_store, disk_store, request["keep"])
     sys.exit(code)

@@ -195,7 +195,7 @@ class SplitStore:
         disk_map = self._maps[1]
         disk_map.flush()
         disk_map.madvise(mmap.MADV_DONTNEED)
-        fd = os.open(self.layout.disk_path, os.O_RDONLY)
+        fd = open_private_file(Path(self.layout.disk_path), os.O_RDONLY)
         try:
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
