@@ -305,6 +305,13 @@ class DataConfig:
             _fail("data.doc_stride", "must be >= 0 or null")
         if self.num_workers < 0:
             _fail("data.num_workers", "must be >= 0")
+        if self.eval_root is not None and self.name != "squad":
+            # Nothing else reads it: refused here, not silently ignored.
+            _fail(
+                "data.eval_root",
+                f"only squad reads a separate evaluation file; '{self.name}' takes its evaluation "
+                "split from data.root",
+            )
 
 
 @dataclass

@@ -1,9 +1,12 @@
 """Data modules: sample ids, shapes, subsets, and errors that name the bad path."""
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
-from pipetransformer.config import ConfigError, DataConfig
+from pipetransformer.config import ConfigError, DataConfig, load_config
 from pipetransformer.data import build_data
 from pipetransformer.data.checks import check_data_config, data_facts
 from pipetransformer.data.text import WordVocabTokenizer, read_sst2_tsv
@@ -107,3 +110,30 @@ def test_cifar_without_files_is_a_clear_error(tmp_path):
         build_data(DataConfig(name="cifar100", root=str(tmp_path)), seed=0)
     with pytest.raises(ConfigError, match="data.root"):
         check_data_config(DataConfig(name="cifar10", root=str(tmp_path / "absent")))
+
+
+def test_eval_root_is_checked_before_any_worker(shared_data, tmp_path):
+    from pipetransformer.data.validate import validate_data_files
+
+    squad = shared_data / "squad"
+    train, evaluation = str(squad / "train-mini-v1.1.json"), str(squad / "eval-mini-v1.1.json")
+    for root in (train, None):  # training data from a file, or from `datasets`
+        check_data_config(DataConfig(name="squad", root=root, eval_root=evaluation))
+    missing = tmp_path / "absent.json"
+    with pytest.raises(ConfigError, match=re.escape(f"data.eval_root: {missing} does not exist")):
+        check_data_config(DataConfig(name="squad", root=train, eval_root=str(missing)))
+    with pytest.raises(ConfigError, match="data.eval_root: .* is not a file"):
+        check_data_config(DataConfig(name="squad", root=train, eval_root=str(tmp_path)))
+    # Only squad reads it: elsewhere a set eval_root would be silently ignored, so the
+    # config itself refuses it (every command, `plan` included, and overrides alike).
+    for name, root in (("sst2", str(shared_data / "sst2")), ("digits", None)):
+        with pytest.raises(ConfigError, match=f"data.eval_root: only squad .*'{name}'"):
+            DataConfig(name=name, root=root, eval_root=evaluation)
+    with pytest.raises(ConfigError, match="data.eval_root: only squad .*'sst2'"):
+        load_config(None, ["data.name=sst2", f"data.eval_root={evaluation}"])
+    # A malformed evaluation file is one line naming it, also when training data is fetched.
+    cut = tmp_path / "cut.json"
+    cut.write_text(Path(evaluation).read_text()[:5000])
+    for root in (train, None):
+        with pytest.raises(ConfigError, match=re.escape(f"{cut}: not valid JSON")):
+            validate_data_files(DataConfig(name="squad", root=root, eval_root=str(cut)))

@@ -39,7 +39,8 @@ def data_facts(config: DataConfig) -> DataFacts:
 
 def check_data_config(config: DataConfig) -> None:
     """Raise ConfigError naming `data.root` or `data.eval_root` when a local dataset is
-    missing, and `data.eval_root` when the dataset has no use for it."""
+    missing. (A set `data.eval_root` on a dataset other than squad is refused by
+    DataConfig itself.)"""
     if config.name == "squad":
         from pipetransformer.data.squad import check_window
 
@@ -49,15 +50,10 @@ def check_data_config(config: DataConfig) -> None:
             raise ConfigError(str(exc)) from exc
     if config.eval_root is not None:
         eval_root = Path(config.eval_root).expanduser()
-        if config.name != "squad":
-            raise ConfigError(
-                f"data.eval_root: only squad reads a separate evaluation file; "
-                f"'{config.name}' takes its evaluation split from data.root"
-            )
+        if not eval_root.exists():
+            raise ConfigError(f"data.eval_root: {eval_root} does not exist (a SQuAD v1.1 JSON file)")
         if not eval_root.is_file():
-            raise ConfigError(
-                f"data.eval_root: {eval_root} does not exist or is not a file (a SQuAD v1.1 JSON file)"
-            )
+            raise ConfigError(f"data.eval_root: {eval_root} is not a file (a SQuAD v1.1 JSON file)")
     if config.root is None:
         if config.name in ("cifar10", "cifar100", "imagefolder"):
             raise ConfigError(f"data.root: '{config.name}' needs a directory")
