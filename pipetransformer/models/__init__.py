@@ -81,9 +81,12 @@ def build_model(
     return layered_bert(model, max_seq_length)
 
 
-def export_model(model: LayeredModel, out_dir, tokenizer: str | None = None) -> list[str]:
+def export_model(
+    model: LayeredModel, out_dir, tokenizer: str | None = None, model_args: dict | None = None
+) -> list[str]:
     """Write `model` in its library's own format (transformers `save_pretrained` for BERT,
-    a timm hub checkpoint for ViT) into `out_dir`; returns the file names."""
+    a timm hub checkpoint for ViT, with `model_args`: the create_model arguments) into
+    `out_dir`; returns the file names."""
     from pathlib import Path
 
     out_dir = Path(out_dir)
@@ -91,7 +94,7 @@ def export_model(model: LayeredModel, out_dir, tokenizer: str | None = None) -> 
     if model.spec.family == "vit":
         from pipetransformer.models.vit import export_vit
 
-        return export_vit(model, out_dir)
+        return export_vit(model, out_dir, model_args)
     from pipetransformer.models.bert import export_bert
 
     return export_bert(model, out_dir, tokenizer)

@@ -163,13 +163,13 @@ def layered_vit(model: VisionTransformer) -> LayeredModel:
     return LayeredModel(units, spec, source=model)
 
 
-def export_vit(model: LayeredModel, out_dir: Path) -> list[str]:
+def export_vit(model: LayeredModel, out_dir: Path, model_args: dict[str, Any] | None = None) -> list[str]:
     """Write the ViT as timm writes a hub checkpoint: model.safetensors (what
     `timm.create_model(name, num_classes=..., checkpoint_path=...)` loads, with the run's
-    model kwargs) and config.json (architecture, model args, pretrained_cfg), so that
-    `timm.create_model("local-dir:OUT")` rebuilds it. Returns the files written."""
+    model kwargs) and config.json (architecture, `model_args`: what create_model was given,
+    pretrained_cfg), so that `timm.create_model("local-dir:OUT", pretrained=True)` rebuilds
+    it. Returns the files written."""
     from timm.models import save_for_hf
 
-    vit = model.source
-    save_for_hf(vit, str(out_dir), safe_serialization=True)
+    save_for_hf(model.source, str(out_dir), model_args=model_args, safe_serialization=True)
     return sorted(p.name for p in out_dir.iterdir())

@@ -59,6 +59,12 @@ def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "latest") 
     exported, the files written)."""
     model, config, checkpoint = load_trained_model(run_dir, which)
     tokenizer = config.data.tokenizer or config.model.model_name_or_path
-    files = export_model(model, out_dir, tokenizer=tokenizer)
+    build = read_run_state(checkpoint)["model"]["build_args"]
+    # What timm.create_model was given (recorded explicitly: older timm does not infer it).
+    model_args = {
+        **config.model.kwargs, "num_classes": build["num_classes"], "in_chans": build["in_chans"],
+        "img_size": build["image_size"],
+    }
+    files = export_model(model, out_dir, tokenizer=tokenizer, model_args=model_args)
     logger.info("exported %s to %s: %s", checkpoint, out_dir, ", ".join(files))
     return checkpoint, files
