@@ -14,8 +14,11 @@ One optimizer step of a layout (K stages, M micro-batches of m samples, R replic
     optimizer AdamW / SGD touch each trained parameter's bytes about 7 / 4 times (parameter,
               gradient, state read and written): bytes / the device's memory bandwidth
     overhead  what a step costs beyond its units' kernels (Python, the schedule, the loss,
-              data): a per-step constant calibrated from the whole steps the trainer times
-              when it chooses M (`calibrate_overhead`), 0 without them
+              data): a + b (M + K - 1), a per step and b per pipeline slot, fitted to the
+              whole steps the trainer times when it chooses M (`calibrate_overhead`), 0
+              without them. Measured here, the gap between those steps and the rest of
+              the model grows linearly with the slots (about 7 ms a slot for the
+              quickstart's ViT on this CPU), so a per-step constant would not do
 
 Unit times scale linearly with the micro-batch size from the profile's. An epoch is
 `steps_per_epoch` such steps. Evaluation, transitions and start-up are not included.
@@ -53,6 +56,7 @@ class UnitTimes:
     memory_bytes_per_s: float = 2e12  # the device's memory bandwidth (the optimizer's step)
     optimizer_passes: float = 7.0  # AdamW: parameter, gradient, two moments read; three written
     step_overhead_s: float = 0.0
+    slot_overhead_s: float = 0.0  # per micro-batch slot of the schedule: (M + K - 1) of them a step
 
 
 @dataclass(frozen=True)
@@ -105,14 +109,26 @@ def predict_step(
         bandwidth = links.intra_node_bytes_per_s if dp_degree <= replicas_per_node else links.inter_node_bytes_per_s
         allreduce = 2 * (dp_degree - 1) / dp_degree * grads / bandwidth + 2 * (dp_degree - 1) * links.latency_s
     optimizer = times.optimizer_passes * grads / times.memory_bytes_per_s
-    return StepPrediction(compute, p2p, allreduce, optimizer, times.step_overhead_s)
+    overhead = times.step_overhead_s + (m + k - 1) * times.slot_overhead_s
+    return StepPrediction(compute, p2p, allreduce, optimizer, overhead)
 
 
-def calibrate_overhead(measured_s: dict[int, float], predicted_s: dict[int, float]) -> float:
-    """The per-step overhead: the median of what whole measured steps took beyond the
-    prediction without it (by M, the same layout), never below 0."""
-    gaps = sorted(measured_s[m] - predicted_s[m] for m in measured_s if m in predicted_s)
-    return max(0.0, gaps[len(gaps) // 2]) if gaps else 0.0
+def calibrate_overhead(gaps: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(per step, per slot) overhead: the least-squares line through what whole measured
+    steps took beyond the prediction without overhead, as (slots = M + K - 1, seconds)
+    pairs; neither part below 0."""
+    if not gaps:
+        return 0.0, 0.0
+    xs, ys = [float(x) for x, _ in gaps], [y for _, y in gaps]
+    n, mean_x, mean_y = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread > 0 else 0.0
+    if slope <= 0:
+        return max(0.0, sorted(ys)[n // 2]), 0.0
+    intercept = mean_y - slope * mean_x
+    if intercept < 0:  # through the origin instead
+        return 0.0, max(0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs))
+    return intercept, slope
 
 
 def paper_trajectory(num_layers: int, alpha: float, decisions: int, max_frozen: int | None = None) -> list[int]:

@@ -84,7 +84,7 @@ def unit_times(
 
 
 def calibrated_times(config: Config, store: ProfileStore, profile_key: str, times: UnitTimes, links: Links) -> UnitTimes:
-    """`times` with the per-step overhead calibrated from the whole steps the trainer timed
+    """`times` with the per-step and per-slot overhead calibrated from the whole steps the trainer timed
     for this model on the profile's device (micro-batch timings: forward and backward of
     the initial layout, nothing frozen)."""
     from pipetransformer.autopipe.planner import balance
@@ -94,7 +94,7 @@ def calibrated_times(config: Config, store: ProfileStore, profile_key: str, time
     model_part, device_part = model_device.split("|device=")
     device = device_part.split("|")[0]
     costs = unit_costs_from_profile(store.unit_profile(profile_key))
-    measured, predicted = {}, {}
+    gaps = []
     for key in store.keys():
         if not key.startswith(f"{model_part}|device={device}|") or "|pipe_len=" not in key:
             continue
@@ -109,10 +109,9 @@ def calibrated_times(config: Config, store: ProfileStore, profile_key: str, time
                 times, plan, micro_batch_size=replica_batch // m, num_micro_batches=m, dp_degree=replicas,
                 replicas_per_node=replicas, links=links, cached_prefix=False,
             )
-            measured[(key, m)] = seconds
-            predicted[(key, m)] = step.compute_s + step.p2p_s + step.allreduce_s
-    overhead = calibrate_overhead(measured, predicted)
-    return dataclasses.replace(times, step_overhead_s=overhead)
+            gaps.append((m + pipe_len - 1, seconds - (step.compute_s + step.p2p_s + step.allreduce_s + step.optimizer_s)))
+    per_step, per_slot = calibrate_overhead(gaps)
+    return dataclasses.replace(times, step_overhead_s=per_step, slot_overhead_s=per_slot)
 
 
 def frozen_per_step(config: Config, trajectory: str, num_layers: int, steps_per_epoch: int) -> list[int]:
@@ -261,3 +260,39 @@ def steps_per_epoch_for(config: Config, nodes: int) -> int:
     samples = len(build_data(config.data, seed=config.trainer.seed, model_name_or_path=config.model.model_name_or_path).train)
     per_node = config.trainer.global_batch_size // nodes
     return math.ceil(math.ceil(samples / nodes) / per_node)
+
+
+def layout_epoch_s(
+    config: Config,
+    times: UnitTimes,
+    links: Links,
+    *,
+    num_frozen_layers: int,
+    pipe_len: int,
+    num_micro_batches: int,
+    steps: int,
+    cached: bool,
+    world_size: int | None = None,
+) -> float:
+    """Predicted training seconds of an epoch of `steps` steps in one layout of a run of
+    `config` (its initial_pipe_len resolved), stages planned as the run plans them."""
+    spec = describe_model(config)
+    world = world_size or config.nproc_per_node
+    costs = planner_costs(config, spec, unit_costs_from_profile(_profile_of(times)) if config.pipeline.balance == "time" else None)
+    planner = build_planner(config, spec, costs)
+    layout = layout_for(config, planner, num_frozen_layers, pipe_len, world, config.nproc_per_node)
+    layout = Layout(
+        dataclasses.replace(layout.plan, num_micro_batches=num_micro_batches), layout.world_size,
+        layout.devices_per_node, layout.dp_degree,
+    )
+    cluster = Cluster(world // config.nproc_per_node, config.nproc_per_node, links)
+    return steps * _step(times, layout, config, cluster, cached).step_s
+
+
+def _profile_of(times: UnitTimes) -> UnitProfile:
+    """A profile carrying `times`' costs (what the planner balances on)."""
+    n = len(times.trained_s)
+    return UnitProfile(
+        times.micro_batch_size, tuple(times.trained_s), (0.0,) * n, tuple(times.frozen_s),
+        tuple(times.output_bytes), (0,) * n, tuple(times.param_bytes),
+    )

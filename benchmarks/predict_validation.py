@@ -1,0 +1,148 @@
+"""`plan --predict` against measured epoch times: the steady epochs (the layout already in
+effect the epoch before, no transition inside it) of the runs of one or more `compare`
+directories, grouped by run and layout (the median epoch: single epochs of a few seconds
+vary by +-20% on a shared VM), predicted from the unit profile those runs measured, this machine's measured
+memory and loopback bandwidth, and the per-step overhead calibrated from the trainer's own
+micro-batch timings. Prints predicted vs measured and writes the records (with everything
+the prediction needs) to --out, which tests/test_predict.py recomputes. From the repository root:
+
+    python benchmarks/predict_validation.py runs/compare/quickstart runs/bench_bert_sst2 \\
+        --out docs/benchmarks/predict_validation.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pipetransformer.autopipe.predict import Links
+from pipetransformer.autopipe.profiles import ProfileStore
+from pipetransformer.config import load_config
+from pipetransformer.launcher import launch_local
+from pipetransformer.trainer.planning import (
+    describe_model,
+    profiling_micro_batch_size,
+    unit_profile_key_for,
+)
+from pipetransformer.trainer.prediction import calibrated_times, layout_epoch_s, unit_times
+from pipetransformer.utils.files import write_json_atomic
+
+
+def memory_bandwidth() -> float:
+    """Bytes per second one core copies (read + write) through a tensor larger than its caches."""
+    torch.set_num_threads(1)
+    source = torch.ones(64 * 2**20 // 4)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    start = time.perf_counter()
+    for _ in range(10):
+        target.copy_(source)
+    return 10 * 2 * source.nbytes / (time.perf_counter() - start)
+
+
+def _allreduce_worker(out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    tensor = torch.ones(8 * 2**20)  # 32 MB
+    dist.all_reduce(tensor)
+    start = time.perf_counter()
+    for _ in range(5):
+        dist.all_reduce(tensor)
+    seconds = (time.perf_counter() - start) / 5
+    if dist.get_rank() == 0:
+        # A ring all-reduce moves 2 (R - 1) / R of the bytes through each link.
+        Path(out).write_text(str(tensor.nbytes / seconds))
+    dist.destroy_process_group()
+
+
+def link_bandwidth() -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "bw")
+        launch_local(2, _allreduce_worker, (out,))
+        return float(Path(out).read_text())
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("compare_dirs", nargs="+")
+    parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--bandwidths-from", default=None,
+        help="reuse the memory and link bandwidths of an earlier output file instead of measuring them "
+        "(when the machine is busy now)",
+    )
+    args = parser.parse_args()
+    if args.bandwidths_from:
+        earlier = json.loads(Path(args.bandwidths_from).read_text())
+        memory_bps, link_bps = earlier["memory_bytes_per_s"], earlier["link_bytes_per_s"]
+    else:
+        memory_bps, link_bps = memory_bandwidth(), link_bandwidth()
+    links = Links(link_bps, link_bps)
+    entries = []
+    for compare_dir in map(Path, args.compare_dirs):
+        store = ProfileStore(compare_dir / "profiles" / "profiles.json").load()
+        for run_dir in sorted(p for p in compare_dir.iterdir() if (p / "metrics.jsonl").exists()):
+            config = load_config(str(run_dir / "config.yaml"))
+            spec = describe_model(config)
+            key = unit_profile_key_for(config, spec, "cpu", profiling_micro_batch_size(config))
+            profile = store.unit_profile(key)
+            if profile is None:
+                continue
+            times = calibrated_times(config, store, key, unit_times(profile, memory_bps), links)
+            metrics = records(run_dir / "metrics.jsonl")
+            transitions = [e["global_step"] for e in records(run_dir / "events.jsonl") if e["kind"] == "transition"]
+            steps = metrics[0]["global_step"]
+            layout_keys = ("num_frozen_layers", "pipe_len", "dp_degree", "num_micro_batches")
+            steady: dict[tuple, list[dict]] = {}
+            for previous, epoch in zip(metrics, metrics[1:]):
+                if all(previous[k] == epoch[k] for k in layout_keys) and not any(
+                    previous["global_step"] <= t < epoch["global_step"] for t in transitions
+                ):
+                    steady.setdefault(tuple(epoch[k] for k in layout_keys), []).append(epoch)
+            for (frozen, pipe_len, dp_degree, micro), epochs in steady.items():
+                cached = bool(epochs[0].get("cache_active")) and frozen > 0
+                predicted = layout_epoch_s(
+                    config, times, links, num_frozen_layers=frozen, pipe_len=pipe_len,
+                    num_micro_batches=micro, steps=steps, cached=cached,
+                )
+                seconds = [e["epoch_time_s"] for e in epochs]
+                entries.append({
+                    "workload": compare_dir.name, "variant": run_dir.name, "epochs": [e["epoch"] for e in epochs],
+                    "num_frozen_layers": frozen, "pipe_len": pipe_len, "dp_degree": dp_degree,
+                    "num_micro_batches": micro, "cached": cached, "steps": steps,
+                    "measured_s": statistics.median(seconds), "measured_min_s": min(seconds),
+                    "measured_max_s": max(seconds), "predicted_s": predicted,
+                    "config": config.to_dict(), "profile": profile.to_dict(),
+                    "step_overhead_s": times.step_overhead_s, "slot_overhead_s": times.slot_overhead_s,
+                })
+    write_json_atomic(args.out, {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "memory_bytes_per_s": memory_bps, "link_bytes_per_s": link_bps, "epochs": entries,
+    })
+    print(f"memory {memory_bps / 1e9:.1f} GB/s, gloo loopback all-reduce {link_bps / 1e9:.2f} GB/s")
+    print("| workload | variant | steady epochs | frozen | K x R | M | measured, median (range) (s) | predicted (s) | error |")
+    print("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+    for e in entries:
+        error = (e["predicted_s"] - e["measured_s"]) / e["measured_s"]
+        print(f"| {e['workload']} | {e['variant']} | {len(e['epochs'])} | {e['num_frozen_layers']} | "
+              f"{e['pipe_len']}x{e['dp_degree']} | {e['num_micro_batches']} | {e['measured_s']:.2f} "
+              f"({e['measured_min_s']:.2f}-{e['measured_max_s']:.2f}) | "
+              f"{e['predicted_s']:.2f} | {error:+.1%} |")
+
+
+if __name__ == "__main__":
+    main()
