@@ -1,0 +1,61 @@
+"""What checkpoints cost: the same run with a checkpoint after every epoch and with none,
+side by side; then the checkpointed run resumed from its last checkpoint (nothing left to
+train: what remains is loading). Prints the write time and size of each checkpoint, the
+load time, and the training time per epoch with and without. Run from the repository root:
+
+    python benchmarks/checkpoint_cost.py configs/quickstart.yaml
+    python benchmarks/checkpoint_cost.py configs/bert_sst2_local.yaml model.model_name_or_path=$MINILM \\
+        "model.kwargs={}" data.max_seq_length=64 data.train_subset=2000 trainer.global_batch_size=32 \\
+        trainer.epochs=2 pipeline.initial_pipe_len=auto
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def train(config: str, overrides: list[str], run_dir: Path, *extra: str) -> None:
+    command = [sys.executable, "-m", "pipetransformer", "train", config, "trainer.progress_bar=false", *overrides]
+    subprocess.run([*command, *extra] if extra else [*command, "--run-dir", str(run_dir)], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        with_ckpt, without = Path(tmp) / "with", Path(tmp) / "without"
+        train(args.config, [*args.overrides, "checkpoint.interval_epochs=1"], with_ckpt)
+        train(args.config, [*args.overrides, "checkpoint.interval_epochs=0"], without)
+        train(args.config, [*args.overrides, "checkpoint.interval_epochs=1"], with_ckpt, "--resume", str(with_ckpt))
+        writes = [e for e in records(with_ckpt / "events.jsonl") if e["kind"] == "checkpoint"]
+        (resume,) = [e for e in records(with_ckpt / "events.jsonl") if e["kind"] == "resume"]
+        epochs = {name: [m["epoch_time_s"] for m in records(path / "metrics.jsonl")]
+                  for name, path in (("with", with_ckpt), ("without", without))}
+        walls = {name: json.loads((path / "summary.json").read_text())["wall_time_s"]
+                 for name, path in (("with", with_ckpt), ("without", without))}
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {args.config} {' '.join(args.overrides)}")
+    print(f"checkpoint writes: {len(writes)}, {statistics.median(e['write_s'] for e in writes):.3f} s median "
+          f"(max {max(e['write_s'] for e in writes):.3f} s), {writes[-1]['bytes'] / 2**20:.1f} MiB each")
+    print(f"load (resume from the last one): {resume['load_s']:.3f} s")
+    print(f"training time per epoch: {statistics.mean(epochs['with']):.3f} s with checkpoints, "
+          f"{statistics.mean(epochs['without']):.3f} s without; wall time {walls['with']:.1f} s vs {walls['without']:.1f} s "
+          f"(of which checkpoint writes {sum(e['write_s'] for e in writes):.2f} s)")
+
+
+if __name__ == "__main__":
+    main()
