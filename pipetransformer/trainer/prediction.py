@@ -84,8 +84,8 @@ def unit_times(
 
 
 def calibrated_times(config: Config, store: ProfileStore, profile_key: str, times: UnitTimes, links: Links) -> UnitTimes:
-    """`times` with the per-step and per-slot overhead calibrated from the whole steps the trainer timed
-    for this model on the profile's device (micro-batch timings: forward and backward of
+    """`times` with the per-step and per-slot overhead calibrated from the whole steps the
+    trainer timed for this model on the profile's device (micro-batch timings: forward and backward of
     the initial layout, nothing frozen)."""
     from pipetransformer.autopipe.planner import balance
     from pipetransformer.autopipe.predict import calibrate_overhead
