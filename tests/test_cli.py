@@ -99,5 +99,6 @@ def test_a_failing_worker_is_reported_once_with_its_cause(tmp_path):
     bad.write_bytes(b"not a checkpoint")
     result = cli("train", QUICKSTART, f"model.checkpoint_path={bad}", "trainer.epochs=1", "--run-dir", str(tmp_path / "r"))
     assert result.returncode == 1
+    # The cause: torch's refusal to unpickle it (loaded with weights_only=True on every timm).
     assert "a worker process failed (rank" in result.stderr and "weights_only" in result.stderr
     assert "Traceback" not in result.stderr

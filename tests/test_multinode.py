@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,9 @@ def test_two_torchrun_nodes_on_loopback(tmp_path):
     config_path = tmp_path / "two_nodes.yaml"
     config_path.write_text(yaml.safe_dump(config_dict))
     run_dir = tmp_path / "run"
-    env = {**os.environ, "NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+    # The script runs `torchrun`: this interpreter's, also when its environment is not activated.
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    env = {**os.environ, "PATH": path, "NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "NPROC_PER_NODE": "2", "RDZV_ID": f"test-{os.getpid()}", "OMP_NUM_THREADS": "1"}
     script = str(ROOT / "launch" / "run_multi_node.sh")
     nodes = [

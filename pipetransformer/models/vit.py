@@ -120,12 +120,7 @@ def create_vit(
         raise FileNotFoundError(f"model.checkpoint_path: no such file: {checkpoint_path}")
     try:
         with torch.device(device):
-            model = timm.create_model(
-                name,
-                pretrained=pretrained and device != "meta",
-                checkpoint_path=checkpoint_path if device != "meta" else None,
-                **options,
-            )
+            model = timm.create_model(name, pretrained=pretrained and device != "meta", **options)
     except RuntimeError as exc:
         if "Unknown model" in str(exc):
             raise ValueError(f"model.name: timm has no model named '{name}'") from exc
@@ -134,6 +129,10 @@ def create_vit(
         raise ValueError(f"model.kwargs: {exc}") from exc
     if not isinstance(model, VisionTransformer):
         raise ValueError(f"model.name: '{name}' is a {type(model).__name__}, not a timm VisionTransformer")
+    if checkpoint_path is not None and device != "meta":
+        # What create_model(checkpoint_path=...) does, but never unpickling arbitrary objects:
+        # timm before 1.0.31 loads with weights_only=False by default.
+        timm.models.load_checkpoint(model, checkpoint_path, weights_only=True)
     return model
 
 
