@@ -82,8 +82,12 @@ def test_bad_data_files_are_one_line_before_any_worker(tmp_path, shared_data, ki
 
 
 def test_a_missing_local_model_directory_is_named_as_such(tmp_path):
+    data = tmp_path / "sst2"  # valid data of its own, so that the model directory is what fails
+    data.mkdir()
+    for name in ("train.tsv", "dev.tsv"):
+        (data / name).write_text("sentence\tlabel\na fine film\t1\na dull film\t0\n")
     result = cli("train", str(ROOT / "configs" / "bert_sst2_local.yaml"), "model.model_name_or_path=/no/such/dir",
-                 "--run-dir", str(tmp_path / "run"))
+                 f"data.root={data}", "--run-dir", str(tmp_path / "run"))
     one_line_error(result, 2, "model.model_name_or_path: no such directory: /no/such/dir")
 
 
