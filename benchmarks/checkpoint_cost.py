@@ -21,15 +21,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pipetransformer.utils.files import read_jsonl
+
 
 def train(config: str, overrides: list[str], run_dir: Path, *extra: str) -> None:
     command = [sys.executable, "-m", "pipetransformer", "train", config, "trainer.progress_bar=false", *overrides]
     subprocess.run([*command, *extra] if extra else [*command, "--run-dir", str(run_dir)], check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def main() -> None:
@@ -42,9 +41,9 @@ def main() -> None:
         train(args.config, [*args.overrides, "checkpoint.interval_epochs=1"], with_ckpt)
         train(args.config, [*args.overrides, "checkpoint.interval_epochs=0"], without)
         train(args.config, [*args.overrides, "checkpoint.interval_epochs=1"], with_ckpt, "--resume", str(with_ckpt))
-        writes = [e for e in records(with_ckpt / "events.jsonl") if e["kind"] == "checkpoint"]
-        (resume,) = [e for e in records(with_ckpt / "events.jsonl") if e["kind"] == "resume"]
-        epochs = {name: [m["epoch_time_s"] for m in records(path / "metrics.jsonl")]
+        writes = [e for e in read_jsonl(with_ckpt / "events.jsonl") if e["kind"] == "checkpoint"]
+        (resume,) = [e for e in read_jsonl(with_ckpt / "events.jsonl") if e["kind"] == "resume"]
+        epochs = {name: [m["epoch_time_s"] for m in read_jsonl(path / "metrics.jsonl")]
                   for name, path in (("with", with_ckpt), ("without", without))}
         walls = {name: json.loads((path / "summary.json").read_text())["wall_time_s"]
                  for name, path in (("with", with_ckpt), ("without", without))}

@@ -33,7 +33,7 @@ from pipetransformer.trainer.planning import (
     unit_profile_key_for,
 )
 from pipetransformer.trainer.prediction import calibrated_times, layout_epoch_s, unit_times
-from pipetransformer.utils.files import write_json_atomic
+from pipetransformer.utils.files import read_jsonl, write_json_atomic
 
 
 def memory_bandwidth() -> float:
@@ -72,9 +72,6 @@ def link_bandwidth() -> float:
         return float(Path(out).read_text())
 
 
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,8 +100,8 @@ def main() -> None:
             if profile is None:
                 continue
             times = calibrated_times(config, store, key, unit_times(profile, memory_bps), links)
-            metrics = records(run_dir / "metrics.jsonl")
-            transitions = [e["global_step"] for e in records(run_dir / "events.jsonl") if e["kind"] == "transition"]
+            metrics = read_jsonl(run_dir / "metrics.jsonl")
+            transitions = [e["global_step"] for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "transition"]
             steps = metrics[0]["global_step"]
             layout_keys = ("num_frozen_layers", "pipe_len", "dp_degree", "num_micro_batches")
             steady: dict[tuple, list[dict]] = {}

@@ -24,9 +24,7 @@ from pathlib import Path
 
 import torch
 
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+from pipetransformer.utils.files import read_jsonl
 
 
 def main() -> None:
@@ -47,7 +45,7 @@ def main() -> None:
         if result.returncode != 0:
             sys.exit(f"variant {name} failed:\n{result.stderr[-2000:]}")
         summary = json.loads((run_dir / "summary.json").read_text())
-        metrics = records(run_dir / "metrics.jsonl")
+        metrics = read_jsonl(run_dir / "metrics.jsonl")
         samples = sum(m["samples_per_s"] * m["epoch_time_s"] for m in metrics)
         train_s = sum(m["epoch_time_s"] for m in metrics)
         path = []
