@@ -113,7 +113,7 @@ def main() -> None:
             for (frozen, pipe_len, dp_degree, micro), epochs in steady.items():
                 cached = bool(epochs[0].get("cache_active")) and frozen > 0
                 predicted = layout_epoch_s(
-                    config, times, links, num_frozen_layers=frozen, pipe_len=pipe_len,
+                    config, profile, times, links, num_frozen_layers=frozen, pipe_len=pipe_len,
                     num_micro_batches=micro, steps=steps, cached=cached,
                 )
                 seconds = [e["epoch_time_s"] for e in epochs]

@@ -109,7 +109,7 @@ def calibrated_times(config: Config, store: ProfileStore, profile_key: str, time
                 times, plan, micro_batch_size=replica_batch // m, num_micro_batches=m, dp_degree=replicas,
                 replicas_per_node=replicas, links=links, cached_prefix=False,
             )
-            gaps.append((m + pipe_len - 1, seconds - (step.compute_s + step.p2p_s + step.allreduce_s + step.optimizer_s)))
+            gaps.append((m + pipe_len - 1, seconds - (step.step_s - step.overhead_s)))
     per_step, per_slot = calibrate_overhead(gaps)
     return dataclasses.replace(times, step_overhead_s=per_step, slot_overhead_s=per_slot)
 
@@ -264,6 +264,7 @@ def steps_per_epoch_for(config: Config, nodes: int) -> int:
 
 def layout_epoch_s(
     config: Config,
+    profile: UnitProfile,
     times: UnitTimes,
     links: Links,
     *,
@@ -272,27 +273,17 @@ def layout_epoch_s(
     num_micro_batches: int,
     steps: int,
     cached: bool,
-    world_size: int | None = None,
 ) -> float:
     """Predicted training seconds of an epoch of `steps` steps in one layout of a run of
-    `config` (its initial_pipe_len resolved), stages planned as the run plans them."""
+    `config` on its own processes (its initial_pipe_len resolved), stages planned as the run
+    plans them from `profile`; `times`: that profile's unit times with the overheads."""
     spec = describe_model(config)
-    world = world_size or config.nproc_per_node
-    costs = planner_costs(config, spec, unit_costs_from_profile(_profile_of(times)) if config.pipeline.balance == "time" else None)
+    world = config.nproc_per_node
+    costs = planner_costs(config, spec, unit_costs_from_profile(profile) if config.pipeline.balance == "time" else None)
     planner = build_planner(config, spec, costs)
     layout = layout_for(config, planner, num_frozen_layers, pipe_len, world, config.nproc_per_node)
     layout = Layout(
         dataclasses.replace(layout.plan, num_micro_batches=num_micro_batches), layout.world_size,
         layout.devices_per_node, layout.dp_degree,
     )
-    cluster = Cluster(world // config.nproc_per_node, config.nproc_per_node, links)
-    return steps * _step(times, layout, config, cluster, cached).step_s
-
-
-def _profile_of(times: UnitTimes) -> UnitProfile:
-    """A profile carrying `times`' costs (what the planner balances on)."""
-    n = len(times.trained_s)
-    return UnitProfile(
-        times.micro_batch_size, tuple(times.trained_s), (0.0,) * n, tuple(times.frozen_s),
-        tuple(times.output_bytes), (0,) * n, tuple(times.param_bytes),
-    )
+    return steps * _step(times, layout, config, Cluster(1, world, links), cached).step_s
