@@ -43,7 +43,7 @@ from pipetransformer.autopipe.profiles import (
 )
 from pipetransformer.config import ModelConfig
 from pipetransformer.models import LayeredModel, build_model
-from pipetransformer.pipe.profiling import measure_unit_costs, time_schedule_steps
+from pipetransformer.pipe.measure import measure_unit_costs, time_schedule_steps
 
 BERT = ModelConfig(
     name="bert",

@@ -1,6 +1,6 @@
 """The memory model against measured peaks: for each layout, every stage's predicted peak
 bytes (autopipe/memory.py over a unit profile measured in the same process) beside the
-measured peak of a training step (pipe/memory_probe.py: malloc's bytes in use on the CPU,
+measured peak of a training step (pipe/measure.py: malloc's bytes in use on the CPU,
 max_memory_allocated on a GPU). Run from the repository root:
 
     python benchmarks/memory_model.py                 # a ViT (embed 128, depth 4) at 32x32 px
@@ -12,11 +12,16 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import sys
+from pathlib import Path
 
 import torch
 
 from pipetransformer.launcher import launch_local
-from pipetransformer.trainer.memory_check import measure_stage_memory
+
+# The measurement is the memory test's own (tests/memory_check.py).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from memory_check import measure_stage_memory  # noqa: E402
 
 LAYOUTS = [  # (K, R, schedule, M)
     (2, 1, "gpipe", 4),

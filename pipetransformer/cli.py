@@ -37,7 +37,7 @@ def preflight(config: Config) -> None:
     from pipetransformer.data.checks import check_data_config
     from pipetransformer.data.fetch import fetch_data
     from pipetransformer.data.validate import validate_data_files
-    from pipetransformer.trainer.planning import describe_model
+    from pipetransformer.planning import describe_model
 
     check_data_config(config.data)
     describe_model(config)  # builds the model on the meta device: bad names/kwargs fail here
@@ -61,8 +61,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = Path(args.resume or args.run_dir or _default_run_dir(args.config, run_id=os.environ.get("TORCHELASTIC_RUN_ID")))
     resume_line = shlex.join(["pipetransformer", *_train_arguments(args), "--resume", str(run_dir)])
     if under_torchrun():
-        return _train_under_torchrun(config, run_dir, resume, args.overwrite, resume_line)
-    return _train_locally(config, run_dir, resume, args.overwrite, resume_line)
+        code = _train_under_torchrun(config, run_dir, resume, args.overwrite, resume_line)
+    else:
+        code = _train_locally(config, run_dir, resume, args.overwrite, resume_line)
+    if code == 0 and config.trainer.save_model and os.environ.get("RANK", "0") == "0":
+        _export_trained(run_dir)
+    return code
+
+
+def _export_trained(run_dir: Path) -> None:
+    """trainer.save_model: the final checkpoint's model to RUN_DIR/export, as its library
+    loads it (one process, after training)."""
+    from pipetransformer.export import export_run
+
+    checkpoint, files = export_run(run_dir, run_dir / "export")
+    print(f"pipetransformer: exported {checkpoint} to {run_dir / 'export'}: {', '.join(files)}", file=sys.stderr)
 
 
 def _train_arguments(args: argparse.Namespace) -> list[str]:
@@ -159,25 +172,18 @@ def _train_under_torchrun(config: Config, run_dir: Path, resume: str, overwrite:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from pipetransformer.trainer.planning import plan_table
+    from pipetransformer.planning.table import format_plan_table, plan_table
 
     config = load_config(args.config, args.overrides)
     if args.predict:
         return _predict(config, args)
     rows = plan_table(config)
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    from pipetransformer.trainer.planning import format_plan_table
-
-    print(format_plan_table(config, rows))
+    print(json.dumps([row.to_dict() for row in rows], indent=2) if args.json else format_plan_table(config, rows))
     return 0
 
 
 def _predict(config: Config, args: argparse.Namespace) -> int:
-    from pipetransformer.autopipe.predict import Links
-    from pipetransformer.trainer.planning import profile_path_for
-    from pipetransformer.trainer.prediction import (
+    from pipetransformer.planning.predict import (
         Cluster,
         calibrated_times,
         find_unit_profile,
@@ -186,6 +192,8 @@ def _predict(config: Config, args: argparse.Namespace) -> int:
         steps_per_epoch_for,
         unit_times,
     )
+    from pipetransformer.planning.profile_keys import profile_path_for
+    from pipetransformer.planning.step_model import Links
 
     devices = args.devices_per_node or config.nproc_per_node
     path = Path(args.profile) if args.profile else profile_path_for(config)
@@ -194,8 +202,8 @@ def _predict(config: Config, args: argparse.Namespace) -> int:
     times = calibrated_times(config, store, key, unit_times(profile, args.memory_gbps * 1e9), links)
     steps = args.steps_per_epoch or steps_per_epoch_for(config, args.nodes)
     result = predict(config, profile, Cluster(args.nodes, devices, links), steps, args.trajectory, times)
-    source = f"{path} [{key.split('|device=')[1].split('|')[0]}]"
-    print(json.dumps(result, indent=2) if args.json else format_prediction(config, result, source))
+    source = f"{path} [{key.device}]"
+    print(json.dumps(result.to_dict(), indent=2) if args.json else format_prediction(result, source))
     return 0
 
 
@@ -213,7 +221,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from pipetransformer.trainer.export import export_run
+    from pipetransformer.export import export_run
 
     checkpoint, files = export_run(Path(args.run_dir), Path(args.out), args.checkpoint)
     print(f"pipetransformer: exported {checkpoint} to {args.out}: {', '.join(files)}", file=sys.stderr)

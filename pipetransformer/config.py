@@ -27,7 +27,7 @@ def _fail(key: str, message: str) -> None:
     raise ConfigError(f"{key}: {message}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainerConfig:
     epochs: int = 10
     seed: int = 0
@@ -86,7 +86,7 @@ class TrainerConfig:
         return "bfloat16" if self.precision == "bf16" else None
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerConfig:
     name: Literal["sgd", "adam", "adamw"] = "adamw"
     lr: float = 1e-3
@@ -118,7 +118,7 @@ class OptimizerConfig:
             _fail("optimizer.max_grad_norm", "must be > 0 or null")
 
 
-@dataclass
+@dataclass(frozen=True)
 class PipelineConfig:
     # Stages of the first pipeline. 'auto': the shortest pipeline whose stages fit a device
     # (pipeline.device_memory_bytes), 1 (plain DDP) when the whole model fits.
@@ -145,7 +145,7 @@ class PipelineConfig:
             _fail("pipeline.num_micro_batches", f"must be >= 1 or 'auto', got {self.num_micro_batches}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class FreezeConfig:
     strategy: Literal["none", "gradient_norm", "alpha_schedule", "manual"] = "none"
     alpha: float = 1 / 3
@@ -178,7 +178,7 @@ class FreezeConfig:
                 _fail("freeze.manual_schedule", "entries must be >= 0")
 
 
-@dataclass
+@dataclass(frozen=True)
 class AutoPipeConfig:
     # False: the 'freeze only' ablation (frozen layers skip backward, layout never changes).
     enabled: bool = True
@@ -192,13 +192,13 @@ class AutoPipeConfig:
             _fail("autopipe.lambda_frozen", f"must be in [0, 1], got {self.lambda_frozen}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class AutoDPConfig:
     # False: pipelines compress but freed devices stay idle (no new replicas).
     enabled: bool = True
 
 
-@dataclass
+@dataclass(frozen=True)
 class CacheConfig:
     enabled: bool = False
     # Host memory for cached activations; None: a quarter of the free memory at start.
@@ -225,7 +225,7 @@ class CacheConfig:
             _fail("cache.prefetch_batches", "must be >= 0")
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     # A checkpoint at the end of every N-th epoch (after its evaluation); 0: none at epoch ends.
     interval_epochs: int = 1
@@ -245,7 +245,7 @@ class CheckpointConfig:
             _fail("checkpoint.keep_last", f"must be >= 1, got {self.keep_last}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     # A timm model name (ViT family) or 'bert'.
     name: str = "vit_tiny_patch16_224"
@@ -265,7 +265,7 @@ class ModelConfig:
         return "vit"
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     name: Literal["digits", "cifar10", "cifar100", "imagefolder", "sst2", "squad"] = "digits"
     # Dataset location: a directory (imagefolder, cifar, sst2 TSVs) or file (squad JSON).
@@ -314,7 +314,7 @@ class DataConfig:
             )
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingConfig:
     # Step and epoch metrics also to TensorBoard (RUN_DIR/tensorboard; the tensorboard extra).
     tensorboard: bool = False
@@ -322,7 +322,7 @@ class LoggingConfig:
     wandb: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -573,6 +573,42 @@ def check_config(config: Config, world_size: int | None = None) -> None:
         _fail("data.name", f"'{config.data.name}' is an image dataset; model.name is BERT")
     if family == "vit" and config.data.name in ("sst2", "squad"):
         _fail("data.name", f"'{config.data.name}' is a text dataset; model.name is a ViT")
+
+
+@dataclass(frozen=True)
+class World:
+    """The processes a run has, what `auto` settings are resolved against: the world size,
+    the processes (devices) of one node, and the device type ('cpu' or 'cuda')."""
+
+    world_size: int
+    devices_per_node: int
+    device_type: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.devices_per_node < 1 or self.world_size % self.devices_per_node:
+            raise ValueError(f"{self.devices_per_node} devices per node do not divide the world of {self.world_size}")
+
+
+def resolve(config: Config, world: World, initial_pipe_len: int | None = None) -> Config:
+    """A new config with every setting that is `auto` (or unset) for the run's lifetime
+    resolved for `world`: the processes per node, the device, AutoCache's storage dtype and,
+    when given (AutoPipe's memory-aware choice, planning/context.py), the initial pipeline
+    length. `config` is not changed. What stays `auto` is decided again during the run by
+    measurement: `pipeline.num_micro_batches` (per layout) and `freeze.interval_steps` (it
+    adapts to transition costs). Raises ConfigError as `check_config` does."""
+    pipeline = config.pipeline
+    if initial_pipe_len is not None:
+        pipeline = dataclasses.replace(pipeline, initial_pipe_len=initial_pipe_len)
+    resolved = dataclasses.replace(
+        config,
+        trainer=dataclasses.replace(
+            config.trainer, nproc_per_node=world.devices_per_node, device=world.device_type
+        ),
+        pipeline=pipeline,
+        cache=dataclasses.replace(config.cache, dtype=config.cache_dtype),
+    )
+    check_config(resolved, world_size=world.world_size)
+    return resolved
 
 
 def config_yaml(config: Config) -> str:

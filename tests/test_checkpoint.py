@@ -28,6 +28,8 @@ from workers import checkpoint_killed_half_way, elastic_run
 from pipetransformer.config import CheckpointConfig, config_from_dict
 from pipetransformer.launcher import WorkerFailed
 from pipetransformer.trainer.checkpoint import Checkpointer, complete_checkpoints, find_checkpoint
+from pipetransformer.trainer.clock import Tick
+from pipetransformer.trainer.control import Control
 from pipetransformer.trainer.rundir import RunDirError, RunOptions, prepare_run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,11 +75,17 @@ def test_find_checkpoint_ignores_incomplete_writes(tmp_path):
 
 
 def test_checkpoint_cadence():
-    ckpt = Checkpointer(CheckpointConfig(interval_epochs=2, interval_steps=5), Path("/nonexistent"), 0, None)
-    due = [s for s in range(1, 21) if ckpt.due(epoch_end=s % 7 == 0, completed_epochs=s // 7, global_step=s)]
+    def tick(step: int, epochs: int = 3) -> Tick:  # 7 steps an epoch
+        return Tick((step - 1) // 7, (step - 1) % 7, step, steps_per_epoch=7, epochs=epochs)
+
+    ckpt = Checkpointer(CheckpointConfig(interval_epochs=2, interval_steps=5), Path("/nonexistent"), Control(None))
+    due = [s for s in range(1, 22) if ckpt.due(tick(s))]
     assert due == [5, 10, 14, 15, 20]  # every 5 steps, and at the end of epoch 2 (step 14)
     ckpt.last_step = 10
-    assert not ckpt.due(epoch_end=False, completed_epochs=1, global_step=10)  # written already
+    assert not ckpt.due(tick(10))  # written already
+    # For an export: also after the last step, whatever the interval.
+    final = Checkpointer(CheckpointConfig(interval_epochs=0), Path("/nonexistent"), Control(None), save_final=True)
+    assert [s for s in range(1, 22) if final.due(tick(s))] == [21]
 
 
 def test_a_used_run_directory_is_refused_and_left_untouched(tmp_path):

@@ -17,6 +17,7 @@ from pipetransformer.compare.ideal import (
 )
 from pipetransformer.compare.plots import write_plots
 from pipetransformer.compare.report import build_results, read_run, write_report
+from pipetransformer.trainer.records import RunSummary
 from pipetransformer.utils.files import append_jsonl, write_json_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,10 +87,13 @@ def fake_run(path: Path, wall: float, metrics: list[tuple], events: list[dict] =
         })
     for event in events:
         append_jsonl(path / "events.jsonl", event)
-    write_json_atomic(path / "summary.json", {
-        "wall_time_s": wall, "final_eval_metric": metrics[-1][0], "best_eval_metric": max(m[0] for m in metrics),
-        "metric_name": "accuracy",
-    })
+    summary = RunSummary(
+        wall_time_s=wall, attempts=1, final_eval_metric=metrics[-1][0], best_eval_metric=max(m[0] for m in metrics),
+        epochs=len(metrics), global_steps=10 * len(metrics), num_transitions=len(events),
+        final_num_frozen_layers=metrics[-1][1], final_pipe_len=metrics[-1][2], final_dp_degree=metrics[-1][3],
+        world_size=2, device="cpu", checkpoint=None, metric_name="accuracy",
+    )
+    write_json_atomic(path / "summary.json", summary.to_dict())
 
 
 def test_results_and_report_agree_with_the_runs(tmp_path):

@@ -14,8 +14,8 @@ from workers import elastic_run
 
 from pipetransformer.config import config_from_dict
 from pipetransformer.data import build_data
+from pipetransformer.export import export_run
 from pipetransformer.models import build_model
-from pipetransformer.trainer.export import export_run
 
 pytestmark = pytest.mark.distributed
 

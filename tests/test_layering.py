@@ -1,5 +1,7 @@
-"""Imports go one way: cli -> compare -> (trainer, launcher) -> (autodp, pipe)
--> (freeze, autopipe, autocache, models, data) -> (config, utils). Siblings never import each other."""
+"""Imports go one way: cli -> (compare, export) -> (trainer, launcher) -> planning -> (autodp,
+pipe) -> (freeze, autopipe, autocache, models, data) -> (config, utils). Siblings never import
+each other, and nothing imports a module that imports it back (no cycle, function-local
+imports included)."""
 
 import ast
 from pathlib import Path
@@ -10,9 +12,10 @@ LAYERS = {
     "config": 0, "utils": 0,
     "freeze": 1, "autopipe": 1, "autocache": 1, "models": 1, "data": 1,
     "autodp": 2, "pipe": 2,
-    "trainer": 3, "launcher": 3,
-    "compare": 4,
-    "cli": 5, "__main__": 6, "__init__": 0,
+    "planning": 3,
+    "trainer": 4, "launcher": 4,
+    "compare": 5, "export": 5,
+    "cli": 6, "__main__": 7, "__init__": 0,
 }
 
 
@@ -52,3 +55,45 @@ def test_imports_only_point_down():
             if LAYERS[target] >= LAYERS[own]:
                 problems.append(f"{path.relative_to(PACKAGE)} imports pipetransformer.{target}")
     assert not problems, "\n".join(problems)
+
+
+def _module_name(path: Path) -> str:
+    parts = ["pipetransformer", *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_cycles_between_modules():
+    """Within a component too: a cycle (planning <-> sizing used to hide behind function-local
+    imports) means two modules that can only be understood together."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    edges = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                candidates = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                candidates = [alias.name for alias in node.names]
+            else:
+                continue
+            targets |= {c for c in candidates if c in modules and c != name}
+        # A package's __init__ re-exports its modules: importing it is importing them.
+        edges[name] = targets
+    cycles = []
+    for start in modules:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in edges.get(node, ()):
+                if nxt == start and not _package_of(start, path):
+                    cycles.append(" -> ".join([*path, start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+    assert not cycles, "\n".join(sorted(set(cycles))[:10])
+
+
+def _package_of(start: str, path: list[str]) -> bool:
+    """A package's __init__ importing its own submodules, which import siblings through it,
+    is how Python packages re-export names, not a cycle between two modules."""
+    return any(start.startswith(p + ".") or p.startswith(start + ".") for p in path[1:])

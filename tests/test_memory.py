@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 from helpers import run_workers
+from memory_check import measure_stage_memory
 
 from pipetransformer.autopipe.memory import LayoutShape, MemoryModel
 from pipetransformer.autopipe.planner import UnitCosts, balance
 from pipetransformer.config import ConfigError, config_from_dict
-from pipetransformer.trainer.memory_check import measure_stage_memory
-from pipetransformer.trainer.sizing import choose_initial_pipe_len
+from pipetransformer.planning.context import choose_initial_pipe_len
 
 # Six units: embedding, two layers (attention, MLP), head. Parameters 100 bytes each, 10
 # bytes saved for backward and 4 bytes of output per unit and micro-batch of 2 samples.

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from pipetransformer.autopipe.predict import Links
 from pipetransformer.autopipe.profiles import UnitProfile
 from pipetransformer.config import config_from_dict
-from pipetransformer.trainer.prediction import layout_epoch_s, unit_times
+from pipetransformer.planning.predict import layout_epoch_s, unit_times
+from pipetransformer.planning.step_model import Links
 
 RECORDS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "predict_validation.json"
 TOLERANCE = 0.40
@@ -92,7 +92,7 @@ def test_predicted_epoch_time_within_tolerance_of_measured(index):
 
 
 def test_overhead_is_fitted_per_step_and_per_slot():
-    from pipetransformer.autopipe.predict import calibrate_overhead
+    from pipetransformer.planning.step_model import calibrate_overhead
 
     # Gaps on the line 7.5 ms + 6.7 ms a slot (what the quickstart's timings show) come back.
     gaps = [(slots, 0.0075 + 0.0067 * slots) for slots in (1, 2, 4, 3, 5, 9)]

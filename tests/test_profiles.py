@@ -10,21 +10,21 @@ from helpers import tiny_bert, tiny_vit
 from pipetransformer.autopipe.planner import UnitCosts, balance
 from pipetransformer.autopipe.profiles import (
     FORMAT_VERSION,
+    MicroBatchKey,
     ProfileError,
     ProfileStore,
     UnitMeasurement,
     UnitProfile,
+    UnitProfileKey,
     candidate_micro_batches,
     choose_micro_batches,
-    get_or_measure_micro_batches,
-    get_or_measure_unit_profile,
     micro_batch_key,
     model_signature,
     unit_costs_from_profile,
     unit_profile_key,
 )
 from pipetransformer.config import load_config
-from pipetransformer.pipe.profiling import measure_unit_costs, time_schedule_steps
+from pipetransformer.pipe.measure import measure_unit_costs, time_schedule_steps
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
 
@@ -137,46 +137,71 @@ def test_store_round_trip(tmp_path):
     assert set(ProfileStore(path).load().keys()) == {"u", "m", "m2"}
 
 
-def test_second_run_reads_the_profile_instead_of_measuring(tmp_path):
-    path = tmp_path / "profiles.json"
-    calls = {"units": 0, "micro": []}
-
-    def measure_units():
-        calls["units"] += 1
-        return bert_base_like_profile(num_layers=2)
-
-    def measure_step(m):
-        calls["micro"].append(m)
-        return {2: 0.4, 4: 0.2, 8: 0.3}[m]
-
-    unit_key = unit_profile_key(MODEL, "cpu", "float32", 8, [(128,)] * 3)
-    layout = dict(
-        device_type="cpu", input_shapes=[(128,)] * 3, schedule="gpipe", num_frozen_layers=0
-    )
+def test_keys_separate_what_changes_costs_and_parse_back():
+    layout = dict(device_type="cpu", input_shapes=[(128,)] * 3, schedule="gpipe", num_frozen_layers=0)
     key = micro_batch_key(MODEL, pipe_len=2, replica_batch=32, **layout)
-    candidates = candidate_micro_batches(2, 32)
-    for _run in range(2):  # each "run" opens the file afresh
-        store = ProfileStore(path).load()
-        get_or_measure_unit_profile(store, unit_key, measure_units)
-        timings = get_or_measure_micro_batches(store, key, candidates, measure_step)
-        assert choose_micro_batches(timings, candidates) == 4
-    assert calls == {"units": 1, "micro": [2, 4, 8]}
-
-    # Another model, another K, another replica batch, another F: nothing is reused.
-    store = ProfileStore(path).load()
-    get_or_measure_unit_profile(
-        store, unit_profile_key(OTHER_MODEL, "cpu", "float32", 8, [(128,)] * 3), measure_units
-    )
-    assert calls["units"] == 2
-    for other in (
+    others = [
         micro_batch_key(OTHER_MODEL, pipe_len=2, replica_batch=32, **layout),
         micro_batch_key(MODEL, pipe_len=1, replica_batch=32, **layout),
         micro_batch_key(MODEL, pipe_len=2, replica_batch=16, **layout),
         micro_batch_key(MODEL, pipe_len=2, replica_batch=32, **{**layout, "num_frozen_layers": 1}),
-    ):
-        calls["micro"].clear()
-        get_or_measure_micro_batches(store, other, [2, 4], measure_step)
-        assert calls["micro"] == [2, 4], other
+        micro_batch_key(MODEL, pipe_len=2, replica_batch=32, **{**layout, "schedule": "1f1b"}),
+    ]
+    assert len({str(k) for k in [key, *others]}) == 6
+    for k in [key, *others]:
+        assert MicroBatchKey.parse(str(k)) == k
+    unit = unit_profile_key(MODEL, "cuda:NVIDIA H100 80GB HBM3", "bfloat16", 8, [(128,)] * 3)
+    assert UnitProfileKey.parse(str(unit)) == unit and unit.device == "cuda:NVIDIA H100 80GB HBM3"
+    # The file's key strings are those of earlier releases (profile files stay readable).
+    assert str(unit) == (
+        f"unit|model={MODEL}|device=cuda:NVIDIA H100 80GB HBM3|dtype=bfloat16|micro_batch=8|inputs=128,128,128"
+    )
+    with pytest.raises(ValueError, match="not a unit profile key"):
+        UnitProfileKey.parse(str(key))
+
+
+def test_second_run_reads_the_profile_instead_of_measuring(tmp_path, monkeypatch):
+    """The trainer's profiler (in a world of one process) measures what the profile file
+    lacks and nothing it has: a second run of the same model measures nothing; another
+    model, K or replica batch is measured afresh."""
+    from pipetransformer.planning import describe_model
+    from pipetransformer.trainer import profiler as profiler_module
+    from pipetransformer.trainer.control import Control
+
+    calls = {"units": 0, "micro": []}
+
+    def measure(units, spec, micro, device, autocast_dtype=None):
+        calls["units"] += 1
+        return {u: UnitMeasurement(0.01, 0.02, 0.009, 64, 128, 256) for u in units}
+
+    def measure_step(m):
+        calls["micro"].append(m)
+        return lambda: None
+
+    monkeypatch.setattr(profiler_module, "measure_unit_costs", measure)
+    path = tmp_path / "profiles.json"
+
+    def profiler(*overrides):
+        config = load_config(QUICKSTART, [f"pipeline.profile_path={path}", *overrides])
+        spec = describe_model(config)
+        run = profiler_module.RunProfiler(config, spec, tmp_path / "run", torch.device("cpu"), Control(None))
+        return run, [torch.nn.Identity() for _ in range(spec.num_units)]
+
+    candidates = candidate_micro_batches(2, 32)
+    for _run in range(2):  # each "run" opens the file afresh
+        run, units = profiler()
+        run.unit_profile(units, 8)
+        assert run.micro_batches(2, 32, measure_step) in candidates
+    assert calls == {"units": 1, "micro": candidates}
+    assert run.take_seconds() == 0.0  # the second run measured nothing
+
+    calls["micro"].clear()
+    run.micro_batches(1, 32, measure_step)
+    run.micro_batches(2, 16, measure_step)
+    assert calls["micro"] == candidate_micro_batches(1, 32) + candidate_micro_batches(2, 16)
+    deeper, units = profiler("model.kwargs.depth=2")
+    deeper.unit_profile(units, 8)
+    assert calls["units"] == 2
 
 
 def test_corrupt_or_foreign_profile_file_is_an_error_naming_the_path(tmp_path):
@@ -284,13 +309,9 @@ def test_unit_measurement_rejects_negative_values():
 
 
 def test_plan_table_uses_a_stored_profile(tmp_path):
-    from pipetransformer.trainer.planning import (
-        describe_model,
-        micro_batch_key_for,
-        plan_table,
-        profiling_micro_batch_size,
-        unit_profile_key_for,
-    )
+    from pipetransformer.planning import describe_model, profiling_micro_batch_size
+    from pipetransformer.planning.profile_keys import micro_batch_key_for, unit_profile_key_for
+    from pipetransformer.planning.table import plan_table
 
     path = tmp_path / "profiles.json"
     config = load_config(
@@ -304,7 +325,7 @@ def test_plan_table_uses_a_stored_profile(tmp_path):
     )
     spec = describe_model(config)
     # Without a profile: parameter counts, as before.
-    assert {row["cost_source"] for row in plan_table(config, device_type="cpu")} == {"params"}
+    assert {row.cost_source for row in plan_table(config, device_type="cpu")} == {"params"}
 
     n = spec.num_units
     heavy_first = UnitProfile(
@@ -327,11 +348,9 @@ def test_plan_table_uses_a_stored_profile(tmp_path):
     store.save()
 
     rows = plan_table(config, device_type="cpu")
-    assert {row["cost_source"] for row in rows} == {"time"}
-    assert rows[0]["max_stage_cost"] == pytest.approx(max(rows[0]["stage_costs"]))
-    assert rows[0]["max_stage_cost"] < 1.0  # seconds, not parameter counts
-    assert rows[0]["num_micro_batches"] == 8
+    assert {row.cost_source for row in rows} == {"time"}
+    assert rows[0].max_stage_cost == pytest.approx(max(rows[0].stage_costs))
+    assert rows[0].max_stage_cost < 1.0  # seconds, not parameter counts
+    assert rows[0].num_micro_batches == 8
     # Another device type has no profile: back to parameter counts.
-    assert {row["cost_source"] for row in plan_table(config, device_type="cuda:other")} == {
-        "params"
-    }
+    assert {row.cost_source for row in plan_table(config, device_type="cuda:other")} == {"params"}

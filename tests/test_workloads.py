@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipetransformer.config import load_config
-from pipetransformer.trainer.planning import describe_model
+from pipetransformer.planning import describe_model
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

@@ -13,7 +13,6 @@ from pipetransformer.autopipe.planner import UnitCosts, balance
 from pipetransformer.models import unit_param_names
 from pipetransformer.pipe import build_stage_runtime
 from pipetransformer.trainer.distributed import init_distributed
-from pipetransformer.trainer.planning import with_micro_batches
 from pipetransformer.trainer.tasks import ClassificationTask, loss_weights
 
 
@@ -41,8 +40,9 @@ def pipeline_gradients(
     """One step of a K-stage x R-replica pipeline; return this rank's gradients and losses."""
     world = init_distributed("cpu", 60)
     model = build(kind)
-    plan = with_micro_batches(balance(UnitCosts.from_param_counts(model.spec.unit_param_counts, 1 / 6), 0, pipe_len), micro_batches)
-    layout = Layout(plan, world.world_size, world.world_size, dp_degree)
+    plan = balance(UnitCosts.from_param_counts(model.spec.unit_param_counts, 1 / 6), 0, pipe_len)
+    layout = Layout(plan, world.world_size, world.world_size, dp_degree).with_micro_batches(micro_batches)
+    plan = layout.plan
     groups = build_training_groups(layout, world.rank, 60)
     role = layout.role(world.rank)
     units = {u: model.units[u] for u in layout.units_of_rank(world.rank)}
@@ -97,20 +97,22 @@ def gather_state(trainer, include_optimizer: bool = False):
     from pipetransformer.trainer import optim as optim_module
     from pipetransformer.utils.units import param_key, parse_param_key
 
+    stage = trainer.stage
+
     def reporter(unit: int) -> int:  # the lowest rank holding a unit reports it
-        return min(r for r in range(trainer.world.world_size) if unit in trainer.layout.units_of_rank(r))
+        return min(r for r in range(trainer.world.world_size) if unit in stage.layout.units_of_rank(r))
 
     mine, states = {}, {}
-    for index, unit in trainer.units.items():
+    for index, unit in stage.units.items():
         if reporter(index) == trainer.world.rank:
             for name, tensor in unit.state_dict().items():
                 mine[param_key(index, name)] = tensor.detach().cpu().clone()
     if include_optimizer:
-        for name, state in optim_module.states_by_name(trainer.optimizer, trainer._named_params()).items():
+        for name, state in optim_module.states_by_name(stage.optimizer, stage.named_params()).items():
             if reporter(parse_param_key(name)[0]) == trainer.world.rank:
                 states[name] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()}
     gathered = [None] * trainer.world.world_size if trainer.world.rank == 0 else None
-    torch.distributed.gather_object((mine, states), gathered, dst=0, group=trainer.control)
+    torch.distributed.gather_object((mine, states), gathered, dst=0, group=trainer.control.group)
     if trainer.world.rank != 0:
         return None
     model_state, optimizer_state = {}, {}
@@ -133,7 +135,7 @@ def elastic_run(config_dict: dict, run_dir: str, gather_optimizer: bool = False,
         state = gather_state(trainer, include_optimizer=gather_optimizer)
         return {
             "rank": trainer.world.rank,
-            "summary": summary,
+            "summary": summary.to_dict(),
             "transitions": trainer.transitions,
             "state": state,
         }
@@ -145,8 +147,8 @@ def _snapshot(trainer) -> dict:
     """This rank's parameters and optimizer state by global name (exact copies)."""
     from pipetransformer.trainer import optim as optim_module
 
-    named = trainer._named_params()
-    states = optim_module.states_by_name(trainer.optimizer, named)
+    named = trainer.stage.named_params()
+    states = optim_module.states_by_name(trainer.stage.optimizer, named)
     return {
         name: (p.detach().clone(), {k: v.clone() if torch.is_tensor(v) else v for k, v in states.get(name, {}).items()})
         for name, p in named.items()
@@ -162,10 +164,10 @@ def handoff_snapshots(config_dict: dict, run_dir: str, new_frozen: list[int]):
     try:
         trainer.setup()
         trainer.train()
-        snapshots = [(trainer.layout, _snapshot(trainer))]
+        snapshots = [(trainer.stage.layout, _snapshot(trainer))]
         for frozen in new_frozen:
             trainer.transition(frozen)
-            snapshots.append((trainer.layout, _snapshot(trainer)))
+            snapshots.append((trainer.stage.layout, _snapshot(trainer)))
         return snapshots
     finally:
         trainer.cleanup()
@@ -247,10 +249,15 @@ def host_syncs_of_a_step(config_dict: dict, run_dir: str):
 
     try:
         trainer.setup()
-        trainer._start_epoch()
-        trainer._train_step()  # warm: first-step work (buffers, DDP) is not per step
+        ticks = trainer.clock.ticks()
+
+        def step() -> None:
+            tick = next(ticks)
+            trainer.metrics.record(tick, trainer.steps.run(tick, trainer.stage))
+
+        step()  # warm: first-step work (buffers, DDP) is not per step
         with Count():
-            trainer._train_step()
+            step()
         return found
     finally:
         trainer.cleanup()

@@ -9,6 +9,7 @@ and the ranks past them idle.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pipetransformer.autopipe.planner import PipelinePlan
@@ -71,9 +72,6 @@ class Layout:
             return None
         return Role(node * self.replicas_per_node + local_replica, stage, self.pipe_len)
 
-    def node_of_replica(self, replica: int) -> int:
-        return replica // self.replicas_per_node
-
     def pipeline_ranks(self, replica: int) -> list[int]:
         return [self.rank_of(replica, s) for s in range(self.pipe_len)]
 
@@ -88,6 +86,9 @@ class Layout:
         if role.is_first:
             return self.plan.units_of_first_stage_rank()
         return self.plan.stage_units(role.stage)
+
+    def with_micro_batches(self, num_micro_batches: int) -> Layout:
+        return dataclasses.replace(self, plan=dataclasses.replace(self.plan, num_micro_batches=num_micro_batches))
 
     def replica_batch_size(self, global_batch_size: int) -> int:
         return global_batch_size // self.dp_degree

@@ -4,16 +4,16 @@ Owns:
 - the records: `UnitProfile` (per-unit forward / backward / frozen-forward seconds and
   output / saved-for-backward / parameter bytes at one micro-batch size) and micro-batch
   timings (`{M: seconds per step}` for one layout);
-- their signatures: `unit_profile_key` and `micro_batch_key` build explicit key strings
-  from plain values, so a record is reused only for the same model, device, shapes and
-  layout;
+- their signatures: `UnitProfileKey` and `MicroBatchKey` (built by `unit_profile_key` and
+  `micro_batch_key` from plain values) are written as explicit key strings and parsed back
+  here, so a record is reused only for the same model, device, shapes and layout;
 - `ProfileStore`, the versioned JSON file they live in (atomic writes);
 - the conversions the planner needs: `unit_costs_from_profile` (memory: autopipe/memory.py's
   `MemoryModel.from_profile`), and the micro-batch count choice
   (`candidate_micro_batches`, `choose_micro_batches`).
 
 Must not: measure anything, build models or touch torch / torch.distributed. Measuring is
-pipe/profiling.py's job; deciding who measures and who writes the file is the trainer's.
+pipe/measure.py's job; deciding who measures and who writes the file is the trainer's.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,7 @@ class ProfileError(ValueError):
 
 @dataclass(frozen=True)
 class UnitMeasurement:
-    """What one unit costs at one micro-batch size (as measured by pipe/profiling.py)."""
+    """What one unit costs at one micro-batch size (as measured by pipe/measure.py)."""
 
     forward_s: float  # train mode, autograd recording
     backward_s: float  # backward of the output hidden state (weight and input grads)
@@ -152,22 +152,82 @@ def _shapes_text(shapes: Sequence[Sequence[int]]) -> str:
     return ",".join("x".join(str(int(d)) for d in shape) or "scalar" for shape in shapes)
 
 
+def _fields(text: str, kind: str) -> dict[str, str]:
+    """The `name=value` fields of a key string of `kind` ('unit' or 'micro')."""
+    head, *parts = text.split("|")
+    if head != kind or not all("=" in part for part in parts):
+        raise ValueError(f"not a {kind} profile key: {text!r}")
+    return dict(part.split("=", 1) for part in parts)
+
+
+@dataclass(frozen=True)
+class UnitProfileKey:
+    """Signature of a UnitProfile: model signature, device, dtype, micro-batch, input shapes.
+
+    `device` is compared as a plain string: 'cpu', 'cuda', or something more specific (the
+    GPU's name) to keep profiles of different GPUs apart. `str(key)` is the file's key;
+    `parse` reads one back, so no reader splits key strings itself.
+    """
+
+    model: str
+    device: str
+    dtype: str
+    micro_batch_size: int
+    inputs: str  # the input shapes, as _shapes_text writes them
+
+    def __str__(self) -> str:
+        return (
+            f"unit|model={self.model}|device={self.device}|dtype={self.dtype}"
+            f"|micro_batch={self.micro_batch_size}|inputs={self.inputs}"
+        )
+
+    @classmethod
+    def parse(cls, text: str) -> UnitProfileKey:
+        f = _fields(text, "unit")
+        return cls(f["model"], f["device"], f["dtype"], int(f["micro_batch"]), f["inputs"])
+
+
+@dataclass(frozen=True)
+class MicroBatchKey:
+    """Signature of the micro-batch timings of one layout (K, replica batch, schedule, and
+    F when given). The trainer leaves F out: a layout is measured the first time its K and
+    batch are seen, not again at every freeze."""
+
+    model: str
+    device: str
+    dtype: str
+    pipe_len: int
+    replica_batch: int
+    inputs: str
+    schedule: str
+    num_frozen_layers: int | None = None
+
+    def __str__(self) -> str:
+        frozen = "" if self.num_frozen_layers is None else f"|frozen={self.num_frozen_layers}"
+        return (
+            f"micro|model={self.model}|device={self.device}|dtype={self.dtype}"
+            f"|pipe_len={self.pipe_len}|replica_batch={self.replica_batch}|inputs={self.inputs}"
+            f"|schedule={self.schedule}{frozen}"
+        )
+
+    @classmethod
+    def parse(cls, text: str) -> MicroBatchKey:
+        f = _fields(text, "micro")
+        frozen = f.get("frozen")
+        return cls(
+            f["model"], f["device"], f["dtype"], int(f["pipe_len"]), int(f["replica_batch"]),
+            f["inputs"], f["schedule"], None if frozen is None else int(frozen),
+        )
+
+
 def unit_profile_key(
     model: str,
     device_type: str,
     dtype: str,
     micro_batch_size: int,
     input_shapes: Sequence[Sequence[int]],
-) -> str:
-    """Signature of a UnitProfile: model signature, device, dtype, micro-batch, input shapes.
-
-    `device_type` is compared as a plain string: pass 'cpu', 'cuda', or something more
-    specific (e.g. the GPU's name) to keep profiles of different GPUs apart.
-    """
-    return (
-        f"unit|model={model}|device={device_type}|dtype={dtype}"
-        f"|micro_batch={int(micro_batch_size)}|inputs={_shapes_text(input_shapes)}"
-    )
+) -> UnitProfileKey:
+    return UnitProfileKey(model, device_type, dtype, int(micro_batch_size), _shapes_text(input_shapes))
 
 
 def micro_batch_key(
@@ -179,15 +239,10 @@ def micro_batch_key(
     schedule: str,
     num_frozen_layers: int | None = None,
     dtype: str = "float32",
-) -> str:
-    """Signature of the micro-batch timings of one layout (K, replica batch, schedule, and
-    F when given). The trainer leaves F out: a layout is measured the first time its K and
-    batch are seen, as the issue defines it, not again at every freeze."""
-    frozen = "" if num_frozen_layers is None else f"|frozen={int(num_frozen_layers)}"
-    return (
-        f"micro|model={model}|device={device_type}|dtype={dtype}|pipe_len={int(pipe_len)}"
-        f"|replica_batch={int(replica_batch)}|inputs={_shapes_text(input_shapes)}"
-        f"|schedule={schedule}{frozen}"
+) -> MicroBatchKey:
+    return MicroBatchKey(
+        model, device_type, dtype, int(pipe_len), int(replica_batch), _shapes_text(input_shapes),
+        schedule, None if num_frozen_layers is None else int(num_frozen_layers),
     )
 
 
@@ -271,27 +326,34 @@ class ProfileStore:
             for m, seconds in timings.items():
                 own.setdefault(m, seconds)
 
-    def unit_profile(self, key: str) -> UnitProfile | None:
-        return self._unit_profiles.get(key)
+    def unit_profile(self, key: str | UnitProfileKey) -> UnitProfile | None:
+        return self._unit_profiles.get(str(key))
 
-    def put_unit_profile(self, key: str, profile: UnitProfile) -> None:
-        self._unit_profiles[key] = profile
+    def put_unit_profile(self, key: str | UnitProfileKey, profile: UnitProfile) -> None:
+        self._unit_profiles[str(key)] = profile
 
-    def micro_batch_timings(self, key: str) -> dict[int, float]:
+    def micro_batch_timings(self, key: str | MicroBatchKey) -> dict[int, float]:
         """Seconds per step by M for this layout; empty when never measured."""
-        return dict(self._micro_batch_timings.get(key, {}))
+        return dict(self._micro_batch_timings.get(str(key), {}))
 
-    def put_micro_batch_timings(self, key: str, timings: Mapping[int, float]) -> None:
+    def put_micro_batch_timings(self, key: str | MicroBatchKey, timings: Mapping[int, float]) -> None:
         """Add (or replace) the timings of some M; timings of other M are kept."""
         for m, seconds in timings.items():
             if int(m) < 1 or not (math.isfinite(seconds) and seconds >= 0):
                 raise ValueError(f"bad micro-batch timing {m}: {seconds}")
-        self._micro_batch_timings.setdefault(key, {}).update(
+        self._micro_batch_timings.setdefault(str(key), {}).update(
             {int(m): float(s) for m, s in timings.items()}
         )
 
     def keys(self) -> list[str]:
         return sorted([*self._unit_profiles, *self._micro_batch_timings])
+
+    def unit_profile_keys(self) -> list[UnitProfileKey]:
+        """The keys of the unit profiles held (those written by this code's key builder)."""
+        return [UnitProfileKey.parse(k) for k in sorted(self._unit_profiles) if k.startswith("unit|")]
+
+    def micro_batch_keys(self) -> list[MicroBatchKey]:
+        return [MicroBatchKey.parse(k) for k in sorted(self._micro_batch_timings) if k.startswith("micro|")]
 
 
 def _payload(units: Mapping[str, UnitProfile], micro: Mapping[str, Mapping[int, float]]) -> dict[str, Any]:
@@ -300,46 +362,6 @@ def _payload(units: Mapping[str, UnitProfile], micro: Mapping[str, Mapping[int, 
         "unit_profiles": {k: units[k].to_dict() for k in sorted(units)},
         "micro_batch_timings": {k: {str(m): micro[k][m] for m in sorted(micro[k])} for k in sorted(micro)},
     }
-
-
-def get_or_measure_unit_profile(
-    store: ProfileStore, key: str, measure: Callable[[], UnitProfile], save: bool = True
-) -> UnitProfile:
-    """The stored profile under `key`, or `measure()` stored (and saved when `save`)."""
-    profile = store.unit_profile(key)
-    if profile is not None:
-        logger.info("reusing unit profile %s from %s", key, store.path)
-        return profile
-    profile = measure()
-    store.put_unit_profile(key, profile)
-    if save:
-        store.save()
-    return profile
-
-
-def get_or_measure_micro_batches(
-    store: ProfileStore,
-    key: str,
-    candidates: Iterable[int],
-    measure: Callable[[int], float],
-    save: bool = True,
-) -> dict[int, float]:
-    """Seconds per step for every candidate M; only the M the store lacks are measured.
-
-    Every rank of a layout must call this with the same store contents, because `measure`
-    runs collective pipeline steps: load the file once and share it, or broadcast.
-    """
-    timings = store.micro_batch_timings(key)
-    missing = [m for m in candidates if m not in timings]
-    if not missing:
-        logger.info("reusing micro-batch timings %s from %s", key, store.path)
-    for m in missing:
-        timings[m] = measure(m)
-    if missing:
-        store.put_micro_batch_timings(key, {m: timings[m] for m in missing})
-        if save:
-            store.save()
-    return {m: timings[m] for m in candidates}
 
 
 # ----------------------------------------------------------------------------- conversions

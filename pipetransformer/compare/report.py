@@ -13,6 +13,7 @@ from typing import Any
 from pipetransformer.compare.ideal import StepLayout, ideal_speedup, segments_from_run
 from pipetransformer.trainer.records import (
     EpochMetrics,
+    RunSummary,
     StartEvent,
     TransitionEvent,
     event_from_dict,
@@ -39,7 +40,7 @@ def read_run(run_dir: Path) -> dict[str, Any]:
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         raise FileNotFoundError(f"{summary_path} is missing: the run did not finish")
-    summary = json.loads(summary_path.read_text())
+    summary = RunSummary.from_dict(json.loads(summary_path.read_text()))
     metrics = [EpochMetrics.from_dict(m) for m in read_jsonl(run_dir / "metrics.jsonl")]
     events = [event_from_dict(e) for e in read_jsonl(run_dir / "events.jsonl")]
     transitions = [e for e in events if isinstance(e, TransitionEvent)]
@@ -48,10 +49,10 @@ def read_run(run_dir: Path) -> dict[str, Any]:
     comm = sum(m.ddp_comm_s for m in metrics)
     return {
         "run_dir": str(run_dir),
-        "wall_time_s": summary["wall_time_s"],
-        "final_eval_metric": summary["final_eval_metric"],
-        "best_eval_metric": summary["best_eval_metric"],
-        "metric_name": summary.get("metric_name", "eval_metric"),
+        "wall_time_s": summary.wall_time_s,
+        "final_eval_metric": summary.final_eval_metric,
+        "best_eval_metric": summary.best_eval_metric,
+        "metric_name": summary.metric_name,
         "samples_per_s": [m.samples_per_s for m in metrics],
         "epoch_time_s": [m.epoch_time_s for m in metrics],
         "eval_time_s": sum(m.eval_time_s for m in metrics),

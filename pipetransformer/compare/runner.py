@@ -69,13 +69,34 @@ def machine_description(config: Config) -> str:
 def measured_unit_costs(config: Config) -> dict[str, list[float]] | None:
     """Per-unit forward+backward and forward-only seconds at the run's micro-batch size,
     measured in this process (the ideal speedup needs times, not parameter counts)."""
-    from pipetransformer.trainer.planning import measure_model_costs
-
     try:
         return measure_model_costs(config)
     except Exception as exc:  # the report stays useful without the ideal figure
         logger.warning("could not measure unit costs for the ideal speedup: %s", exc)
         return None
+
+
+def measure_model_costs(config: Config) -> dict[str, list[float]]:
+    """Per-unit seconds (trained: forward + backward; frozen: forward only) of the config's
+    model at the baseline layout's micro-batch size, measured in this process."""
+    from pipetransformer.models import build_model
+    from pipetransformer.pipe.measure import measure_unit_costs
+    from pipetransformer.planning import (
+        describe_model,
+        model_build_args,
+        profiling_micro_batch_size,
+    )
+
+    spec = describe_model(config)
+    micro = profiling_micro_batch_size(config)
+    model = build_model(config.model, **model_build_args(config))
+    measured = measure_unit_costs(dict(enumerate(model.units)), spec, micro, "cpu")
+    units = range(spec.num_units)
+    return {
+        "trained": [measured[u].forward_s + measured[u].backward_s for u in units],
+        "frozen": [measured[u].frozen_forward_s for u in units],
+        "micro_batch_size": micro,
+    }
 
 
 def run_compare(

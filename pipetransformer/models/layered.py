@@ -104,9 +104,6 @@ class LayeredModel(nn.Module):
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         return UnitSequence(list(self.units), frozen=[False] * len(self.units))(*inputs)
 
-    def take_units(self, indices: Sequence[int]) -> dict[int, nn.Module]:
-        return {i: self.units[i] for i in indices}
-
 
 def unit_param_names(unit: nn.Module, unit_index: int) -> dict[str, nn.Parameter]:
     """Parameters of a unit under their global names (`param_key`, stable across ranks)."""

@@ -5,10 +5,10 @@ data group (active parameters only), the PipelineStage with declared shapes, the
 and the frozen prefix that the first stage runs as input preprocessing.
 Must not: create process groups, choose layouts, or move state between ranks.
 
-Facts this rests on (see PYTORCH_NOTES.md): shapes are declared, because DDP with
-inferred shapes crashes; the stage module handed to PipelineStage *is* the DDP module, so
-the schedule syncs gradients once per step; DDP never sees a frozen parameter; a stage
-with nothing to train is not wrapped in DDP.
+Facts this rests on (measured on torch 2.14; re-check them on another release): shapes are
+declared, because DDP with inferred shapes crashes; the stage module handed to
+PipelineStage *is* the DDP module, so the schedule syncs gradients once per step; DDP never
+sees a frozen parameter; a stage with nothing to train is not wrapped in DDP.
 """
 
 from __future__ import annotations

@@ -5,15 +5,15 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
 
 from pipetransformer.config import Config
+from pipetransformer.trainer.records import RunSummary
 from pipetransformer.trainer.rundir import RunOptions
 
 logger = logging.getLogger(__name__)
 
 
-def run_worker(config: Config, run_dir: str | Path, options: RunOptions | None = None) -> dict[str, Any]:
+def run_worker(config: Config, run_dir: str | Path, options: RunOptions | None = None) -> RunSummary:
     """One rank's whole run: setup, train, cleanup (also after a failure or a stop).
     Raises RunStopped when a stop signal ended the run after a checkpoint."""
     from pipetransformer.trainer.trainer import Trainer

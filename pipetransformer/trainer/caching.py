@@ -14,17 +14,17 @@ import logging
 import os
 import statistics
 import time
-from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from pipetransformer.autocache import CacheClient, CacheDaemon, default_memory_budget
 from pipetransformer.autopipe.planner import UnitCosts
 from pipetransformer.config import Config, ConfigError
 from pipetransformer.data import DataBundle
 from pipetransformer.models import ModelSpec
+from pipetransformer.trainer.control import Control
+from pipetransformer.trainer.records import CacheCounters
 from pipetransformer.utils.units import prefix_end
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class RunCache:
         spec: ModelSpec,
         data: DataBundle,
         world,
-        control,
+        control: Control,
         read_s_per_sample: float | None = None,
     ) -> None:
         """`read_s_per_sample`: the read time an earlier attempt of the run measured (a
@@ -62,8 +62,7 @@ class RunCache:
         self.world = world
         self.control = control
         self.daemon: CacheDaemon | None = None
-        pids: list[Any] = [None] * world.world_size
-        dist.all_gather_object(pids, os.getpid(), group=control)
+        pids = control.all_gather(os.getpid())
         node_ranks = range(world.node * world.devices_per_node, (world.node + 1) * world.devices_per_node)
         if world.rank == node_ranks[0]:
             specs = list(spec.activation_specs)
@@ -78,8 +77,7 @@ class RunCache:
             started = {"node": world.node, "rank": world.rank, "daemon_pid": self.daemon.pid, "address": self.daemon.address}
         else:
             started = None
-        gathered: list[Any] = [None] * world.world_size
-        dist.all_gather_object(gathered, started, group=control)
+        gathered = control.all_gather(started)
         # One daemon per node (what the run's start event reports).
         self.daemons = [{k: v for k, v in e.items() if k != "address"} for e in gathered if e is not None]
         # cache.prefetch_batches of the largest batch a replica of this node can read.
@@ -100,9 +98,7 @@ class RunCache:
             self.client.read("train", ids)
             times.append(time.perf_counter() - start)
         self.client.reset_stats()
-        mean = torch.tensor([statistics.median(times) / rows], dtype=torch.float64)
-        dist.all_reduce(mean, group=self.control)
-        return float(mean) / self.world.world_size
+        return self.control.sum(statistics.median(times) / rows) / self.world.world_size
 
     def profitable(self, num_frozen_layers: int, costs: UnitCosts, micro_batch_size: int) -> bool:
         """Does reading beat recomputing the frozen prefix? (`costs` measured, in seconds
@@ -121,34 +117,32 @@ class RunCache:
         """The frozen prefix's cost on stage 0 when it is read from the cache."""
         return self.read_s_per_sample * micro_batch_size
 
-    def epoch_metrics(self) -> dict[str, float]:
+    def epoch_counters(self) -> CacheCounters:
         """This epoch's counters, summed over all ranks (collective); resets them."""
         stats = self.client.stats()
         self.client.reset_stats()
         holds_node_totals = self.world.rank % self.world.devices_per_node == 0
         counts = self.counts
-        values = torch.tensor(
+        values = self.control.all_sum(
             [
                 counts["hits"], counts["misses"], counts["upgrades"], stats.bytes_read, stats.read_seconds,
                 stats.bytes_in_memory if holds_node_totals else 0, stats.bytes_on_disk if holds_node_totals else 0,
-            ],
-            dtype=torch.float64,
+            ]
         )
-        dist.all_reduce(values, group=self.control)
         by_rank = torch.zeros(self.world.world_size, dtype=torch.float64)
         by_rank[self.world.rank] = counts["hits"]
-        dist.all_reduce(by_rank, group=self.control)
+        by_rank = self.control.all_sum(by_rank)
         self.counts.update(hits=0, upgrades=0, misses=0)
         hits, misses, upgrades, bytes_read, read_s, in_memory, on_disk = values.tolist()
-        return {
-            "cache_hits_by_rank": [int(h) for h in by_rank.tolist()],
-            "cache_hits": int(hits),
-            "cache_misses": int(misses),
-            "cache_upgrades": int(upgrades),
-            "cache_bytes_in_memory": int(in_memory),
-            "cache_bytes_on_disk": int(on_disk),
-            "cache_read_mb_per_s": bytes_read / read_s / 1e6 if read_s > 0 else 0.0,
-        }
+        return CacheCounters(
+            cache_hits=int(hits),
+            cache_misses=int(misses),
+            cache_upgrades=int(upgrades),
+            cache_bytes_in_memory=int(in_memory),
+            cache_bytes_on_disk=int(on_disk),
+            cache_read_mb_per_s=bytes_read / read_s / 1e6 if read_s > 0 else 0.0,
+            cache_hits_by_rank=[int(h) for h in by_rank.tolist()],
+        )
 
     def close(self) -> None:
         self.client.close()

@@ -1,9 +1,11 @@
 """Checkpoints: sharded with torch.distributed.checkpoint (DCP), loadable at any layout.
 
 A checkpoint is a directory `RUN_DIR/checkpoints/step-<global step>/` holding DCP's files
-and two small ones written by rank 0: `run_state.json` (the RunState, the resolved config,
-the model's unit names) and `profiles.json` (what the profilers had measured). Tensors are
-keyed by name, not by rank or layout:
+and two small ones written by rank 0: `run_state.json` (a CheckpointRecord: the RunState,
+the resolved config, the model's unit names) and `profiles.json` (what the profilers had
+measured). What goes in is handed over as Stateful objects (trainer/state.py); `save` and
+`load` treat them alike: tensors go through DCP, anything else into run_state.json. Tensors
+are keyed by name, not by rank or layout:
 
     model/units.<u>.<name>                   every parameter and buffer of unit u
     optim/units.<u>.<name>/<state>           optimizer state of a trained parameter
@@ -22,8 +24,8 @@ no `step-N/` or a complete one; `find_checkpoint` never picks a `.tmp-` director
 without run_state.json, and leftovers of an interrupted write are removed at the next
 start.
 
-Owns: the directory layout, the keys, writing and reading. Must not: decide when to
-checkpoint (the trainer asks `due`) or what the state means.
+Owns: the directory layout, writing and reading, and when a checkpoint is due. Must not:
+know what the state means (the statefuls do).
 """
 
 from __future__ import annotations
@@ -40,10 +42,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from pipetransformer.config import CheckpointConfig
+from pipetransformer.trainer.clock import Tick
+from pipetransformer.trainer.control import Control
+from pipetransformer.trainer.state import CheckpointRecord, Stateful
 from pipetransformer.utils.files import write_json_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
@@ -52,18 +56,6 @@ CHECKPOINTS = "checkpoints"
 RUN_STATE = "run_state.json"
 PROFILES = "profiles.json"
 _NAME = re.compile(r"^step-(\d{8,})$")
-
-
-def model_key(param_key: str) -> str:
-    return f"model/{param_key}"
-
-
-def optimizer_key(param_key: str, state_name: str) -> str:
-    return f"optim/{param_key}/{state_name}"
-
-
-def rng_key(rank: int, stream: str) -> str:
-    return f"rng/rank{rank}/{stream}"
 
 
 def checkpoint_name(global_step: int) -> str:
@@ -105,11 +97,11 @@ def find_checkpoint(run_dir: str | os.PathLike, which: str = "latest") -> Path |
     return complete[-1] if complete else None
 
 
-def read_run_state(path: Path) -> dict[str, Any]:
-    """A checkpoint's run_state.json: {"state": ..., "config": ..., "model": ..., ...}."""
+def read_run_state(path: Path) -> CheckpointRecord:
+    """A checkpoint's run_state.json as its record (ValueError naming the file if unreadable)."""
     try:
-        return json.loads((path / RUN_STATE).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        return CheckpointRecord.from_dict(json.loads((path / RUN_STATE).read_text()))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
         raise ValueError(f"{path / RUN_STATE}: not a readable run state ({exc})") from exc
 
 
@@ -121,19 +113,6 @@ def stored_tensors(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
         if hasattr(entry, "size"):
             found[key] = (entry.size, entry.properties.dtype)
     return found
-
-
-def load_tensors(path: Path, destinations: dict[str, torch.Tensor], process_group=None) -> None:
-    """Fill `destinations` (key -> tensor, written in place) from the checkpoint. Collective
-    over `process_group` when torch.distributed is initialised; every key must exist."""
-    if not destinations and not dist.is_initialized():
-        return
-    dcp.load(
-        destinations,
-        storage_reader=dcp.FileSystemReader(str(path)),
-        process_group=process_group,
-        no_dist=not dist.is_initialized(),
-    )
 
 
 def remove_interrupted_writes(run_dir: str | os.PathLike) -> list[Path]:
@@ -158,54 +137,69 @@ class SavedCheckpoint:
 
 
 class Checkpointer:
-    """Writes a run's checkpoints on every rank (collective) and keeps the newest few."""
+    """Writes a run's checkpoints on every rank (collective), keeps the newest few, and
+    loads one into the statefuls a rank holds."""
 
-    def __init__(self, config: CheckpointConfig, run_dir: Path, rank: int, group) -> None:
+    def __init__(self, config: CheckpointConfig, run_dir: Path, control: Control, save_final: bool = False) -> None:
         self.config = config
         self.root = checkpoints_dir(run_dir)
-        self.rank = rank
-        self.group = group
+        self.control = control
+        self.save_final = save_final  # also after the last step (for an export)
         self.last_step: int | None = None  # global step of the newest checkpoint written or loaded
 
-    def due(self, *, epoch_end: bool, completed_epochs: int, global_step: int) -> bool:
-        """Whether a checkpoint is due now (after `global_step` steps)."""
-        if self.last_step == global_step:
+    @property
+    def last_path(self) -> Path | None:
+        return None if self.last_step is None else self.root / checkpoint_name(self.last_step)
+
+    def due(self, tick: Tick) -> bool:
+        """Whether a checkpoint is due after the step of `tick`."""
+        if self.last_step == tick.global_step:
             return False
         every_steps = self.config.interval_steps
-        if every_steps is not None and global_step % every_steps == 0:
+        if every_steps is not None and tick.global_step % every_steps == 0:
             return True
         every_epochs = self.config.interval_epochs
-        return epoch_end and every_epochs > 0 and completed_epochs % every_epochs == 0
+        if tick.epoch_end and every_epochs > 0 and tick.completed_epochs % every_epochs == 0:
+            return True
+        return self.save_final and tick.last
 
     def save(
         self,
         global_step: int,
-        tensors: Mapping[str, torch.Tensor],
-        run_state: dict[str, Any],
+        statefuls: Mapping[str, Stateful],
+        reason: str,
         eval_metric: float | None,
         write_extra: Callable[[Path], None] | None = None,
     ) -> SavedCheckpoint:
-        """Write a checkpoint of `global_step`. Collective: every rank, its own tensors.
-        `write_extra(directory)`: rank 0 adds its own files (e.g. the profiles)."""
+        """Write a checkpoint of `global_step`. Collective: every rank, its own statefuls, in
+        the same order. `write_extra(directory)`: rank 0 adds its own files (the profiles)."""
         start = time.perf_counter()
+        tensors: dict[str, torch.Tensor] = {}
+        record: dict[str, Any] = {}
+        for stateful in statefuls.values():
+            for key, value in stateful.state_dict().items():
+                (tensors if isinstance(value, torch.Tensor) else record)[key] = value
+        record["reason"] = reason
+        rank0 = self.control.rank == 0
         name = checkpoint_name(global_step)
         final = self.root / name
         staging = self.root / f".tmp-{name}"
-        if self.rank == 0:
+        if rank0:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
-        dist.barrier(group=self.group)
+        self.control.barrier()
         dcp.save(
-            dict(tensors),
+            tensors,
             storage_writer=dcp.FileSystemWriter(str(staging), sync_files=True),
-            process_group=self.group,
+            process_group=self.control.group,
+            no_dist=self.control.group is None,
         )
-        dist.barrier(group=self.group)  # every rank's files are written
+        self.control.barrier()  # every rank's files are written
         size = 0
-        if self.rank == 0:
+        if rank0:
             if write_extra is not None:
                 write_extra(staging)
-            write_json_atomic(staging / RUN_STATE, run_state)  # last: marks the files complete
+            write_json_atomic(staging / RUN_STATE, record)  # last: marks the files complete
             size = sum(p.stat().st_size for p in staging.iterdir() if p.is_file())
             if final.exists():  # the same step again (e.g. written before a crash): replace it
                 shutil.rmtree(final)
@@ -215,11 +209,45 @@ class Checkpointer:
             if eval_metric is not None and self.config.keep_best:
                 self._update_best(name, eval_metric)
             self._prune()
-        dist.barrier(group=self.group)
+        self.control.barrier()
         self.last_step = global_step
         seconds = time.perf_counter() - start
         logger.info("checkpoint %s written in %.2f s", final, seconds)
         return SavedCheckpoint(final, seconds, size)
+
+    def load(self, path: Path, statefuls: Mapping[str, Stateful]) -> None:
+        """Fill `statefuls` from the checkpoint at `path` (collective): each gets the keys of
+        its `state_dict()` that the checkpoint has, tensors loaded in place."""
+        wanted: dict[str, dict[str, Any]] = {name: s.state_dict() for name, s in statefuls.items()}
+        stored = stored_tensors(path)
+        record = None
+        tensors: dict[str, torch.Tensor] = {}
+        for values in wanted.values():
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor):
+                    if key in stored:
+                        tensors[key] = value
+                elif record is None:
+                    record = json.loads((path / RUN_STATE).read_text())
+        if self.control.all_max([len(tensors)])[0] > 0:  # the same answer on every rank
+            with torch.no_grad():
+                dcp.load(
+                    tensors,
+                    storage_reader=dcp.FileSystemReader(str(path)),
+                    process_group=self.control.group,
+                    no_dist=self.control.group is None,
+                )
+        for name, stateful in statefuls.items():
+            loaded = {}
+            for key, value in wanted[name].items():
+                if isinstance(value, torch.Tensor):
+                    if key in tensors:
+                        loaded[key] = tensors[key]
+                elif record is not None and key in record:
+                    loaded[key] = record[key]
+            stateful.load_state_dict(loaded)
+        if record is not None:
+            self.last_step = CheckpointRecord.from_dict(record).state.global_step
 
     def _update_best(self, name: str, eval_metric: float) -> None:
         path = self.root / "best.json"

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pipetransformer.config import World
+
 logger = logging.getLogger(__name__)
 
 
@@ -29,6 +31,11 @@ class WorldInfo:
     @property
     def num_nodes(self) -> int:
         return self.world_size // self.devices_per_node
+
+    @property
+    def shape(self) -> World:
+        """What the config's `auto` settings are resolved against."""
+        return World(self.world_size, self.devices_per_node, self.device.type)
 
 
 def _env_int(name: str, default: int | None = None) -> int:

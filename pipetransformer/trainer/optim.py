@@ -79,6 +79,25 @@ def load_states_by_name(
             }
 
 
+def materialize_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the state the optimizer makes at its first step, without changing a parameter:
+    a step with zero gradients at learning rate 0 (torch.distributed.checkpoint does the same
+    before loading into an optimizer). Only for a load, which then overwrites every entry:
+    Adam's step count would otherwise start at 1."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if optimizer.state or any(p.grad is not None for p in params):
+        return
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    optimizer.zero_grad(set_to_none=True)
+
+
 def set_learning_rate(optimizer: torch.optim.Optimizer | None, lr: float) -> None:
     if optimizer is not None:
         for group in optimizer.param_groups:

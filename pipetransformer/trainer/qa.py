@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pipetransformer.data.squad_metric import postprocess_predictions, squad_evaluate
+from pipetransformer.trainer.control import Control
+from pipetransformer.trainer.records import EvalResult
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +65,15 @@ class QuestionAnsweringAccumulator:
         self.logits.append(logits.detach()[rows].float().cpu().numpy())
         self.feature_ids.extend(int(ids[row]) for row in keep)
 
-    def reduce(self, group: dist.ProcessGroup | None) -> dict[str, float]:
-        """Collective over `group`: every rank calls it and gets the same scores."""
+    def reduce(self, control: Control) -> EvalResult:
+        """Collective: every rank calls it and gets the same scores."""
+        group = control.group
         mine = (
             np.asarray(self.feature_ids, dtype=np.int64),
             np.concatenate(self.logits) if self.logits else None,
         )
+        if group is None:  # one process
+            return self._score([mine])
         is_root = dist.get_rank(group) == 0
         gathered: list[Any] | None = [None] * dist.get_world_size(group) if is_root else None
         dist.gather_object(mine, gathered, group=group, group_dst=0)
@@ -83,7 +88,7 @@ class QuestionAnsweringAccumulator:
             raise result[0]
         return result[0]
 
-    def _score(self, gathered: list[tuple[np.ndarray, np.ndarray | None]]) -> dict[str, float]:
+    def _score(self, gathered: list[tuple[np.ndarray, np.ndarray | None]]) -> EvalResult:
         feature_ids = np.concatenate([ids for ids, _ in gathered])
         parts = [logits for _, logits in gathered if logits is not None]
         if feature_ids.size == 0:
@@ -112,11 +117,7 @@ class QuestionAnsweringAccumulator:
             max_answer_length=self.max_answer_length,
         )
         scores = squad_evaluate({e["id"]: e["answers"] for e in examples}, predictions)
-        return {
-            "eval_metric": scores["f1"],
-            "exact_match": scores["exact_match"],
-            "eval_samples": len(examples),
-        }
+        return EvalResult(eval_metric=scores["f1"], eval_samples=len(examples), exact_match=scores["exact_match"])
 
 
 class QuestionAnsweringTask:

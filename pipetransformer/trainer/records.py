@@ -1,6 +1,13 @@
 """The records a run writes, as types shared by their writer (the trainer) and their readers
-(`compare`, resume, tests): one line of metrics.jsonl per epoch, of steps.jsonl per logged
-step, and of events.jsonl per event (transition, profiling, checkpoint, resume, start).
+(`compare`, resume, export, tests): one line of metrics.jsonl per epoch, of steps.jsonl per
+logged step, and of events.jsonl per event (transition, profiling, checkpoint, resume,
+start); summary.json at the end; and the values that make up an epoch's line (evaluation
+results, cache counters).
+
+Epochs are counted as each file has always counted them: a line of metrics.jsonl or
+steps.jsonl names its epoch 1-based (`epoch`), an event the 0-based epoch it happened in,
+a checkpoint the epochs completed before it. All of them come from the trainer's one clock
+(trainer/clock.py).
 
 Each record is a dataclass; `to_dict` is what goes on disk, `from_dict` reads it back
 (fields a record of an older run lacks take their defaults, unknown keys are ignored), so
@@ -25,6 +32,49 @@ class Record:
     def from_dict(cls: type[T], data: dict[str, Any]) -> T:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class EvalResult(Record):
+    """One evaluation of the whole eval set, the same on every rank."""
+
+    eval_metric: float  # accuracy, or F1 for question answering
+    eval_samples: int
+    eval_loss: float | None = None
+    exact_match: float | None = None  # question answering
+
+
+@dataclass
+class CacheCounters(Record):
+    """AutoCache over one epoch, summed over every rank."""
+
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cache_upgrades: int = 0
+    cache_bytes_in_memory: int = 0
+    cache_bytes_on_disk: int = 0
+    cache_read_mb_per_s: float = 0.0
+    cache_hits_by_rank: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RunSummary(Record):
+    """summary.json: how a run ended (over all its attempts)."""
+
+    wall_time_s: float
+    attempts: int
+    final_eval_metric: float | None
+    best_eval_metric: float | None
+    epochs: int
+    global_steps: int
+    num_transitions: int
+    final_num_frozen_layers: int
+    final_pipe_len: int
+    final_dp_degree: int
+    world_size: int
+    device: str
+    checkpoint: str | None
+    metric_name: str = "eval_metric"  # what eval_metric measures (summaries of old runs lack it)
 
 
 @dataclass

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipetransformer.trainer.records import EpochMetrics, Event, StepMetrics
+from pipetransformer.trainer.records import EpochMetrics, Event, RunSummary, StepMetrics
 from pipetransformer.utils.files import append_jsonl, write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -127,11 +127,12 @@ class Reporter:
         if self.enabled:
             append_jsonl(self.run_dir / "events.jsonl", record.to_dict())
 
-    def summary(self, record: dict[str, Any]) -> None:
+    def summary(self, record: RunSummary) -> None:
         if self.enabled:
-            write_json_atomic(self.run_dir / "summary.json", record)
+            values = record.to_dict()
+            write_json_atomic(self.run_dir / "summary.json", values)
             if self._wandb is not None:
-                self._wandb.summary.update(_numbers(record, skip=()))
+                self._wandb.summary.update(_numbers(values, skip=()))
 
     def close(self) -> None:
         self.end_epoch()

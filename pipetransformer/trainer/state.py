@@ -1,27 +1,48 @@
-"""The trainer's state: everything that must survive a crash besides weights and optimizer
-state, as one explicit record.
+"""Everything a checkpoint holds, as objects the checkpointer saves and loads the same way.
 
-`RunState` holds plain values only (JSON in a checkpoint's run_state.json): where the run
-is (epoch, step inside it, global step), what the freeze decider has accumulated since its
-last decision, the frozen boundary and the layout it was in (a hint: the layout is planned
-again for the world that resumes), the partial sums of the epoch in progress, the eval
-metrics so far, and how many attempts the run has taken. Values that live on a device
-during training (per-unit gradient norms, the epoch's loss) are reduced over the ranks
-before they are written here, so the record means the same at any world size.
+`RunState` holds plain values only: where the run is (epoch, step inside it, global step),
+what the freeze decider has gathered since its last decision, the frozen boundary and the
+layout it was in (a hint: the layout is planned again for the world that resumes), the
+partial sums of the epoch in progress, the eval metrics so far, and how many attempts the
+run has taken. Values that live on a device during training (per-unit gradient norms, the
+epoch's loss) are reduced over the ranks before they are written, so the record means the
+same at any world size. A checkpoint's `run_state.json` is a `CheckpointRecord`: the run
+state, the resolved config, what the model was built from, when and why.
 
-Per-rank RNG streams are tensors and travel in the checkpoint's tensor files (see
-checkpoint.py); `rng_state` / `set_rng_state` read and restore them.
+The checkpointer is handed `Stateful` objects (torch.distributed.checkpoint's protocol:
+`state_dict()` and `load_state_dict()`), one per kind of state, and treats them alike:
+
+    RunRecordState  the CheckpointRecord                       -> run_state.json
+    UnitWeights     every parameter and buffer of this rank's units     model/...
+    OptimizerState  the optimizer state of its trained parameters       optim/...
+    RngState        its random streams                                  rng/rank<r>/...
+
+`state_dict()` gives what to save and, on load, the tensors to fill in place; calling it
+changes nothing a run can observe (the optimizer's lazily created state is made up front
+only on a load, as torch.distributed.checkpoint does). `load_state_dict()` gets the keys
+the checkpoint had.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
+
+from pipetransformer.trainer import optim
+from pipetransformer.utils.units import param_key
 
 STATE_VERSION = 1
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 @dataclass
@@ -36,7 +57,7 @@ class RunState:
     world_size: int = 0
     devices_per_node: int = 0
     # Freeze decider: decision points so far, and what the current interval has gathered:
-    # per unit, summed squared gradient norms reduced over replicas (as layer_grad_norms
+    # per unit, summed squared gradient norms reduced over replicas (as the freeze signal
     # reduces them) and the number of steps summed.
     decision_index: int = 0
     # freeze.interval_steps 'auto': the fewest steps between decisions transition costs allow.
@@ -71,18 +92,153 @@ class RunState:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
-def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class ModelRecord:
+    """What a checkpoint's model was: its units, and what export rebuilds it from."""
+
+    unit_names: list[str]
+    unit_param_counts: list[int]
+    build_args: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """A checkpoint's run_state.json, read back as types."""
+
+    state: RunState
+    config: dict[str, Any]  # the resolved config (config_from_dict reads it)
+    model: ModelRecord
+    time: float = 0.0  # unix time of the write
+    reason: str = ""  # 'epoch', 'steps', 'final' or the signal that stopped the run
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "state": self.state.to_dict(),
+            "config": self.config,
+            "model": dataclasses.asdict(self.model),
+            "time": self.time,
+            "reason": self.reason,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CheckpointRecord:
+        model = data.get("model", {})
+        return cls(
+            state=RunState.from_dict(data["state"]),
+            config=data["config"],
+            model=ModelRecord(
+                list(model.get("unit_names", [])), list(model.get("unit_param_counts", [])),
+                dict(model.get("build_args", {})),
+            ),
+            time=float(data.get("time", 0.0)),
+            reason=str(data.get("reason", "")),
+        )
+
+
+# ----------------------------------------------------------------------------- statefuls
+
+
+class RunRecordState:
+    """The run's CheckpointRecord (run_state.json). To save, hand it the record of the run
+    as a checkpoint must hold it (the trainer reduces the partial sums first); to load, one
+    without a record: `record` is set from the file."""
+
+    KEYS = ("state", "config", "model", "time")
+
+    def __init__(self, record: CheckpointRecord | None = None) -> None:
+        self.record = record
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.record is None:
+            return dict.fromkeys(self.KEYS)
+        return {key: value for key, value in self.record.to_dict().items() if key in self.KEYS}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.record = CheckpointRecord.from_dict(state_dict)
+
+
+def model_key(name: str) -> str:
+    return f"model/{name}"
+
+
+def optimizer_key(name: str, entry: str) -> str:
+    return f"optim/{name}/{entry}"
+
+
+def rng_key(rank: int, stream: str) -> str:
+    return f"rng/rank{rank}/{stream}"
+
+
+class UnitWeights:
+    """Every parameter and buffer of the units this rank holds, by global name (buffers
+    include non-persistent ones: a resumed unit is materialised without initialisation)."""
+
+    def __init__(self, units: Mapping[int, nn.Module]) -> None:
+        self.units = units
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        tensors = {}
+        for index, unit in self.units.items():
+            for name, param in unit.named_parameters():
+                tensors[model_key(param_key(index, name))] = param.detach()
+            for name, buffer in unit.named_buffers():
+                tensors[model_key(param_key(index, name))] = buffer
+        return tensors
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        missing = sorted(set(self.state_dict()) - set(state_dict))
+        if missing:
+            raise KeyError(f"no {missing[0]} ({len(missing)} tensors missing): it was written for another model")
+
+
+class OptimizerState:
+    """The optimizer state of this rank's trained parameters, by parameter name."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None, named_params: Mapping[str, nn.Parameter]) -> None:
+        self.optimizer = optimizer
+        self.named_params = named_params
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        if self.optimizer is not None and not self.optimizer.state:
+            optim.materialize_state(self.optimizer)  # a load before the first step
+        tensors = {}
+        for name, entries in optim.states_by_name(self.optimizer, self.named_params).items():
+            for entry, value in entries.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[optimizer_key(name, entry)] = value
+        return tensors
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Loaded in place; a parameter the checkpoint had no state for goes back to none
+        (as before its first step)."""
+        if self.optimizer is None:
+            return
+        loaded = {key.split("/")[1] for key in state_dict}
+        for name, param in self.named_params.items():
+            if name not in loaded:
+                self.optimizer.state.pop(param, None)
+
+
+class RngState:
     """This process's random streams: the CPU generator and, on a GPU, the device's."""
-    states = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(device)
-    return states
 
+    def __init__(self, rank: int, device: torch.device) -> None:
+        self.rank = rank
+        self.device = device
 
-def set_rng_state(states: dict[str, torch.Tensor], device: torch.device) -> None:
-    torch.set_rng_state(states["cpu"].cpu())
-    if device.type == "cuda" and "cuda" in states:
-        torch.cuda.set_rng_state(states["cuda"].cpu(), device)
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        states = {rng_key(self.rank, "cpu"): torch.get_rng_state()}
+        if self.device.type == "cuda":
+            states[rng_key(self.rank, "cuda")] = torch.cuda.get_rng_state(self.device)
+        return states
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        cpu = state_dict.get(rng_key(self.rank, "cpu"))
+        if cpu is not None:
+            torch.set_rng_state(cpu.cpu())
+        cuda = state_dict.get(rng_key(self.rank, "cuda"))
+        if cuda is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(cuda.cpu(), self.device)
 
 
 def reseed(seed: int, rank: int, global_step: int) -> None:

@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+
+from pipetransformer.trainer.control import Control
+from pipetransformer.trainer.records import EvalResult
 
 
 def loss_weights(valid: Sequence[bool], dp_degree: int, global_num_valid: int) -> torch.Tensor:
@@ -35,14 +37,12 @@ class ClassificationAccumulator:
         losses = F.cross_entropy(logits.float(), labels, reduction="none")
         self.loss_sum += float((losses * mask).sum())
 
-    def reduce(self, group: dist.ProcessGroup) -> dict[str, float]:
-        """Collective over `group` (every rank calls it, adding nothing if it saw nothing)."""
-        totals = torch.tensor([self.correct, self.count, self.loss_sum], dtype=torch.float64)
-        dist.all_reduce(totals, group=group)
-        correct, count, loss_sum = totals.tolist()
+    def reduce(self, control: Control) -> EvalResult:
+        """Collective (every rank calls it, adding nothing if it saw nothing)."""
+        correct, count, loss_sum = control.all_sum([self.correct, self.count, self.loss_sum]).tolist()
         if count == 0:
             raise RuntimeError("evaluation saw no samples")
-        return {"eval_metric": correct / count, "eval_loss": loss_sum / count, "eval_samples": int(count)}
+        return EvalResult(eval_metric=correct / count, eval_samples=int(count), eval_loss=loss_sum / count)
 
 
 class ClassificationTask:

@@ -1,6 +1,6 @@
-"""Predicted step and epoch times of a layout, and the speedup of a whole run over Pipe+DDP
-along a freeze trajectory. Pure arithmetic on a measured unit profile and stated link
-speeds: no processes, no torch.
+"""The step-time model: predicted time of one optimizer step of a layout, from unit times and
+stated link speeds. Pure arithmetic: no processes, no torch (planning/predict.py turns a
+config and a cluster into its inputs).
 
 One optimizer step of a layout (K stages, M micro-batches of m samples, R replicas):
 
@@ -135,17 +135,3 @@ def paper_trajectory(num_layers: int, alpha: float, decisions: int, max_frozen: 
     """F after each decision under the paper's closed form ceil(L (1 - (1 - alpha)^T))."""
     cap = num_layers - 1 if max_frozen is None else max_frozen
     return [min(cap, math.ceil(num_layers * (1 - (1 - alpha) ** t) - 1e-6)) for t in range(1, decisions + 1)]
-
-
-def per_epoch_frozen(
-    decision_frozen: Sequence[int], decisions_per_epoch: int, epochs: int, warmup_epochs: int
-) -> list[int]:
-    """F in effect during each epoch when decisions come `decisions_per_epoch` times an epoch
-    after `warmup_epochs` (the epoch's value: what it ran with for most of its steps)."""
-    frozen, taken = [], 0
-    for epoch in range(epochs):
-        if epoch >= warmup_epochs and epoch > 0:
-            taken += decisions_per_epoch
-        value = decision_frozen[min(taken, len(decision_frozen)) - 1] if taken else 0
-        frozen.append(value)
-    return frozen

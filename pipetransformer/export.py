@@ -21,23 +21,27 @@ import torch.distributed.checkpoint as dcp
 
 from pipetransformer.config import Config, config_from_dict
 from pipetransformer.models import LayeredModel, build_model, export_model, materialize
-from pipetransformer.trainer.checkpoint import find_checkpoint, model_key, read_run_state
+from pipetransformer.trainer.checkpoint import find_checkpoint, read_run_state
+from pipetransformer.trainer.state import CheckpointRecord, model_key
 from pipetransformer.utils.units import param_key
 
 logger = logging.getLogger(__name__)
 
 
-def load_trained_model(run_dir: str | Path, which: str = "latest") -> tuple[LayeredModel, Config, Path]:
-    """The model of a run's `latest` or `best` checkpoint, in eval mode on the CPU."""
+def load_trained_model(
+    run_dir: str | Path, which: str = "latest"
+) -> tuple[LayeredModel, Config, Path, CheckpointRecord]:
+    """The model of a run's `latest` or `best` checkpoint, in eval mode on the CPU, with its
+    config, the checkpoint and its record."""
     run_dir = Path(run_dir)
     checkpoint = find_checkpoint(run_dir, which)
     if checkpoint is None:
         raise FileNotFoundError(f"{run_dir}: no {which} checkpoint under {run_dir / 'checkpoints'}")
-    saved = read_run_state(checkpoint)
-    config = config_from_dict(saved["config"])
+    record = read_run_state(checkpoint)
+    config = config_from_dict(record.config)
     # Weights come from the checkpoint: build the structure only.
     model_config = dataclasses.replace(config.model, pretrained=False, checkpoint_path=None)
-    model = materialize(build_model(model_config, device="meta", **saved["model"]["build_args"]))
+    model = materialize(build_model(model_config, device="meta", **record.model.build_args))
     destinations = {}
     for index, unit in enumerate(model.units):
         for name, tensor in [*unit.named_parameters(), *unit.named_buffers()]:
@@ -51,15 +55,15 @@ def load_trained_model(run_dir: str | Path, which: str = "latest") -> tuple[Laye
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(destinations, storage_reader=dcp.FileSystemReader(str(checkpoint)), no_dist=True)
     model.eval()
-    return model, config, checkpoint
+    return model, config, checkpoint, record
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "latest") -> tuple[Path, list[str]]:
     """Write the model of the run's `which` checkpoint to `out_dir`; returns (the checkpoint
     exported, the files written)."""
-    model, config, checkpoint = load_trained_model(run_dir, which)
+    model, config, checkpoint, record = load_trained_model(run_dir, which)
     tokenizer = config.data.tokenizer or config.model.model_name_or_path
-    build = read_run_state(checkpoint)["model"]["build_args"]
+    build = record.model.build_args
     # What timm.create_model was given (recorded explicitly: older timm does not infer it).
     model_args = {
         **config.model.kwargs, "num_classes": build["num_classes"], "in_chans": build["in_chans"],

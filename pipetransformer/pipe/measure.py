@@ -1,10 +1,11 @@
-"""Measuring what units and pipeline steps cost on this process's device.
+"""Measuring what units and pipeline steps cost on this process's device, in time and memory.
 
 Owns: `measure_unit_costs` (per-unit forward / backward / frozen-forward time, output and
-saved-for-backward activation bytes, parameter bytes, at one micro-batch size) and
-`time_schedule_steps` (median seconds per call of a step the caller builds).
-Must not: call torch.distributed, choose a layout or decide which M wins (autopipe's
-profiles.py does, from these numbers), write profile files, or leave any trace on the
+saved-for-backward activation bytes, parameter bytes, at one micro-batch size),
+`time_schedule_steps` (median seconds per call of a step the caller builds), and the peak
+memory of a step (`bytes_in_use`, `peak_bytes`; see "Memory" below).
+Must not: call torch.distributed, choose a layout or decide which M wins
+(autopipe/profiles.py does, from these numbers), write profile files, or leave any trace on the
 units it measures: parameters, gradients, requires_grad flags, buffers, train/eval modes
 and the global RNG stream are as they were when it returns.
 
@@ -13,10 +14,19 @@ integer tensors are all ones. One is a valid token id and token type for any voc
 two or more entries, and an all-ones attention mask is a real mask (attend everywhere),
 so BERT's embedding and attention run their ordinary path. Costs here depend on shapes,
 not values.
+
+Memory: on a GPU, the CUDA caching allocator's own statistics (`max_memory_allocated`). On
+the CPU there are no allocator statistics, but PyTorch takes CPU tensors from glibc's
+malloc, so malloc's bytes in use (`mallinfo2`) count them exactly; the peak is sampled after
+every operator (a TorchDispatchMode), which sees an operator's outputs before its inputs
+are freed. Bytes are counted above a baseline the caller takes before building what it
+measures (after any first, throwaway build: lazy imports and oneDNN's primitive caches
+cost tens of MB once per process). What the memory model predicts is autopipe/memory.py's.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import statistics
 import time
@@ -24,6 +34,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipetransformer.autopipe.profiles import UnitMeasurement
 from pipetransformer.models.layered import ModelSpec, TensorSpec
@@ -227,3 +238,51 @@ def time_schedule_steps(
         step_fn()
     times = [_timed(step_fn, device)[0] for _ in range(steps)]
     return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+    ]
+
+
+_libc = None
+
+
+def bytes_in_use(device: torch.device | str = "cpu") -> int:
+    """Bytes held now: glibc malloc's in use (CPU) or the CUDA allocator's allocated."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL("libc.so.6")
+        _libc.mallinfo2.restype = _MallInfo2
+    info = _libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def peak_bytes(step: Callable[[], object], device: torch.device | str = "cpu") -> int:
+    """The most bytes in use at any point of `step()` (absolute, not above a baseline)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    peak = [bytes_in_use()]
+
+    class Sampler(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            peak[0] = max(peak[0], bytes_in_use())
+            return out
+
+    with Sampler():
+        step()
+    return peak[0]

@@ -1,5 +1,6 @@
 """Predicted against measured memory of one pipeline stage, in a worker process: the check
-that keeps the memory model honest (tests/test_memory.py, benchmarks/memory_model.py).
+that keeps the memory model honest (tests/test_memory.py, benchmarks/memory_model.py, which
+puts this directory on its path).
 
 Owns: building one rank's stage of a K x R layout of a ViT fed with synthetic images,
 measuring its unit profile and the peak of a training step, and predicting that peak.
@@ -20,11 +21,9 @@ from pipetransformer.autopipe.profiles import UnitProfile
 from pipetransformer.config import config_from_dict
 from pipetransformer.models import build_model, unit_param_names
 from pipetransformer.pipe import build_stage_runtime
-from pipetransformer.pipe.memory_probe import bytes_in_use, peak_bytes
-from pipetransformer.pipe.profiling import measure_unit_costs
+from pipetransformer.pipe.measure import bytes_in_use, measure_unit_costs, peak_bytes
 from pipetransformer.trainer import optim as optim_module
 from pipetransformer.trainer.distributed import init_distributed
-from pipetransformer.trainer.planning import with_micro_batches
 from pipetransformer.trainer.tasks import ClassificationTask, loss_weights
 
 
@@ -32,7 +31,7 @@ def measure_stage_memory(
     config_dict: dict, pipe_len: int, dp_degree: int, schedule: str, micro_batches: int, image_size: int = 32
 ) -> dict:
     """One rank of a K x R layout: its stage's predicted peak bytes (MemoryModel over a unit
-    profile measured here) and its measured peak (pipe/memory_probe.py: malloc's bytes in
+    profile measured here) and its measured peak (pipe/measure.py: malloc's bytes in
     use, sampled after every operator of a training step, above what the process held
     before the stage existed)."""
     config = config_from_dict(config_dict)
@@ -49,8 +48,9 @@ def measure_stage_memory(
     gc.collect()
     baseline = bytes_in_use()
     model = build_model(config.model, task="classification", num_classes=10, in_chans=1, image_size=image_size)
-    plan = with_micro_batches(balance(UnitCosts.from_param_counts(model.spec.unit_param_counts, 1 / 6), 0, pipe_len), micro_batches)
-    layout = Layout(plan, world.world_size, world.world_size, dp_degree)
+    plan = balance(UnitCosts.from_param_counts(model.spec.unit_param_counts, 1 / 6), 0, pipe_len)
+    layout = Layout(plan, world.world_size, world.world_size, dp_degree).with_micro_batches(micro_batches)
+    plan = layout.plan
     groups = build_training_groups(layout, world.rank, 120)
     role = layout.role(world.rank)
     units = {u: model.units[u] for u in layout.units_of_rank(world.rank)}

@@ -20,25 +20,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from pipetransformer.autopipe.profiles import (
-    ProfileStore,
-    UnitProfile,
-    candidate_micro_batches,
-    choose_micro_batches,
-)
+from pipetransformer.autopipe.profiles import ProfileStore, UnitProfile, choose_micro_batches
 from pipetransformer.config import Config
 from pipetransformer.models import ModelSpec
-from pipetransformer.pipe.profiling import measure_unit_costs, time_schedule_steps
-from pipetransformer.trainer.planning import (
+from pipetransformer.pipe.measure import measure_unit_costs, time_schedule_steps
+from pipetransformer.planning.profile_keys import (
     device_type_for,
+    micro_batch_candidates,
     micro_batch_key_for,
     profile_path_for,
-    profiling_micro_batch_size,
     unit_profile_key_for,
 )
+from pipetransformer.trainer.control import Control
 
 logger = logging.getLogger(__name__)
 
@@ -52,30 +47,26 @@ class RunProfiler:
         config: Config,
         spec: ModelSpec,
         run_dir,
-        rank: int,
-        world_size: int,
         device: torch.device,
-        control,
+        control: Control,
         carried: Path | None = None,
     ) -> None:
         """`carried`: a profile file to take measurements from too (a checkpoint's copy), so
         that a resumed run reuses what its earlier attempts measured."""
         self.config = config
         self.spec = spec
-        self.rank = rank
-        self.world_size = world_size
+        self.rank = control.rank
+        self.world_size = control.size
         self.device = device
         self.control = control
         self.device_type = device_type_for(device)
         self.path = profile_path_for(config, run_dir)
         store = None
-        if rank == 0:
+        if self.rank == 0:
             store = ProfileStore(self.path).load()
             if carried is not None and carried.is_file():
                 store.update(ProfileStore(carried).load())
-        box = [store]
-        dist.broadcast_object_list(box, src=0, group=control)
-        self.store: ProfileStore = box[0]
+        self.store: ProfileStore = control.broadcast(store)
         self.seconds = 0.0  # time spent measuring (not reading) since the last take()
 
     def take_seconds(self) -> float:
@@ -88,10 +79,9 @@ class RunProfiler:
 
     # ------------------------------------------------------------------ unit costs
 
-    def unit_profile(self, units: list[nn.Module]) -> UnitProfile:
-        """Measured per-unit times and bytes of the whole model, from the profile file when it
-        has them (collective). `units`: every unit."""
-        micro = profiling_micro_batch_size(self.config, self.world_size)
+    def unit_profile(self, units: list[nn.Module], micro: int) -> UnitProfile:
+        """Measured per-unit times and bytes of the whole model at micro-batch size `micro`,
+        from the profile file when it has them (collective). `units`: every unit."""
         key = unit_profile_key_for(self.config, self.spec, self.device_type, micro)
         profile = self.store.unit_profile(key)
         if profile is None:
@@ -104,8 +94,7 @@ class RunProfiler:
             )
             for unit in mine.values():
                 unit.to("cpu")
-            gathered: list[dict] = [None] * self.world_size
-            dist.all_gather_object(gathered, measured, group=self.control)
+            gathered = self.control.all_gather(measured)
             merged = {u: m for part in gathered for u, m in part.items()}
             profile = UnitProfile.from_measurements(merged, micro)
             self.store.put_unit_profile(key, profile)
@@ -124,8 +113,7 @@ class RunProfiler:
         `measure_step(m)` returns a function running one forward+backward step of this
         rank's part of the layout with m micro-batches (a no-op on an idle rank).
         """
-        minimum = pipe_len if self.config.pipeline.schedule == "1f1b" else 1
-        candidates = candidate_micro_batches(pipe_len, replica_batch, minimum)
+        candidates = micro_batch_candidates(self.config, pipe_len, replica_batch)
         key = micro_batch_key_for(self.config, self.spec, self.device_type, pipe_len, replica_batch)
         timings = self.store.micro_batch_timings(key)
         missing = [m for m in candidates if m not in timings]
@@ -135,9 +123,7 @@ class RunProfiler:
                 step = measure_step(m)
                 with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                     local = time_schedule_steps(step, PROFILE_STEPS, PROFILE_WARMUP_STEPS, self.device)
-                slowest = torch.tensor([local], dtype=torch.float64)
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.control)
-                timings[m] = float(slowest)
+                timings[m] = float(self.control.all_max([local])[0])
             self.store.put_micro_batch_timings(key, {m: timings[m] for m in missing})
             self._save()
             self.seconds += time.perf_counter() - start

@@ -1,0 +1,75 @@
+"""Evaluation: when it is due, and a forward pass over the whole eval set, split over every
+replica of the current layout, scored the same on every rank.
+
+Owns: `Evaluator` (its cadence, the pass, the run's last and best metric). Must not: know
+how a task scores (trainer/tasks.py, trainer/qa.py do) or write records.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from pipetransformer.autodp.sampler import EvalSampler
+from pipetransformer.config import Config
+from pipetransformer.data import DataBundle, iterate_batches
+from pipetransformer.trainer.caching import RunCache
+from pipetransformer.trainer.clock import Tick
+from pipetransformer.trainer.control import Control
+from pipetransformer.trainer.distributed import WorldInfo
+from pipetransformer.trainer.records import EvalResult
+from pipetransformer.trainer.state import RunState
+from pipetransformer.trainer.step import Stage
+
+
+class Evaluator:
+    def __init__(
+        self, config: Config, data: DataBundle, task, world: WorldInfo, control: Control, cache: RunCache | None,
+        state: RunState,
+    ) -> None:
+        self.config = config
+        self.data = data
+        self.task = task
+        self.world = world
+        self.control = control
+        self.cache = cache
+        self.state = state  # holds the last and best metric
+        self.sampler = EvalSampler(len(data.eval), config.trainer.global_batch_size)
+
+    def due(self, tick: Tick) -> bool:
+        """At the end of every `trainer.eval_interval_epochs`-th epoch and of the last."""
+        interval = self.config.trainer.eval_interval_epochs
+        return tick.epoch_end and (tick.completed_epochs % interval == 0 or tick.last)
+
+    def evaluate(self, stage: Stage) -> tuple[EvalResult, float]:
+        """The eval set's metrics and the seconds they took (collective)."""
+        started = time.perf_counter()
+        result = self._evaluate(stage)
+        self.state.last_eval_metric = result.eval_metric
+        best = self.state.best_eval_metric
+        self.state.best_eval_metric = result.eval_metric if best is None else max(best, result.eval_metric)
+        return result, time.perf_counter() - started
+
+    def _evaluate(self, stage: Stage) -> EvalResult:
+        layout, device = stage.layout, self.world.device
+        role = layout.role(self.world.rank)
+        accumulator = self.task.new_accumulator(self.data.eval_extras)
+        if role is not None:
+            batches = [self.sampler.replica_batch(role.replica, layout.dp_degree, s) for s in range(self.sampler.steps)]
+            loader = None
+            if role.is_first:
+                loader = iterate_batches(self.data.eval, [b.ids for b in batches], self.config.data.num_workers)
+                if stage.cache_active:
+                    self.cache.client.prefetch("eval", [i for b in batches for i in b.ids])
+            for batch in batches:
+                inputs = target = labels = None
+                if role.is_first:
+                    inputs = [t.to(device) for t in next(loader)[0]]
+                if role.is_last:
+                    labels = self.data.eval.targets(batch.ids)
+                    target = self.task.make_target(labels, torch.zeros(len(batch.ids))).to(device)
+                outputs = stage.runtime.eval_step(inputs, target, batch.ids)
+                if role.is_last:
+                    accumulator.add(outputs.detach(), batch.ids, batch.valid, labels)
+        return accumulator.reduce(self.control)

@@ -1,0 +1,190 @@
+"""One training step of this rank, and what it needs: its stage in the current layout and
+its share of the step's batch.
+
+`Stage` is what this rank runs in the current layout (units, optimizer, training groups,
+the pipeline runtime); a transition replaces it. `Batches` gives a rank its replica's
+inputs (first stage) and weighted targets (last stage) for any step of any layout, loading
+ahead with `data.num_workers` workers. `StepRunner.run` takes one step: data, learning
+rate, forward and backward through the schedule, gradient clipping over the pipeline's
+stages, the optimizer, and the per-step values the metrics count: the replica's loss and
+each unit's squared gradient norm, both left on the device (no host synchronisation).
+
+Owns: the step. Must not: decide anything about layouts, freezing or checkpoints.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetransformer.autodp.groups import TrainingGroups
+from pipetransformer.autodp.sampler import TrainSampler
+from pipetransformer.autodp.topology import Layout, Role
+from pipetransformer.config import Config
+from pipetransformer.data import DataBundle, iterate_batches
+from pipetransformer.models import unit_param_names
+from pipetransformer.pipe import StageRuntime
+from pipetransformer.trainer import optim
+from pipetransformer.trainer.caching import RunCache
+from pipetransformer.trainer.clock import Tick
+from pipetransformer.trainer.distributed import WorldInfo
+from pipetransformer.trainer.metrics import StepResult
+from pipetransformer.trainer.tasks import loss_weights
+from pipetransformer.utils.files import append_jsonl
+
+
+@dataclass
+class Stage:
+    """This rank's part of the current layout (an idle rank has no role and no runtime)."""
+
+    layout: Layout
+    groups: TrainingGroups
+    units: dict[int, nn.Module]
+    optimizer: torch.optim.Optimizer | None
+    runtime: StageRuntime | None
+    cache_active: bool  # AutoCache serves the frozen prefix
+
+    def named_params(self) -> dict[str, nn.Parameter]:
+        named = {}
+        for index, unit in self.units.items():
+            named.update(unit_param_names(unit, index))
+        return named
+
+
+class Batches:
+    def __init__(
+        self, config: Config, data: DataBundle, sampler: TrainSampler, task, world: WorldInfo, run_dir: Path,
+        cache: RunCache | None,
+    ) -> None:
+        self.config = config
+        self.data = data
+        self.sampler = sampler
+        self.task = task
+        self.world = world
+        self.run_dir = run_dir
+        self.cache = cache
+        self._loader = None
+        self._position: tuple[int, int] | None = None  # (epoch, step) the loader yields next
+
+    def restart(self) -> None:
+        """The data split changes with the layout: the loader restarts at the next step."""
+        self._loader = None
+
+    def step_data(
+        self, layout: Layout, epoch: int, step: int, prefetched: bool = False, cache_active: bool = False
+    ) -> tuple[list[torch.Tensor] | None, torch.Tensor | None, tuple[int, ...]]:
+        """This rank's (inputs, target, sample ids) for one step in `layout` (None where not
+        needed). `prefetched`: take the inputs from the loader that reads ahead (training)."""
+        role = layout.role(self.world.rank)
+        node, local_replica = divmod(role.replica, layout.replicas_per_node)
+        batch = self.sampler.replica_batch(node, local_replica, layout.replicas_per_node, epoch, step)
+        inputs = target = None
+        if role.is_first:
+            if prefetched:
+                raw = self._next_inputs(layout, role, epoch, step, cache_active)
+            else:
+                raw = self.data.train.fetch(batch.ids)[0]
+            inputs = [t.to(self.world.device, non_blocking=True) for t in raw]
+            if prefetched and self.config.trainer.record_sample_ids:
+                trained = [i for i, valid in zip(batch.ids, batch.valid) if valid]
+                append_jsonl(
+                    self.run_dir / "samples" / f"rank{self.world.rank}.jsonl",
+                    {"epoch": epoch + 1, "step": step, "node": node, "ids": trained},
+                )
+        if role.is_last:
+            weights = loss_weights(batch.valid, layout.dp_degree, self.sampler.global_num_valid(epoch, step))
+            target = self.task.make_target(self.data.train.targets(batch.ids), weights)
+            target = target.to(self.world.device, non_blocking=True)  # host to device: no sync
+        return inputs, target, batch.ids
+
+    def _next_inputs(self, layout: Layout, role: Role, epoch: int, step: int, cache_active: bool) -> Sequence[torch.Tensor]:
+        """The rest of the epoch's batches are known in advance for the current layout; a
+        transition changes the split, so the loader restarts at the step after it."""
+        if self._loader is None or self._position != (epoch, step):
+            node, local_replica = divmod(role.replica, layout.replicas_per_node)
+            id_batches = [
+                self.sampler.replica_batch(node, local_replica, layout.replicas_per_node, epoch, s).ids
+                for s in range(step, self.sampler.steps_per_epoch)
+            ]
+            self._loader = iterate_batches(self.data.train, id_batches, self.config.data.num_workers)
+            if cache_active:  # the cache's disk tier reads ahead in the same order
+                self.cache.client.prefetch("train", [i for ids in id_batches for i in ids])
+        inputs, _ = next(self._loader)
+        self._position = (epoch, step + 1)
+        return inputs
+
+
+class StepRunner:
+    def __init__(
+        self, config: Config, batches: Batches, world: WorldInfo, num_units: int, total_steps: int, grad_norms: bool
+    ) -> None:
+        self.config = config
+        self.batches = batches
+        self.world = world
+        self.num_units = num_units
+        self.total_steps = total_steps
+        self.grad_norms = grad_norms  # the freeze signal needs each unit's gradient norm
+
+    def learning_rate(self, global_step: int) -> float:
+        """The learning rate of the step that made the count `global_step` (1-based)."""
+        return optim.learning_rate(self.config.optimizer, max(0, global_step - 1), self.total_steps)
+
+    def run(self, tick: Tick, stage: Stage) -> StepResult:
+        """Forward, backward and update for this rank's part of one global step."""
+        layout = stage.layout
+        started = time.perf_counter()
+        samples = self.batches.sampler.global_num_valid(tick.epoch, tick.step_in_epoch)
+        replica_loss = unit_sq = None
+        comm_s = 0.0
+        runtime = stage.runtime
+        if runtime is not None:
+            inputs, target, ids = self.batches.step_data(
+                layout, tick.epoch, tick.step_in_epoch, prefetched=True, cache_active=stage.cache_active
+            )
+            optim.set_learning_rate(stage.optimizer, self.learning_rate(tick.global_step))
+            losses = runtime.train_step(inputs, target, ids if inputs is not None else None)
+            if runtime.comm_timer is not None:
+                comm_s = runtime.comm_timer.take()
+            clip = self.config.optimizer.max_grad_norm
+            if clip is not None or self.grad_norms:
+                squares = self._unit_grad_squares(stage)  # one pass over the gradients serves both
+                scale = self._clip(stage, squares, clip) if clip is not None else None
+                if self.grad_norms:  # the norms of the gradients applied
+                    unit_sq = squares if scale is None else squares * scale.square()
+            if stage.optimizer is not None:
+                stage.optimizer.step()
+                stage.optimizer.zero_grad(set_to_none=True)
+            if losses:
+                # Losses are weighted by R / (valid samples in the global batch): undo that to
+                # get this replica's sum of per-sample losses.
+                replica_loss = torch.stack([loss.detach() for loss in losses]).double().sum() * (
+                    samples / layout.dp_degree
+                )
+        return StepResult(layout, started, time.perf_counter() - started, samples, replica_loss, unit_sq, comm_s)
+
+    def _unit_grad_squares(self, stage: Stage) -> torch.Tensor:
+        """Squared gradient norm of each unit this rank trains, float64 on the device."""
+        squares = torch.zeros(self.num_units, dtype=torch.float64, device=self.world.device)
+        for index, unit in stage.units.items():
+            grads = [p.grad.detach() for p in unit.parameters() if p.requires_grad and p.grad is not None]
+            if grads:
+                squares[index] = torch.stack([g.double().pow(2).sum() for g in grads]).sum()
+        return squares
+
+    def _clip(self, stage: Stage, unit_squares: torch.Tensor, max_norm: float) -> torch.Tensor:
+        """Clip by the global norm over the replica's stages; returns the factor applied to
+        every gradient, on the device (as torch.nn.utils.clip_grad_norm_ does: no host sync)."""
+        total_sq = unit_squares.sum()
+        if stage.layout.pipe_len > 1:  # the replica's stages together hold the whole model
+            dist.all_reduce(total_sq, group=stage.groups.pipeline)
+        scale = (max_norm / (total_sq.sqrt() + 1e-6)).clamp(max=1.0)
+        grads = [p.grad for p in stage.runtime.trainable_parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale.to(grads[0].dtype))
+        return scale
