@@ -15,6 +15,24 @@ gradient_norm (the paper's Eq. 1)
     Eq. 1 caps each step at alpha of the still-active layers; when
     floor(alpha * (L - F)) is 0, freezing stops there.
 
+convergence (AutoFreeze's test: freeze a layer once its gradient norm has stopped changing)
+    r_l = | ||g_l||_T - ||g_l||_{T-1} | / ||g_l||_{T-1}
+    F_T = min(F_{T-1} + floor(alpha * (L - F_{T-1})),  F_{T-1} + c)
+
+    ||g_l|| is the same per-layer signal gradient_norm reads (the trainer's RMS over the
+    interval's steps of layer l's gradient norm, reduced over all ranks). c is the number of
+    consecutive active layers, from F_{T-1} up, whose r_l is strictly below `threshold`:
+    freezing stops at the first layer that has not converged, whatever lies above it. The
+    decider keeps the previous decision's norms (they go into the checkpointed run state);
+    with none (the first decision, or an empty list: the run state's default) nothing
+    freezes. |change| counts, so a norm that rose a little has converged as much as one
+    that fell a little. A layer without a usable ratio has not converged, so freezing stops
+    there: a previous norm of 0 (no gradient, so no relative change; 0 -> 0 included), or
+    a NaN or infinite norm on either side. A norm that dropped to 0 changed by 100%.
+    Negative norms, a negative or NaN threshold and norm lists of different lengths are
+    errors (ValueError). Against gradient_norm: a layer whose gradient is small but still
+    moving does not freeze, and nothing freezes before two decisions have been measured.
+
 alpha_schedule (the closed form the paper's released code ran)
     F_T = ceil(L * (1 - (1 - alpha)^T))
 
@@ -179,3 +197,43 @@ def check_freeze_config(config: FreezeConfig, num_layers: int) -> None:
         raise ConfigError(
             f"freeze.manual_schedule: {max(config.manual_schedule)} exceeds the model's {num_layers} layers"
         )
+
+
+def _relative_change(previous_norm: float, norm: float) -> float:
+    """|norm - previous| / previous; infinite when there is no usable ratio (a previous norm
+    of 0, a NaN or an infinite norm), so such a layer never counts as converged."""
+    if not (math.isfinite(previous_norm) and math.isfinite(norm)) or previous_norm == 0:
+        return math.inf
+    return abs(norm - previous_norm) / previous_norm
+
+
+def convergence_decision(
+    num_frozen_layers: int,
+    layer_grad_norms: Sequence[float],
+    previous_layer_grad_norms: Sequence[float] | None,
+    alpha: float,
+    threshold: float,
+    max_frozen_layers: int,
+) -> int:
+    """The `convergence` rule (module docstring): `previous_layer_grad_norms` are the norms
+    the previous decision saw, None or empty at the first decision."""
+    num_layers = len(layer_grad_norms)
+    previous_norms = [] if previous_layer_grad_norms is None else list(previous_layer_grad_norms)
+    if previous_norms and len(previous_norms) != num_layers:
+        raise ValueError(
+            f"convergence: {len(previous_norms)} previous layer gradient norms for {num_layers} layers"
+        )
+    if any(norm < 0 for norm in (*layer_grad_norms, *previous_norms)):
+        raise ValueError("convergence: gradient norms must not be negative")
+    if not threshold >= 0:
+        raise ValueError(f"convergence: threshold must be >= 0, got {threshold}")
+    previous = num_frozen_layers
+    if not previous_norms or previous >= min(max_frozen_layers, num_layers):
+        return previous
+    bound = previous + math.floor(alpha * (num_layers - previous) + 1e-6)  # as in Eq. 1
+    proposed = previous
+    while proposed < min(bound, num_layers) and (
+        _relative_change(previous_norms[proposed], layer_grad_norms[proposed]) < threshold
+    ):
+        proposed += 1
+    return _clamp(previous, proposed, max_frozen_layers)
