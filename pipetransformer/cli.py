@@ -211,13 +211,47 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from pipetransformer.compare import rebuild_compare, run_compare
 
     config = load_config(args.config, args.overrides)
+    seeds = list(range(args.repeats)) if args.repeats is not None else args.seeds
+    if args.margin is not None and args.margin < 0:
+        raise ConfigError(f"--margin: {args.margin} is negative (metric points a variant may lose)")
     if args.report_only:
         if not args.out:
             raise ConfigError("--report-only needs --out DIR: the directory of an earlier compare")
-        return rebuild_compare(config, args.config, args.overrides, Path(args.out))
+        if seeds is not None:
+            raise ConfigError(
+                "--report-only reads the seeds from the seed-<s>/ directories in --out: "
+                "leave out --seeds/--repeats"
+            )
+        return rebuild_compare(config, args.config, args.overrides, Path(args.out), args.margin)
+    if args.margin is not None and seeds is None:
+        raise ConfigError("--margin judges differences over seeds: give --seeds or --repeats")
     preflight(config)
     out = Path(args.out) if args.out else _default_run_dir(args.config, "runs/compare")
-    return run_compare(config, args.config, args.overrides, out, ablations=args.ablations, peers=args.peers)
+    return run_compare(
+        config, args.config, args.overrides, out, ablations=args.ablations, peers=args.peers,
+        seeds=seeds, margin_points=args.margin,
+    )
+
+
+def _seed_list(text: str) -> list[int]:
+    """--seeds 0,1,2: distinct integers."""
+    try:
+        seeds = [int(word) for word in text.split(",") if word.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}': not integers, comma-separated") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"'{text}': give distinct seeds, at least one")
+    return seeds
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a positive integer")
+    return value
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -276,6 +310,20 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument(
         "--peers", action="store_true",
         help="also run what users run instead: ddp (K=1, no freezing) and freeze-ddp (K=1, freezing and AutoCache)",
+    )
+    seeding = compare.add_mutually_exclusive_group()
+    seeding.add_argument(
+        "--seeds", type=_seed_list, default=None, metavar="S,S,...",
+        help="run every variant once per seed (trainer.seed), in OUT/seed-<s>/<variant>/; "
+        "the report adds mean ± std and paired statistics over the seeds",
+    )
+    seeding.add_argument(
+        "--repeats", type=_positive_int, default=None, metavar="N", help="as --seeds 0,...,N-1"
+    )
+    compare.add_argument(
+        "--margin", type=float, default=None, metavar="POINTS",
+        help="non-inferiority margin in metric points (default 1.0): a variant is 'not worse' "
+        "when the 95%% interval of its difference to the baseline lies above -POINTS",
     )
     compare.add_argument("--out", default=None, help="output directory (default: runs/compare/<config>-<time>)")
     compare.add_argument(

@@ -1,5 +1,6 @@
 """PNG plots of a comparison. Each function returns the series it drew, so tests can check
-what a plot shows without reading pixels."""
+what a plot shows without reading pixels. Over seeds, each point or bar is the mean over the
+seeds with an error bar of one standard deviation."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ matplotlib.use("Agg")  # files only; no display on a training node
 import matplotlib.pyplot as plt  # noqa: E402
 
 from pipetransformer.compare.report import TITLES  # noqa: E402
+from pipetransformer.compare.stats import SeededStats, mean_std  # noqa: E402
 
 
 def _epochs(run: dict[str, Any]) -> list[int]:
@@ -75,4 +77,81 @@ def write_plots(runs: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
         "throughput.png": plot_throughput(runs, out / "throughput.png"),
         "trajectory.png": plot_trajectory(runs, out / "trajectory.png"),
         "eval_metric.png": plot_eval_metric(runs, out / "eval_metric.png"),
+    }
+
+
+def plot_over_seeds(
+    runs_by_seed: dict[int, dict[str, dict[str, Any]]],
+    key: str,
+    ylabel: str,
+    title: str,
+    path: Path,
+) -> dict[str, dict[str, list[float]]]:
+    """A per-epoch series (`samples_per_s`, `eval_metric`) as mean ± std over the seeds, per
+    variant; epochs without a value (no evaluation) are left out."""
+    values: dict[str, dict[int, list[float]]] = {}
+    for runs in runs_by_seed.values():
+        for name, run in runs.items():
+            for epoch, value in zip(_epochs(run), run[key]):
+                if value is not None:
+                    values.setdefault(name, {}).setdefault(epoch, []).append(value)
+    series = {}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, by_epoch in values.items():
+        epochs = sorted(by_epoch)
+        spread = [mean_std(by_epoch[e]) for e in epochs]
+        means, stds = [m.mean for m in spread], [m.std for m in spread]
+        series[name] = {"epoch": epochs, "mean": means, "std": stds}
+        ax.errorbar(epochs, means, yerr=stds, marker="o", capsize=3, label=TITLES.get(name, name))
+    _finish(fig, ax, ylabel, title, path)
+    return series
+
+
+def plot_seed_summary(stats: SeededStats, metric: str, path: Path) -> dict[str, Any]:
+    """Per variant, mean ± std over the seeds: wall time as bars from zero, the final metric
+    as points on an axis zoomed in on them (bars on a cut axis would mislead)."""
+    names = [v.variant for v in stats.variants]
+    walls = [v.wall_time_s for v in stats.variants]
+    finals = [v.final_eval_metric for v in stats.variants]
+    series = {
+        "wall_time_s": {"mean": [w.mean for w in walls], "std": [w.std for w in walls]},
+        "final_eval_metric": {"mean": [f.mean for f in finals], "std": [f.std for f in finals]},
+    }
+    fig, (wall_ax, metric_ax) = plt.subplots(1, 2, figsize=(9, 4))
+    wall_ax.bar(names, series["wall_time_s"]["mean"], yerr=series["wall_time_s"]["std"], capsize=4)
+    metric_ax.errorbar(names, series["final_eval_metric"]["mean"],
+                       yerr=series["final_eval_metric"]["std"], fmt="o", capsize=4)
+    metric_ax.margins(x=0.3)
+    for ax, ylabel in [(wall_ax, "wall time (s)"), (metric_ax, f"final {metric}")]:
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, axis="y")
+        ax.tick_params(axis="x", labelrotation=20)
+    fig.suptitle(f"Over seeds {', '.join(map(str, stats.seeds))}: mean ± std")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return {"names": names, **series}
+
+
+def write_seeded_plots(
+    runs_by_seed: dict[int, dict[str, dict[str, Any]]],
+    stats: SeededStats,
+    detail_seed: int,
+    out: Path,
+) -> dict[str, Any]:
+    """Throughput and eval metric per epoch over the seeds, the wall time and metric bars, and
+    the freeze trajectory of one seed (each seed freezes at its own epochs)."""
+    metric = next(iter(runs_by_seed[detail_seed].values()))["metric_name"]
+    spread = "per epoch (mean ± std over seeds)"
+    return {
+        "throughput.png": plot_over_seeds(
+            runs_by_seed, "samples_per_s", "training samples / s", f"Throughput {spread}",
+            out / "throughput.png",
+        ),
+        "trajectory.png": plot_trajectory(runs_by_seed[detail_seed], out / "trajectory.png"),
+        "eval_metric.png": plot_over_seeds(
+            runs_by_seed, "eval_metric", f"eval {metric}", f"Eval {metric} {spread}",
+            out / "eval_metric.png",
+        ),
+        "seeds.png": plot_seed_summary(stats, metric, out / "seeds.png"),
     }

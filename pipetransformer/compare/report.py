@@ -1,7 +1,8 @@
 """From finished run directories to results.json and report.md.
 
 Everything here is read back from what the runs wrote (summary.json, metrics.jsonl,
-events.jsonl), so the report can never disagree with the runs.
+events.jsonl), so the report can never disagree with the runs. A comparison over seeds keeps
+each seed's runs in `seed-<s>/<variant>/`; its statistics come from compare/stats.py.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from pipetransformer.compare.ideal import StepLayout, ideal_speedup, segments_from_run
+from pipetransformer.compare.stats import MeanStd, SeededStats, SeedRun, evaluation_times
 from pipetransformer.trainer.records import (
+    CheckpointEvent,
     EpochMetrics,
     RunSummary,
     StartEvent,
@@ -33,6 +36,27 @@ TITLES = {
     "no_cache": "freeze + AutoPipe + AutoDP (no cache)",
     ELASTIC: "PipeTransformer (full system)",
 }
+SEED_PREFIX = "seed-"
+
+
+def seed_dir(out: Path, seed: int) -> Path:
+    return out / f"{SEED_PREFIX}{seed}"
+
+
+def is_finished(run_dir: Path) -> bool:
+    """A run that ended writes summary.json last: without it the run is to be done (again)."""
+    return (run_dir / "summary.json").is_file()
+
+
+def finished_seed_runs(out: Path) -> dict[int, list[str]]:
+    """Per seed of a comparison over seeds in `out` (its seed-<s>/ directories), the
+    variants whose run finished, in the order compare runs them."""
+    found: dict[int, list[str]] = {}
+    for path in out.glob(f"{SEED_PREFIX}*"):
+        seed = path.name.removeprefix(SEED_PREFIX)
+        if path.is_dir() and seed.lstrip("-").isdigit():
+            found[int(seed)] = [name for name in TITLES if is_finished(path / name)]
+    return dict(sorted(found.items()))
 
 
 def read_run(run_dir: Path) -> dict[str, Any]:
@@ -75,6 +99,24 @@ def read_run(run_dir: Path) -> dict[str, Any]:
         "ddp_comm_share": comm / epoch_time if epoch_time > 0 else 0.0,
         "steps_per_epoch": metrics[0].global_step if metrics else 0,
     }
+
+
+def read_seed_run(run_dir: Path, variant: str, seed: int) -> SeedRun:
+    """What the statistics over seeds need of one finished run."""
+    summary = RunSummary.from_dict(json.loads((run_dir / "summary.json").read_text()))
+    if summary.final_eval_metric is None or summary.best_eval_metric is None:
+        raise ValueError(f"{run_dir / 'summary.json'}: no eval metric (the run never evaluated)")
+    metrics = [EpochMetrics.from_dict(m) for m in read_jsonl(run_dir / "metrics.jsonl")]
+    events = [event_from_dict(e) for e in read_jsonl(run_dir / "events.jsonl")]
+    checkpoints = [e for e in events if isinstance(e, CheckpointEvent)]
+    return SeedRun(
+        variant=variant,
+        seed=seed,
+        wall_time_s=summary.wall_time_s,
+        final_eval_metric=summary.final_eval_metric,
+        best_eval_metric=summary.best_eval_metric,
+        evaluations=tuple(evaluation_times(metrics, checkpoints)),
+    )
 
 
 def build_results(
@@ -128,11 +170,18 @@ def _fmt_layout(run: dict[str, Any]) -> str:
     return " → ".join(path)
 
 
-def write_report(results: dict[str, Any], out: Path, plots: list[str]) -> str:
+def write_report(
+    results: dict[str, Any], out: Path, plots: list[str], seeded: SeededStats | None = None
+) -> str:
+    """report.md. With `seeded` (a comparison over seeds), the statistics over the seeds
+    come first and the rest describes the runs of the first seed."""
     runs = results["variants"]
     metric = runs[BASELINE]["metric_name"]
-    lines = [
-        f"# {results.get('config_name', 'run')}: PipeTransformer vs Pipe+DDP baseline",
+    lines = [f"# {results.get('config_name', 'run')}: PipeTransformer vs Pipe+DDP baseline"]
+    if seeded is not None:
+        lines += seeded_section(seeded, metric)
+        lines += ["", f"## Seed {results['detail_seed']} in detail"]
+    lines += [
         "",
         f"**Speedup {results['speedup']:.2f}x** (baseline wall time / elastic wall time); final {metric} "
         f"{runs[ELASTIC]['final_eval_metric']:.4f} vs {runs[BASELINE]['final_eval_metric']:.4f} "
@@ -190,6 +239,63 @@ def write_report(results: dict[str, Any], out: Path, plots: list[str]) -> str:
     text = "\n".join(lines) + "\n"
     (out / "report.md").write_text(text)
     return text
+
+
+def _mean_std(value: MeanStd, digits: int) -> str:
+    return f"{value.mean:.{digits}f} ± {value.std:.{digits}f}"
+
+
+def seeded_section(stats: SeededStats, metric: str) -> list[str]:
+    """The tables over seeds: per variant, each variant against the baseline, per seed."""
+    margin = stats.margin_points
+    seeds = ", ".join(map(str, stats.seeds))
+    targets = {t.variant: t for t in stats.target_stats}
+    lines = [
+        "",
+        f"## Over {len(stats.seeds)} seed(s): {seeds}",
+        "",
+        f"Mean ± standard deviation over the seeds. **Target**: the same seed's baseline final "
+        f"{metric} less the margin of {margin:.2f} points; **time to target**: the wall time of "
+        "the first evaluation that reached it (over the seeds that did). A variant is **not "
+        "worse** than the baseline when the 95% interval of its paired difference (t over the "
+        f"seeds) lies above -{margin:.2f} points, **worse** when it lies below.",
+        "",
+        f"| variant | seeds | wall time (s) | final {metric} | best {metric} "
+        "| time to target (s) | reached |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for v in stats.variants:
+        target = targets[v.variant]
+        reach = _mean_std(target.wall_s, 1) if target.wall_s is not None else "never"
+        lines.append(
+            f"| {TITLES.get(v.variant, v.variant)} | {len(v.seeds)} "
+            f"| {_mean_std(v.wall_time_s, 1)} | {_mean_std(v.final_eval_metric, 4)} "
+            f"| {_mean_std(v.best_eval_metric, 4)} | {reach} | {target.reached}/{target.seeds} |"
+        )
+    lines += [
+        "",
+        f"| against {stats.baseline} | seeds | speedup mean (min - max) "
+        f"| final {metric} difference (points) | 95% interval (points) | verdict |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for p in stats.pairs:
+        interval = p.interval_points
+        shown = f"[{interval.low:+.2f}, {interval.high:+.2f}]" if interval else "-"
+        difference = p.metric_difference_points
+        lines.append(
+            f"| {p.variant} | {len(p.seeds)} | {p.speedup_mean:.2f}x ({p.speedup_min:.2f} - "
+            f"{p.speedup_max:.2f}x) | {difference.mean:+.2f} ± {difference.std:.2f} | {shown} | "
+            f"{p.verdict} |"
+        )
+    lines += [
+        "",
+        f"| seed | variant | target {metric} | time to target (s) |",
+        "| ---: | --- | ---: | ---: |",
+    ]
+    for t in sorted(stats.time_to_target, key=lambda t: t.seed):
+        reached = f"{t.wall_s:.1f}" if t.wall_s is not None else "never"
+        lines.append(f"| {t.seed} | {t.variant} | {t.target_metric:.4f} | {reached} |")
+    return lines
 
 
 def _fits(run: dict[str, Any]) -> str:

@@ -1,8 +1,10 @@
 """`pipetransformer compare`: the baseline and the elastic system, one after the other, on the
-same seed, data and machine; with --ablations also the paper's speedup breakdown (Fig. 9).
+same seed, data and machine; with --ablations also the paper's speedup breakdown (Fig. 9);
+with --seeds every variant once per seed (trainer.seed), in `seed-<s>/<variant>/`.
 
-Owns: the variants' overrides, running them (local worker processes), measuring the
-per-unit costs the ideal speedup needs, and writing results.json, report.md and plots.
+Owns: the variants' overrides, running them (local worker processes), skipping runs that
+finished earlier (an interrupted comparison resumes), measuring the per-unit costs the ideal
+speedup needs, and writing results.json, report.md and plots.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pipetransformer.compare.plots import write_plots
+from pipetransformer.compare.plots import write_plots, write_seeded_plots
 from pipetransformer.compare.report import (
     BASELINE,
     DDP,
@@ -26,13 +28,19 @@ from pipetransformer.compare.report import (
     FREEZE_DDP,
     TITLES,
     build_results,
+    finished_seed_runs,
+    is_finished,
     read_run,
+    read_seed_run,
     save_results,
+    seed_dir,
     write_report,
 )
+from pipetransformer.compare.stats import DEFAULT_MARGIN_POINTS, seeded_stats
 from pipetransformer.config import Config, ConfigError, load_config
 from pipetransformer.launcher import WorkerFailed, launch_local
-from pipetransformer.trainer import run_worker
+from pipetransformer.trainer import RunOptions, run_worker
+from pipetransformer.trainer.rundir import RunLock, ensure_directory, prepare_run_dir
 
 logger = logging.getLogger(__name__)
 
@@ -100,60 +108,141 @@ def measure_model_costs(config: Config) -> dict[str, list[float]]:
 
 
 def run_compare(
-    config: Config, config_path: str | None, overrides: list[str], out: Path, ablations: bool, peers: bool = False
+    config: Config,
+    config_path: str | None,
+    overrides: list[str],
+    out: Path,
+    ablations: bool,
+    peers: bool = False,
+    seeds: list[int] | None = None,
+    margin_points: float | None = None,
 ) -> int:
+    """Run every variant (once per seed with `seeds`), then write the outputs. A variant whose
+    run directory holds a finished run (summary.json) is not run again."""
     if config.freeze.strategy == "none":
         raise ConfigError("freeze.strategy: compare needs a freeze strategy (the baseline turns it off)")
+    if seeds is not None and any(o.partition("=")[0].strip() == "trainer.seed" for o in overrides):
+        raise ConfigError(
+            "trainer.seed: --seeds/--repeats set it for each run; leave out the override"
+        )
     out.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, dict[str, Any]] = {}
     variants = variant_overrides(config, ablations, peers)
-    for index, (name, extra) in enumerate(variants.items(), start=1):
-        variant_config = load_config(config_path, [*overrides, *extra])
-        run_dir = out / name
-        print(f"pipetransformer compare: [{index}/{len(variants)}] {TITLES[name]} -> {run_dir}", file=sys.stderr)
-        started = time.perf_counter()
-        try:
-            launch_local(variant_config.nproc_per_node, run_worker, (variant_config, run_dir))
-        except WorkerFailed as exc:
-            print(f"pipetransformer compare: {name} failed: {exc}", file=sys.stderr)
+    # Seed by seed, so that an interrupted comparison leaves whole seeds behind.
+    plan = [(seed, name, extra) for seed in seeds or [None] for name, extra in variants.items()]
+    for index, (seed, name, extra) in enumerate(plan, start=1):
+        seeding = [] if seed is None else [f"trainer.seed={seed}"]
+        run_dir = out / name if seed is None else seed_dir(out, seed) / name
+        label = f"[{index}/{len(plan)}] {TITLES[name]}" + ("" if seed is None else f", seed {seed}")
+        variant_config = load_config(config_path, [*overrides, *extra, *seeding])
+        if not _run_variant(variant_config, name, run_dir, label):
             return 1
-        runs[name] = read_run(run_dir)
-        run = runs[name]
+    costs = measured_unit_costs(config)
+    margin = DEFAULT_MARGIN_POINTS if margin_points is None else margin_points
+    context = _context(config, config_path, overrides, ablations, peers, seeds, margin_points)
+    if seeds is None:
+        runs = {name: read_run(out / name) for name in variants}
+        return _write_outputs(runs, costs, context, config, out)
+    return _write_seeded_outputs(costs, context, config, out, margin, seeds)
+
+
+def _run_variant(variant_config: Config, name: str, run_dir: Path, label: str) -> bool:
+    """One variant's run in `run_dir`, unless it finished there earlier; False if it failed."""
+    if is_finished(run_dir):
+        print(f"pipetransformer compare: {label}: finished in {run_dir}, kept", file=sys.stderr)
+        return True
+    print(f"pipetransformer compare: {label} -> {run_dir}", file=sys.stderr)
+    started = time.perf_counter()
+    ensure_directory(run_dir)
+    lock = RunLock(run_dir).acquire()  # a second compare into the same --out stops here
+    try:
+        # A run cut short earlier starts over: a resumed run's wall time would not compare.
+        prepare_run_dir(run_dir, resume="never", overwrite=True)
+        options = RunOptions(prepared_checkpoint="")
+        launch_local(variant_config.nproc_per_node, run_worker, (variant_config, run_dir, options))
+    except WorkerFailed as exc:
         print(
-            f"pipetransformer compare: {name} done in {time.perf_counter() - started:.0f} s: wall_time_s "
-            f"{run['wall_time_s']:.1f}, final {run['metric_name']} {run['final_eval_metric']:.4f}",
+            f"pipetransformer compare: {name} failed: {exc} (the same command again resumes the "
+            "comparison: finished runs are kept)",
             file=sys.stderr,
         )
-    costs = measured_unit_costs(config)
-    return _write_outputs(runs, costs, _context(config, config_path, overrides, ablations, peers), config, out)
+        return False
+    finally:
+        lock.release()
+    run = read_run(run_dir)
+    print(
+        f"pipetransformer compare: {name} done in {time.perf_counter() - started:.0f} s: "
+        f"wall_time_s {run['wall_time_s']:.1f}, "
+        f"final {run['metric_name']} {run['final_eval_metric']:.4f}",
+        file=sys.stderr,
+    )
+    return True
 
 
-def rebuild_compare(config: Config, config_path: str | None, overrides: list[str], out: Path) -> int:
+def rebuild_compare(
+    config: Config,
+    config_path: str | None,
+    overrides: list[str],
+    out: Path,
+    margin_points: float | None = None,
+) -> int:
     """results.json, report.md and plots again from the variants' run directories in `out`
     (after an upgrade of the report, or when a later variant failed): nothing is rerun. The
-    unit costs of an earlier results.json are reused, so the ideal speedup is comparable."""
-    names = [name for name in TITLES if (out / name / "summary.json").is_file()]
-    if BASELINE not in names or ELASTIC not in names:
-        raise ConfigError(f"--report-only: {out} has no finished {BASELINE}/ and {ELASTIC}/ runs (summary.json)")
-    runs = {name: read_run(out / name) for name in names}
+    unit costs of an earlier results.json are reused, so the ideal speedup is comparable.
+    A comparison over seeds (seed-<s>/ directories) is rebuilt from the seeds that finished;
+    the margin is the earlier one unless `margin_points` is given."""
+    seeded = finished_seed_runs(out)
+    if seeded:
+        found = {name for finished in seeded.values() for name in finished}
+        names = [name for name in TITLES if name in found]
+        complete = [s for s, finished in seeded.items() if {BASELINE, ELASTIC} <= set(finished)]
+        if not complete:
+            raise ConfigError(
+                f"--report-only: no seed-<s>/ in {out} has finished {BASELINE}/ and {ELASTIC}/ runs"
+            )
+        elastic_dir = seed_dir(out, complete[0]) / ELASTIC
+    else:
+        names = [name for name in TITLES if is_finished(out / name)]
+        if BASELINE not in names or ELASTIC not in names:
+            raise ConfigError(
+                f"--report-only: {out} has no finished {BASELINE}/ and {ELASTIC}/ runs "
+                "(summary.json)"
+            )
+        elastic_dir = out / ELASTIC
     # What the elastic run resolved (cache on or off), whatever this invocation's overrides say.
-    resolved = out / ELASTIC / "config.yaml"
+    resolved = elastic_dir / "config.yaml"
     if resolved.is_file():
         config = load_config(str(resolved))
     previous = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
+    if margin_points is None:
+        margin_points = previous.get("margin_points")
     context = _context(
-        config, config_path, overrides, ablations="freeze_only" in names, peers=DDP in names
+        config, config_path, overrides, ablations="freeze_only" in names, peers=DDP in names,
+        seeds=list(seeded) if seeded else None, margin_points=margin_points,
     )
     # The command and machine that produced the runs, not this invocation's.
     context.update({key: previous[key] for key in context if key in previous})
     costs = previous.get("unit_costs") or measured_unit_costs(config)
+    if seeded:
+        margin = DEFAULT_MARGIN_POINTS if margin_points is None else margin_points
+        return _write_seeded_outputs(costs, context, config, out, margin)
+    runs = {name: read_run(out / name) for name in names}
     return _write_outputs(runs, costs, context, config, out)
 
 
 def _context(
-    config: Config, config_path: str | None, overrides: list[str], ablations: bool, peers: bool = False
+    config: Config,
+    config_path: str | None,
+    overrides: list[str],
+    ablations: bool,
+    peers: bool = False,
+    seeds: list[int] | None = None,
+    margin_points: float | None = None,
 ) -> dict[str, Any]:
     options = [*(["--peers"] if peers else []), *(["--ablations"] if ablations else [])]
+    if seeds is not None:
+        options += ["--seeds", ",".join(map(str, seeds))]
+    if margin_points is not None:
+        options += ["--margin", f"{margin_points:g}"]
     return {
         "config": config_path,
         "config_name": Path(config_path).stem if config_path else "default",
@@ -175,4 +264,37 @@ def _write_outputs(
     results["plots"] = sorted(plots)
     save_results(results, out)
     print(write_report(results, out, sorted(plots)))
+    return 0
+
+
+def _write_seeded_outputs(
+    costs: dict[str, list[float]] | None,
+    context: dict[str, Any],
+    config: Config,
+    out: Path,
+    margin_points: float,
+    seeds: list[int] | None = None,
+) -> int:
+    """The outputs of a comparison over seeds, from the runs that finished in `out` (of
+    `seeds`; None: of every seed there): the statistics over the seeds, and in detail the
+    first seed that has baseline and elastic."""
+    finished = finished_seed_runs(out)
+    runs_by_seed = {
+        seed: {name: read_run(seed_dir(out, seed) / name) for name in names}
+        for seed, names in finished.items()
+        if names and (seeds is None or seed in seeds)
+    }
+    detail = next(s for s, runs in runs_by_seed.items() if BASELINE in runs and ELASTIC in runs)
+    seed_runs = [
+        read_seed_run(seed_dir(out, seed) / name, name, seed)
+        for seed, runs in runs_by_seed.items()
+        for name in runs
+    ]
+    stats = seeded_stats(seed_runs, BASELINE, margin_points)
+    results = build_results(runs_by_seed[detail], costs, config.cache.enabled, context)
+    results.update(detail_seed=detail, margin_points=margin_points, seeded=stats.to_dict())
+    plots = write_seeded_plots(runs_by_seed, stats, detail, out)
+    results["plots"] = sorted(plots)
+    save_results(results, out)
+    print(write_report(results, out, sorted(plots), stats))
     return 0

@@ -1,0 +1,271 @@
+"""Statistics of a comparison repeated over seeds. Pure: numbers in, typed results out.
+
+Owns: mean and spread per variant, each variant paired with the baseline by seed (speedup,
+metric difference with its t-interval, a non-inferiority verdict against a margin), the time
+each run takes to reach the baseline's accuracy, and the wall time of a run's evaluations
+from its records. Must not read or write files: report.py reads the run directories.
+
+Units: eval metrics are fractions (accuracy, F1), as the runs record them; the report shows
+their differences in points (100 x the fraction), so the margin and the differences here are
+in points too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pipetransformer.trainer.records import CheckpointEvent, EpochMetrics
+
+POINTS_PER_UNIT = 100.0  # a metric of 0.9712 is 97.12 points
+DEFAULT_MARGIN_POINTS = 1.0
+NOT_WORSE, WORSE, INCONCLUSIVE = "not worse", "worse", "inconclusive"
+ONE_SEED = "one seed: no interval"
+# A metric equal to its target can come out a hair below it after the subtraction
+# (0.9 - 0.01 = 0.89000000000000001); counts that far below still reach it.
+_TARGET_SLACK = 1e-9
+
+
+@dataclass(frozen=True)
+class EvalPoint:
+    """One evaluation of a run: when it ended (seconds into the run) and what it scored."""
+
+    wall_s: float
+    eval_metric: float
+
+
+@dataclass(frozen=True)
+class SeedRun:
+    """What the statistics need of one finished run of one variant at one seed."""
+
+    variant: str
+    seed: int
+    wall_time_s: float
+    final_eval_metric: float
+    best_eval_metric: float
+    evaluations: tuple[EvalPoint, ...] = ()
+
+
+@dataclass(frozen=True)
+class MeanStd:
+    """Mean and sample standard deviation (n - 1 in the denominator; 0 for one value)."""
+
+    mean: float
+    std: float
+    n: int
+
+
+@dataclass(frozen=True)
+class VariantStats:
+    variant: str
+    seeds: tuple[int, ...]
+    wall_time_s: MeanStd
+    final_eval_metric: MeanStd
+    best_eval_metric: MeanStd
+
+
+@dataclass(frozen=True)
+class Interval:
+    low: float
+    high: float
+
+
+@dataclass(frozen=True)
+class PairStats:
+    """A variant against the baseline over the seeds both ran. Speedup: baseline wall time /
+    variant wall time at the same seed. Difference: variant - baseline final metric, points."""
+
+    variant: str
+    seeds: tuple[int, ...]
+    speedup_mean: float
+    speedup_min: float
+    speedup_max: float
+    metric_difference_points: MeanStd
+    interval_points: Interval | None  # 95%, t-distribution with n - 1 degrees of freedom
+    verdict: str
+
+
+@dataclass(frozen=True)
+class TimeToTarget:
+    """When a variant's run first scored at least the same seed's baseline final metric less
+    the margin; None: it never did."""
+
+    variant: str
+    seed: int
+    target_metric: float
+    wall_s: float | None
+
+
+@dataclass(frozen=True)
+class TargetStats:
+    """A variant's time to target over the seeds: mean and spread over the seeds that
+    reached it."""
+
+    variant: str
+    reached: int
+    seeds: int
+    wall_s: MeanStd | None
+
+
+@dataclass(frozen=True)
+class SeededStats:
+    baseline: str
+    margin_points: float
+    seeds: tuple[int, ...]
+    variants: tuple[VariantStats, ...]
+    pairs: tuple[PairStats, ...]
+    time_to_target: tuple[TimeToTarget, ...]
+    target_stats: tuple[TargetStats, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def mean_std(values: Sequence[float]) -> MeanStd:
+    if not values:
+        raise ValueError("mean_std: no values")
+    n = len(values)
+    mean = math.fsum(values) / n
+    std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    return MeanStd(mean, std, n)
+
+
+def t_quantile_975(degrees_of_freedom: int) -> float:
+    """The two-sided 95% quantile of Student's t (its 97.5th percentile)."""
+    # Imported here so the module stays light to import.
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, degrees_of_freedom))
+
+
+def confidence_interval(differences: Sequence[float]) -> Interval | None:
+    """95% interval of the mean of paired differences; None for fewer than two."""
+    if len(differences) < 2:
+        return None
+    summary = mean_std(differences)
+    half = t_quantile_975(summary.n - 1) * summary.std / math.sqrt(summary.n)
+    return Interval(summary.mean - half, summary.mean + half)
+
+
+def verdict(interval: Interval | None, margin_points: float) -> str:
+    """Non-inferiority: 'not worse' only when the whole interval lies above -margin; 'worse'
+    when it lies wholly below; otherwise (touching or spanning -margin) 'inconclusive'."""
+    if interval is None:
+        return ONE_SEED
+    if interval.low > -margin_points:
+        return NOT_WORSE
+    if interval.high < -margin_points:
+        return WORSE
+    return INCONCLUSIVE
+
+
+def time_to_target(evaluations: Sequence[EvalPoint], target_metric: float) -> float | None:
+    for point in evaluations:
+        if point.eval_metric >= target_metric - _TARGET_SLACK:
+            return point.wall_s
+    return None
+
+
+def evaluation_times(
+    metrics: Sequence[EpochMetrics], checkpoints: Sequence[CheckpointEvent] = ()
+) -> list[EvalPoint]:
+    """Each evaluation of a run at the second it ended: the training and evaluation seconds
+    of the epochs up to it (metrics.jsonl) plus the checkpoint writes before it, which the
+    epochs' times leave out (an epoch's checkpoint is written after its evaluation). At the
+    last evaluation this is a little under summary.json's wall time, which also counts the
+    loop's bookkeeping (1-2% in the 2-epoch runs of the end-to-end test, less in longer)."""
+    points, elapsed_s = [], 0.0
+    for line in metrics:
+        elapsed_s += line.epoch_time_s + line.eval_time_s
+        if line.eval_metric is not None:
+            written_s = math.fsum(
+                c.write_s for c in checkpoints if c.global_step < line.global_step
+            )
+            points.append(EvalPoint(elapsed_s + written_s, line.eval_metric))
+    return points
+
+
+def seeded_stats(
+    runs: Sequence[SeedRun], baseline: str, margin_points: float = DEFAULT_MARGIN_POINTS
+) -> SeededStats:
+    """Everything the seeded report shows. Variants keep the order of their first run;
+    a pair uses the seeds both it and the baseline finished."""
+    if margin_points < 0:
+        raise ValueError(f"--margin: {margin_points} is negative (it is in metric points, >= 0)")
+    by_variant: dict[str, dict[int, SeedRun]] = {}
+    for run in runs:
+        by_variant.setdefault(run.variant, {})[run.seed] = run
+    if baseline not in by_variant:
+        raise ValueError(f"no finished {baseline} run: nothing to pair the variants with")
+    base = by_variant[baseline]
+    variants = tuple(_variant_stats(name, seeded) for name, seeded in by_variant.items())
+    pairs = tuple(
+        _pair_stats(name, base, seeded, margin_points)
+        for name, seeded in by_variant.items()
+        if name != baseline and set(seeded) & set(base)
+    )
+    targets = tuple(_times_to_target(by_variant, base, margin_points))
+    return SeededStats(
+        baseline=baseline,
+        margin_points=margin_points,
+        seeds=tuple(sorted({run.seed for run in runs})),
+        variants=variants,
+        pairs=pairs,
+        time_to_target=targets,
+        target_stats=tuple(_target_stats(name, targets) for name in by_variant),
+    )
+
+
+def _variant_stats(name: str, seeded: dict[int, SeedRun]) -> VariantStats:
+    ordered = [seeded[s] for s in sorted(seeded)]
+    return VariantStats(
+        variant=name,
+        seeds=tuple(sorted(seeded)),
+        wall_time_s=mean_std([r.wall_time_s for r in ordered]),
+        final_eval_metric=mean_std([r.final_eval_metric for r in ordered]),
+        best_eval_metric=mean_std([r.best_eval_metric for r in ordered]),
+    )
+
+
+def _pair_stats(
+    name: str, base: dict[int, SeedRun], seeded: dict[int, SeedRun], margin_points: float
+) -> PairStats:
+    seeds = sorted(set(seeded) & set(base))
+    speedups = [base[s].wall_time_s / seeded[s].wall_time_s for s in seeds]
+    differences = [
+        POINTS_PER_UNIT * (seeded[s].final_eval_metric - base[s].final_eval_metric) for s in seeds
+    ]
+    interval = confidence_interval(differences)
+    return PairStats(
+        variant=name,
+        seeds=tuple(seeds),
+        speedup_mean=math.fsum(speedups) / len(speedups),
+        speedup_min=min(speedups),
+        speedup_max=max(speedups),
+        metric_difference_points=mean_std(differences),
+        interval_points=interval,
+        verdict=verdict(interval, margin_points),
+    )
+
+
+def _times_to_target(
+    by_variant: dict[str, dict[int, SeedRun]], base: dict[int, SeedRun], margin_points: float
+) -> list[TimeToTarget]:
+    """Every run's time to the same seed's baseline final metric less the margin."""
+    found = []
+    for name, seeded in by_variant.items():
+        for seed in sorted(set(seeded) & set(base)):
+            target = base[seed].final_eval_metric - margin_points / POINTS_PER_UNIT
+            found.append(
+                TimeToTarget(name, seed, target, time_to_target(seeded[seed].evaluations, target))
+            )
+    return found
+
+
+def _target_stats(name: str, targets: Sequence[TimeToTarget]) -> TargetStats:
+    own = [t for t in targets if t.variant == name]
+    reached = [t.wall_s for t in own if t.wall_s is not None]
+    return TargetStats(name, len(reached), len(own), mean_std(reached) if reached else None)
