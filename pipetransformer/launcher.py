@@ -11,6 +11,11 @@ rendezvous), watching the workers, and turning what happened to them into one ou
   its step, writes a checkpoint and stops; `LaunchInterrupted` carries where. A second
   signal kills the workers at once.
 Workers die with this process (PR_SET_PDEATHSIG on Linux), so none is left training alone.
+
+Workers start with `spawn` (a fresh interpreter: nothing of this process's state, threads
+or CUDA context is inherited). A caller that starts many short runs, the test suite, may
+hand in a `forkserver` context whose server has already imported torch: each worker is
+then a fork of that server, with this process's environment, and skips the imports.
 """
 
 from __future__ import annotations
@@ -72,8 +77,14 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _worker_entry(local_rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple, status_dir: str, parent_pid: int) -> None:
-    _die_with_parent(parent_pid)
+def _worker_entry(
+    local_rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple, status_dir: str,
+    parent_pid: int | None, environ: dict[str, str],
+) -> None:
+    # A forkserver's child (parent_pid None) dies with the server, which ends with the launcher.
+    _die_with_parent(os.getppid() if parent_pid is None else parent_pid)
+    os.environ.clear()  # the launcher's environment, also where a forkserver started earlier
+    os.environ.update(environ)
     os.environ.update(
         {
             "RANK": str(local_rank),
@@ -108,10 +119,14 @@ def _describe(rank: int, exitcode: int | None, status: Path) -> str:
     return f"rank{rank}: exited with code {exitcode}"
 
 
-def launch_local(nproc: int, fn: Callable[..., Any], args: tuple = ()) -> list[Any]:
+def launch_local(
+    nproc: int, fn: Callable[..., Any], args: tuple = (), context: multiprocessing.context.BaseContext | None = None
+) -> list[Any]:
     """Run `fn(*args)` in `nproc` local worker processes; return each rank's result.
-    Raises WorkerFailed or LaunchInterrupted (see the module docstring)."""
-    context = multiprocessing.get_context("spawn")
+    Raises WorkerFailed or LaunchInterrupted (see the module docstring). `context`: how
+    workers start, `spawn` unless given (see the module docstring)."""
+    context = context or multiprocessing.get_context("spawn")
+    parent_pid = None if context.get_start_method() == "forkserver" else os.getpid()
     port = free_port()
     received: list[int] = []
     previous = {}
@@ -120,7 +135,9 @@ def launch_local(nproc: int, fn: Callable[..., Any], args: tuple = ()) -> list[A
         status = Path(status_dir)
         processes = [
             context.Process(
-                target=_worker_entry, args=(rank, nproc, port, fn, args, status_dir, os.getpid()), daemon=False
+                target=_worker_entry,
+                args=(rank, nproc, port, fn, args, status_dir, parent_pid, dict(os.environ)),
+                daemon=False,
             )
             for rank in range(nproc)
         ]
