@@ -147,8 +147,12 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class FreezeConfig:
-    strategy: Literal["none", "gradient_norm", "alpha_schedule", "manual"] = "none"
+    strategy: Literal["none", "gradient_norm", "convergence", "alpha_schedule", "manual"] = "none"
     alpha: float = 1 / 3
+    # For strategy 'convergence': a bottom layer freezes once its gradient norm changed by
+    # less than this share between two decision points (AutoFreeze's test; still at most
+    # alpha of the active layers per decision).
+    convergence_threshold: float = 0.05
     # Decision every N optimizer steps; null: at the end of every epoch; 'auto': three per
     # epoch, spaced further apart when a transition would cost more than 5% of the time
     # between decisions (docs/architecture.md, "Decision cadence").
@@ -163,6 +167,8 @@ class FreezeConfig:
     def __post_init__(self) -> None:
         if not 0 < self.alpha < 1:
             _fail("freeze.alpha", f"must be in (0, 1), got {self.alpha}")
+        if not self.convergence_threshold >= 0:  # NaN fails too
+            _fail("freeze.convergence_threshold", f"must be >= 0, got {self.convergence_threshold}")
         if isinstance(self.interval_steps, int) and self.interval_steps < 1:
             _fail("freeze.interval_steps", "must be >= 1, 'auto' or null")
         if self.warmup_epochs < 0:

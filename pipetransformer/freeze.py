@@ -23,12 +23,13 @@ convergence (AutoFreeze's test: freeze a layer once its gradient norm has stoppe
     interval's steps of layer l's gradient norm, reduced over all ranks). c is the number of
     consecutive active layers, from F_{T-1} up, whose r_l is strictly below `threshold`:
     freezing stops at the first layer that has not converged, whatever lies above it. The
-    decider keeps the previous decision's norms (they go into the checkpointed run state);
-    with none (the first decision, or an empty list: the run state's default) nothing
-    freezes. |change| counts, so a norm that rose a little has converged as much as one
-    that fell a little. A layer without a usable ratio has not converged, so freezing stops
-    there: a previous norm of 0 (no gradient, so no relative change; 0 -> 0 included), or
-    a NaN or infinite norm on either side. A norm that dropped to 0 changed by 100%.
+    previous decision's norms are handed in: the trainer keeps them in the checkpointed run
+    state (`previous_layer_grad_norms`); with none (the first decision, or an empty list:
+    the run state's default) nothing freezes. |change| counts, so a norm that rose a little
+    has converged as much as one that fell a little. A layer without a usable ratio has not
+    converged, so freezing stops there: a previous norm of 0 (no gradient, so no relative
+    change; 0 -> 0 included), or a NaN or infinite norm on either side. A norm that dropped
+    to 0 changed by 100%.
     Negative norms, a negative or NaN threshold and norm lists of different lengths are
     errors (ValueError). Against gradient_norm: a layer whose gradient is small but still
     moving does not freeze, and nothing freezes before two decisions have been measured.
@@ -105,24 +106,33 @@ class FreezeDecider:
 
     @property
     def needs_grad_norms(self) -> bool:
-        return self.config.strategy == "gradient_norm"
+        return self.config.strategy in ("gradient_norm", "convergence")
 
     def decide(
         self,
         decision_index: int,
         num_frozen_layers: int,
         layer_grad_norms: Sequence[float] | None = None,
+        previous_layer_grad_norms: Sequence[float] | None = None,
     ) -> int:
+        """`previous_layer_grad_norms`: the norms the previous decision saw (convergence
+        only; the caller keeps them, in the run state, so they survive a resume)."""
         if decision_index < 1:
             raise ValueError("decision points are counted from 1")
         strategy = self.config.strategy
         if strategy == "none":
             return num_frozen_layers
+        norms_missing = layer_grad_norms is None or len(layer_grad_norms) != self.num_layers
+        if self.needs_grad_norms and norms_missing:
+            raise ValueError(f"{strategy} needs {self.num_layers} layer gradient norms")
         if strategy == "gradient_norm":
-            if layer_grad_norms is None or len(layer_grad_norms) != self.num_layers:
-                raise ValueError(f"gradient_norm needs {self.num_layers} layer gradient norms")
             return gradient_norm_decision(
                 num_frozen_layers, layer_grad_norms, self.config.alpha, self.max_frozen_layers
+            )
+        if strategy == "convergence":
+            return convergence_decision(
+                num_frozen_layers, layer_grad_norms, previous_layer_grad_norms,
+                self.config.alpha, self.config.convergence_threshold, self.max_frozen_layers,
             )
         if strategy == "alpha_schedule":
             return alpha_schedule_decision(

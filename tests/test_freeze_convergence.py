@@ -1,11 +1,18 @@
 """The `convergence` freeze rule (AutoFreeze's test): a bottom layer freezes once the
-relative change of its gradient norm between two decisions is below a threshold."""
+relative change of its gradient norm between two decisions is below a threshold. Also how
+a run selects it: the config keys, the decider, and the previous norms in the run state."""
 
+import json
 import math
 
 import pytest
 
-from pipetransformer.freeze import convergence_decision
+from pipetransformer.config import ConfigError, FreezeConfig, config_from_dict, load_config
+from pipetransformer.freeze import FreezeDecider, convergence_decision
+from pipetransformer.trainer.control import Control
+from pipetransformer.trainer.freezing import FreezeControl
+from pipetransformer.trainer.metrics import FreezeSignal
+from pipetransformer.trainer.state import RunState
 
 L = 6
 STEADY = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
@@ -156,3 +163,86 @@ def test_threshold_is_strict():
     assert decide(0, [4.96875] * L, previous, threshold=0.25, max_frozen=1) == 1
     # A threshold of 0 never freezes, not even an unchanged norm.
     assert decide(0, previous, previous, threshold=0.0) == 0
+
+
+# ------------------------------------------------------------ selected by the config
+
+
+def test_config_selects_convergence_with_a_threshold():
+    config = load_config(None, ["freeze.strategy=convergence"])
+    assert config.freeze.strategy == "convergence" and config.freeze.convergence_threshold == 0.05
+    config = load_config(None, ["freeze.strategy=convergence", "freeze.convergence_threshold=0"])
+    assert config.freeze.convergence_threshold == 0.0
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("freeze.convergence_threshold=-0.1", "freeze.convergence_threshold"),
+        ("freeze.convergence_threshold=nan", "freeze.convergence_threshold"),
+        ("freeze.convergence_threshold=high", "freeze.convergence_threshold"),
+        ("freeze.strategy=converge", "freeze.strategy"),
+    ],
+)
+def test_config_rejects_bad_values_naming_the_key(override, key):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["freeze.strategy=convergence", override])
+    assert str(info.value).startswith(key), str(info.value)
+
+
+def test_decider_measures_first_then_freezes_converged_bottom_layers():
+    config = FreezeConfig(strategy="convergence", alpha=0.9, convergence_threshold=0.1)
+    decider = FreezeDecider(config, L)
+    assert decider.needs_grad_norms
+    first = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert decider.decide(1, 0, first, None) == 0
+    assert decider.decide(1, 0, first, []) == 0
+    # Layers 0 and 1 moved by 5%, layer 2 by 50%: the two bottom layers freeze.
+    second = [1.05, 1.9, 4.5, 4.0, 5.0, 6.0]
+    assert decider.decide(2, 0, second, first) == 2
+    with pytest.raises(ValueError, match="convergence needs 6 layer gradient norms"):
+        decider.decide(2, 0, None, first)
+    with pytest.raises(ValueError, match="convergence needs 6"):
+        decider.decide(2, 0, second[:-1], first)
+
+
+class FakeMetrics:
+    """Hands out one interval's norms per decision, as MetricsTracker.freeze_signal does."""
+
+    def __init__(self, norms_per_decision):
+        self.norms = list(norms_per_decision)
+
+    def freeze_signal(self, dp_degree, with_norms):
+        assert with_norms
+        return FreezeSignal(self.norms.pop(0), steps=4, step_s=0.1)
+
+
+def freeze_control(state, norms_per_decision):
+    config = config_from_dict({"freeze": {"strategy": "convergence", "alpha": 0.9}})
+    return FreezeControl(config, L, 10, state, FakeMetrics(norms_per_decision), Control(None))
+
+
+def test_freeze_control_keeps_the_norms_in_the_run_state_across_a_resume():
+    first = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    second = [1.01, 2.02, 9.0, 4.0, 5.0, 6.0]  # layers 0 and 1 converged
+    state = RunState()
+    control = freeze_control(state, [first])
+    assert control.decide(0, dp_degree=1).num_frozen_layers == 0
+    assert state.previous_layer_grad_norms == first
+    # Resume from the checkpoint record (run_state.json): the second decision compares
+    # against the first decision's norms.
+    record = json.loads(json.dumps(state.to_dict()))
+    resumed = RunState.from_dict(record)
+    control = freeze_control(resumed, [second])
+    assert control.decide(0, dp_degree=1).num_frozen_layers == 2
+    assert resumed.decision_index == 2 and resumed.previous_layer_grad_norms == second
+
+
+def test_run_state_round_trips_the_previous_norms_and_reads_old_checkpoints():
+    state = RunState(decision_index=3, previous_layer_grad_norms=[0.5, 0.25, 0.125])
+    again = RunState.from_dict(json.loads(json.dumps(state.to_dict())))
+    assert again == state
+    old = state.to_dict()
+    del old["previous_layer_grad_norms"]  # written before the field existed
+    loaded = RunState.from_dict(old)
+    assert loaded.previous_layer_grad_norms == [] and loaded.decision_index == 3

@@ -164,7 +164,8 @@ def calibrated_times(
 def frozen_per_step(config: Config, trajectory: str, num_layers: int, steps_per_epoch: int) -> list[int]:
     """F during each step of the run. `trajectory`: 'auto' (the config's own: a manual
     schedule, or the paper's closed form with the config's alpha for gradient_norm and
-    alpha_schedule — the fastest pace Eq. 1 allows — at the config's decision points),
+    alpha_schedule — the fastest pace Eq. 1 allows — at the config's decision points; for
+    convergence the same, one decision later: its first decision only measures),
     'paper' (the closed form at every epoch end, as the paper ran it) or F per epoch as a
     comma-separated list (the last value repeats)."""
     epochs = config.trainer.epochs
@@ -177,8 +178,11 @@ def frozen_per_step(config: Config, trajectory: str, num_layers: int, steps_per_
             raise ConfigError(f"--trajectory: 'auto', 'paper' or F per epoch such as 0,0,2,4; got {trajectory!r}") from None
         per_epoch = [values[min(e, len(values) - 1)] for e in range(epochs)]
         return [min(per_epoch[s // steps_per_epoch], num_layers - 1) for s in range(total)]
+    fastest = paper_trajectory(num_layers, freeze.alpha, total, freeze.max_frozen_layers)
     if trajectory == "paper" or freeze.strategy in ("gradient_norm", "alpha_schedule"):
-        decisions = paper_trajectory(num_layers, freeze.alpha, total, freeze.max_frozen_layers)
+        decisions = fastest
+    elif freeze.strategy == "convergence":
+        decisions = [0, *fastest]
     elif freeze.strategy == "manual":
         decisions = freeze.manual_schedule
     else:

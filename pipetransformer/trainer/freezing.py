@@ -40,7 +40,7 @@ class FreezeControl:
         self.config = config
         self.decider = FreezeDecider(config.freeze, num_layers)
         self.steps_per_epoch = steps_per_epoch
-        self.state = state  # decision_index, min_decision_interval
+        self.state = state  # decision_index, min_decision_interval, previous_layer_grad_norms
         self.metrics = metrics
         self.control = control
         self.schedule = self._schedule(state.min_decision_interval)
@@ -61,8 +61,13 @@ class FreezeControl:
         """The decision at this point (collective); starts the next interval."""
         self.state.decision_index += 1
         signal = self.metrics.freeze_signal(dp_degree, with_norms=self.needs_grad_norms)
-        decided = self.decider.decide(self.state.decision_index, num_frozen_layers, signal.layer_grad_norms)
+        decided = self.decider.decide(
+            self.state.decision_index, num_frozen_layers, signal.layer_grad_norms,
+            self.state.previous_layer_grad_norms,
+        )
         self.control.agree(decided, "num_frozen_layers")
+        if signal.layer_grad_norms is not None:
+            self.state.previous_layer_grad_norms = list(signal.layer_grad_norms)
         return Decision(decided, signal.layer_grad_norms, signal.step_s)
 
     def space(self, transition_s: float, step_s: float) -> None:

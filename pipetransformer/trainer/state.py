@@ -1,13 +1,14 @@
 """Everything a checkpoint holds, as objects the checkpointer saves and loads the same way.
 
 `RunState` holds plain values only: where the run is (epoch, step inside it, global step),
-what the freeze decider has gathered since its last decision, the frozen boundary and the
-layout it was in (a hint: the layout is planned again for the world that resumes), the
-partial sums of the epoch in progress, the eval metrics so far, and how many attempts the
-run has taken. Values that live on a device during training (per-unit gradient norms, the
-epoch's loss) are reduced over the ranks before they are written, so the record means the
-same at any world size. A checkpoint's `run_state.json` is a `CheckpointRecord`: the run
-state, the resolved config, what the model was built from, when and why.
+what the freeze decider has gathered since its last decision and what that decision saw,
+the frozen boundary and the layout it was in (a hint: the layout is planned again for the
+world that resumes), the partial sums of the epoch in progress, the eval metrics so far,
+and how many attempts the run has taken. Values that live on a device during training
+(per-unit gradient norms, the epoch's loss) are reduced over the ranks before they are
+written, so the record means the same at any world size. A checkpoint's `run_state.json`
+is a `CheckpointRecord`: the run state, the resolved config, what the model was built
+from, when and why.
 
 The checkpointer is handed `Stateful` objects (torch.distributed.checkpoint's protocol:
 `state_dict()` and `load_state_dict()`), one per kind of state, and treats them alike:
@@ -64,6 +65,10 @@ class RunState:
     min_decision_interval: int = 1
     interval_grad_sq: list[float] = field(default_factory=list)
     interval_steps: int = 0
+    # Per layer, the gradient norms the previous decision saw (the `convergence` rule
+    # compares against them); empty before the first decision, and in checkpoints older
+    # than the field.
+    previous_layer_grad_norms: list[float] = field(default_factory=list)
     # The epoch in progress, so far: sum of per-sample losses over all replicas, seconds of
     # training, of transitions and of DDP communication.
     epoch_loss_sum: float = 0.0
