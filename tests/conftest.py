@@ -1,6 +1,8 @@
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +20,29 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"{SHARED_DATA} is not present")
     return SHARED_DATA
+
+
+@dataclass(frozen=True)
+class SharedRun:
+    """A run made once for the tests that only read it (copy `run_dir` before changing it)."""
+
+    config_dict: dict
+    run_dir: Path
+    results: list[Any]  # each rank's return value
+
+
+@pytest.fixture(scope="session")
+def elastic_full_run(tmp_path_factory) -> SharedRun:
+    """The full system on 4 gloo ranks, 1x4 -> 2x2 -> 4x1 (reference.elastic_config), with a
+    checkpoint every 5 steps and at each epoch's end, all kept: read by the elastic test
+    against single-process training and by the resume tests as the uninterrupted run."""
+    from helpers import run_workers
+    from reference import elastic_config
+    from workers import elastic_run
+
+    config_dict = elastic_config(checkpoint__interval_steps=5, checkpoint__keep_last=20)
+    run_dir = tmp_path_factory.mktemp("elastic-full")
+    return SharedRun(config_dict, run_dir, run_workers(elastic_run, 4, config_dict, str(run_dir)))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import multiprocessing
 import os
 import pickle
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipetransformer.cli import main
 from pipetransformer.config import ModelConfig
 from pipetransformer.launcher import launch_local
 from pipetransformer.models import build_model
@@ -77,3 +82,37 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, devices_per
             with open(Path(out_dir) / f"rank{rank}.pkl", "rb") as f:
                 results.append(pickle.load(f))
         return results
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(*args: str) -> CliResult:
+    """`pipetransformer ARGS` inside this process, from the repository root: for commands
+    that end before any worker starts (errors, `plan`), without an interpreter's start and
+    imports. The package logger's handlers are put back afterwards. The entry point itself
+    (`python -m pipetransformer`) is run by the tests that train."""
+    logger = logging.getLogger("pipetransformer")
+    saved = (list(logger.handlers), logger.propagate, logger.level)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    cwd = os.getcwd()
+    code: int | str | None = 0
+    try:
+        os.chdir(ROOT)
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                main(list(args))
+            except SystemExit as exit_:
+                code = exit_.code
+    finally:
+        os.chdir(cwd)
+        logger.handlers[:] = saved[0]
+        logger.propagate, logger.level = saved[1], saved[2]
+    return CliResult(code if isinstance(code, int) else (0 if code is None else 1), stdout.getvalue(), stderr.getvalue())

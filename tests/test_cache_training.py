@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 from helpers import run_workers
-from workers import failing_run
+from workers import elastic_run, failing_run
+
+from pipetransformer.config import load_config
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,15 +24,15 @@ def cache_files() -> set[str]:
 
 
 def run(tmp_path, name, *overrides):
+    """The quickstart, short, on 2 ranks: 2 stages, then 1 stage x 2 replicas."""
     run_dir = tmp_path / name
-    result = subprocess.run(
-        [sys.executable, "-m", "pipetransformer", "train", str(ROOT / "configs" / "quickstart.yaml"),
-         "trainer.epochs=4", "data.train_subset=384", "data.eval_subset=96", "freeze.strategy=manual",
-         "freeze.manual_schedule=[3,5]", "freeze.warmup_epochs=0", "freeze.interval_steps=null", "pipeline.balance=params", "pipeline.initial_pipe_len=2",
-         "pipeline.num_micro_batches=4", "trainer.progress_bar=false", *overrides, "--run-dir", str(run_dir)],
-        capture_output=True, text=True, cwd=ROOT, timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    config = load_config(ROOT / "configs" / "quickstart.yaml", [
+        "trainer.epochs=4", "data.train_subset=384", "data.eval_subset=96", "freeze.strategy=manual",
+        "freeze.manual_schedule=[3,5]", "freeze.warmup_epochs=0", "freeze.interval_steps=null",
+        "pipeline.balance=params", "pipeline.initial_pipe_len=2", "pipeline.num_micro_batches=4",
+        "trainer.progress_bar=false", *overrides,
+    ])
+    run_workers(elastic_run, config.trainer.nproc_per_node, config.to_dict(), str(run_dir))
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -74,7 +76,8 @@ def test_no_shared_memory_left_after_sigkill(tmp_path):
     before = cache_files()
     process = subprocess.Popen(
         [sys.executable, "-m", "pipetransformer", "train", str(ROOT / "configs" / "quickstart.yaml"),
-         "cache.enabled=true", "freeze.strategy=manual", "freeze.manual_schedule=[3]", "freeze.warmup_epochs=0", "freeze.interval_steps=null", "trainer.epochs=50",
+         "cache.enabled=true", "freeze.strategy=manual", "freeze.manual_schedule=[3]", "freeze.warmup_epochs=0",
+         "freeze.interval_steps=null", "trainer.epochs=50", "data.train_subset=128", "data.eval_subset=32",
          "trainer.progress_bar=false", "--run-dir", str(tmp_path / "run")],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )

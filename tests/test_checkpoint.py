@@ -104,11 +104,9 @@ def test_a_used_run_directory_is_refused_and_left_untouched(tmp_path):
 
 
 @pytest.mark.distributed
-def test_resume_after_a_transition_reproduces_the_uninterrupted_run(tmp_path):
+def test_resume_after_a_transition_reproduces_the_uninterrupted_run(tmp_path, elastic_full_run):
     """4 ranks, 1x4 -> 2x2 -> 4x1; interrupted mid-epoch after the first transition."""
-    config_dict = elastic_config(checkpoint__interval_steps=5, checkpoint__keep_last=20)
-    full = tmp_path / "full"
-    uninterrupted = run_workers(elastic_run, 4, config_dict, str(full))
+    config_dict, full, uninterrupted = elastic_full_run.config_dict, elastic_full_run.run_dir, elastic_full_run.results
     steps = [int(p.name.split("-")[1]) for p in complete_checkpoints(full)]
     assert steps == [5, 7, 10, 14, 15, 20, 21]  # every 5 steps and at each epoch's end
     resumed_dir = tmp_path / "resumed"
@@ -134,13 +132,22 @@ def test_resume_after_a_transition_reproduces_the_uninterrupted_run(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("first, second", [(2, 4), (4, 2)])
-def test_resume_at_another_world_size_matches_single_process(tmp_path, first, second):
+def test_resume_at_another_world_size_matches_single_process(tmp_path, elastic_full_run, first, second):
     def config(world: int) -> dict:
-        return elastic_config(trainer__nproc_per_node=world, pipeline__initial_pipe_len=world)
+        return {
+            **elastic_full_run.config_dict,
+            **elastic_config(trainer__nproc_per_node=world, pipeline__initial_pipe_len=world),
+            "checkpoint": elastic_full_run.config_dict["checkpoint"],
+        }
 
-    run_workers(elastic_run, first, config(first), str(tmp_path / "first"))
+    if first == 4:  # the shared run is this first run
+        assert config(4) == elastic_full_run.config_dict
+        first_dir = elastic_full_run.run_dir
+    else:
+        first_dir = tmp_path / "first"
+        run_workers(elastic_run, first, config(first), str(first_dir))
     resumed_dir = tmp_path / "resumed"
-    continue_from(tmp_path / "first", resumed_dir, 7)  # after epoch 1 and the 0 -> 3 transition
+    continue_from(first_dir, resumed_dir, 7)  # after epoch 1 and the 0 -> 3 transition
     results = run_workers(elastic_run, second, config(second), str(resumed_dir), False, RESUME)
 
     (event,) = events(resumed_dir, "resume")

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
@@ -18,19 +19,19 @@ def cli(*args, timeout=300):
 
 
 def test_config_errors_stop_before_any_worker_starts():
-    result = cli("train", QUICKSTART, "freeze.alpha=2")
+    result = run_cli("train", QUICKSTART, "freeze.alpha=2")
     assert result.returncode == 2
     assert "freeze.alpha" in result.stderr and "training on" not in result.stderr
-    result = cli("train", QUICKSTART, "trainer.epochz=2")
+    result = run_cli("train", QUICKSTART, "trainer.epochz=2")
     assert result.returncode == 2 and "trainer.epochz" in result.stderr and "did you mean 'trainer.epochs'" in result.stderr
-    result = cli("train", QUICKSTART, "model.kwargs.depthh=3")
+    result = run_cli("train", QUICKSTART, "model.kwargs.depthh=3")
     assert result.returncode == 2 and "model.kwargs" in result.stderr
-    result = cli("train", QUICKSTART, "data.name=sst2", "model.name=bert", "data.root=/nonexistent/sst2")
+    result = run_cli("train", QUICKSTART, "data.name=sst2", "model.name=bert", "data.root=/nonexistent/sst2")
     assert result.returncode == 2 and "/nonexistent/sst2" in result.stderr
 
 
 def test_plan_json_for_the_quickstart():
-    result = cli("plan", QUICKSTART, "--json", "pipeline.balance=params", "pipeline.initial_pipe_len=2")
+    result = run_cli("plan", QUICKSTART, "--json", "pipeline.balance=params", "pipeline.initial_pipe_len=2")
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)
     assert [r["num_frozen_layers"] for r in rows] == list(range(8))
@@ -41,7 +42,7 @@ def test_plan_json_for_the_quickstart():
 
 
 def test_plan_for_a_large_model_needs_no_download():
-    result = cli(
+    result = run_cli(
         "plan", QUICKSTART, "model.name=vit_base_patch16_224", "model.kwargs={}", "data.image_size=224",
         "pipeline.initial_pipe_len=8", "trainer.nproc_per_node=8", "trainer.global_batch_size=384",
         "pipeline.num_micro_batches=8", "freeze.strategy=gradient_norm", "pipeline.balance=params",

@@ -26,33 +26,17 @@ from pipetransformer.utils.units import parse_param_key
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize(
-    "autopipe, autodp, clip, layouts",
-    [
-        (True, True, None, [(4, 1), (2, 2), (1, 4)]),  # the full system
-        (False, True, None, [(4, 1), (4, 1), (4, 1)]),  # freeze only: frozen units stay in their stages
-        (True, False, None, [(4, 1), (2, 1), (1, 1)]),  # no AutoDP: freed ranks idle
-        # Global-norm clipping over a pipeline's stages (small enough to clip every step).
-        (True, True, 0.05, [(4, 1), (2, 2), (1, 4)]),
-    ],
-    ids=["full", "freeze_only", "no_autodp", "full_clipped"],
-)
-def test_elastic_run_matches_single_process(tmp_path, autopipe, autodp, clip, layouts):
-    config_dict = elastic_config(autopipe__enabled=autopipe, optimizer__max_grad_norm=clip)
-    config_dict["autodp"] = {"enabled": autodp}
-    config = config_from_dict(config_dict)
-    ref_losses, ref_state, sampler = reference_run(config)
-
-    results = run_workers(elastic_run, 4, config_dict, str(tmp_path))
-    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+def check_against_single_process(config_dict: dict, run_dir, results, autopipe: bool, layouts) -> None:
+    ref_losses, ref_state, _ = reference_run(config_from_dict(config_dict))
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(m["pipe_len"], m["dp_degree"]) for m in metrics] == layouts
     assert [m["num_frozen_layers"] for m in metrics] == [0, 3, 5]
-    events = [e for e in map(json.loads, (tmp_path / "events.jsonl").read_text().splitlines()) if e["kind"] == "transition"]
+    events = [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines()) if e["kind"] == "transition"]
     assert len(events) == 2
     assert all(e["units_moved"] > 0 for e in events) == autopipe
 
     # Per step: the global batch's mean loss, reduced over the replicas.
-    got = step_losses(tmp_path)
+    got = step_losses(run_dir)
     assert len(got) == len(ref_losses)
     for step, (a, b) in enumerate(zip(got, ref_losses)):
         assert a == pytest.approx(b, abs=1e-5), f"step {step}"
@@ -63,6 +47,28 @@ def test_elastic_run_matches_single_process(tmp_path, autopipe, autodp, clip, la
         torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     # The frozen layers really stopped changing: they equal the reference, which froze them.
     assert results[0]["summary"]["final_num_frozen_layers"] == 5
+
+
+def test_the_full_system_matches_single_process(elastic_full_run):
+    run = elastic_full_run  # shared with the resume tests (test_checkpoint.py)
+    check_against_single_process(run.config_dict, run.run_dir, run.results, True, [(4, 1), (2, 2), (1, 4)])
+
+
+@pytest.mark.parametrize(
+    "autopipe, autodp, clip, layouts",
+    [
+        (False, True, None, [(4, 1), (4, 1), (4, 1)]),  # freeze only: frozen units stay in their stages
+        (True, False, None, [(4, 1), (2, 1), (1, 1)]),  # no AutoDP: freed ranks idle
+        # Global-norm clipping over a pipeline's stages (small enough to clip every step).
+        (True, True, 0.05, [(4, 1), (2, 2), (1, 4)]),
+    ],
+    ids=["freeze_only", "no_autodp", "full_clipped"],
+)
+def test_elastic_run_matches_single_process(tmp_path, autopipe, autodp, clip, layouts):
+    config_dict = elastic_config(autopipe__enabled=autopipe, optimizer__max_grad_norm=clip)
+    config_dict["autodp"] = {"enabled": autodp}
+    results = run_workers(elastic_run, 4, config_dict, str(tmp_path))
+    check_against_single_process(config_dict, tmp_path, results, autopipe, layouts)
 
 
 def test_state_handoff_is_bit_exact(tmp_path):

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import CliResult, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
@@ -26,7 +27,7 @@ def cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess
     )
 
 
-def one_line_error(result: subprocess.CompletedProcess, code: int, *words: str) -> None:
+def one_line_error(result: subprocess.CompletedProcess | CliResult, code: int, *words: str) -> None:
     assert result.returncode == code, result.stderr[-2000:]
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("pipetransformer: ")]
@@ -48,15 +49,15 @@ def test_a_used_run_directory_is_refused_with_its_files_untouched(tmp_path):
     (run_dir / "config.yaml").write_text("trainer: {}\n")
     (run_dir / "metrics.jsonl").write_text('{"epoch": 1}\n{"epoch": 2}\n')
     before = digest(run_dir)
-    one_line_error(cli("train", QUICKSTART, *SHORT, "--run-dir", str(run_dir)), 2, str(run_dir), "--resume", "--overwrite")
-    one_line_error(cli("train", QUICKSTART, *SHORT, "--resume", str(run_dir)), 2, "no complete checkpoint")
+    one_line_error(run_cli("train", QUICKSTART, *SHORT, "--run-dir", str(run_dir)), 2, str(run_dir), "--resume", "--overwrite")
+    one_line_error(run_cli("train", QUICKSTART, *SHORT, "--resume", str(run_dir)), 2, "no complete checkpoint")
     assert digest(run_dir) == before
 
 
 def test_a_file_in_the_way_of_the_run_directory(tmp_path):
     blocker = tmp_path / "run"
     blocker.write_text("mine")
-    one_line_error(cli("train", QUICKSTART, *SHORT, "--run-dir", str(blocker)), 2, "a file is in the way")
+    one_line_error(run_cli("train", QUICKSTART, *SHORT, "--run-dir", str(blocker)), 2, "a file is in the way")
     assert blocker.read_text() == "mine"
 
 
@@ -76,7 +77,7 @@ def test_bad_data_files_are_one_line_before_any_worker(tmp_path, shared_data, ki
         bad.write_text(text[: len(text) // 2])  # a download cut short
         args = ["train", str(ROOT / "configs" / "bert_squad_local.yaml"), f"data.root={bad}", f"data.eval_root={bad}"]
         words = [str(bad), "not valid JSON"]
-    result = cli(*args, "--run-dir", str(tmp_path / "run"))
+    result = run_cli(*args, "--run-dir", str(tmp_path / "run"))
     one_line_error(result, 2, *words)
     assert not (tmp_path / "run").exists()
 
@@ -86,16 +87,19 @@ def test_a_missing_local_model_directory_is_named_as_such(tmp_path):
     data.mkdir()
     for name in ("train.tsv", "dev.tsv"):
         (data / name).write_text("sentence\tlabel\na fine film\t1\na dull film\t0\n")
-    result = cli("train", str(ROOT / "configs" / "bert_sst2_local.yaml"), "model.model_name_or_path=/no/such/dir",
+    result = run_cli("train", str(ROOT / "configs" / "bert_sst2_local.yaml"), "model.model_name_or_path=/no/such/dir",
                  f"data.root={data}", "--run-dir", str(tmp_path / "run"))
     one_line_error(result, 2, "model.model_name_or_path: no such directory: /no/such/dir")
 
 
-def test_a_dataset_that_cannot_be_fetched_is_one_line(tmp_path):
+def test_a_dataset_that_cannot_be_fetched_is_one_line(tmp_path, monkeypatch):
     # A closed local proxy stands in for "no network" whatever the machine can reach.
-    closed = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1"}
-    result = cli("train", str(ROOT / "configs" / "vit_cifar100.yaml"), f"data.root={tmp_path / 'cifar'}",
-                 "--run-dir", str(tmp_path / "run"), env=closed)
+    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    result = run_cli("train", str(ROOT / "configs" / "vit_cifar100.yaml"), f"data.root={tmp_path / 'cifar'}",
+                     "--run-dir", str(tmp_path / "run"))
     one_line_error(result, 2, "CIFAR-100", str(tmp_path / "cifar"), "point data.root")
 
 
