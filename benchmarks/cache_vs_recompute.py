@@ -38,19 +38,30 @@ def median_seconds(fn, repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (a trainer process uses 1 on 2 cores)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (a trainer process uses 1 on 2 cores)"
+    )
     args = parser.parse_intermixed_args()
     torch.set_num_threads(args.threads)
     config = load_config(args.config, args.overrides)
-    data = build_data(config.data, seed=config.trainer.seed, model_name_or_path=config.model.model_name_or_path)
+    data = build_data(
+        config.data, seed=config.trainer.seed, model_name_or_path=config.model.model_name_or_path
+    )
     model = build_model(
-        config.model, task=data.task, num_classes=data.num_classes, in_chans=data.in_chans,
-        image_size=data.image_size, vocab_size=data.vocab_size, max_seq_length=data.max_seq_length,
+        config.model,
+        task=data.task,
+        num_classes=data.num_classes,
+        in_chans=data.in_chans,
+        image_size=data.image_size,
+        vocab_size=data.vocab_size,
+        max_seq_length=data.max_seq_length,
     ).eval()
     units = dict(enumerate(model.units))
     ids = list(range(args.batch))
@@ -62,7 +73,9 @@ def main() -> None:
     )
     print(f"{'frozen':>6} {'recompute (ms)':>15} {'cache hit (ms)':>15} {'speedup':>8}")
     specs = list(model.spec.activation_specs)
-    with CacheDaemon.start(splits={"train": (len(data.train), specs)}, storage_dtype=config.cache.dtype) as daemon:
+    with CacheDaemon.start(
+        splits={"train": (len(data.train), specs)}, storage_dtype=config.cache.dtype
+    ) as daemon:
         with CacheClient.attach(daemon.address) as client:
             for frozen in range(1, model.spec.num_layers):
                 end = prefix_end(frozen)
@@ -78,7 +91,10 @@ def main() -> None:
                 def serve(prefix=prefix):
                     prefix("train", ids, inputs)
 
-                slow, fast = median_seconds(recompute, args.repeats), median_seconds(serve, args.repeats)
+                slow, fast = (
+                    median_seconds(recompute, args.repeats),
+                    median_seconds(serve, args.repeats),
+                )
                 assert prefix.counts["misses"] + prefix.counts["upgrades"] == len(ids)
                 print(f"{frozen:>6} {1000 * slow:>15.3f} {1000 * fast:>15.3f} {slow / fast:>7.1f}x")
 

@@ -25,14 +25,27 @@ from pipetransformer.utils.files import read_jsonl
 
 
 def train(config: str, overrides: list[str], run_dir: Path, *extra: str) -> None:
-    command = [sys.executable, "-m", "pipetransformer", "train", config, "trainer.progress_bar=false", *overrides]
-    subprocess.run([*command, *extra] if extra else [*command, "--run-dir", str(run_dir)], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
+    command = [
+        sys.executable,
+        "-m",
+        "pipetransformer",
+        "train",
+        config,
+        "trainer.progress_bar=false",
+        *overrides,
+    ]
+    subprocess.run(
+        [*command, *extra] if extra else [*command, "--run-dir", str(run_dir)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
@@ -40,20 +53,36 @@ def main() -> None:
         with_ckpt, without = Path(tmp) / "with", Path(tmp) / "without"
         train(args.config, [*args.overrides, "checkpoint.interval_epochs=1"], with_ckpt)
         train(args.config, [*args.overrides, "checkpoint.interval_epochs=0"], without)
-        train(args.config, [*args.overrides, "checkpoint.interval_epochs=1"], with_ckpt, "--resume", str(with_ckpt))
+        train(
+            args.config,
+            [*args.overrides, "checkpoint.interval_epochs=1"],
+            with_ckpt,
+            "--resume",
+            str(with_ckpt),
+        )
         writes = [e for e in read_jsonl(with_ckpt / "events.jsonl") if e["kind"] == "checkpoint"]
         (resume,) = [e for e in read_jsonl(with_ckpt / "events.jsonl") if e["kind"] == "resume"]
-        epochs = {name: [m["epoch_time_s"] for m in read_jsonl(path / "metrics.jsonl")]
-                  for name, path in (("with", with_ckpt), ("without", without))}
-        walls = {name: json.loads((path / "summary.json").read_text())["wall_time_s"]
-                 for name, path in (("with", with_ckpt), ("without", without))}
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {args.config} {' '.join(args.overrides)}")
-    print(f"checkpoint writes: {len(writes)}, {statistics.median(e['write_s'] for e in writes):.3f} s median "
-          f"(max {max(e['write_s'] for e in writes):.3f} s), {writes[-1]['bytes'] / 2**20:.1f} MiB each")
+        epochs = {
+            name: [m["epoch_time_s"] for m in read_jsonl(path / "metrics.jsonl")]
+            for name, path in (("with", with_ckpt), ("without", without))
+        }
+        walls = {
+            name: json.loads((path / "summary.json").read_text())["wall_time_s"]
+            for name, path in (("with", with_ckpt), ("without", without))
+        }
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores; {args.config} {' '.join(args.overrides)}"
+    )
+    print(
+        f"checkpoint writes: {len(writes)}, {statistics.median(e['write_s'] for e in writes):.3f} s median "
+        f"(max {max(e['write_s'] for e in writes):.3f} s), {writes[-1]['bytes'] / 2**20:.1f} MiB each"
+    )
     print(f"load (resume from the last one): {resume['load_s']:.3f} s")
-    print(f"training time per epoch: {statistics.mean(epochs['with']):.3f} s with checkpoints, "
-          f"{statistics.mean(epochs['without']):.3f} s without; wall time {walls['with']:.1f} s vs {walls['without']:.1f} s "
-          f"(of which checkpoint writes {sum(e['write_s'] for e in writes):.2f} s)")
+    print(
+        f"training time per epoch: {statistics.mean(epochs['with']):.3f} s with checkpoints, "
+        f"{statistics.mean(epochs['without']):.3f} s without; wall time {walls['with']:.1f} s vs {walls['without']:.1f} s "
+        f"(of which checkpoint writes {sum(e['write_s'] for e in writes):.2f} s)"
+    )
 
 
 if __name__ == "__main__":

@@ -43,7 +43,9 @@ def main() -> None:
     import json
     import tempfile
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--embed-dim", type=int, default=128)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=32)
@@ -51,22 +53,40 @@ def main() -> None:
     config = {
         "trainer": {"global_batch_size": args.batch},
         "optimizer": {"name": "adamw"},
-        "model": {"name": "vit_tiny_patch16_224", "kwargs": {"patch_size": 4, "embed_dim": args.embed_dim,
-                                                             "depth": args.depth, "num_heads": 4, "mlp_ratio": 4.0}},
+        "model": {
+            "name": "vit_tiny_patch16_224",
+            "kwargs": {
+                "patch_size": 4,
+                "embed_dim": args.embed_dim,
+                "depth": args.depth,
+                "num_heads": 4,
+                "mlp_ratio": 4.0,
+            },
+        },
     }
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; ViT embed "
-          f"{args.embed_dim}, depth {args.depth}, 32x32 px, global batch {args.batch}, AdamW, float32")
-    print(f"{'layout':>16} {'stage':>5} {'predicted MiB':>14} {'measured MiB':>13} {'error':>7}   predicted parts (MiB)")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; ViT embed "
+        f"{args.embed_dim}, depth {args.depth}, 32x32 px, global batch {args.batch}, AdamW, float32"
+    )
+    print(
+        f"{'layout':>16} {'stage':>5} {'predicted MiB':>14} {'measured MiB':>13} {'error':>7}   predicted parts (MiB)"
+    )
     for pipe_len, dp_degree, schedule, micro in LAYOUTS:
         with tempfile.TemporaryDirectory() as out:
-            launch_local(pipe_len * dp_degree, worker, (config, pipe_len, dp_degree, schedule, micro, out))
+            launch_local(
+                pipe_len * dp_degree, worker, (config, pipe_len, dp_degree, schedule, micro, out)
+            )
             results = [json.load(open(os.path.join(out, f))) for f in sorted(os.listdir(out))]
         for rank, result in enumerate(results):
             predicted, measured = result["predicted"]["total"], result["measured"]
-            parts = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in result["predicted"].items() if k != "total")
+            parts = ", ".join(
+                f"{k} {v / 2**20:.1f}" for k, v in result["predicted"].items() if k != "total"
+            )
             layout = f"K={pipe_len} R={dp_degree} {schedule} M={micro}"
-            print(f"{layout:>16} {result['stage']:>5} {predicted / 2**20:>14.1f} {measured / 2**20:>13.1f} "
-                  f"{(predicted - measured) / measured:>+7.1%}   {parts}   (rank {rank})")
+            print(
+                f"{layout:>16} {result['stage']:>5} {predicted / 2**20:>14.1f} {measured / 2**20:>13.1f} "
+                f"{(predicted - measured) / measured:>+7.1%}   {parts}   (rank {rank})"
+            )
 
 
 if __name__ == "__main__":

@@ -69,13 +69,15 @@ def link_bandwidth() -> float:
         return float(Path(out).read_text())
 
 
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("compare_dirs", nargs="+")
     parser.add_argument("--out", required=True)
     parser.add_argument(
-        "--bandwidths-from", default=None,
+        "--bandwidths-from",
+        default=None,
         help="reuse the memory and link bandwidths of an earlier output file instead of measuring them "
         "(when the machine is busy now)",
     )
@@ -98,7 +100,11 @@ def main() -> None:
                 continue
             times = calibrated_times(config, store, key, unit_times(profile, memory_bps), links)
             metrics = read_jsonl(run_dir / "metrics.jsonl")
-            transitions = [e["global_step"] for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "transition"]
+            transitions = [
+                e["global_step"]
+                for e in read_jsonl(run_dir / "events.jsonl")
+                if e["kind"] == "transition"
+            ]
             steps = metrics[0]["global_step"]
             layout_keys = ("num_frozen_layers", "pipe_len", "dp_degree", "num_micro_batches")
             steady: dict[tuple, list[dict]] = {}
@@ -110,32 +116,60 @@ def main() -> None:
             for (frozen, pipe_len, dp_degree, micro), epochs in steady.items():
                 cached = bool(epochs[0].get("cache_active")) and frozen > 0
                 predicted = layout_epoch_s(
-                    config, profile, times, links, num_frozen_layers=frozen, pipe_len=pipe_len,
-                    num_micro_batches=micro, steps=steps, cached=cached,
+                    config,
+                    profile,
+                    times,
+                    links,
+                    num_frozen_layers=frozen,
+                    pipe_len=pipe_len,
+                    num_micro_batches=micro,
+                    steps=steps,
+                    cached=cached,
                 )
                 seconds = [e["epoch_time_s"] for e in epochs]
-                entries.append({
-                    "workload": compare_dir.name, "variant": run_dir.name, "epochs": [e["epoch"] for e in epochs],
-                    "num_frozen_layers": frozen, "pipe_len": pipe_len, "dp_degree": dp_degree,
-                    "num_micro_batches": micro, "cached": cached, "steps": steps,
-                    "measured_s": statistics.median(seconds), "measured_min_s": min(seconds),
-                    "measured_max_s": max(seconds), "predicted_s": predicted,
-                    "config": config.to_dict(), "profile": profile.to_dict(),
-                    "step_overhead_s": times.step_overhead_s, "slot_overhead_s": times.slot_overhead_s,
-                })
-    write_json_atomic(args.out, {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        "memory_bytes_per_s": memory_bps, "link_bytes_per_s": link_bps, "epochs": entries,
-    })
+                entries.append(
+                    {
+                        "workload": compare_dir.name,
+                        "variant": run_dir.name,
+                        "epochs": [e["epoch"] for e in epochs],
+                        "num_frozen_layers": frozen,
+                        "pipe_len": pipe_len,
+                        "dp_degree": dp_degree,
+                        "num_micro_batches": micro,
+                        "cached": cached,
+                        "steps": steps,
+                        "measured_s": statistics.median(seconds),
+                        "measured_min_s": min(seconds),
+                        "measured_max_s": max(seconds),
+                        "predicted_s": predicted,
+                        "config": config.to_dict(),
+                        "profile": profile.to_dict(),
+                        "step_overhead_s": times.step_overhead_s,
+                        "slot_overhead_s": times.slot_overhead_s,
+                    }
+                )
+    write_json_atomic(
+        args.out,
+        {
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+            "memory_bytes_per_s": memory_bps,
+            "link_bytes_per_s": link_bps,
+            "epochs": entries,
+        },
+    )
     print(f"memory {memory_bps / 1e9:.1f} GB/s, gloo loopback all-reduce {link_bps / 1e9:.2f} GB/s")
-    print("| workload | variant | steady epochs | frozen | K x R | M | measured, median (range) (s) | predicted (s) | error |")
+    print(
+        "| workload | variant | steady epochs | frozen | K x R | M | measured, median (range) (s) | predicted (s) | error |"
+    )
     print("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     for e in entries:
         error = (e["predicted_s"] - e["measured_s"]) / e["measured_s"]
-        print(f"| {e['workload']} | {e['variant']} | {len(e['epochs'])} | {e['num_frozen_layers']} | "
-              f"{e['pipe_len']}x{e['dp_degree']} | {e['num_micro_batches']} | {e['measured_s']:.2f} "
-              f"({e['measured_min_s']:.2f}-{e['measured_max_s']:.2f}) | "
-              f"{e['predicted_s']:.2f} | {error:+.1%} |")
+        print(
+            f"| {e['workload']} | {e['variant']} | {len(e['epochs'])} | {e['num_frozen_layers']} | "
+            f"{e['pipe_len']}x{e['dp_degree']} | {e['num_micro_batches']} | {e['measured_s']:.2f} "
+            f"({e['measured_min_s']:.2f}-{e['measured_max_s']:.2f}) | "
+            f"{e['predicted_s']:.2f} | {error:+.1%} |"
+        )
 
 
 if __name__ == "__main__":

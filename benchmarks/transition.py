@@ -43,15 +43,27 @@ def worker(config, run_dir: str, frozen: list[int], out_path: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--frozen", type=int, nargs="+", required=True, help="num_frozen_layers to move to, in order")
+    parser.add_argument(
+        "--frozen",
+        type=int,
+        nargs="+",
+        required=True,
+        help="num_frozen_layers to move to, in order",
+    )
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_intermixed_args()
     overrides = [
-        *args.overrides, f"trainer.nproc_per_node={args.nproc}", "trainer.epochs=1", "trainer.progress_bar=false",
-        "freeze.strategy=manual", f"freeze.manual_schedule=[{args.frozen[-1]}]",
+        *args.overrides,
+        f"trainer.nproc_per_node={args.nproc}",
+        "trainer.epochs=1",
+        "trainer.progress_bar=false",
+        "freeze.strategy=manual",
+        f"freeze.manual_schedule=[{args.frozen[-1]}]",
     ]
     config = load_config(args.config, overrides)
     with tempfile.TemporaryDirectory() as tmp:
@@ -59,8 +71,12 @@ def main() -> None:
         launch_local(args.nproc, worker, (config, os.path.join(tmp, "run"), args.frozen, out))
         with open(out) as f:
             transitions = json.load(f)
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {args.nproc} processes, {config.model.name}")
-    print(f"{'frozen':>9} {'K':>7} {'R':>7} {'units':>6} " + " ".join(f"{p[:-2]:>11}" for p in PHASES))
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, {args.nproc} processes, {config.model.name}"
+    )
+    print(
+        f"{'frozen':>9} {'K':>7} {'R':>7} {'units':>6} " + " ".join(f"{p[:-2]:>11}" for p in PHASES)
+    )
     for t in transitions:
         print(
             f"{t['old_num_frozen_layers']:>3} -> {t['new_num_frozen_layers']:<3}"

@@ -28,10 +28,14 @@ from pipetransformer.utils.files import read_jsonl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--variant", action="append", required=True, help="NAME=OVERRIDE[,OVERRIDE...]")
+    parser.add_argument(
+        "--variant", action="append", required=True, help="NAME=OVERRIDE[,OVERRIDE...]"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_intermixed_args()
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="variants-"))
@@ -39,9 +43,21 @@ def main() -> None:
     for variant in args.variant:
         name, _, extra = variant.partition("=")
         run_dir = out / name
-        command = [sys.executable, "-m", "pipetransformer", "train", args.config, "trainer.progress_bar=false",
-                   *args.overrides, *[e for e in extra.split(",") if e], "--run-dir", str(run_dir)]
-        result = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        command = [
+            sys.executable,
+            "-m",
+            "pipetransformer",
+            "train",
+            args.config,
+            "trainer.progress_bar=false",
+            *args.overrides,
+            *[e for e in extra.split(",") if e],
+            "--run-dir",
+            str(run_dir),
+        ]
+        result = subprocess.run(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
         if result.returncode != 0:
             sys.exit(f"variant {name} failed:\n{result.stderr[-2000:]}")
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -53,11 +69,21 @@ def main() -> None:
             point = f"F{m['num_frozen_layers']} {m['pipe_len']}x{m['dp_degree']}"
             if not path or path[-1] != point:
                 path.append(point)
-        rows.append((name, summary["wall_time_s"], samples / train_s, summary["final_eval_metric"],
-                     summary["metric_name"], " → ".join(path)))
+        rows.append(
+            (
+                name,
+                summary["wall_time_s"],
+                samples / train_s,
+                summary["final_eval_metric"],
+                summary["metric_name"],
+                " → ".join(path),
+            )
+        )
         print(f"{name}: done", file=sys.stderr)
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
-          f"{args.config} {' '.join(args.overrides)}; runs in {out}")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
+        f"{args.config} {' '.join(args.overrides)}; runs in {out}"
+    )
     print(f"| variant | wall time (s) | training samples/s | final {rows[0][4]} | trajectory |")
     print("| --- | ---: | ---: | ---: | --- |")
     for name, wall, throughput, metric, _, path in rows:

@@ -22,7 +22,9 @@ from pipetransformer.config import Config, ConfigError, load_config
 logger = logging.getLogger("pipetransformer.cli")
 
 
-def _default_run_dir(config_path: str | None, prefix: str = "runs", run_id: str | None = None) -> Path:
+def _default_run_dir(
+    config_path: str | None, prefix: str = "runs", run_id: str | None = None
+) -> Path:
     """runs/<config>-<time>; under torchrun runs/<config>-<rendezvous id>, the same for every
     node and across restarts (torchrun keeps the id), so a restarted worker finds its run."""
     stem = Path(config_path).stem if config_path else "default"
@@ -55,10 +57,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite exclude each other")
     if args.resume and args.run_dir and Path(args.run_dir) != Path(args.resume):
-        raise ConfigError("--resume RUN_DIR continues in RUN_DIR: leave out --run-dir or give the same directory")
+        raise ConfigError(
+            "--resume RUN_DIR continues in RUN_DIR: leave out --run-dir or give the same directory"
+        )
     preflight(config)
     resume = "required" if args.resume else config.trainer.resume
-    run_dir = Path(args.resume or args.run_dir or _default_run_dir(args.config, run_id=os.environ.get("TORCHELASTIC_RUN_ID")))
+    run_dir = Path(
+        args.resume
+        or args.run_dir
+        or _default_run_dir(args.config, run_id=os.environ.get("TORCHELASTIC_RUN_ID"))
+    )
     resume_line = shlex.join(["pipetransformer", *_train_arguments(args), "--resume", str(run_dir)])
     if under_torchrun():
         code = _train_under_torchrun(config, run_dir, resume, args.overwrite, resume_line)
@@ -75,7 +83,10 @@ def _export_trained(run_dir: Path) -> None:
     from pipetransformer.export import export_run
 
     checkpoint, files = export_run(run_dir, run_dir / "export")
-    print(f"pipetransformer: exported {checkpoint} to {run_dir / 'export'}: {', '.join(files)}", file=sys.stderr)
+    print(
+        f"pipetransformer: exported {checkpoint} to {run_dir / 'export'}: {', '.join(files)}",
+        file=sys.stderr,
+    )
 
 
 def _train_arguments(args: argparse.Namespace) -> list[str]:
@@ -86,7 +97,9 @@ def _train_arguments(args: argparse.Namespace) -> list[str]:
     return words
 
 
-def _train_locally(config: Config, run_dir: Path, resume: str, overwrite: bool, resume_line: str) -> int:
+def _train_locally(
+    config: Config, run_dir: Path, resume: str, overwrite: bool, resume_line: str
+) -> int:
     """Start the local workers; restart them from the latest checkpoint when one dies
     (trainer.max_restarts); turn a Ctrl-C or SIGTERM into a checkpoint and a resume line."""
     from pipetransformer.launcher import LaunchInterrupted, WorkerFailed, launch_local
@@ -100,31 +113,50 @@ def _train_locally(config: Config, run_dir: Path, resume: str, overwrite: bool, 
         checkpoint = prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
         nproc = config.nproc_per_node
         start = f"from {checkpoint}" if checkpoint else "from the start"
-        print(f"pipetransformer: training on {nproc} local process(es) {start}; run directory {run_dir}", file=sys.stderr)
+        print(
+            f"pipetransformer: training on {nproc} local process(es) {start}; run directory {run_dir}",
+            file=sys.stderr,
+        )
         run_id = uuid.uuid4().hex
         restarts = 0
         first_failure = None
         while True:
             options = RunOptions(
-                restart=restarts > 0, run_id=run_id, prepared_checkpoint=str(checkpoint) if checkpoint else ""
+                restart=restarts > 0,
+                run_id=run_id,
+                prepared_checkpoint=str(checkpoint) if checkpoint else "",
             )
             try:
                 launch_local(nproc, run_worker, (config, run_dir, options))
                 break
             except LaunchInterrupted as exc:
                 if exc.stopped is None:
-                    print(f"pipetransformer: interrupted ({exc}); workers killed before a checkpoint", file=sys.stderr)
+                    print(
+                        f"pipetransformer: interrupted ({exc}); workers killed before a checkpoint",
+                        file=sys.stderr,
+                    )
                 else:
-                    print(f"pipetransformer: {exc.stopped}. Resume with: {resume_line}", file=sys.stderr)
+                    print(
+                        f"pipetransformer: {exc.stopped}. Resume with: {resume_line}",
+                        file=sys.stderr,
+                    )
                 return exit_code_for(exc.signum)
             except WorkerFailed as exc:
                 first_failure = first_failure or str(exc)
                 if restarts >= config.trainer.max_restarts:
-                    after = f" (gave up after {restarts} restarts; first failure: {first_failure})" if restarts else ""
-                    print(f"pipetransformer: a worker process failed ({exc}){after}", file=sys.stderr)
+                    after = (
+                        f" (gave up after {restarts} restarts; first failure: {first_failure})"
+                        if restarts
+                        else ""
+                    )
+                    print(
+                        f"pipetransformer: a worker process failed ({exc}){after}", file=sys.stderr
+                    )
                     return 1
                 restarts += 1
-                checkpoint = prepare_run_dir(run_dir, resume="auto", overwrite=False, restart=True, run_id=run_id)
+                checkpoint = prepare_run_dir(
+                    run_dir, resume="auto", overwrite=False, restart=True, run_id=run_id
+                )
                 start = f"from {checkpoint}" if checkpoint else "from the start (no checkpoint yet)"
                 print(
                     f"pipetransformer: a worker process failed ({exc}); restart {restarts} of "
@@ -139,7 +171,9 @@ def _train_locally(config: Config, run_dir: Path, resume: str, overwrite: bool, 
     return 0
 
 
-def _train_under_torchrun(config: Config, run_dir: Path, resume: str, overwrite: bool, resume_line: str) -> int:
+def _train_under_torchrun(
+    config: Config, run_dir: Path, resume: str, overwrite: bool, resume_line: str
+) -> int:
     """This process is one worker; torchrun restarts workers (--max-restarts): a restarted
     worker continues from the latest checkpoint by itself."""
     from pipetransformer.trainer import RunOptions, run_worker
@@ -148,7 +182,10 @@ def _train_under_torchrun(config: Config, run_dir: Path, resume: str, overwrite:
 
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     options = RunOptions(
-        resume=resume, overwrite=overwrite and not restart, restart=restart, run_id=os.environ.get("TORCHELASTIC_RUN_ID")
+        resume=resume,
+        overwrite=overwrite and not restart,
+        restart=restart,
+        run_id=os.environ.get("TORCHELASTIC_RUN_ID"),
     )
     rank0 = os.environ.get("RANK", "0") == "0"
     if config.trainer.max_restarts and rank0:
@@ -178,7 +215,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.predict:
         return _predict(config, args)
     rows = plan_table(config)
-    print(json.dumps([row.to_dict() for row in rows], indent=2) if args.json else format_plan_table(config, rows))
+    print(
+        json.dumps([row.to_dict() for row in rows], indent=2)
+        if args.json
+        else format_plan_table(config, rows)
+    )
     return 0
 
 
@@ -201,9 +242,13 @@ def _predict(config: Config, args: argparse.Namespace) -> int:
     links = Links(args.intra_node_gbps * 1e9, args.inter_node_gbps * 1e9)
     times = calibrated_times(config, store, key, unit_times(profile, args.memory_gbps * 1e9), links)
     steps = args.steps_per_epoch or steps_per_epoch_for(config, args.nodes)
-    result = predict(config, profile, Cluster(args.nodes, devices, links), steps, args.trajectory, times)
+    result = predict(
+        config, profile, Cluster(args.nodes, devices, links), steps, args.trajectory, times
+    )
     source = f"{path} [{key.device}]"
-    print(json.dumps(result.to_dict(), indent=2) if args.json else format_prediction(result, source))
+    print(
+        json.dumps(result.to_dict(), indent=2) if args.json else format_prediction(result, source)
+    )
     return 0
 
 
@@ -228,8 +273,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
     preflight(config)
     out = Path(args.out) if args.out else _default_run_dir(args.config, "runs/compare")
     return run_compare(
-        config, args.config, args.overrides, out, ablations=args.ablations, peers=args.peers,
-        seeds=seeds, margin_points=args.margin,
+        config,
+        args.config,
+        args.overrides,
+        out,
+        ablations=args.ablations,
+        peers=args.peers,
+        seeds=seeds,
+        margin_points=args.margin,
     )
 
 
@@ -258,7 +309,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     from pipetransformer.export import export_run
 
     checkpoint, files = export_run(Path(args.run_dir), Path(args.out), args.checkpoint)
-    print(f"pipetransformer: exported {checkpoint} to {args.out}: {', '.join(files)}", file=sys.stderr)
+    print(
+        f"pipetransformer: exported {checkpoint} to {args.out}: {', '.join(files)}", file=sys.stderr
+    )
     return 0
 
 
@@ -271,49 +324,91 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("config", help="YAML config file (see configs/)")
-        p.add_argument("overrides", nargs="*", help="overrides such as trainer.epochs=3 freeze.alpha=0.5")
+        p.add_argument(
+            "overrides", nargs="*", help="overrides such as trainer.epochs=3 freeze.alpha=0.5"
+        )
 
-    train = sub.add_parser("train", help="train a model (starts local workers unless under torchrun)")
+    train = sub.add_parser(
+        "train", help="train a model (starts local workers unless under torchrun)"
+    )
     common(train)
-    train.add_argument("--nproc", type=int, default=None, help="local worker processes (default: trainer.nproc_per_node)")
-    train.add_argument("--run-dir", default=None, help="output directory (default: runs/<config>-<time>)")
     train.add_argument(
-        "--resume", metavar="RUN_DIR", default=None,
+        "--nproc",
+        type=int,
+        default=None,
+        help="local worker processes (default: trainer.nproc_per_node)",
+    )
+    train.add_argument(
+        "--run-dir", default=None, help="output directory (default: runs/<config>-<time>)"
+    )
+    train.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        default=None,
         help="continue the run in RUN_DIR from its latest checkpoint (at any number of processes)",
     )
     train.add_argument(
-        "--overwrite", action="store_true", help="start over in a run directory that holds a run (deletes its outputs)"
+        "--overwrite",
+        action="store_true",
+        help="start over in a run directory that holds a run (deletes its outputs)",
     )
     train.set_defaults(func=cmd_train)
 
-    plan = sub.add_parser("plan", help="print the layout AutoPipe would choose at each frozen boundary")
+    plan = sub.add_parser(
+        "plan", help="print the layout AutoPipe would choose at each frozen boundary"
+    )
     common(plan)
     plan.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
-    predict = plan.add_argument_group("prediction (--predict): step times and the run's speedup over Pipe+DDP")
-    predict.add_argument("--predict", action="store_true", help="predict step times and the speedup on a cluster")
-    predict.add_argument("--nodes", type=int, default=1, help="nodes of the cluster (default 1)")
-    predict.add_argument("--devices-per-node", type=int, default=None, help="default: trainer.nproc_per_node")
-    predict.add_argument("--profile", default=None, help="profile file with this model's unit profile (default: the runs')")
+    predict = plan.add_argument_group(
+        "prediction (--predict): step times and the run's speedup over Pipe+DDP"
+    )
     predict.add_argument(
-        "--trajectory", default="auto",
+        "--predict", action="store_true", help="predict step times and the speedup on a cluster"
+    )
+    predict.add_argument("--nodes", type=int, default=1, help="nodes of the cluster (default 1)")
+    predict.add_argument(
+        "--devices-per-node", type=int, default=None, help="default: trainer.nproc_per_node"
+    )
+    predict.add_argument(
+        "--profile",
+        default=None,
+        help="profile file with this model's unit profile (default: the runs')",
+    )
+    predict.add_argument(
+        "--trajectory",
+        default="auto",
         help="'auto' (the config's freeze strategy and cadence), 'paper' (closed form each epoch) or F per epoch: 0,0,2,4",
     )
-    predict.add_argument("--steps-per-epoch", type=int, default=None, help="default: from the local training data")
-    predict.add_argument("--intra-node-gbps", type=float, default=150.0, help="GB/s between devices of a node")
+    predict.add_argument(
+        "--steps-per-epoch", type=int, default=None, help="default: from the local training data"
+    )
+    predict.add_argument(
+        "--intra-node-gbps", type=float, default=150.0, help="GB/s between devices of a node"
+    )
     predict.add_argument("--inter-node-gbps", type=float, default=25.0, help="GB/s between nodes")
-    predict.add_argument("--memory-gbps", type=float, default=2000.0, help="a device's memory bandwidth, GB/s")
+    predict.add_argument(
+        "--memory-gbps", type=float, default=2000.0, help="a device's memory bandwidth, GB/s"
+    )
     plan.set_defaults(func=cmd_plan)
 
-    compare = sub.add_parser("compare", help="baseline (Pipe+DDP) vs elastic run: speedup, accuracy, plots")
+    compare = sub.add_parser(
+        "compare", help="baseline (Pipe+DDP) vs elastic run: speedup, accuracy, plots"
+    )
     common(compare)
-    compare.add_argument("--ablations", action="store_true", help="also run freeze-only, no-AutoDP and no-cache")
     compare.add_argument(
-        "--peers", action="store_true",
+        "--ablations", action="store_true", help="also run freeze-only, no-AutoDP and no-cache"
+    )
+    compare.add_argument(
+        "--peers",
+        action="store_true",
         help="also run what users run instead: ddp (K=1, no freezing) and freeze-ddp (K=1, freezing and AutoCache)",
     )
     seeding = compare.add_mutually_exclusive_group()
     seeding.add_argument(
-        "--seeds", type=_seed_list, default=None, metavar="S,S,...",
+        "--seeds",
+        type=_seed_list,
+        default=None,
+        metavar="S,S,...",
         help="run every variant once per seed (trainer.seed), in OUT/seed-<s>/<variant>/; "
         "the report adds mean ± std and paired statistics over the seeds",
     )
@@ -321,22 +416,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeats", type=_positive_int, default=None, metavar="N", help="as --seeds 0,...,N-1"
     )
     compare.add_argument(
-        "--margin", type=float, default=None, metavar="POINTS",
+        "--margin",
+        type=float,
+        default=None,
+        metavar="POINTS",
         help="non-inferiority margin in metric points (default 1.0): a variant is 'not worse' "
         "when the 95%% interval of its difference to the baseline lies above -POINTS",
     )
-    compare.add_argument("--out", default=None, help="output directory (default: runs/compare/<config>-<time>)")
     compare.add_argument(
-        "--report-only", action="store_true",
+        "--out", default=None, help="output directory (default: runs/compare/<config>-<time>)"
+    )
+    compare.add_argument(
+        "--report-only",
+        action="store_true",
         help="rerun nothing: rebuild results.json, report.md and plots from the runs already in --out",
     )
     compare.set_defaults(func=cmd_compare)
 
     export = sub.add_parser(
-        "export", help="write a run's trained model as transformers / timm load it (from a checkpoint)"
+        "export",
+        help="write a run's trained model as transformers / timm load it (from a checkpoint)",
     )
     export.add_argument("run_dir", help="the run directory (holds checkpoints/)")
-    export.add_argument("--checkpoint", choices=["latest", "best"], default="latest", help="which checkpoint")
+    export.add_argument(
+        "--checkpoint", choices=["latest", "best"], default="latest", help="which checkpoint"
+    )
     export.add_argument("--out", required=True, help="output directory")
     export.set_defaults(func=cmd_export)
     return parser

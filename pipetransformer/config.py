@@ -138,11 +138,19 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.initial_pipe_len, int) and self.initial_pipe_len < 1:
-            _fail("pipeline.initial_pipe_len", f"must be >= 1 or 'auto', got {self.initial_pipe_len}")
+            _fail(
+                "pipeline.initial_pipe_len", f"must be >= 1 or 'auto', got {self.initial_pipe_len}"
+            )
         if self.device_memory_bytes is not None and self.device_memory_bytes < 1:
-            _fail("pipeline.device_memory_bytes", f"must be >= 1 or null, got {self.device_memory_bytes}")
+            _fail(
+                "pipeline.device_memory_bytes",
+                f"must be >= 1 or null, got {self.device_memory_bytes}",
+            )
         if isinstance(self.num_micro_batches, int) and self.num_micro_batches < 1:
-            _fail("pipeline.num_micro_batches", f"must be >= 1 or 'auto', got {self.num_micro_batches}")
+            _fail(
+                "pipeline.num_micro_batches",
+                f"must be >= 1 or 'auto', got {self.num_micro_batches}",
+            )
 
 
 @dataclass(frozen=True)
@@ -523,7 +531,10 @@ def _layout_problem(config: Config, world: int, k0: int) -> tuple[str, str] | No
     """(key, message) of the first reason a run cannot start at pipeline length `k0`."""
     nproc = config.nproc_per_node
     if nproc % k0 != 0:
-        return "pipeline.initial_pipe_len", f"{k0} does not divide the {nproc} devices per node (trainer.nproc_per_node)"
+        return (
+            "pipeline.initial_pipe_len",
+            f"{k0} does not divide the {nproc} devices per node (trainer.nproc_per_node)",
+        )
     batch = config.trainer.global_batch_size
     m = config.pipeline.num_micro_batches
     for k in reachable_pipe_lens(config, k0):
@@ -539,7 +550,10 @@ def _layout_problem(config: Config, world: int, k0: int) -> tuple[str, str] | No
                 f"(global batch {batch} over {replicas} replicas at pipe_len {k})"
             )
         if m == "auto" and per_replica < k:
-            return "trainer.global_batch_size", f"per-replica batch {per_replica} is smaller than pipe_len {k}"
+            return (
+                "trainer.global_batch_size",
+                f"per-replica batch {per_replica} is smaller than pipe_len {k}",
+            )
         if config.pipeline.schedule == "1f1b" and isinstance(m, int) and m < k:
             return "pipeline.num_micro_batches", f"1f1b needs at least pipe_len ({k}) micro-batches"
     return None
@@ -552,7 +566,11 @@ def initial_pipe_lens(config: Config, world_size: int | None = None) -> list[int
     setting = config.pipeline.initial_pipe_len
     if isinstance(setting, int):
         return [setting]
-    return [k for k in pipe_len_candidates(config.nproc_per_node) if _layout_problem(config, world, k) is None]
+    return [
+        k
+        for k in pipe_len_candidates(config.nproc_per_node)
+        if _layout_problem(config, world, k) is None
+    ]
 
 
 def check_config(config: Config, world_size: int | None = None) -> None:
@@ -592,7 +610,9 @@ class World:
 
     def __post_init__(self) -> None:
         if self.devices_per_node < 1 or self.world_size % self.devices_per_node:
-            raise ValueError(f"{self.devices_per_node} devices per node do not divide the world of {self.world_size}")
+            raise ValueError(
+                f"{self.devices_per_node} devices per node do not divide the world of {self.world_size}"
+            )
 
 
 def resolve(config: Config, world: World, initial_pipe_len: int | None = None) -> Config:

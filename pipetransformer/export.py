@@ -47,7 +47,11 @@ def load_trained_model(
         for name, tensor in [*unit.named_parameters(), *unit.named_buffers()]:
             destinations[model_key(param_key(index, name))] = tensor.detach()
     covered = {t.untyped_storage().data_ptr() for t in destinations.values()}
-    missing = [n for n, p in model.source.named_parameters() if p.untyped_storage().data_ptr() not in covered]
+    missing = [
+        n
+        for n, p in model.source.named_parameters()
+        if p.untyped_storage().data_ptr() not in covered
+    ]
     if missing:  # an adapter that leaves parameters outside its units would export garbage
         raise RuntimeError(f"parameters outside every unit: {missing[:5]}")
     with torch.no_grad(), warnings.catch_warnings():
@@ -58,7 +62,9 @@ def load_trained_model(
     return model, config, checkpoint, record
 
 
-def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "latest") -> tuple[Path, list[str]]:
+def export_run(
+    run_dir: str | Path, out_dir: str | Path, which: str = "latest"
+) -> tuple[Path, list[str]]:
     """Write the model of the run's `which` checkpoint to `out_dir`; returns (the checkpoint
     exported, the files written)."""
     model, config, checkpoint, record = load_trained_model(run_dir, which)
@@ -66,7 +72,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path, which: str = "latest") 
     build = record.model.build_args
     # What timm.create_model was given (recorded explicitly: older timm does not infer it).
     model_args = {
-        **config.model.kwargs, "num_classes": build["num_classes"], "in_chans": build["in_chans"],
+        **config.model.kwargs,
+        "num_classes": build["num_classes"],
+        "in_chans": build["in_chans"],
         "img_size": build["image_size"],
     }
     files = export_model(model, out_dir, tokenizer=tokenizer, model_args=model_args)

@@ -131,16 +131,27 @@ class FreezeDecider:
             )
         if strategy == "convergence":
             return convergence_decision(
-                num_frozen_layers, layer_grad_norms, previous_layer_grad_norms,
-                self.config.alpha, self.config.convergence_threshold, self.max_frozen_layers,
+                num_frozen_layers,
+                layer_grad_norms,
+                previous_layer_grad_norms,
+                self.config.alpha,
+                self.config.convergence_threshold,
+                self.max_frozen_layers,
             )
         if strategy == "alpha_schedule":
             return alpha_schedule_decision(
-                decision_index, self.num_layers, self.config.alpha, num_frozen_layers, self.max_frozen_layers
+                decision_index,
+                self.num_layers,
+                self.config.alpha,
+                num_frozen_layers,
+                self.max_frozen_layers,
             )
         if strategy == "manual":
             return manual_decision(
-                decision_index, self.config.manual_schedule, num_frozen_layers, self.max_frozen_layers
+                decision_index,
+                self.config.manual_schedule,
+                num_frozen_layers,
+                self.max_frozen_layers,
             )
         raise ValueError(f"freeze.strategy: unknown strategy '{strategy}'")
 
@@ -164,7 +175,9 @@ class DecisionSchedule:
     steps_per_epoch: int
 
     @classmethod
-    def for_config(cls, config: FreezeConfig, epochs: int, steps_per_epoch: int, min_interval_steps: int = 1):
+    def for_config(
+        cls, config: FreezeConfig, epochs: int, steps_per_epoch: int, min_interval_steps: int = 1
+    ):
         """`min_interval_steps`: the lower bound 'auto' has learnt from transition costs."""
         interval = config.interval_steps
         if interval == "auto":

@@ -44,7 +44,9 @@ FAILURE_GRACE_S = 5.0
 
 
 def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or all(v in os.environ for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    return "TORCHELASTIC_RUN_ID" in os.environ or all(
+        v in os.environ for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    )
 
 
 def free_port() -> int:
@@ -78,8 +80,14 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _worker_entry(
-    local_rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple, status_dir: str,
-    parent_pid: int | None, environ: dict[str, str],
+    local_rank: int,
+    nproc: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    status_dir: str,
+    parent_pid: int | None,
+    environ: dict[str, str],
 ) -> None:
     # A forkserver's child (parent_pid None) dies with the server, which ends with the launcher.
     _die_with_parent(os.getppid() if parent_pid is None else parent_pid)
@@ -105,7 +113,9 @@ def _worker_entry(
         return
     except BaseException as exc:
         # The parent reports the first line; the whole traceback stays in the file.
-        (status / f"rank{local_rank}.err").write_text(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        (status / f"rank{local_rank}.err").write_text(
+            f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        )
         os._exit(1)
     (status / f"rank{local_rank}.result").write_bytes(pickle.dumps(result))
 
@@ -120,7 +130,10 @@ def _describe(rank: int, exitcode: int | None, status: Path) -> str:
 
 
 def launch_local(
-    nproc: int, fn: Callable[..., Any], args: tuple = (), context: multiprocessing.context.BaseContext | None = None
+    nproc: int,
+    fn: Callable[..., Any],
+    args: tuple = (),
+    context: multiprocessing.context.BaseContext | None = None,
 ) -> list[Any]:
     """Run `fn(*args)` in `nproc` local worker processes; return each rank's result.
     Raises WorkerFailed or LaunchInterrupted (see the module docstring). `context`: how

@@ -38,16 +38,27 @@ TINY_BERT = ModelConfig(
 )
 
 
-def tiny_vit(seed: int = 0, num_classes: int = 10, image_size: int = 8, in_chans: int = 1, device="cpu"):
+def tiny_vit(
+    seed: int = 0, num_classes: int = 10, image_size: int = 8, in_chans: int = 1, device="cpu"
+):
     torch.manual_seed(seed)
     return build_model(
-        TINY_VIT, task="classification", num_classes=num_classes, in_chans=in_chans, image_size=image_size, device=device
+        TINY_VIT,
+        task="classification",
+        num_classes=num_classes,
+        in_chans=in_chans,
+        image_size=image_size,
+        device=device,
     )
 
 
-def tiny_bert(seed: int = 0, task: str = "classification", seq_len: int = 16, vocab: int = 50, device="cpu"):
+def tiny_bert(
+    seed: int = 0, task: str = "classification", seq_len: int = 16, vocab: int = 50, device="cpu"
+):
     torch.manual_seed(seed)
-    return build_model(TINY_BERT, task=task, num_classes=2, vocab_size=vocab, max_seq_length=seq_len, device=device)
+    return build_model(
+        TINY_BERT, task=task, num_classes=2, vocab_size=vocab, max_seq_length=seq_len, device=device
+    )
 
 
 # Workers are forks of one server that has imported torch, timm, transformers and the trainer
@@ -55,7 +66,13 @@ def tiny_bert(seed: int = 0, task: str = "classification", seq_len: int = 16, vo
 # imports on 2 cores (the launcher's default, spawn, is what the CLI and its tests use).
 WORKER_CONTEXT = multiprocessing.get_context("forkserver")
 WORKER_CONTEXT.set_forkserver_preload(
-    ["torch", "torch.distributed.pipelining", "timm", "transformers.models.bert.modeling_bert", "workers"]
+    [
+        "torch",
+        "torch.distributed.pipelining",
+        "timm",
+        "transformers.models.bert.modeling_bert",
+        "workers",
+    ]
 )
 
 
@@ -69,14 +86,18 @@ def _entry(fn: Callable[..., Any], out_dir: str, devices_per_node: int | None, a
         pickle.dump(result, f)
 
 
-def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, devices_per_node: int | None = None) -> list[Any]:
+def run_workers(
+    fn: Callable[..., Any], world_size: int, *args: Any, devices_per_node: int | None = None
+) -> list[Any]:
     """Run `fn(*args)` in `world_size` gloo worker processes; return each rank's result.
 
     `fn` must be importable (module level). Workers get torchrun's environment variables
     and a free port; `devices_per_node` simulates several nodes on this machine.
     """
     with tempfile.TemporaryDirectory(prefix="pt-test-") as out_dir:
-        launch_local(world_size, _entry, (fn, out_dir, devices_per_node, args), context=WORKER_CONTEXT)
+        launch_local(
+            world_size, _entry, (fn, out_dir, devices_per_node, args), context=WORKER_CONTEXT
+        )
         results = []
         for rank in range(world_size):
             with open(Path(out_dir) / f"rank{rank}.pkl", "rb") as f:
@@ -115,4 +136,8 @@ def run_cli(*args: str) -> CliResult:
         os.chdir(cwd)
         logger.handlers[:] = saved[0]
         logger.propagate, logger.level = saved[1], saved[2]
-    return CliResult(code if isinstance(code, int) else (0 if code is None else 1), stdout.getvalue(), stderr.getvalue())
+    return CliResult(
+        code if isinstance(code, int) else (0 if code is None else 1),
+        stdout.getvalue(),
+        stderr.getvalue(),
+    )

@@ -28,7 +28,12 @@ from pipetransformer.trainer.tasks import ClassificationTask, loss_weights
 
 
 def measure_stage_memory(
-    config_dict: dict, pipe_len: int, dp_degree: int, schedule: str, micro_batches: int, image_size: int = 32
+    config_dict: dict,
+    pipe_len: int,
+    dp_degree: int,
+    schedule: str,
+    micro_batches: int,
+    image_size: int = 32,
 ) -> dict:
     """One rank of a K x R layout: its stage's predicted peak bytes (MemoryModel over a unit
     profile measured here) and its measured peak (pipe/measure.py: malloc's bytes in
@@ -40,16 +45,24 @@ def measure_stage_memory(
     replica_batch = batch // dp_degree
     micro = replica_batch // micro_batches
     torch.manual_seed(0)
-    model = build_model(config.model, task="classification", num_classes=10, in_chans=1, image_size=image_size)
-    profile = UnitProfile.from_measurements(measure_unit_costs(dict(enumerate(model.units)), model.spec, micro, "cpu"), micro)
+    model = build_model(
+        config.model, task="classification", num_classes=10, in_chans=1, image_size=image_size
+    )
+    profile = UnitProfile.from_measurements(
+        measure_unit_costs(dict(enumerate(model.units)), model.spec, micro, "cpu"), micro
+    )
     # The first model and measurement also paid for lazy imports and oneDNN's primitive
     # caches (tens of MB, once per process): the baseline is taken after them.
     del model
     gc.collect()
     baseline = bytes_in_use()
-    model = build_model(config.model, task="classification", num_classes=10, in_chans=1, image_size=image_size)
+    model = build_model(
+        config.model, task="classification", num_classes=10, in_chans=1, image_size=image_size
+    )
     plan = balance(UnitCosts.from_param_counts(model.spec.unit_param_counts, 1 / 6), 0, pipe_len)
-    layout = Layout(plan, world.world_size, world.world_size, dp_degree).with_micro_batches(micro_batches)
+    layout = Layout(plan, world.world_size, world.world_size, dp_degree).with_micro_batches(
+        micro_batches
+    )
     plan = layout.plan
     groups = build_training_groups(layout, world.rank, 120)
     role = layout.role(world.rank)
@@ -58,16 +71,28 @@ def measure_stage_memory(
     del model  # only this stage's units stay alive, as in training
     gc.collect()
     runtime = build_stage_runtime(
-        plan=plan, stage_index=role.stage, replica_batch_size=replica_batch, units=units, spec=spec,
-        loss_fn=ClassificationTask.loss_fn, schedule_name=schedule, pipeline_group=groups.pipeline,
-        data_group=groups.data, device=world.device,
+        plan=plan,
+        stage_index=role.stage,
+        replica_batch_size=replica_batch,
+        units=units,
+        spec=spec,
+        loss_fn=ClassificationTask.loss_fn,
+        schedule_name=schedule,
+        pipeline_group=groups.pipeline,
+        data_group=groups.data,
+        device=world.device,
     )
-    named = {name: p for index, unit in units.items() for name, p in unit_param_names(unit, index).items()}
+    named = {
+        name: p
+        for index, unit in units.items()
+        for name, p in unit_param_names(unit, index).items()
+    }
     optimizer = optim_module.build_optimizer(config.optimizer, named)
     g = torch.Generator().manual_seed(1)
     images = torch.randn(replica_batch, 1, image_size, image_size, generator=g)
     target = ClassificationTask.make_target(
-        torch.randint(0, 10, (replica_batch,), generator=g), loss_weights([True] * replica_batch, dp_degree, batch)
+        torch.randint(0, 10, (replica_batch,), generator=g),
+        loss_weights([True] * replica_batch, dp_degree, batch),
     )
 
     def step():
@@ -79,6 +104,8 @@ def measure_stage_memory(
     gc.collect()
     peak = peak_bytes(step)
     memory = MemoryModel.from_profile(profile, config.optimizer.name, config.optimizer.momentum)
-    predicted = memory.stage_memory(plan, role.stage, LayoutShape(micro, micro_batches, dp_degree, schedule))
+    predicted = memory.stage_memory(
+        plan, role.stage, LayoutShape(micro, micro_batches, dp_degree, schedule)
+    )
     torch.distributed.destroy_process_group()
     return {"stage": role.stage, "predicted": predicted.to_dict(), "measured": peak - baseline}

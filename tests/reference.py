@@ -15,14 +15,37 @@ from pipetransformer.utils.units import prefix_end
 def elastic_config(**changes):
     data = {
         "trainer": {
-            "epochs": 3, "seed": 0, "global_batch_size": 32, "nproc_per_node": 4, "progress_bar": False,
+            "epochs": 3,
+            "seed": 0,
+            "global_batch_size": 32,
+            "nproc_per_node": 4,
+            "progress_bar": False,
             "log_interval_steps": 1,
         },
-        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "lr_schedule": "cosine", "warmup_steps": 2},
+        "optimizer": {
+            "name": "sgd",
+            "lr": 0.05,
+            "momentum": 0.9,
+            "lr_schedule": "cosine",
+            "warmup_steps": 2,
+        },
         "pipeline": {"initial_pipe_len": 4, "num_micro_batches": 2, "balance": "params"},
-        "freeze": {"strategy": "manual", "manual_schedule": [3, 5], "interval_steps": None},  # epoch ends
+        "freeze": {
+            "strategy": "manual",
+            "manual_schedule": [3, 5],
+            "interval_steps": None,
+        },  # epoch ends
         "autopipe": {"lambda_frozen": 0.02},
-        "model": {"name": "vit_tiny_patch16_224", "kwargs": {"patch_size": 4, "embed_dim": 32, "depth": 6, "num_heads": 2, "mlp_ratio": 2.0}},
+        "model": {
+            "name": "vit_tiny_patch16_224",
+            "kwargs": {
+                "patch_size": 4,
+                "embed_dim": 32,
+                "depth": 6,
+                "num_heads": 2,
+                "mlp_ratio": 2.0,
+            },
+        },
         "data": {"name": "digits", "image_size": 8, "train_subset": 200, "eval_subset": 64},
     }
     for key, value in changes.items():
@@ -43,10 +66,16 @@ def reference_run(config, num_nodes: int = 1):
     global batch is every node's batch of the step (each node samples its own subset)."""
     data = build_data(config.data, seed=config.trainer.seed)
     torch.manual_seed(config.trainer.seed)
-    model = build_model(config.model, task="classification", num_classes=10, in_chans=1, image_size=8)
-    named = {f"units.{i}.{n}": p for i, u in enumerate(model.units) for n, p in u.named_parameters()}
+    model = build_model(
+        config.model, task="classification", num_classes=10, in_chans=1, image_size=8
+    )
+    named = {
+        f"units.{i}.{n}": p for i, u in enumerate(model.units) for n, p in u.named_parameters()
+    }
     optimizer = optim.build_optimizer(config.optimizer, named)
-    sampler = TrainSampler(len(data.train), num_nodes, config.trainer.global_batch_size, config.trainer.seed)
+    sampler = TrainSampler(
+        len(data.train), num_nodes, config.trainer.global_batch_size, config.trainer.seed
+    )
     total = config.trainer.epochs * sampler.steps_per_epoch
     losses, step = [], 0
     for epoch in range(config.trainer.epochs):
@@ -66,7 +95,9 @@ def reference_run(config, num_nodes: int = 1):
             losses.append(float(loss.detach()))
             step += 1
         if epoch + 1 < config.trainer.epochs:
-            frozen = config.freeze.manual_schedule[min(epoch, len(config.freeze.manual_schedule) - 1)]
+            frozen = config.freeze.manual_schedule[
+                min(epoch, len(config.freeze.manual_schedule) - 1)
+            ]
             for unit in list(model.units)[: prefix_end(frozen)]:
                 unit.requires_grad_(False)
                 unit.eval()

@@ -28,13 +28,20 @@ def test_every_rank_has_one_role_and_pipelines_stay_on_a_node():
             assert len({r // 8 for r in ranks}) == 1
             assert [lay.role(r).stage for r in ranks] == list(range(pipe_len))
         for stage in range(pipe_len):
-            assert [lay.role(r).replica for r in lay.data_ranks(stage)] == list(range(lay.dp_degree))
+            assert [lay.role(r).replica for r in lay.data_ranks(stage)] == list(
+                range(lay.dp_degree)
+            )
 
 
 def test_halving_turns_later_stages_into_a_new_replica():
     old, new = layout(0, 4, world=4, per_node=4), layout(5, 2, world=4, per_node=4)
     assert [old.role(r).stage for r in range(4)] == [0, 1, 2, 3]
-    assert [(new.role(r).replica, new.role(r).stage) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [(new.role(r).replica, new.role(r).stage) for r in range(4)] == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+    ]
 
 
 def test_idle_ranks_without_autodp():

@@ -26,12 +26,23 @@ def cache_files() -> set[str]:
 def run(tmp_path, name, *overrides):
     """The quickstart, short, on 2 ranks: 2 stages, then 1 stage x 2 replicas."""
     run_dir = tmp_path / name
-    config = load_config(ROOT / "configs" / "quickstart.yaml", [
-        "trainer.epochs=4", "data.train_subset=384", "data.eval_subset=96", "freeze.strategy=manual",
-        "freeze.manual_schedule=[3,5]", "freeze.warmup_epochs=0", "freeze.interval_steps=null",
-        "pipeline.balance=params", "pipeline.initial_pipe_len=2", "pipeline.num_micro_batches=4",
-        "trainer.progress_bar=false", *overrides,
-    ])
+    config = load_config(
+        ROOT / "configs" / "quickstart.yaml",
+        [
+            "trainer.epochs=4",
+            "data.train_subset=384",
+            "data.eval_subset=96",
+            "freeze.strategy=manual",
+            "freeze.manual_schedule=[3,5]",
+            "freeze.warmup_epochs=0",
+            "freeze.interval_steps=null",
+            "pipeline.balance=params",
+            "pipeline.initial_pipe_len=2",
+            "pipeline.num_micro_batches=4",
+            "trainer.progress_bar=false",
+            *overrides,
+        ],
+    )
     run_workers(elastic_run, config.trainer.nproc_per_node, config.to_dict(), str(run_dir))
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -60,11 +71,19 @@ def test_cached_training_matches_recomputing_and_shares_entries(tmp_path):
 def test_no_shared_memory_left_after_an_exception(tmp_path):
     before = cache_files()
     config = {
-        "trainer": {"epochs": 3, "global_batch_size": 32, "nproc_per_node": 2, "progress_bar": False},
+        "trainer": {
+            "epochs": 3,
+            "global_batch_size": 32,
+            "nproc_per_node": 2,
+            "progress_bar": False,
+        },
         "pipeline": {"initial_pipe_len": 2, "num_micro_batches": 2, "balance": "params"},
         "freeze": {"strategy": "manual", "manual_schedule": [3], "interval_steps": None},
         "cache": {"enabled": True},
-        "model": {"name": "vit_tiny_patch16_224", "kwargs": {"patch_size": 4, "embed_dim": 32, "depth": 4, "num_heads": 2}},
+        "model": {
+            "name": "vit_tiny_patch16_224",
+            "kwargs": {"patch_size": 4, "embed_dim": 32, "depth": 4, "num_heads": 2},
+        },
         "data": {"name": "digits", "image_size": 8, "train_subset": 64, "eval_subset": 32},
     }
     results = run_workers(failing_run, 2, config, str(tmp_path / "run"))
@@ -75,11 +94,28 @@ def test_no_shared_memory_left_after_an_exception(tmp_path):
 def test_no_shared_memory_left_after_sigkill(tmp_path):
     before = cache_files()
     process = subprocess.Popen(
-        [sys.executable, "-m", "pipetransformer", "train", str(ROOT / "configs" / "quickstart.yaml"),
-         "cache.enabled=true", "freeze.strategy=manual", "freeze.manual_schedule=[3]", "freeze.warmup_epochs=0",
-         "freeze.interval_steps=null", "trainer.epochs=50", "data.train_subset=128", "data.eval_subset=32",
-         "trainer.progress_bar=false", "--run-dir", str(tmp_path / "run")],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "pipetransformer",
+            "train",
+            str(ROOT / "configs" / "quickstart.yaml"),
+            "cache.enabled=true",
+            "freeze.strategy=manual",
+            "freeze.manual_schedule=[3]",
+            "freeze.warmup_epochs=0",
+            "freeze.interval_steps=null",
+            "trainer.epochs=50",
+            "data.train_subset=128",
+            "data.eval_subset=32",
+            "trainer.progress_bar=false",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     try:
         deadline = time.time() + 120
@@ -87,7 +123,9 @@ def test_no_shared_memory_left_after_sigkill(tmp_path):
             time.sleep(0.2)
         assert cache_files() - before, "the cache never started"
     finally:
-        os.killpg(process.pid, signal.SIGKILL)  # the launcher and every trainer, no cleanup code runs
+        os.killpg(
+            process.pid, signal.SIGKILL
+        )  # the launcher and every trainer, no cleanup code runs
         process.wait()
     deadline = time.time() + 15
     while time.time() < deadline and cache_files() - before:

@@ -93,8 +93,13 @@ def test_disk_tier_serves_the_same_values():
     units = dict(enumerate(model.units))
     inputs = vit_batch(12)
     slot = 5 * 32 * 4
-    with start_cache(model, 12, budget=3 * slot) as daemon, CacheClient.attach(daemon.address) as client:
-        first = CachedPrefix(units, 2, client, torch.device("cpu"))("train", list(range(12)), inputs)
+    with (
+        start_cache(model, 12, budget=3 * slot) as daemon,
+        CacheClient.attach(daemon.address) as client,
+    ):
+        first = CachedPrefix(units, 2, client, torch.device("cpu"))(
+            "train", list(range(12)), inputs
+        )
         client.prefetch("train", list(range(12)))
         prefix = CachedPrefix(units, 2, client, torch.device("cpu"))
         again = prefix("train", list(range(12)), inputs)
@@ -107,7 +112,10 @@ def test_reduced_precision_within_tolerance(dtype, tolerance):
     model = tiny_vit().eval()
     units = dict(enumerate(model.units))
     inputs = vit_batch(12)
-    with start_cache(model, 12, dtype=dtype) as daemon, CacheClient.attach(daemon.address) as client:
+    with (
+        start_cache(model, 12, dtype=dtype) as daemon,
+        CacheClient.attach(daemon.address) as client,
+    ):
         CachedPrefix(units, 2, client, torch.device("cpu"))("train", list(range(12)), inputs)
         hit = CachedPrefix(units, 2, client, torch.device("cpu"))("train", list(range(12)), inputs)
         expected = recompute(model, 2, inputs)[0]

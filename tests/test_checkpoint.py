@@ -78,13 +78,17 @@ def test_checkpoint_cadence():
     def tick(step: int, epochs: int = 3) -> Tick:  # 7 steps an epoch
         return Tick((step - 1) // 7, (step - 1) % 7, step, steps_per_epoch=7, epochs=epochs)
 
-    ckpt = Checkpointer(CheckpointConfig(interval_epochs=2, interval_steps=5), Path("/nonexistent"), Control(None))
+    ckpt = Checkpointer(
+        CheckpointConfig(interval_epochs=2, interval_steps=5), Path("/nonexistent"), Control(None)
+    )
     due = [s for s in range(1, 22) if ckpt.due(tick(s))]
     assert due == [5, 10, 14, 15, 20]  # every 5 steps, and at the end of epoch 2 (step 14)
     ckpt.last_step = 10
     assert not ckpt.due(tick(10))  # written already
     # For an export: also after the last step, whatever the interval.
-    final = Checkpointer(CheckpointConfig(interval_epochs=0), Path("/nonexistent"), Control(None), save_final=True)
+    final = Checkpointer(
+        CheckpointConfig(interval_epochs=0), Path("/nonexistent"), Control(None), save_final=True
+    )
     assert [s for s in range(1, 22) if final.due(tick(s))] == [21]
 
 
@@ -97,7 +101,9 @@ def test_a_used_run_directory_is_refused_and_left_untouched(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == '{"epoch": 1}\n'
     (tmp_path / "notes.txt").write_text("mine")
     assert prepare_run_dir(tmp_path, resume="never", overwrite=True) is None
-    assert not (tmp_path / "metrics.jsonl").exists() and (tmp_path / "notes.txt").read_text() == "mine"
+    assert (
+        not (tmp_path / "metrics.jsonl").exists() and (tmp_path / "notes.txt").read_text() == "mine"
+    )
 
 
 # ---------------------------------------------------------------- distributed, in process
@@ -106,7 +112,11 @@ def test_a_used_run_directory_is_refused_and_left_untouched(tmp_path):
 @pytest.mark.distributed
 def test_resume_after_a_transition_reproduces_the_uninterrupted_run(tmp_path, elastic_full_run):
     """4 ranks, 1x4 -> 2x2 -> 4x1; interrupted mid-epoch after the first transition."""
-    config_dict, full, uninterrupted = elastic_full_run.config_dict, elastic_full_run.run_dir, elastic_full_run.results
+    config_dict, full, uninterrupted = (
+        elastic_full_run.config_dict,
+        elastic_full_run.run_dir,
+        elastic_full_run.results,
+    )
     steps = [int(p.name.split("-")[1]) for p in complete_checkpoints(full)]
     assert steps == [5, 7, 10, 14, 15, 20, 21]  # every 5 steps and at each epoch's end
     resumed_dir = tmp_path / "resumed"
@@ -120,19 +130,25 @@ def test_resume_after_a_transition_reproduces_the_uninterrupted_run(tmp_path, el
     # The epoch split across attempts has the same training loss; every epoch appears once.
     got, want = records(resumed_dir / "metrics.jsonl"), records(full / "metrics.jsonl")
     assert [m["epoch"] for m in got] == [1, 2, 3]
-    assert [m["train_loss"] for m in got] == pytest.approx([m["train_loss"] for m in want], abs=1e-6)
+    assert [m["train_loss"] for m in got] == pytest.approx(
+        [m["train_loss"] for m in want], abs=1e-6
+    )
     assert [m["eval_metric"] for m in got] == [m["eval_metric"] for m in want]
     assert [(m["pipe_len"], m["dp_degree"]) for m in got] == [(4, 1), (2, 2), (1, 4)]
     state, reference = resumed[0]["state"][0], uninterrupted[0]["state"][0]
     assert set(state) == set(reference)
     for name, value in reference.items():
-        torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            state[name], value, rtol=0, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
     assert resumed[0]["summary"]["attempts"] == 2
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("first, second", [(2, 4), (4, 2)])
-def test_resume_at_another_world_size_matches_single_process(tmp_path, elastic_full_run, first, second):
+def test_resume_at_another_world_size_matches_single_process(
+    tmp_path, elastic_full_run, first, second
+):
     def config(world: int) -> dict:
         return {
             **elastic_full_run.config_dict,
@@ -151,14 +167,20 @@ def test_resume_at_another_world_size_matches_single_process(tmp_path, elastic_f
     results = run_workers(elastic_run, second, config(second), str(resumed_dir), False, RESUME)
 
     (event,) = events(resumed_dir, "resume")
-    assert (event["world_size"], event["checkpoint_world_size"], event["rng"]) == (second, first, "reseeded")
+    assert (event["world_size"], event["checkpoint_world_size"], event["rng"]) == (
+        second,
+        first,
+        "reseeded",
+    )
     assert event["num_frozen_layers"] == 3 and event["pipe_len"] * event["dp_degree"] == second
     ref_losses, ref_state, _ = reference_run(config_from_dict(config(first)))
     assert step_losses(resumed_dir) == pytest.approx(ref_losses, abs=1e-5)
     state = results[0]["state"][0]
     assert set(state) == set(ref_state)
     for name, value in ref_state.items():
-        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            state[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.mark.distributed
@@ -185,21 +207,38 @@ def test_a_checkpoint_write_killed_half_way_is_ignored(tmp_path):
 def quick_run_args(run_dir: Path, *extra: str) -> list[str]:
     """A short elastic quickstart: 6 epochs of 4 steps, two transitions, cache on."""
     return [
-        "train", QUICKSTART, "trainer.epochs=6", "data.train_subset=256", "data.eval_subset=64",
-        "freeze.strategy=manual", "freeze.manual_schedule=[3,5]", "freeze.warmup_epochs=1", "freeze.interval_steps=null",
-        "pipeline.balance=params", "pipeline.initial_pipe_len=2", "pipeline.num_micro_batches=2", "trainer.progress_bar=false",
-        *extra, "--run-dir", str(run_dir),
+        "train",
+        QUICKSTART,
+        "trainer.epochs=6",
+        "data.train_subset=256",
+        "data.eval_subset=64",
+        "freeze.strategy=manual",
+        "freeze.manual_schedule=[3,5]",
+        "freeze.warmup_epochs=1",
+        "freeze.interval_steps=null",
+        "pipeline.balance=params",
+        "pipeline.initial_pipe_len=2",
+        "pipeline.num_micro_batches=2",
+        "trainer.progress_bar=false",
+        *extra,
+        "--run-dir",
+        str(run_dir),
     ]
 
 
 def start_cli(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "pipetransformer", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [sys.executable, "-m", "pipetransformer", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
     )
 
 
-def wait_for_checkpoint(run_dir: Path, step: int, process: subprocess.Popen, timeout_s: float = 240) -> None:
+def wait_for_checkpoint(
+    run_dir: Path, step: int, process: subprocess.Popen, timeout_s: float = 240
+) -> None:
     """Until the run has a complete checkpoint at `step` or later."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -257,14 +296,20 @@ def test_a_stop_signal_to_the_parent_checkpoints_and_the_resume_command_finishes
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
     last = stderr.strip().splitlines()[-1]
     assert f"stopped by {signal.Signals(signum).name}" in last and "Resume with: " in last
-    (checkpoint,) = [e for e in events(run_dir, "checkpoint") if e["reason"] == signal.Signals(signum).name]
+    (checkpoint,) = [
+        e for e in events(run_dir, "checkpoint") if e["reason"] == signal.Signals(signum).name
+    ]
     assert find_checkpoint(run_dir).name == Path(checkpoint["path"]).name
     if signum != signal.SIGTERM:
         return
     command = shlex.split(last.split("Resume with: ", 1)[1])
     assert command[0] == "pipetransformer" and command[-2:] == ["--resume", str(run_dir)]
     finished = subprocess.run(
-        [sys.executable, "-m", "pipetransformer", *command[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "pipetransformer", *command[1:]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert [m["epoch"] for m in records(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]

@@ -14,7 +14,11 @@ QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
 
 def cli(*args, timeout=300):
     return subprocess.run(
-        [sys.executable, "-m", "pipetransformer", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        [sys.executable, "-m", "pipetransformer", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
     )
 
 
@@ -23,15 +27,23 @@ def test_config_errors_stop_before_any_worker_starts():
     assert result.returncode == 2
     assert "freeze.alpha" in result.stderr and "training on" not in result.stderr
     result = run_cli("train", QUICKSTART, "trainer.epochz=2")
-    assert result.returncode == 2 and "trainer.epochz" in result.stderr and "did you mean 'trainer.epochs'" in result.stderr
+    assert (
+        result.returncode == 2
+        and "trainer.epochz" in result.stderr
+        and "did you mean 'trainer.epochs'" in result.stderr
+    )
     result = run_cli("train", QUICKSTART, "model.kwargs.depthh=3")
     assert result.returncode == 2 and "model.kwargs" in result.stderr
-    result = run_cli("train", QUICKSTART, "data.name=sst2", "model.name=bert", "data.root=/nonexistent/sst2")
+    result = run_cli(
+        "train", QUICKSTART, "data.name=sst2", "model.name=bert", "data.root=/nonexistent/sst2"
+    )
     assert result.returncode == 2 and "/nonexistent/sst2" in result.stderr
 
 
 def test_plan_json_for_the_quickstart():
-    result = run_cli("plan", QUICKSTART, "--json", "pipeline.balance=params", "pipeline.initial_pipe_len=2")
+    result = run_cli(
+        "plan", QUICKSTART, "--json", "pipeline.balance=params", "pipeline.initial_pipe_len=2"
+    )
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)
     assert [r["num_frozen_layers"] for r in rows] == list(range(8))
@@ -43,9 +55,17 @@ def test_plan_json_for_the_quickstart():
 
 def test_plan_for_a_large_model_needs_no_download():
     result = run_cli(
-        "plan", QUICKSTART, "model.name=vit_base_patch16_224", "model.kwargs={}", "data.image_size=224",
-        "pipeline.initial_pipe_len=8", "trainer.nproc_per_node=8", "trainer.global_batch_size=384",
-        "pipeline.num_micro_batches=8", "freeze.strategy=gradient_norm", "pipeline.balance=params",
+        "plan",
+        QUICKSTART,
+        "model.name=vit_base_patch16_224",
+        "model.kwargs={}",
+        "data.image_size=224",
+        "pipeline.initial_pipe_len=8",
+        "trainer.nproc_per_node=8",
+        "trainer.global_batch_size=384",
+        "pipeline.num_micro_batches=8",
+        "freeze.strategy=gradient_norm",
+        "pipeline.balance=params",
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -62,16 +82,35 @@ def test_plan_for_a_large_model_needs_no_download():
 def test_short_training_run_writes_its_outputs(tmp_path):
     run_dir = tmp_path / "run"
     result = cli(
-        "train", QUICKSTART, "trainer.epochs=2", "data.train_subset=256", "data.eval_subset=64",
-        "freeze.strategy=manual", "freeze.manual_schedule=[5]", "freeze.warmup_epochs=0", "freeze.interval_steps=null", "trainer.save_model=true",
-        "pipeline.balance=params", "pipeline.initial_pipe_len=2",
-        "--run-dir", str(run_dir),
+        "train",
+        QUICKSTART,
+        "trainer.epochs=2",
+        "data.train_subset=256",
+        "data.eval_subset=64",
+        "freeze.strategy=manual",
+        "freeze.manual_schedule=[5]",
+        "freeze.warmup_epochs=0",
+        "freeze.interval_steps=null",
+        "trainer.save_model=true",
+        "pipeline.balance=params",
+        "pipeline.initial_pipe_len=2",
+        "--run-dir",
+        str(run_dir),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["epoch"] for m in metrics] == [1, 2]
-    for key in ("epoch", "train_loss", "eval_metric", "samples_per_s", "epoch_time_s", "num_frozen_layers",
-                "pipe_len", "dp_degree", "num_micro_batches"):
+    for key in (
+        "epoch",
+        "train_loss",
+        "eval_metric",
+        "samples_per_s",
+        "epoch_time_s",
+        "num_frozen_layers",
+        "pipe_len",
+        "dp_degree",
+        "num_micro_batches",
+    ):
         assert all(key in m for m in metrics), key
     assert 0.0 <= metrics[-1]["eval_metric"] <= 1.0
     assert (metrics[0]["pipe_len"], metrics[1]["pipe_len"], metrics[1]["dp_degree"]) == (2, 1, 2)
@@ -85,7 +124,13 @@ def test_short_training_run_writes_its_outputs(tmp_path):
     assert len(transitions) == 1 and transitions[0]["new_pipe_len"] == 1
     # num_micro_batches: auto (the default) profiles the initial layout at start-up, as its own
     # event; a checkpoint follows each epoch (the decision after epoch 1 comes first).
-    assert [e["kind"] for e in events] == ["profile", "start", "transition", "checkpoint", "checkpoint"]
+    assert [e["kind"] for e in events] == [
+        "profile",
+        "start",
+        "transition",
+        "checkpoint",
+        "checkpoint",
+    ]
     assert events[0]["profile_s"] > 0
     steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
     assert [s["global_step"] for s in steps] == [4, 5, 8]  # every 5 steps and at each epoch's end
@@ -98,7 +143,14 @@ def test_short_training_run_writes_its_outputs(tmp_path):
 def test_a_failing_worker_is_reported_once_with_its_cause(tmp_path):
     bad = tmp_path / "broken.pth"
     bad.write_bytes(b"not a checkpoint")
-    result = cli("train", QUICKSTART, f"model.checkpoint_path={bad}", "trainer.epochs=1", "--run-dir", str(tmp_path / "r"))
+    result = cli(
+        "train",
+        QUICKSTART,
+        f"model.checkpoint_path={bad}",
+        "trainer.epochs=1",
+        "--run-dir",
+        str(tmp_path / "r"),
+    )
     assert result.returncode == 1
     # The cause: torch's refusal to unpickle it (loaded with weights_only=True on every timm).
     assert "a worker process failed (rank" in result.stderr and "weights_only" in result.stderr

@@ -27,7 +27,10 @@ def test_ideal_accounting_by_hand():
     # 2 layers: units embed, a0, m0, a1, m1, head. Trained costs 3 each, frozen 1 each.
     trained, frozen = [3.0] * 6, [1.0] * 6
     base = [StepLayout(0, 4, 0, 2, 2)]  # 4 steps, K=2, M=2: bubble 1.5
-    elastic = [StepLayout(0, 2, 0, 2, 2), StepLayout(2, 4, 1, 1, 1)]  # then F=1 (3 units frozen), K=1
+    elastic = [
+        StepLayout(0, 2, 0, 2, 2),
+        StepLayout(2, 4, 1, 1, 1),
+    ]  # then F=1 (3 units frozen), K=1
     base_costs = ideal_step_costs(base, trained, frozen, steps_per_epoch=2, cache=False)
     assert base_costs == [18 * 1.5] * 4
     # Without cache: steps 2, 3 cost 3 active units x 3 + 3 frozen x 1 = 12, no bubble.
@@ -41,28 +44,51 @@ def test_ideal_accounting_by_hand():
     assert ideal_step_costs(moving, trained, frozen, 2, cache=True) == [12, 12, 5, 5, 3, 3]
     assert ideal_step_costs(moving, trained, frozen, 2, cache=False) == [12, 12, 8, 8, 8, 8]
     result = ideal_speedup(
-        baseline_segments=base, elastic_segments=elastic, trained=trained, frozen=frozen, steps_per_epoch=2,
-        cache=False, baseline_wall_s=110.0, baseline_eval_s=2.0, elastic_wall_s=80.0,
+        baseline_segments=base,
+        elastic_segments=elastic,
+        trained=trained,
+        frozen=frozen,
+        steps_per_epoch=2,
+        cache=False,
+        baseline_wall_s=110.0,
+        baseline_eval_s=2.0,
+        elastic_wall_s=80.0,
     )
     # Train part 108 s scales by 78 / 108; eval stays 2 s: ideal wall 80 s.
     assert result.ideal_elastic_wall_s == pytest.approx(108 * 78 / 108 + 2)
     assert result.ideal_speedup == pytest.approx(110 / 80)
-    assert result.measured_speedup == pytest.approx(110 / 80) and result.efficiency == pytest.approx(1.0)
+    assert result.measured_speedup == pytest.approx(
+        110 / 80
+    ) and result.efficiency == pytest.approx(1.0)
     assert bubble(1, 4) == 1.0 and bubble(4, 4) == pytest.approx(7 / 4)
     # Evaluation runs all 6 units forward (1 each) unless the previous evaluation cached the
     # prefix: F = 0, 1, 1 costs 6, 6 (nothing cached at F=0), then 3 (units 0-2 cached).
     assert ideal_eval_costs([0, 1, 1], frozen, cache=True) == [6, 6, 3]
     assert ideal_eval_costs([0, 1, 1], frozen, cache=False) == [6, 6, 6]
     with_eval = ideal_speedup(
-        baseline_segments=base, elastic_segments=longer[:1] + [StepLayout(2, 4, 1, 1, 1)], trained=trained,
-        frozen=frozen, steps_per_epoch=2, cache=True, baseline_wall_s=110.0, baseline_eval_s=3.0,
-        elastic_wall_s=80.0, eval_frozen=[0, 1],
+        baseline_segments=base,
+        elastic_segments=longer[:1] + [StepLayout(2, 4, 1, 1, 1)],
+        trained=trained,
+        frozen=frozen,
+        steps_per_epoch=2,
+        cache=True,
+        baseline_wall_s=110.0,
+        baseline_eval_s=3.0,
+        elastic_wall_s=80.0,
+        eval_frozen=[0, 1],
     )
     # Train 107 s x 78 / 108 (the second epoch still fills the cache); eval 3 s x 12 / 12.
     assert with_eval.ideal_elastic_wall_s == pytest.approx(107 * 78 / 108 + 3)
     three = ideal_speedup(
-        baseline_segments=[StepLayout(0, 6, 0, 2, 2)], elastic_segments=longer, trained=trained, frozen=frozen,
-        steps_per_epoch=2, cache=True, baseline_wall_s=170.0, baseline_eval_s=6.0, elastic_wall_s=100.0,
+        baseline_segments=[StepLayout(0, 6, 0, 2, 2)],
+        elastic_segments=longer,
+        trained=trained,
+        frozen=frozen,
+        steps_per_epoch=2,
+        cache=True,
+        baseline_wall_s=170.0,
+        baseline_eval_s=6.0,
+        elastic_wall_s=100.0,
         eval_frozen=[0, 1, 1],
     )
     # Train 164 s x (27+27+12+12+9+9) / (6 x 27); eval 6 s x 15 / 18.
@@ -71,39 +97,90 @@ def test_ideal_accounting_by_hand():
 
 def test_segments_follow_the_events():
     metrics = [{"global_step": 10}, {"global_step": 20}, {"global_step": 30}]
-    events = [{"global_step": 10, "new_num_frozen_layers": 2, "new_pipe_len": 2, "num_micro_batches": 4},
-              {"global_step": 25, "new_num_frozen_layers": 5, "new_pipe_len": 1, "num_micro_batches": 2}]
+    events = [
+        {"global_step": 10, "new_num_frozen_layers": 2, "new_pipe_len": 2, "num_micro_batches": 4},
+        {"global_step": 25, "new_num_frozen_layers": 5, "new_pipe_len": 1, "num_micro_batches": 2},
+    ]
     segs = segments_from_run(metrics, events, 10, StepLayout(0, 0, 0, 4, 4))
-    assert [(s.start, s.end, s.num_frozen_layers, s.pipe_len) for s in segs] == [(0, 10, 0, 4), (10, 25, 2, 2), (25, 30, 5, 1)]
+    assert [(s.start, s.end, s.num_frozen_layers, s.pipe_len) for s in segs] == [
+        (0, 10, 0, 4),
+        (10, 25, 2, 2),
+        (25, 30, 5, 1),
+    ]
 
 
 def fake_run(path: Path, wall: float, metrics: list[tuple], events: list[dict] = ()):
     path.mkdir(parents=True)
     for epoch, (metric, frozen, pipe_len, dp, sps) in enumerate(metrics, start=1):
-        append_jsonl(path / "metrics.jsonl", {
-            "epoch": epoch, "global_step": 10 * epoch, "train_loss": 1.0 / epoch, "eval_metric": metric,
-            "samples_per_s": sps, "epoch_time_s": 5.0, "eval_time_s": 0.5, "num_frozen_layers": frozen,
-            "pipe_len": pipe_len, "dp_degree": dp, "num_micro_batches": 2, "ddp_comm_s": 0.5 if dp > 1 else 0.0,
-        })
+        append_jsonl(
+            path / "metrics.jsonl",
+            {
+                "epoch": epoch,
+                "global_step": 10 * epoch,
+                "train_loss": 1.0 / epoch,
+                "eval_metric": metric,
+                "samples_per_s": sps,
+                "epoch_time_s": 5.0,
+                "eval_time_s": 0.5,
+                "num_frozen_layers": frozen,
+                "pipe_len": pipe_len,
+                "dp_degree": dp,
+                "num_micro_batches": 2,
+                "ddp_comm_s": 0.5 if dp > 1 else 0.0,
+            },
+        )
     for event in events:
         append_jsonl(path / "events.jsonl", event)
     summary = RunSummary(
-        wall_time_s=wall, attempts=1, final_eval_metric=metrics[-1][0], best_eval_metric=max(m[0] for m in metrics),
-        epochs=len(metrics), global_steps=10 * len(metrics), num_transitions=len(events),
-        final_num_frozen_layers=metrics[-1][1], final_pipe_len=metrics[-1][2], final_dp_degree=metrics[-1][3],
-        world_size=2, device="cpu", checkpoint=None, metric_name="accuracy",
+        wall_time_s=wall,
+        attempts=1,
+        final_eval_metric=metrics[-1][0],
+        best_eval_metric=max(m[0] for m in metrics),
+        epochs=len(metrics),
+        global_steps=10 * len(metrics),
+        num_transitions=len(events),
+        final_num_frozen_layers=metrics[-1][1],
+        final_pipe_len=metrics[-1][2],
+        final_dp_degree=metrics[-1][3],
+        world_size=2,
+        device="cpu",
+        checkpoint=None,
+        metric_name="accuracy",
     )
     write_json_atomic(path / "summary.json", summary.to_dict())
 
 
 def test_results_and_report_agree_with_the_runs(tmp_path):
-    fake_run(tmp_path / "baseline", 30.0, [(0.5, 0, 2, 1, 100.0), (0.8, 0, 2, 1, 101.0), (0.9, 0, 2, 1, 99.0)])
-    event = {"epoch": 1, "step": None, "global_step": 10, "old_num_frozen_layers": 0, "new_num_frozen_layers": 3,
-             "old_pipe_len": 2, "new_pipe_len": 1, "old_dp_degree": 1, "new_dp_degree": 2, "units_moved": 9,
-             "new_stage_ranges": [[7, 18]],
-             "num_micro_batches": 2, "plan_s": 0.001, "state_move_s": 0.05, "groups_s": 0.02, "rebuild_s": 0.01,
-             "total_s": 0.081}
-    fake_run(tmp_path / "elastic", 20.0, [(0.5, 0, 2, 1, 100.0), (0.82, 3, 1, 2, 160.0), (0.89, 3, 1, 2, 170.0)], [event])
+    fake_run(
+        tmp_path / "baseline",
+        30.0,
+        [(0.5, 0, 2, 1, 100.0), (0.8, 0, 2, 1, 101.0), (0.9, 0, 2, 1, 99.0)],
+    )
+    event = {
+        "epoch": 1,
+        "step": None,
+        "global_step": 10,
+        "old_num_frozen_layers": 0,
+        "new_num_frozen_layers": 3,
+        "old_pipe_len": 2,
+        "new_pipe_len": 1,
+        "old_dp_degree": 1,
+        "new_dp_degree": 2,
+        "units_moved": 9,
+        "new_stage_ranges": [[7, 18]],
+        "num_micro_batches": 2,
+        "plan_s": 0.001,
+        "state_move_s": 0.05,
+        "groups_s": 0.02,
+        "rebuild_s": 0.01,
+        "total_s": 0.081,
+    }
+    fake_run(
+        tmp_path / "elastic",
+        20.0,
+        [(0.5, 0, 2, 1, 100.0), (0.82, 3, 1, 2, 160.0), (0.89, 3, 1, 2, 170.0)],
+        [event],
+    )
     runs = {name: read_run(tmp_path / name) for name in ("baseline", "elastic")}
     costs = {"trained": [3.0] * 18, "frozen": [1.0] * 18}
     results = build_results(runs, costs, cache_enabled=False, context={"config_name": "fake"})
@@ -115,8 +192,12 @@ def test_results_and_report_agree_with_the_runs(tmp_path):
     assert results["speedup"] == pytest.approx(1.5)
     assert results["eval_metric_delta"] == pytest.approx(-0.01)
     assert results["variants"]["elastic"]["samples_per_s"] == [100.0, 160.0, 170.0]
-    assert [p["num_frozen_layers"] for p in results["variants"]["elastic"]["freeze_trajectory"]] == [0, 3, 3]
-    assert 1.0 < results["ideal_speedup"] and results["efficiency"] == pytest.approx(1.5 / results["ideal_speedup"])
+    assert [
+        p["num_frozen_layers"] for p in results["variants"]["elastic"]["freeze_trajectory"]
+    ] == [0, 3, 3]
+    assert 1.0 < results["ideal_speedup"] and results["efficiency"] == pytest.approx(
+        1.5 / results["ideal_speedup"]
+    )
     text = write_report(results, tmp_path, [])
     assert "1.50x" in text and "0.8900" in text and "0.9000" in text and "-1.00 points" in text
     assert "2x1 → 1x2" in text and "| 9 |" in text  # layout path and units moved
@@ -132,7 +213,11 @@ def test_plots_are_pngs_with_the_expected_series(tmp_path):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     assert series["throughput.png"] == {"baseline": [100.0, 99.0], "elastic": [100.0, 170.0]}
-    assert series["trajectory.png"]["elastic"] == {"num_frozen_layers": [0, 3], "pipe_len": [2, 1], "dp_degree": [1, 2]}
+    assert series["trajectory.png"]["elastic"] == {
+        "num_frozen_layers": [0, 3],
+        "pipe_len": [2, 1],
+        "dp_degree": [1, 2],
+    }
     assert series["eval_metric.png"]["baseline"] == [0.5, 0.9]
 
 
@@ -140,20 +225,46 @@ def test_plots_are_pngs_with_the_expected_series(tmp_path):
 def test_compare_command_end_to_end(tmp_path):
     out = tmp_path / "cmp"
     result = subprocess.run(
-        [sys.executable, "-m", "pipetransformer", "compare", str(ROOT / "configs" / "quickstart.yaml"),
-         "trainer.epochs=2", "data.train_subset=256", "data.eval_subset=64", "freeze.strategy=manual",
-         "freeze.manual_schedule=[5]", "freeze.warmup_epochs=0", "freeze.interval_steps=null", "trainer.progress_bar=false",
-         "pipeline.balance=params", "pipeline.initial_pipe_len=2", "--peers", "--out", str(out)],
-        capture_output=True, text=True, cwd=ROOT, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pipetransformer",
+            "compare",
+            str(ROOT / "configs" / "quickstart.yaml"),
+            "trainer.epochs=2",
+            "data.train_subset=256",
+            "data.eval_subset=64",
+            "freeze.strategy=manual",
+            "freeze.manual_schedule=[5]",
+            "freeze.warmup_epochs=0",
+            "freeze.interval_steps=null",
+            "trainer.progress_bar=false",
+            "pipeline.balance=params",
+            "pipeline.initial_pipe_len=2",
+            "--peers",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert list(results["variants"]) == ["baseline", "ddp", "freeze_ddp", "elastic"]
-    layouts = {name: [(p["pipe_len"], p["dp_degree"], p["num_frozen_layers"]) for p in run["freeze_trajectory"]]
-               for name, run in results["variants"].items()}
+    layouts = {
+        name: [
+            (p["pipe_len"], p["dp_degree"], p["num_frozen_layers"])
+            for p in run["freeze_trajectory"]
+        ]
+        for name, run in results["variants"].items()
+    }
     assert layouts == {
-        "baseline": [(2, 1, 0), (2, 1, 0)], "ddp": [(1, 2, 0), (1, 2, 0)],
-        "freeze_ddp": [(1, 2, 0), (1, 2, 5)], "elastic": [(2, 1, 0), (1, 2, 5)],
+        "baseline": [(2, 1, 0), (2, 1, 0)],
+        "ddp": [(1, 2, 0), (1, 2, 0)],
+        "freeze_ddp": [(1, 2, 0), (1, 2, 5)],
+        "elastic": [(2, 1, 0), (1, 2, 5)],
     }
     matrix = results["speedup_matrix"]
     for a, run_a in results["variants"].items():
@@ -164,27 +275,57 @@ def test_compare_command_end_to_end(tmp_path):
         summary = json.loads((out / name / "summary.json").read_text())
         assert results["variants"][name]["wall_time_s"] == summary["wall_time_s"]
     assert results["speedup"] == pytest.approx(
-        results["variants"]["baseline"]["wall_time_s"] / results["variants"]["elastic"]["wall_time_s"]
+        results["variants"]["baseline"]["wall_time_s"]
+        / results["variants"]["elastic"]["wall_time_s"]
     )
     assert results["variants"]["elastic"]["freeze_trajectory"][-1]["pipe_len"] == 1
-    assert "ideal_speedup" in results and (out / "report.md").exists() and (out / "trajectory.png").exists()
+    assert (
+        "ideal_speedup" in results
+        and (out / "report.md").exists()
+        and (out / "trajectory.png").exists()
+    )
     assert "baseline done" in result.stderr and "elastic done" in result.stderr
     # --report-only rebuilds the outputs from the runs without rerunning them, keeping the
     # original command and the unit costs (hence the same ideal speedup).
     (out / "report.md").unlink()
     rebuilt = subprocess.run(
-        [sys.executable, "-m", "pipetransformer", "compare", str(ROOT / "configs" / "quickstart.yaml"),
-         "--out", str(out), "--report-only"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pipetransformer",
+            "compare",
+            str(ROOT / "configs" / "quickstart.yaml"),
+            "--out",
+            str(out),
+            "--report-only",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
     )
     assert rebuilt.returncode == 0, rebuilt.stderr[-3000:]
     again = json.loads((out / "results.json").read_text())
-    assert again["command"] == results["command"] and again["ideal_speedup"] == results["ideal_speedup"]
+    assert (
+        again["command"] == results["command"]
+        and again["ideal_speedup"] == results["ideal_speedup"]
+    )
     assert again["variants"] == results["variants"] and (out / "report.md").exists()
     assert "baseline done" not in rebuilt.stderr
     empty = subprocess.run(
-        [sys.executable, "-m", "pipetransformer", "compare", str(ROOT / "configs" / "quickstart.yaml"),
-         "--out", str(tmp_path / "nothing"), "--report-only"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pipetransformer",
+            "compare",
+            str(ROOT / "configs" / "quickstart.yaml"),
+            "--out",
+            str(tmp_path / "nothing"),
+            "--report-only",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
     )
     assert empty.returncode != 0 and "has no finished baseline/ and elastic/ runs" in empty.stderr

@@ -15,17 +15,30 @@ def write(tmp_path, data):
 def test_required_keys_exist_with_defaults():
     c = Config()
     for section, key in [
-        ("trainer", "epochs"), ("trainer", "seed"), ("trainer", "global_batch_size"),
-        ("optimizer", "name"), ("optimizer", "lr"), ("pipeline", "initial_pipe_len"),
-        ("pipeline", "num_micro_batches"), ("pipeline", "schedule"), ("freeze", "strategy"),
-        ("freeze", "alpha"), ("model", "name"), ("data", "name"),
+        ("trainer", "epochs"),
+        ("trainer", "seed"),
+        ("trainer", "global_batch_size"),
+        ("optimizer", "name"),
+        ("optimizer", "lr"),
+        ("pipeline", "initial_pipe_len"),
+        ("pipeline", "num_micro_batches"),
+        ("pipeline", "schedule"),
+        ("freeze", "strategy"),
+        ("freeze", "alpha"),
+        ("model", "name"),
+        ("data", "name"),
     ]:
         assert hasattr(getattr(c, section), key), f"{section}.{key}"
 
 
 def test_overrides_are_typed_and_nested(tmp_path):
-    c = load_config(write(tmp_path, {"trainer": {"epochs": 3}}), ["trainer.epochs=5", "optimizer.lr=0.01", "freeze.strategy=alpha_schedule"])
-    assert c.trainer.epochs == 5 and c.optimizer.lr == 0.01 and c.freeze.strategy == "alpha_schedule"
+    c = load_config(
+        write(tmp_path, {"trainer": {"epochs": 3}}),
+        ["trainer.epochs=5", "optimizer.lr=0.01", "freeze.strategy=alpha_schedule"],
+    )
+    assert (
+        c.trainer.epochs == 5 and c.optimizer.lr == 0.01 and c.freeze.strategy == "alpha_schedule"
+    )
     c = load_config(None, ["model.kwargs.depth=6", "optimizer.lr=1"])
     assert c.model.kwargs == {"depth": 6} and isinstance(c.optimizer.lr, float)
     # YAML reads 3e-5 (no dot) as a string; it is still a number to the user.
@@ -44,8 +57,14 @@ def test_overrides_are_typed_and_nested(tmp_path):
         ({"freeze": {"alpha": 0}}, "freeze.alpha"),
         ({"pipeline": {"schedule": "zigzag"}}, "pipeline.schedule"),
         ({"optimizer": {"name": "lamb"}}, "optimizer.name"),
-        ({"pipeline": {"initial_pipe_len": 3}, "trainer": {"nproc_per_node": 4}}, "pipeline.initial_pipe_len"),
-        ({"trainer": {"global_batch_size": 60}, "pipeline": {"num_micro_batches": 8}}, "pipeline.num_micro_batches"),
+        (
+            {"pipeline": {"initial_pipe_len": 3}, "trainer": {"nproc_per_node": 4}},
+            "pipeline.initial_pipe_len",
+        ),
+        (
+            {"trainer": {"global_batch_size": 60}, "pipeline": {"num_micro_batches": 8}},
+            "pipeline.num_micro_batches",
+        ),
         ({"pipeline": {"num_micro_batches": "many"}}, "pipeline.num_micro_batches"),
         ({"freeze": {"strategy": "manual"}}, "freeze.manual_schedule"),
         ({"freeze": {"strategy": "manual", "manual_schedule": [2, 1]}}, "freeze.manual_schedule"),
@@ -61,7 +80,10 @@ def test_bad_values_are_rejected_naming_the_key(tmp_path, data, key):
 
 def test_batch_must_split_over_every_reachable_layout(tmp_path):
     # 4 devices, K 4 -> 2 -> 1 when elastic: R reaches 4, so 4 * M must divide the batch.
-    base = {"trainer": {"nproc_per_node": 4, "global_batch_size": 24}, "pipeline": {"initial_pipe_len": 4, "num_micro_batches": 4}}
+    base = {
+        "trainer": {"nproc_per_node": 4, "global_batch_size": 24},
+        "pipeline": {"initial_pipe_len": 4, "num_micro_batches": 4},
+    }
     load_config(write(tmp_path, base))  # baseline: R = 1, 24 % 4 == 0
     elastic = {**base, "freeze": {"strategy": "alpha_schedule"}}
     with pytest.raises(ConfigError, match="pipeline.num_micro_batches"):
@@ -94,8 +116,11 @@ def test_shipped_configs_parse(path):
 
 
 def test_cache_refuses_augmented_training_inputs_unless_allowed(tmp_path):
-    data = {"data": {"name": "imagefolder", "root": str(tmp_path), "augment": True},
-            "cache": {"enabled": True}, "freeze": {"strategy": "gradient_norm"}}
+    data = {
+        "data": {"name": "imagefolder", "root": str(tmp_path), "augment": True},
+        "cache": {"enabled": True},
+        "freeze": {"strategy": "gradient_norm"},
+    }
     with pytest.raises(ConfigError, match="cache.allow_augmented"):
         load_config(write(tmp_path, data))
     data["cache"]["allow_augmented"] = True

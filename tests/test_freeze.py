@@ -80,7 +80,9 @@ def test_decider_strategies():
     assert manual.decide(1, 4) == 4  # never decreases
     none = FreezeDecider(FreezeConfig(strategy="none"), L)
     assert none.decide(3, 0) == 0
-    capped = FreezeDecider(FreezeConfig(strategy="alpha_schedule", alpha=0.9, max_frozen_layers=5), L)
+    capped = FreezeDecider(
+        FreezeConfig(strategy="alpha_schedule", alpha=0.9, max_frozen_layers=5), L
+    )
     assert capped.decide(4, 0) == 5
     default_cap = FreezeDecider(FreezeConfig(strategy="alpha_schedule", alpha=0.9), L)
     assert default_cap.decide(10, 0) == L - 1  # the last block always trains by default
@@ -111,7 +113,9 @@ def test_decision_cadence():
         return found
 
     # Epoch ends (null), after one warm-up epoch; never after the last step.
-    per_epoch = DecisionSchedule.for_config(FreezeConfig(interval_steps=None, warmup_epochs=1), 3, 7)
+    per_epoch = DecisionSchedule.for_config(
+        FreezeConfig(interval_steps=None, warmup_epochs=1), 3, 7
+    )
     assert due_steps(per_epoch) == [7, 14]
     # auto: three a 7-step epoch (every ceil(7 / 3) = 3 steps); none in the warm-up epoch, the
     # first once it is over (its steps count towards the interval).
@@ -119,5 +123,7 @@ def test_decision_cadence():
     assert auto.interval_steps == 3 and due_steps(auto) == [8, 11, 14, 17, 20]
     # ... spaced out when transitions are costly: 0.2 s transitions, 0.1 s steps -> 40 steps.
     assert min_interval_for(0.2, 0.1) == 40 and min_interval_for(0.001, 0.1) == 1
-    spaced = DecisionSchedule.for_config(FreezeConfig(interval_steps="auto"), 3, 7, min_interval_steps=10)
+    spaced = DecisionSchedule.for_config(
+        FreezeConfig(interval_steps="auto"), 3, 7, min_interval_steps=10
+    )
     assert due_steps(spaced) == [10, 20]

@@ -9,13 +9,23 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "pipetransformer"
 
 LAYERS = {
-    "config": 0, "utils": 0,
-    "freeze": 1, "autopipe": 1, "autocache": 1, "models": 1, "data": 1,
-    "autodp": 2, "pipe": 2,
+    "config": 0,
+    "utils": 0,
+    "freeze": 1,
+    "autopipe": 1,
+    "autocache": 1,
+    "models": 1,
+    "data": 1,
+    "autodp": 2,
+    "pipe": 2,
     "planning": 3,
-    "trainer": 4, "launcher": 4,
-    "compare": 5, "export": 5,
-    "cli": 6, "__main__": 7, "__init__": 0,
+    "trainer": 4,
+    "launcher": 4,
+    "compare": 5,
+    "export": 5,
+    "cli": 6,
+    "__main__": 7,
+    "__init__": 0,
 }
 
 

@@ -12,7 +12,9 @@ from pipetransformer.models.bert import create_bert
 
 def test_vit_units_reproduce_timm_exactly():
     torch.manual_seed(0)
-    original = timm.create_model("vit_tiny_patch16_224", num_classes=10, in_chans=1, img_size=8, **TINY_VIT.kwargs)
+    original = timm.create_model(
+        "vit_tiny_patch16_224", num_classes=10, in_chans=1, img_size=8, **TINY_VIT.kwargs
+    )
     torch.manual_seed(0)
     layered = tiny_vit()
     original.eval(), layered.eval()
@@ -75,7 +77,9 @@ def test_bert_padding_does_not_change_the_result():
     hidden_short = encoder(ids, types, torch.ones_like(ids))[0]
     hidden_padded = encoder(padded_ids, torch.zeros_like(padded_ids), mask)[0][:, :10]
     torch.testing.assert_close(hidden_padded, hidden_short, atol=1e-5, rtol=1e-5)
-    unmasked = encoder(padded_ids, torch.zeros_like(padded_ids), torch.ones_like(padded_ids))[0][:, :10]
+    unmasked = encoder(padded_ids, torch.zeros_like(padded_ids), torch.ones_like(padded_ids))[0][
+        :, :10
+    ]
     assert not torch.allclose(unmasked, hidden_short, atol=1e-3)
 
 
@@ -95,7 +99,10 @@ def test_bert_mask_reaches_every_stage():
 def test_frozen_units_run_in_eval_mode_without_graph():
     model = build_model(
         ModelConfig(name="bert", kwargs={**TINY_BERT.kwargs, "hidden_dropout_prob": 0.5}),
-        task="classification", num_classes=2, vocab_size=50, max_seq_length=16,
+        task="classification",
+        num_classes=2,
+        vocab_size=50,
+        max_seq_length=16,
     )
     units = list(model.units)
     UnitSequence(units[:3], [True, True, False]).train()
@@ -117,14 +124,21 @@ def test_meta_build_has_no_storage_and_same_structure():
 
 
 def test_large_model_builds_on_meta_quickly():
-    spec = build_model(ModelConfig(name="vit_base_patch16_224"), task="classification", num_classes=1000, device="meta").spec
+    spec = build_model(
+        ModelConfig(name="vit_base_patch16_224"),
+        task="classification",
+        num_classes=1000,
+        device="meta",
+    ).spec
     assert spec.num_layers == 12 and 86_000_000 < sum(spec.unit_param_counts) < 87_000_000
 
 
 def test_vit_checkpoint_path_loads_local_weights(tmp_path):
     source = tiny_vit(seed=3)
     torch.manual_seed(3)
-    original = timm.create_model("vit_tiny_patch16_224", num_classes=10, in_chans=1, img_size=8, **TINY_VIT.kwargs)
+    original = timm.create_model(
+        "vit_tiny_patch16_224", num_classes=10, in_chans=1, img_size=8, **TINY_VIT.kwargs
+    )
     path = tmp_path / "vit.pth"
     torch.save(original.state_dict(), path)
     cfg = ModelConfig(name=TINY_VIT.name, kwargs=TINY_VIT.kwargs, checkpoint_path=str(path))
@@ -133,26 +147,61 @@ def test_vit_checkpoint_path_loads_local_weights(tmp_path):
     for a, b in zip(source.state_dict().values(), loaded.state_dict().values()):
         assert torch.equal(a, b)
     with pytest.raises(FileNotFoundError, match="checkpoint_path"):
-        build_model(ModelConfig(name=TINY_VIT.name, checkpoint_path=str(tmp_path / "none.pth")),
-                    task="classification", num_classes=10)
+        build_model(
+            ModelConfig(name=TINY_VIT.name, checkpoint_path=str(tmp_path / "none.pth")),
+            task="classification",
+            num_classes=10,
+        )
 
 
 def test_unknown_model_names_and_kwargs_fail_clearly():
     with pytest.raises(ValueError, match="model.name"):
-        build_model(ModelConfig(name="vit_nonexistent_xyz"), task="classification", num_classes=10, device="meta")
+        build_model(
+            ModelConfig(name="vit_nonexistent_xyz"),
+            task="classification",
+            num_classes=10,
+            device="meta",
+        )
     with pytest.raises(ValueError, match="model.kwargs"):
-        build_model(ModelConfig(name="vit_tiny_patch16_224", kwargs={"depthh": 3}), task="classification", num_classes=10, device="meta")
+        build_model(
+            ModelConfig(name="vit_tiny_patch16_224", kwargs={"depthh": 3}),
+            task="classification",
+            num_classes=10,
+            device="meta",
+        )
 
 
 def test_pretrained_bert_loads_local_weights_and_rejects_kwargs_that_change_their_shapes(tmp_path):
-    saved = create_bert(task="sequence_classification", num_labels=2, vocab_size=None,
-                        kwargs={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-                                "intermediate_size": 64, "vocab_size": 100})
+    saved = create_bert(
+        task="sequence_classification",
+        num_labels=2,
+        vocab_size=None,
+        kwargs={
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "intermediate_size": 64,
+            "vocab_size": 100,
+        },
+    )
     saved.save_pretrained(tmp_path)
-    loaded = create_bert(task="sequence_classification", num_labels=2, vocab_size=None,
-                         model_name_or_path=str(tmp_path), kwargs={"hidden_dropout_prob": 0.0})
-    assert torch.equal(loaded.bert.encoder.layer[1].output.dense.weight, saved.bert.encoder.layer[1].output.dense.weight)
+    loaded = create_bert(
+        task="sequence_classification",
+        num_labels=2,
+        vocab_size=None,
+        model_name_or_path=str(tmp_path),
+        kwargs={"hidden_dropout_prob": 0.0},
+    )
+    assert torch.equal(
+        loaded.bert.encoder.layer[1].output.dense.weight,
+        saved.bert.encoder.layer[1].output.dense.weight,
+    )
     assert loaded.config.hidden_dropout_prob == 0.0
     with pytest.raises(ValueError, match=r"model\.kwargs\.hidden_size=64 .*hidden_size=32"):
-        create_bert(task="sequence_classification", num_labels=2, vocab_size=None,
-                    model_name_or_path=str(tmp_path), kwargs={"hidden_size": 64})
+        create_bert(
+            task="sequence_classification",
+            num_labels=2,
+            vocab_size=None,
+            model_name_or_path=str(tmp_path),
+            kwargs={"hidden_size": 64},
+        )

@@ -37,20 +37,37 @@ def records(path: Path) -> list[dict]:
 @pytest.mark.slow
 def test_two_torchrun_nodes_on_loopback(tmp_path):
     config_dict = elastic_config(
-        trainer__nproc_per_node=2, pipeline__initial_pipe_len=2, trainer__record_sample_ids=True,
-        cache__enabled=True, cache__profile=False,
+        trainer__nproc_per_node=2,
+        pipeline__initial_pipe_len=2,
+        trainer__record_sample_ids=True,
+        cache__enabled=True,
+        cache__profile=False,
     )
     config_path = tmp_path / "two_nodes.yaml"
     config_path.write_text(yaml.safe_dump(config_dict))
     run_dir = tmp_path / "run"
     # The script runs `torchrun`: this interpreter's, also when its environment is not activated.
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    env = {**os.environ, "PATH": path, "NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "NPROC_PER_NODE": "2", "RDZV_ID": f"test-{os.getpid()}", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PATH": path,
+        "NNODES": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "NPROC_PER_NODE": "2",
+        "RDZV_ID": f"test-{os.getpid()}",
+        "OMP_NUM_THREADS": "1",
+    }
     script = str(ROOT / "launch" / "run_multi_node.sh")
     nodes = [
-        subprocess.Popen(["bash", script, str(config_path), "--run-dir", str(run_dir)], cwd=ROOT,
-                         env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            ["bash", script, str(config_path), "--run-dir", str(run_dir)],
+            cwd=ROOT,
+            env={**env, "NODE_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for rank in range(2)
     ]
     outputs = [node.communicate(timeout=600) for node in nodes]

@@ -25,11 +25,15 @@ CASES = [
 def test_pipeline_matches_single_process(kind, pipe_len, dp_degree, micro, schedule):
     batch = 16
     ref_loss, ref_grads = reference_gradients(kind, batch)
-    results = run_workers(pipeline_gradients, pipe_len * dp_degree, kind, pipe_len, dp_degree, micro, schedule, batch)
+    results = run_workers(
+        pipeline_gradients, pipe_len * dp_degree, kind, pipe_len, dp_degree, micro, schedule, batch
+    )
     covered = set()
     for result in results:
         for name, grad in result["grads"].items():
-            torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(
+                grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+            )
             covered.add(name)
     assert covered == set(ref_grads), "every parameter lives on some rank"
     # Each last stage returns its micro-batch losses weighted by R / batch: their total over
@@ -47,7 +51,9 @@ def test_bf16_pipeline_matches_single_process_bf16(kind, dp_degree):
     are rounding noise on both sides), the loss within 0.5%."""
     batch = 16
     ref_loss, ref_grads = reference_gradients(kind, batch, torch.bfloat16)
-    results = run_workers(pipeline_gradients, 2 * dp_degree, kind, 2, dp_degree, 2, "gpipe", batch, torch.bfloat16)
+    results = run_workers(
+        pipeline_gradients, 2 * dp_degree, kind, 2, dp_degree, 2, "gpipe", batch, torch.bfloat16
+    )
     whole = torch.cat([g.flatten() for g in ref_grads.values()]).norm()
     covered = set()
     for result in results:

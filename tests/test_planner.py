@@ -23,14 +23,18 @@ def brute_force_best(weights, k, head_start=0.0):
     best = float("inf")
     for cuts in itertools.combinations(range(1, n), k - 1):
         bounds = [0, *cuts, n]
-        cost = max(sum(weights[a:b]) + (head_start if a == 0 else 0) for a, b in zip(bounds, bounds[1:]))
+        cost = max(
+            sum(weights[a:b]) + (head_start if a == 0 else 0) for a, b in zip(bounds, bounds[1:])
+        )
         best = min(best, cost)
     return best
 
 
 def stage_max(weights, starts, head_start=0.0):
     bounds = [*starts, len(weights)]
-    return max(sum(weights[a:b]) + (head_start if a == 0 else 0) for a, b in zip(bounds, bounds[1:]))
+    return max(
+        sum(weights[a:b]) + (head_start if a == 0 else 0) for a, b in zip(bounds, bounds[1:])
+    )
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -111,12 +115,18 @@ def test_memory_can_veto_compression():
     costs = vit_like()
 
     def fits_in(budget):  # toy memory: one byte per trained unit, 0.1 per frozen one
-        return lambda plan: max(
-            sum(0.1 if u < plan.frozen_end else 1.0 for u in range(a, b)) + (0.1 * plan.prefix_end if s == 0 else 0)
-            for s, (a, b) in enumerate(plan.stage_ranges)
-        ) <= budget
+        return lambda plan: (
+            max(
+                sum(0.1 if u < plan.frozen_end else 1.0 for u in range(a, b))
+                + (0.1 * plan.prefix_end if s == 0 else 0)
+                for s, (a, b) in enumerate(plan.stage_ranges)
+            )
+            <= budget
+        )
 
-    assert AutoPipePlanner(costs, 2, fits=fits_in(8.0)).plan(5, 2).pipe_len == 2  # 7 units + the prefix: 8.1
+    assert (
+        AutoPipePlanner(costs, 2, fits=fits_in(8.0)).plan(5, 2).pipe_len == 2
+    )  # 7 units + the prefix: 8.1
     assert AutoPipePlanner(costs, 2, fits=fits_in(100.0)).plan(5, 2).pipe_len == 1
 
 

@@ -22,16 +22,31 @@ def test_fp16_is_refused_naming_the_key():
 def test_cache_dtype_follows_the_training_precision():
     assert load_config(QUICKSTART, ["trainer.precision=bf16"]).cache_dtype == "bfloat16"
     assert load_config(QUICKSTART).cache_dtype == "float32"
-    assert load_config(QUICKSTART, ["trainer.precision=bf16", "cache.dtype=float32"]).cache_dtype == "float32"
+    assert (
+        load_config(QUICKSTART, ["trainer.precision=bf16", "cache.dtype=float32"]).cache_dtype
+        == "float32"
+    )
 
 
 @pytest.mark.slow
 def test_quickstart_in_bf16_reaches_90_percent(tmp_path):
     run_dir = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "pipetransformer", "train", str(QUICKSTART), "trainer.precision=bf16",
-         "trainer.progress_bar=false", "--run-dir", str(run_dir)],
-        capture_output=True, text=True, cwd=ROOT, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pipetransformer",
+            "train",
+            str(QUICKSTART),
+            "trainer.precision=bf16",
+            "trainer.progress_bar=false",
+            "--run-dir",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())

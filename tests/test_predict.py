@@ -60,7 +60,11 @@ def test_the_records_cover_both_workloads_and_several_layouts():
     epochs = _epochs()
     assert {e["workload"] for e in epochs} >= {"quickstart", "minilm_sst2"}
     for workload in ("quickstart", "minilm_sst2"):
-        layouts = {(e["num_frozen_layers"], e["pipe_len"], e["dp_degree"]) for e in epochs if e["workload"] == workload}
+        layouts = {
+            (e["num_frozen_layers"], e["pipe_len"], e["dp_degree"])
+            for e in epochs
+            if e["workload"] == workload
+        }
         assert len(layouts) >= 3, (workload, layouts)
 
 
@@ -77,8 +81,15 @@ def test_predicted_epoch_time_within_tolerance_of_measured(index):
         slot_overhead_s=entry["slot_overhead_s"],
     )
     predicted = layout_epoch_s(
-        config, profile, times, links, num_frozen_layers=entry["num_frozen_layers"], pipe_len=entry["pipe_len"],
-        num_micro_batches=entry["num_micro_batches"], steps=entry["steps"], cached=entry["cached"],
+        config,
+        profile,
+        times,
+        links,
+        num_frozen_layers=entry["num_frozen_layers"],
+        pipe_len=entry["pipe_len"],
+        num_micro_batches=entry["num_micro_batches"],
+        steps=entry["steps"],
+        cached=entry["cached"],
     )
     # Today's code gives what the benchmark wrote (the step model did not move under it) ...
     assert predicted == pytest.approx(entry["predicted_s"], rel=1e-6)

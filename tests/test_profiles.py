@@ -138,7 +138,9 @@ def test_store_round_trip(tmp_path):
 
 
 def test_keys_separate_what_changes_costs_and_parse_back():
-    layout = dict(device_type="cpu", input_shapes=[(128,)] * 3, schedule="gpipe", num_frozen_layers=0)
+    layout = dict(
+        device_type="cpu", input_shapes=[(128,)] * 3, schedule="gpipe", num_frozen_layers=0
+    )
     key = micro_batch_key(MODEL, pipe_len=2, replica_batch=32, **layout)
     others = [
         micro_batch_key(OTHER_MODEL, pipe_len=2, replica_batch=32, **layout),
@@ -184,7 +186,9 @@ def test_second_run_reads_the_profile_instead_of_measuring(tmp_path, monkeypatch
     def profiler(*overrides):
         config = load_config(QUICKSTART, [f"pipeline.profile_path={path}", *overrides])
         spec = describe_model(config)
-        run = profiler_module.RunProfiler(config, spec, tmp_path / "run", torch.device("cpu"), Control(None))
+        run = profiler_module.RunProfiler(
+            config, spec, tmp_path / "run", torch.device("cpu"), Control(None)
+        )
         return run, [torch.nn.Identity() for _ in range(spec.num_units)]
 
     candidates = candidate_micro_batches(2, 32)

@@ -69,7 +69,11 @@ def long_context_examples(tmp_path: Path) -> list[SquadExample]:
     """A SQuAD file of the awkward cases real SQuAD paragraphs do not show: a context far
     longer than one window, and an answer that does not occur in its context."""
     words = [f"word{i}" for i in range(3000)]
-    context = " ".join(words[:1500]) + " The treaty was signed in Utrecht in 1713. " + " ".join(words[1500:])
+    context = (
+        " ".join(words[:1500])
+        + " The treaty was signed in Utrecht in 1713. "
+        + " ".join(words[1500:])
+    )
     questions = [
         {
             "id": "found",
@@ -82,7 +86,10 @@ def long_context_examples(tmp_path: Path) -> list[SquadExample]:
             "answers": [{"text": "Louis XIV", "answer_start": None}],
         },
     ]
-    data = {"version": "1.1", "data": [{"title": "t", "paragraphs": [{"context": context, "qas": questions}]}]}
+    data = {
+        "version": "1.1",
+        "data": [{"title": "t", "paragraphs": [{"context": context, "qas": questions}]}],
+    }
     path = tmp_path / "long.json"
     path.write_text(json.dumps(data))
     return read_squad_file(path)
@@ -249,7 +256,9 @@ def test_preprocessing_maps_answers_back_and_covers_every_question(mini_examples
     )
     # Every labelled span round-trips exactly with WordPiece; whole-word tokens hold the
     # answer ("Rollo's" for "Rollo"); every question of the real file has one.
-    labelled = _check_round_trips(mini_examples, features, exact=True, whole_words=tokenizer_kind == "word")
+    labelled = _check_round_trips(
+        mini_examples, features, exact=True, whole_words=tokenizer_kind == "word"
+    )
     answered = set(features.example_index[(features.positions[:, 0] > 0).numpy()].tolist())
     assert len(answered) == len(mini_examples) and labelled >= len(mini_examples)
     counts = np.bincount(features.example_index, minlength=len(mini_examples))
@@ -332,7 +341,14 @@ def test_word_features_match_encode_pairs_when_everything_fits():
 
 def test_bundle_from_single_file_and_from_a_directory(mini_file: Path, tmp_path: Path):
     def config_for(root: Path) -> DataConfig:
-        return DataConfig(name="squad", root=str(root), max_seq_length=128, doc_stride=32, train_subset=10, eval_subset=5)
+        return DataConfig(
+            name="squad",
+            root=str(root),
+            max_seq_length=128,
+            doc_stride=32,
+            train_subset=10,
+            eval_subset=5,
+        )
 
     bundle = load_squad_bundle(config_for(mini_file), None, seed=3)
     assert (bundle.task, bundle.num_classes, bundle.max_seq_length) == (
@@ -511,7 +527,9 @@ def reduce_worker(extras, logits) -> dict[str, float]:
 def test_reduce_scores_the_whole_eval_set_in_one_and_two_processes(mini_examples):
     extras, logits, direct = _scoring_case(mini_examples)
     assert 0.2 < direct["f1"] < 0.9  # a case where partial credit shows
-    expected = EvalResult(eval_metric=direct["f1"], eval_samples=30, exact_match=direct["exact_match"]).to_dict()
+    expected = EvalResult(
+        eval_metric=direct["f1"], eval_samples=30, exact_match=direct["exact_match"]
+    ).to_dict()
 
     # One process: no torch.distributed at all.
     accumulator = QuestionAnsweringTask.new_accumulator(extras)
@@ -525,11 +543,17 @@ def test_reduce_scores_the_whole_eval_set_in_one_and_two_processes(mini_examples
 # ---------------------------------------------------------------- end to end
 
 
-def test_tiny_bert_trained_briefly_answers_every_question_with_a_context_span(mini_file: Path, eval_file: Path):
+def test_tiny_bert_trained_briefly_answers_every_question_with_a_context_span(
+    mini_file: Path, eval_file: Path
+):
     from pipetransformer.models import build_model
 
     config = DataConfig(
-        name="squad", root=str(mini_file), eval_root=str(eval_file), max_seq_length=128, doc_stride=32,
+        name="squad",
+        root=str(mini_file),
+        eval_root=str(eval_file),
+        max_seq_length=128,
+        doc_stride=32,
         eval_subset=24,
     )
     bundle = load_squad_bundle(config, None, seed=0)
@@ -614,7 +638,9 @@ def test_every_answer_of_the_mini_files_is_aligned_to_its_context(shared_data, n
             assert begin == start + len(text) - len(text.lstrip()), (example.id, text)
             assert example.context[begin:end] == text.strip()
             per_answer.append(
-                SquadExample(f"{example.id}/{k}", example.question, example.context, (text,), (start,))
+                SquadExample(
+                    f"{example.id}/{k}", example.question, example.context, (text,), (start,)
+                )
             )
             spans.append((begin, end))
     assert len(per_answer) > len(examples)  # several reference answers per question
@@ -635,10 +661,15 @@ def test_every_answer_of_the_mini_files_is_aligned_to_its_context(shared_data, n
             # Only an answer cut inside a word ("gold rush" of "gold rushes") spans more.
             cut_at_begin = covered[0] < begin and context[begin - 1 : begin + 1].isalnum()
             cut_at_end = end < covered[1] and context[end - 1 : end + 1].isalnum()
-            assert cut_at_begin or cut_at_end, (per_answer[index].id, context[covered[0] : covered[1]])
+            assert cut_at_begin or cut_at_end, (
+                per_answer[index].id,
+                context[covered[0] : covered[1]],
+            )
 
 
-def test_a_separate_evaluation_file_replaces_the_evaluation_split(mini_file, eval_file, tmp_path, caplog):
+def test_a_separate_evaluation_file_replaces_the_evaluation_split(
+    mini_file, eval_file, tmp_path, caplog
+):
     raw_eval = read_squad_file(eval_file)
     train_ids, eval_ids = [e.id for e in read_squad_file(mini_file)], [e.id for e in raw_eval]
     assert not set(train_ids) & set(eval_ids)
@@ -655,8 +686,13 @@ def test_a_separate_evaluation_file_replaces_the_evaluation_split(mini_file, eva
     assert raw["eval"] is raw["train"] and "both training and evaluation" in caplog.text
 
     config = DataConfig(
-        name="squad", root=str(mini_file), eval_root=str(eval_file), max_seq_length=128, doc_stride=32,
-        train_subset=8, eval_subset=6,
+        name="squad",
+        root=str(mini_file),
+        eval_root=str(eval_file),
+        max_seq_length=128,
+        doc_stride=32,
+        train_subset=8,
+        eval_subset=6,
     )
     chosen = load_squad_bundle(config, None, seed=0).eval_extras["examples"]
     references = {e.id: list(e.answers) for e in raw_eval}

@@ -31,9 +31,16 @@ def pyproject_minimums() -> dict[str, tuple[int, ...]]:
 
 
 def readme_versions() -> dict[str, tuple[int, ...]]:
-    lines = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("Supported versions:")]
+    lines = [
+        line
+        for line in (ROOT / "README.md").read_text().splitlines()
+        if line.startswith("Supported versions:")
+    ]
     assert len(lines) == 1, "README.md needs exactly one 'Supported versions:' line"
-    return {name: _version(v) for name, v in re.findall(r"`?(torch|transformers|timm)\s*>=\s*([0-9.]+)`?", lines[0])}
+    return {
+        name: _version(v)
+        for name, v in re.findall(r"`?(torch|transformers|timm)\s*>=\s*([0-9.]+)`?", lines[0])
+    }
 
 
 def dockerfile_packages() -> tuple[tuple[int, ...], dict[str, tuple[int, ...]]]:
@@ -41,10 +48,15 @@ def dockerfile_packages() -> tuple[tuple[int, ...], dict[str, tuple[int, ...]]]:
     is the base image's when it is a pytorch/pytorch:<version>-... image, else the one the
     Dockerfile pins."""
     text = (ROOT / "Dockerfile").read_text()
-    pinned = {name: _version(v) for name, v in re.findall(r"\b(torch|transformers|timm)\s*[=>]=\s*([0-9.]+)", text)}
+    pinned = {
+        name: _version(v)
+        for name, v in re.findall(r"\b(torch|transformers|timm)\s*[=>]=\s*([0-9.]+)", text)
+    }
     base = re.search(r"^FROM\s+pytorch/pytorch:([0-9.]+)-", text, re.MULTILINE)
     torch_version = _version(base.group(1)) if base else pinned.get("torch")
-    assert torch_version, "the Dockerfile neither uses a pytorch/pytorch:<version> image nor pins torch"
+    assert torch_version, (
+        "the Dockerfile neither uses a pytorch/pytorch:<version> image nor pins torch"
+    )
     return torch_version, pinned
 
 
@@ -59,9 +71,13 @@ def test_readme_states_the_pyproject_minimums():
 def test_dockerfile_torch_is_at_least_the_minimum():
     minimums = pyproject_minimums()
     base_torch, pinned = dockerfile_packages()
-    assert base_torch >= minimums["torch"], f"the Dockerfile's image has torch {base_torch}, below {minimums['torch']}"
+    assert base_torch >= minimums["torch"], (
+        f"the Dockerfile's image has torch {base_torch}, below {minimums['torch']}"
+    )
     for name, version in pinned.items():
-        assert version >= minimums[name], f"the Dockerfile pins {name} {version}, below {minimums[name]}"
+        assert version >= minimums[name], (
+            f"the Dockerfile pins {name} {version}, below {minimums[name]}"
+        )
 
 
 def test_installed_versions_meet_the_minimums():

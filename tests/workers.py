@@ -34,22 +34,37 @@ def build(kind: str):
 
 
 def pipeline_gradients(
-    kind: str, pipe_len: int, dp_degree: int, micro_batches: int, schedule: str, batch_size: int,
+    kind: str,
+    pipe_len: int,
+    dp_degree: int,
+    micro_batches: int,
+    schedule: str,
+    batch_size: int,
     autocast_dtype: torch.dtype | None = None,
 ):
     """One step of a K-stage x R-replica pipeline; return this rank's gradients and losses."""
     world = init_distributed("cpu", 60)
     model = build(kind)
     plan = balance(UnitCosts.from_param_counts(model.spec.unit_param_counts, 1 / 6), 0, pipe_len)
-    layout = Layout(plan, world.world_size, world.world_size, dp_degree).with_micro_batches(micro_batches)
+    layout = Layout(plan, world.world_size, world.world_size, dp_degree).with_micro_batches(
+        micro_batches
+    )
     plan = layout.plan
     groups = build_training_groups(layout, world.rank, 60)
     role = layout.role(world.rank)
     units = {u: model.units[u] for u in layout.units_of_rank(world.rank)}
     runtime = build_stage_runtime(
-        plan=plan, stage_index=role.stage, replica_batch_size=batch_size // dp_degree, units=units,
-        spec=model.spec, loss_fn=ClassificationTask.loss_fn, schedule_name=schedule,
-        pipeline_group=groups.pipeline, data_group=groups.data, device=world.device, autocast_dtype=autocast_dtype,
+        plan=plan,
+        stage_index=role.stage,
+        replica_batch_size=batch_size // dp_degree,
+        units=units,
+        spec=model.spec,
+        loss_fn=ClassificationTask.loss_fn,
+        schedule_name=schedule,
+        pipeline_group=groups.pipeline,
+        data_group=groups.data,
+        device=world.device,
+        autocast_dtype=autocast_dtype,
     )
     linear_dtypes = set()  # what the stage's matrix multiplies ran in
     for module in runtime.module.modules():
@@ -60,7 +75,9 @@ def pipeline_gradients(
     window = slice(role.replica * share, (role.replica + 1) * share)
     target = None
     if role.is_last:
-        target = ClassificationTask.make_target(labels[window], loss_weights([True] * share, dp_degree, batch_size))
+        target = ClassificationTask.make_target(
+            labels[window], loss_weights([True] * share, dp_degree, batch_size)
+        )
     losses = runtime.train_step([t[window] for t in inputs] if role.is_first else None, target)
     grads = {}
     for index, unit in units.items():
@@ -68,7 +85,10 @@ def pipeline_gradients(
             grads[name] = p.grad.clone()
     torch.distributed.destroy_process_group()
     return {
-        "rank": world.rank, "role": role, "grads": grads, "losses": [float(l) for l in losses],
+        "rank": world.rank,
+        "role": role,
+        "grads": grads,
+        "losses": [float(l) for l in losses],
         "linear_dtypes": linear_dtypes,
     }
 
@@ -76,7 +96,9 @@ def pipeline_gradients(
 def reference_gradients(kind: str, batch_size: int, autocast_dtype: torch.dtype | None = None):
     model = build(kind)
     inputs, labels = fixed_batch(kind, batch_size)
-    with torch.autocast("cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+    with torch.autocast(
+        "cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None
+    ):
         logits = model(*inputs)
     loss = torch.nn.functional.cross_entropy(logits.float(), labels)
     loss.backward()
@@ -100,7 +122,9 @@ def gather_state(trainer, include_optimizer: bool = False):
     stage = trainer.stage
 
     def reporter(unit: int) -> int:  # the lowest rank holding a unit reports it
-        return min(r for r in range(trainer.world.world_size) if unit in stage.layout.units_of_rank(r))
+        return min(
+            r for r in range(trainer.world.world_size) if unit in stage.layout.units_of_rank(r)
+        )
 
     mine, states = {}, {}
     for index, unit in stage.units.items():
@@ -108,9 +132,14 @@ def gather_state(trainer, include_optimizer: bool = False):
             for name, tensor in unit.state_dict().items():
                 mine[param_key(index, name)] = tensor.detach().cpu().clone()
     if include_optimizer:
-        for name, state in optim_module.states_by_name(stage.optimizer, stage.named_params()).items():
+        for name, state in optim_module.states_by_name(
+            stage.optimizer, stage.named_params()
+        ).items():
             if reporter(parse_param_key(name)[0]) == trainer.world.rank:
-                states[name] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+                states[name] = {
+                    k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                    for k, v in state.items()
+                }
     gathered = [None] * trainer.world.world_size if trainer.world.rank == 0 else None
     torch.distributed.gather_object((mine, states), gathered, dst=0, group=trainer.control.group)
     if trainer.world.rank != 0:
@@ -150,7 +179,10 @@ def _snapshot(trainer) -> dict:
     named = trainer.stage.named_params()
     states = optim_module.states_by_name(trainer.stage.optimizer, named)
     return {
-        name: (p.detach().clone(), {k: v.clone() if torch.is_tensor(v) else v for k, v in states.get(name, {}).items()})
+        name: (
+            p.detach().clone(),
+            {k: v.clone() if torch.is_tensor(v) else v for k, v in states.get(name, {}).items()},
+        )
         for name, p in named.items()
     }
 
@@ -241,10 +273,19 @@ def host_syncs_of_a_step(config_dict: dict, run_dir: str):
             )
             if name in SYNC_METHODS or to_cpu:
                 frame = next(
-                    (f for f in reversed(traceback.extract_stack()[:-1]) if "pipetransformer" in f.filename),
+                    (
+                        f
+                        for f in reversed(traceback.extract_stack()[:-1])
+                        if "pipetransformer" in f.filename
+                    ),
                     None,
                 )
-                found.append((name, f"{frame.filename.rsplit('/', 2)[-1]}:{frame.lineno}" if frame else "torch"))
+                found.append(
+                    (
+                        name,
+                        f"{frame.filename.rsplit('/', 2)[-1]}:{frame.lineno}" if frame else "torch",
+                    )
+                )
             return func(*args, **(kwargs or {}))
 
     try:

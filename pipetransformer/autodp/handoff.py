@@ -96,7 +96,9 @@ def _send_unit(transfer: Transfer, unit: nn.Module, states, control, device) -> 
     }
     dist.send_object_list([manifest], dst=transfer.dst, group=control)
     flat = [t.detach().reshape(-1).contiguous().view(torch.uint8) for _, t in tensors]
-    payload = torch.cat(flat).to(device) if flat else torch.empty(0, dtype=torch.uint8, device=device)
+    payload = (
+        torch.cat(flat).to(device) if flat else torch.empty(0, dtype=torch.uint8, device=device)
+    )
     dist.send(payload, dst=transfer.dst)
 
 
@@ -107,7 +109,9 @@ def _receive_unit(
     dist.recv_object_list(box, src=transfer.src, group=control)
     manifest = box[0]
     if manifest["unit"] != transfer.unit:
-        raise RuntimeError(f"expected unit {transfer.unit} from rank {transfer.src}, got {manifest['unit']}")
+        raise RuntimeError(
+            f"expected unit {transfer.unit} from rank {transfer.src}, got {manifest['unit']}"
+        )
     sizes = [
         torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         for _, shape, dtype, _ in manifest["entries"]

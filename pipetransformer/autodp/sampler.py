@@ -48,7 +48,9 @@ class TrainSampler:
         if self.global_batch_size % self.num_nodes:
             raise ValueError("the global batch must split evenly over the nodes")
         if self.num_samples < self.num_nodes:
-            raise ValueError(f"{self.num_samples} samples cannot be shared by {self.num_nodes} nodes")
+            raise ValueError(
+                f"{self.num_samples} samples cannot be shared by {self.num_nodes} nodes"
+            )
         everything = list(range(self.num_samples))
         random.Random(self.seed).shuffle(everything)
         base, extra = divmod(self.num_samples, self.num_nodes)

@@ -42,7 +42,9 @@ class Layout:
         if self.world_size % self.devices_per_node:
             raise ValueError("devices_per_node must divide the world size")
         if self.devices_per_node % k:
-            raise ValueError(f"pipe_len {k} must divide the {self.devices_per_node} devices per node")
+            raise ValueError(
+                f"pipe_len {k} must divide the {self.devices_per_node} devices per node"
+            )
         if self.dp_degree % self.num_nodes:
             raise ValueError("every node holds the same number of replicas")
         if self.replicas_per_node * k > self.devices_per_node:
@@ -88,7 +90,9 @@ class Layout:
         return self.plan.stage_units(role.stage)
 
     def with_micro_batches(self, num_micro_batches: int) -> Layout:
-        return dataclasses.replace(self, plan=dataclasses.replace(self.plan, num_micro_batches=num_micro_batches))
+        return dataclasses.replace(
+            self, plan=dataclasses.replace(self.plan, num_micro_batches=num_micro_batches)
+        )
 
     def replica_batch_size(self, global_batch_size: int) -> int:
         return global_batch_size // self.dp_degree

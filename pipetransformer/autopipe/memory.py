@@ -59,7 +59,14 @@ class StageMemory:
 
     @property
     def total(self) -> float:
-        return self.parameters + self.gradients + self.optimizer + self.ddp_buckets + self.activations + self.boundary
+        return (
+            self.parameters
+            + self.gradients
+            + self.optimizer
+            + self.ddp_buckets
+            + self.activations
+            + self.boundary
+        )
 
     def to_dict(self) -> dict[str, float]:
         return {**asdict(self), "total": self.total}

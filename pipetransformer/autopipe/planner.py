@@ -106,7 +106,9 @@ def _stage_cost(costs: UnitCosts, start: int, end: int, frozen_end: int) -> floa
     return sum(costs.frozen[u] if u < frozen_end else costs.trained[u] for u in range(start, end))
 
 
-def partition_greedy(weights: Sequence[float], num_stages: int, head_start: float = 0.0) -> list[int]:
+def partition_greedy(
+    weights: Sequence[float], num_stages: int, head_start: float = 0.0
+) -> list[int]:
     """Paper-style greedy split of `weights` into `num_stages` non-empty contiguous groups.
 
     `head_start` is a cost already on the first stage (the frozen prefix). Returns the
@@ -137,7 +139,9 @@ def partition_greedy(weights: Sequence[float], num_stages: int, head_start: floa
     return starts
 
 
-def partition_optimal(weights: Sequence[float], num_stages: int, head_start: float = 0.0) -> list[int]:
+def partition_optimal(
+    weights: Sequence[float], num_stages: int, head_start: float = 0.0
+) -> list[int]:
     """Contiguous split minimising the largest stage; ties prefer later cuts."""
     n = len(weights)
     if not 1 <= num_stages <= n:
@@ -193,7 +197,8 @@ def balance(
     bounds = [start + s for s in starts] + [costs.num_units]
     ranges = tuple((bounds[i], bounds[i + 1]) for i in range(pipe_len))
     stage_costs = tuple(
-        _stage_cost(costs, a, b, start) + (head_start if i == 0 else 0.0) for i, (a, b) in enumerate(ranges)
+        _stage_cost(costs, a, b, start) + (head_start if i == 0 else 0.0)
+        for i, (a, b) in enumerate(ranges)
     )
     return PipelinePlan(num_frozen_layers, pipe_len, start, ranges, stage_costs)
 
@@ -239,7 +244,9 @@ class AutoPipePlanner:
             pipe_len //= 2
         plan = balance(self.costs, num_frozen_layers, pipe_len, self.method, prefix_cost)
         while plan.pipe_len % 2 == 0:
-            packed = balance(self.costs, num_frozen_layers, plan.pipe_len // 2, self.method, prefix_cost)
+            packed = balance(
+                self.costs, num_frozen_layers, plan.pipe_len // 2, self.method, prefix_cost
+            )
             if packed.max_stage_cost > budget:
                 break
             if self.fits is not None and not self.fits(packed):

@@ -215,8 +215,14 @@ class MicroBatchKey:
         f = _fields(text, "micro")
         frozen = f.get("frozen")
         return cls(
-            f["model"], f["device"], f["dtype"], int(f["pipe_len"]), int(f["replica_batch"]),
-            f["inputs"], f["schedule"], None if frozen is None else int(frozen),
+            f["model"],
+            f["device"],
+            f["dtype"],
+            int(f["pipe_len"]),
+            int(f["replica_batch"]),
+            f["inputs"],
+            f["schedule"],
+            None if frozen is None else int(frozen),
         )
 
 
@@ -227,7 +233,9 @@ def unit_profile_key(
     micro_batch_size: int,
     input_shapes: Sequence[Sequence[int]],
 ) -> UnitProfileKey:
-    return UnitProfileKey(model, device_type, dtype, int(micro_batch_size), _shapes_text(input_shapes))
+    return UnitProfileKey(
+        model, device_type, dtype, int(micro_batch_size), _shapes_text(input_shapes)
+    )
 
 
 def micro_batch_key(
@@ -241,8 +249,14 @@ def micro_batch_key(
     dtype: str = "float32",
 ) -> MicroBatchKey:
     return MicroBatchKey(
-        model, device_type, dtype, int(pipe_len), int(replica_batch), _shapes_text(input_shapes),
-        schedule, None if num_frozen_layers is None else int(num_frozen_layers),
+        model,
+        device_type,
+        dtype,
+        int(pipe_len),
+        int(replica_batch),
+        _shapes_text(input_shapes),
+        schedule,
+        None if num_frozen_layers is None else int(num_frozen_layers),
     )
 
 
@@ -336,7 +350,9 @@ class ProfileStore:
         """Seconds per step by M for this layout; empty when never measured."""
         return dict(self._micro_batch_timings.get(str(key), {}))
 
-    def put_micro_batch_timings(self, key: str | MicroBatchKey, timings: Mapping[int, float]) -> None:
+    def put_micro_batch_timings(
+        self, key: str | MicroBatchKey, timings: Mapping[int, float]
+    ) -> None:
         """Add (or replace) the timings of some M; timings of other M are kept."""
         for m, seconds in timings.items():
             if int(m) < 1 or not (math.isfinite(seconds) and seconds >= 0):
@@ -350,17 +366,27 @@ class ProfileStore:
 
     def unit_profile_keys(self) -> list[UnitProfileKey]:
         """The keys of the unit profiles held (those written by this code's key builder)."""
-        return [UnitProfileKey.parse(k) for k in sorted(self._unit_profiles) if k.startswith("unit|")]
+        return [
+            UnitProfileKey.parse(k) for k in sorted(self._unit_profiles) if k.startswith("unit|")
+        ]
 
     def micro_batch_keys(self) -> list[MicroBatchKey]:
-        return [MicroBatchKey.parse(k) for k in sorted(self._micro_batch_timings) if k.startswith("micro|")]
+        return [
+            MicroBatchKey.parse(k)
+            for k in sorted(self._micro_batch_timings)
+            if k.startswith("micro|")
+        ]
 
 
-def _payload(units: Mapping[str, UnitProfile], micro: Mapping[str, Mapping[int, float]]) -> dict[str, Any]:
+def _payload(
+    units: Mapping[str, UnitProfile], micro: Mapping[str, Mapping[int, float]]
+) -> dict[str, Any]:
     return {
         "format_version": FORMAT_VERSION,
         "unit_profiles": {k: units[k].to_dict() for k in sorted(units)},
-        "micro_batch_timings": {k: {str(m): micro[k][m] for m in sorted(micro[k])} for k in sorted(micro)},
+        "micro_batch_timings": {
+            k: {str(m): micro[k][m] for m in sorted(micro[k])} for k in sorted(micro)
+        },
     }
 
 

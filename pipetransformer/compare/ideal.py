@@ -43,13 +43,16 @@ def bubble(pipe_len: int, num_micro_batches: int) -> float:
 
 
 def sample_cost(
-    trained: Sequence[float], frozen: Sequence[float], num_frozen_layers: int, cached_frozen_layers: int = 0
+    trained: Sequence[float],
+    frozen: Sequence[float],
+    num_frozen_layers: int,
+    cached_frozen_layers: int = 0,
 ) -> float:
     """Per-sample compute: active units forward+backward, plus the forward of the frozen
     units beyond the `cached_frozen_layers` whose output the cache already holds."""
     boundary = prefix_end(num_frozen_layers)
     active = sum(trained[boundary:])
-    return active + sum(frozen[prefix_end(min(cached_frozen_layers, num_frozen_layers)):boundary])
+    return active + sum(frozen[prefix_end(min(cached_frozen_layers, num_frozen_layers)) : boundary])
 
 
 def ideal_step_costs(
@@ -67,18 +70,21 @@ def ideal_step_costs(
             frozen_at[step] = seg.num_frozen_layers
             cached = frozen_at.get(step - steps_per_epoch, 0) if cache else 0
             costs.append(
-                sample_cost(trained, frozen, seg.num_frozen_layers, cached) * bubble(seg.pipe_len, seg.num_micro_batches)
+                sample_cost(trained, frozen, seg.num_frozen_layers, cached)
+                * bubble(seg.pipe_len, seg.num_micro_batches)
             )
     return costs
 
 
-def ideal_eval_costs(eval_frozen: Sequence[int], frozen: Sequence[float], cache: bool) -> list[float]:
+def ideal_eval_costs(
+    eval_frozen: Sequence[int], frozen: Sequence[float], cache: bool
+) -> list[float]:
     """Relative cost of each epoch's evaluation, given F at each evaluation: every unit's
     forward, less the frozen prefix the previous evaluation left in the cache."""
     costs, previous = [], 0
     for num_frozen in eval_frozen:
         cached = min(previous, num_frozen) if cache else 0
-        costs.append(sum(frozen[prefix_end(cached):]))
+        costs.append(sum(frozen[prefix_end(cached) :]))
         previous = num_frozen
     return costs
 
@@ -129,9 +135,27 @@ def segments_from_run(
     for event in events:
         at = event["global_step"]
         if at > start:
-            segments.append(StepLayout(start, at, current.num_frozen_layers, current.pipe_len, current.num_micro_batches))
+            segments.append(
+                StepLayout(
+                    start,
+                    at,
+                    current.num_frozen_layers,
+                    current.pipe_len,
+                    current.num_micro_batches,
+                )
+            )
         start = at
-        current = StepLayout(at, at, event["new_num_frozen_layers"], event["new_pipe_len"], event["num_micro_batches"])
+        current = StepLayout(
+            at,
+            at,
+            event["new_num_frozen_layers"],
+            event["new_pipe_len"],
+            event["num_micro_batches"],
+        )
     if total > start:
-        segments.append(StepLayout(start, total, current.num_frozen_layers, current.pipe_len, current.num_micro_batches))
+        segments.append(
+            StepLayout(
+                start, total, current.num_frozen_layers, current.pipe_len, current.num_micro_batches
+            )
+        )
     return segments

@@ -47,7 +47,9 @@ def plot_eval_metric(runs: dict[str, dict[str, Any]], path: Path) -> dict[str, l
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, values in series.items():
         points = [(e, v) for e, v in zip(_epochs(runs[name]), values) if v is not None]
-        ax.plot([e for e, _ in points], [v for _, v in points], marker="o", label=TITLES.get(name, name))
+        ax.plot(
+            [e for e, _ in points], [v for _, v in points], marker="o", label=TITLES.get(name, name)
+        )
     _finish(fig, ax, f"eval {metric}", f"Eval {metric} per epoch", path)
     return series
 
@@ -55,12 +57,19 @@ def plot_eval_metric(runs: dict[str, dict[str, Any]], path: Path) -> dict[str, l
 def plot_trajectory(runs: dict[str, dict[str, Any]], path: Path) -> dict[str, dict[str, list[int]]]:
     keys = ("num_frozen_layers", "pipe_len", "dp_degree")
     series = {
-        name: {key: [p[key] for p in run["freeze_trajectory"]] for key in keys} for name, run in runs.items()
+        name: {key: [p[key] for p in run["freeze_trajectory"]] for key in keys}
+        for name, run in runs.items()
     }
     fig, axes = plt.subplots(3, 1, figsize=(7, 7), sharex=True)
     for ax, key in zip(axes, keys):
         for name, values in series.items():
-            ax.step(_epochs(runs[name]), values[key], where="post", marker="o", label=TITLES.get(name, name))
+            ax.step(
+                _epochs(runs[name]),
+                values[key],
+                where="post",
+                marker="o",
+                label=TITLES.get(name, name),
+            )
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
     axes[0].set_title("Freeze trajectory and layout per epoch")
@@ -119,8 +128,13 @@ def plot_seed_summary(stats: SeededStats, metric: str, path: Path) -> dict[str, 
     }
     fig, (wall_ax, metric_ax) = plt.subplots(1, 2, figsize=(9, 4))
     wall_ax.bar(names, series["wall_time_s"]["mean"], yerr=series["wall_time_s"]["std"], capsize=4)
-    metric_ax.errorbar(names, series["final_eval_metric"]["mean"],
-                       yerr=series["final_eval_metric"]["std"], fmt="o", capsize=4)
+    metric_ax.errorbar(
+        names,
+        series["final_eval_metric"]["mean"],
+        yerr=series["final_eval_metric"]["std"],
+        fmt="o",
+        capsize=4,
+    )
     metric_ax.margins(x=0.3)
     for ax, ylabel in [(wall_ax, "wall time (s)"), (metric_ax, f"final {metric}")]:
         ax.set_ylabel(ylabel)
@@ -145,12 +159,18 @@ def write_seeded_plots(
     spread = "per epoch (mean ± std over seeds)"
     return {
         "throughput.png": plot_over_seeds(
-            runs_by_seed, "samples_per_s", "training samples / s", f"Throughput {spread}",
+            runs_by_seed,
+            "samples_per_s",
+            "training samples / s",
+            f"Throughput {spread}",
             out / "throughput.png",
         ),
         "trajectory.png": plot_trajectory(runs_by_seed[detail_seed], out / "trajectory.png"),
         "eval_metric.png": plot_over_seeds(
-            runs_by_seed, "eval_metric", f"eval {metric}", f"Eval {metric} {spread}",
+            runs_by_seed,
+            "eval_metric",
+            f"eval {metric}",
+            f"Eval {metric} {spread}",
             out / "eval_metric.png",
         ),
         "seeds.png": plot_seed_summary(stats, metric, out / "seeds.png"),

@@ -94,7 +94,9 @@ def read_run(run_dir: Path) -> dict[str, Any]:
         ],
         "transitions": [t.to_dict() for t in transitions],
         # Whether its starting layout fits the device memory the run was planned for.
-        "predicted_peak_bytes": max(starts[0].predicted_stage_bytes, default=None) if starts else None,
+        "predicted_peak_bytes": max(starts[0].predicted_stage_bytes, default=None)
+        if starts
+        else None,
         "device_memory_bytes": starts[0].device_memory_bytes if starts else None,
         "ddp_comm_share": comm / epoch_time if epoch_time > 0 else 0.0,
         "steps_per_epoch": metrics[0].global_step if metrics else 0,
@@ -130,7 +132,9 @@ def build_results(
     results: dict[str, Any] = {**context, "variants": runs}
     results["speedup"] = base["wall_time_s"] / elastic["wall_time_s"]
     results["eval_metric_delta"] = elastic["final_eval_metric"] - base["final_eval_metric"]
-    results["speedups"] = {name: base["wall_time_s"] / run["wall_time_s"] for name, run in runs.items()}
+    results["speedups"] = {
+        name: base["wall_time_s"] / run["wall_time_s"] for name, run in runs.items()
+    }
     # How many times faster each variant is than each other one (row / column).
     results["speedup_matrix"] = {
         a: {b: runs[b]["wall_time_s"] / runs[a]["wall_time_s"] for b in runs} for a in runs
@@ -141,7 +145,9 @@ def build_results(
         initial = StepLayout(0, 0, 0, first["pipe_len"], first["num_micro_batches"])
         ideal = ideal_speedup(
             baseline_segments=segments_from_run(_metrics_of(base), [], steps, initial),
-            elastic_segments=segments_from_run(_metrics_of(elastic), elastic["transitions"], steps, initial),
+            elastic_segments=segments_from_run(
+                _metrics_of(elastic), elastic["transitions"], steps, initial
+            ),
             trained=unit_costs["trained"],
             frozen=unit_costs["frozen"],
             steps_per_epoch=steps,

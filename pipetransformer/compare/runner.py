@@ -53,9 +53,19 @@ def variant_overrides(config: Config, ablations: bool, peers: bool = False) -> d
     freeze algorithm and AutoCache but no pipeline."""
     pipe_len = config.pipeline.initial_pipe_len
     fixed = pipe_len if isinstance(pipe_len, int) else config.nproc_per_node
-    variants = {BASELINE: ["freeze.strategy=none", "cache.enabled=false", f"pipeline.initial_pipe_len={fixed}"]}
+    variants = {
+        BASELINE: [
+            "freeze.strategy=none",
+            "cache.enabled=false",
+            f"pipeline.initial_pipe_len={fixed}",
+        ]
+    }
     if peers:
-        variants[DDP] = ["freeze.strategy=none", "cache.enabled=false", "pipeline.initial_pipe_len=1"]
+        variants[DDP] = [
+            "freeze.strategy=none",
+            "cache.enabled=false",
+            "pipeline.initial_pipe_len=1",
+        ]
         variants[FREEZE_DDP] = ["pipeline.initial_pipe_len=1"]
     if ablations:
         variants["freeze_only"] = ["autopipe.enabled=false", "cache.enabled=false"]
@@ -67,7 +77,11 @@ def variant_overrides(config: Config, ablations: bool, peers: bool = False) -> d
 
 
 def machine_description(config: Config) -> str:
-    device = "CUDA: " + torch.cuda.get_device_name(0) if torch.cuda.is_available() and config.trainer.device != "cpu" else "CPU"
+    device = (
+        "CUDA: " + torch.cuda.get_device_name(0)
+        if torch.cuda.is_available() and config.trainer.device != "cpu"
+        else "CPU"
+    )
     return (
         f"{platform.machine()}, {os.cpu_count()} cores, {device}, {config.nproc_per_node} processes, "
         f"torch {torch.__version__}, Python {platform.python_version()}"
@@ -120,7 +134,9 @@ def run_compare(
     """Run every variant (once per seed with `seeds`), then write the outputs. A variant whose
     run directory holds a finished run (summary.json) is not run again."""
     if config.freeze.strategy == "none":
-        raise ConfigError("freeze.strategy: compare needs a freeze strategy (the baseline turns it off)")
+        raise ConfigError(
+            "freeze.strategy: compare needs a freeze strategy (the baseline turns it off)"
+        )
     if seeds is not None and any(o.partition("=")[0].strip() == "trainer.seed" for o in overrides):
         raise ConfigError(
             "trainer.seed: --seeds/--repeats set it for each run; leave out the override"
@@ -212,12 +228,19 @@ def rebuild_compare(
     resolved = elastic_dir / "config.yaml"
     if resolved.is_file():
         config = load_config(str(resolved))
-    previous = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
+    previous = (
+        json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
+    )
     if margin_points is None:
         margin_points = previous.get("margin_points")
     context = _context(
-        config, config_path, overrides, ablations="freeze_only" in names, peers=DDP in names,
-        seeds=list(seeded) if seeded else None, margin_points=margin_points,
+        config,
+        config_path,
+        overrides,
+        ablations="freeze_only" in names,
+        peers=DDP in names,
+        seeds=list(seeded) if seeded else None,
+        margin_points=margin_points,
     )
     # The command and machine that produced the runs, not this invocation's.
     context.update({key: previous[key] for key in context if key in previous})

@@ -17,7 +17,9 @@ from pipetransformer.data.base import (
 __all__ = ["DataBundle", "SampleDataset", "TensorSampleDataset", "build_data", "iterate_batches"]
 
 
-def build_data(config: DataConfig, *, seed: int, model_name_or_path: str | None = None) -> DataBundle:
+def build_data(
+    config: DataConfig, *, seed: int, model_name_or_path: str | None = None
+) -> DataBundle:
     if config.name == "digits":
         from pipetransformer.data.vision import load_digits_bundle
 

@@ -26,11 +26,15 @@ def data_facts(config: DataConfig) -> DataFacts:
     if config.name == "digits":
         return DataFacts("classification", 10, 1, config.image_size or 16)
     if config.name in ("cifar10", "cifar100"):
-        return DataFacts("classification", 10 if config.name == "cifar10" else 100, 3, config.image_size or 224)
+        return DataFacts(
+            "classification", 10 if config.name == "cifar10" else 100, 3, config.image_size or 224
+        )
     if config.name == "imagefolder":
         classes = 1000
         if config.root is not None and (Path(config.root) / "train").is_dir():
-            classes = sum(1 for p in (Path(config.root) / "train").iterdir() if p.is_dir()) or classes
+            classes = (
+                sum(1 for p in (Path(config.root) / "train").iterdir() if p.is_dir()) or classes
+            )
         return DataFacts("classification", classes, 3, config.image_size or 224)
     if config.name == "sst2":
         return DataFacts("classification", 2, max_seq_length=config.max_seq_length)
@@ -51,7 +55,9 @@ def check_data_config(config: DataConfig) -> None:
     if config.eval_root is not None:
         eval_root = Path(config.eval_root).expanduser()
         if not eval_root.exists():
-            raise ConfigError(f"data.eval_root: {eval_root} does not exist (a SQuAD v1.1 JSON file)")
+            raise ConfigError(
+                f"data.eval_root: {eval_root} does not exist (a SQuAD v1.1 JSON file)"
+            )
         if not eval_root.is_file():
             raise ConfigError(f"data.eval_root: {eval_root} is not a file (a SQuAD v1.1 JSON file)")
     if config.root is None:
@@ -62,13 +68,19 @@ def check_data_config(config: DataConfig) -> None:
     if config.name == "sst2":
         for name in ("train.tsv", "dev.tsv"):
             if not (root / name).is_file():
-                raise ConfigError(f"data.root: {root / name} does not exist (need train.tsv and dev.tsv)")
+                raise ConfigError(
+                    f"data.root: {root / name} does not exist (need train.tsv and dev.tsv)"
+                )
     elif config.name == "squad":
         if not root.exists():
-            raise ConfigError(f"data.root: {root} does not exist (a SQuAD v1.1 JSON file or a directory)")
+            raise ConfigError(
+                f"data.root: {root} does not exist (a SQuAD v1.1 JSON file or a directory)"
+            )
     elif config.name == "imagefolder":
         for split in ("train", "val"):
             if not (root / split).is_dir():
                 raise ConfigError(f"data.root: {root / split} is not a directory (ImageNet layout)")
     elif config.name in ("cifar10", "cifar100") and not config.download and not root.is_dir():
-        raise ConfigError(f"data.root: {root} does not exist (set data.download=true to fetch CIFAR)")
+        raise ConfigError(
+            f"data.root: {root} does not exist (set data.download=true to fetch CIFAR)"
+        )

@@ -27,7 +27,9 @@ def fetch_lock(directory: Path) -> Iterator[None]:
     """One process of the machine fetches into `directory` at a time; the others wait, then
     find the files there."""
     directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory / ".pipetransformer-fetch.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    fd = os.open(
+        directory / ".pipetransformer-fetch.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666
+    )
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -73,4 +75,8 @@ def fetch_data(config: DataConfig) -> None:
     elif config.name == "sst2" and config.root is None:
         fetch_hub_dataset("glue", "sst2", "a directory with train.tsv and dev.tsv")
     elif config.name == "squad" and config.root is None:
-        fetch_hub_dataset("squad", None, "a SQuAD v1.1 JSON file, or a directory with train-v1.1.json and dev-v1.1.json")
+        fetch_hub_dataset(
+            "squad",
+            None,
+            "a SQuAD v1.1 JSON file, or a directory with train-v1.1.json and dev-v1.1.json",
+        )

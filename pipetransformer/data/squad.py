@@ -461,7 +461,9 @@ def load_squad_bundle(config: DataConfig, model_name_or_path: str | None, seed: 
     train_features = featurize(
         train, encoder, config.max_seq_length, config.resolved_doc_stride, with_offsets=False
     )
-    eval_features = featurize(evaluation, encoder, config.max_seq_length, config.resolved_doc_stride)
+    eval_features = featurize(
+        evaluation, encoder, config.max_seq_length, config.resolved_doc_stride
+    )
     logger.info(
         "SQuAD: %d training questions -> %d features, %d eval questions -> %d features",
         len(train),

@@ -50,7 +50,11 @@ class WordVocabTokenizer:
         token_type_ids = torch.zeros(n, max_length, dtype=torch.long)
         for row in range(n):
             a = [self.vocab.get(w, self.unk_id) for w in _WORD.findall(first[row].lower())]
-            b = [] if second is None else [self.vocab.get(w, self.unk_id) for w in _WORD.findall(second[row].lower())]
+            b = (
+                []
+                if second is None
+                else [self.vocab.get(w, self.unk_id) for w in _WORD.findall(second[row].lower())]
+            )
             budget = max_length - 2 - (1 if b else 0)
             b = b[: max(0, budget - len(a))] if b else b
             a = a[: budget - len(b)]
@@ -100,7 +104,9 @@ def load_tokenizer(name: str):
     try:
         return AutoTokenizer.from_pretrained(name)
     except OSError as exc:
-        raise FileNotFoundError(f"data.tokenizer: cannot load a tokenizer from '{name}': {exc}") from exc
+        raise FileNotFoundError(
+            f"data.tokenizer: cannot load a tokenizer from '{name}': {exc}"
+        ) from exc
 
 
 def read_sst2_tsv(path: Path) -> tuple[list[str], list[int]]:
@@ -129,7 +135,9 @@ def _read_sst2(root: str | None) -> dict[str, tuple[list[str], list[int]]]:
     if root is not None:
         base = Path(root).expanduser()
         if not base.is_dir():
-            raise FileNotFoundError(f"data.root: {base} is not a directory with train.tsv and dev.tsv")
+            raise FileNotFoundError(
+                f"data.root: {base} is not a directory with train.tsv and dev.tsv"
+            )
         return {split: read_sst2_tsv(base / f"{split}.tsv") for split in ("train", "dev")}
     import datasets
 
@@ -166,7 +174,8 @@ def load_sst2_bundle(config: DataConfig, model_name_or_path: str | None, seed: i
     tokenizer = pick_tokenizer(config, model_name_or_path, splits["train"][0])
     datasets_ = {
         name: TensorSampleDataset(
-            encode(tokenizer, sentences, config.max_seq_length), torch.tensor(labels, dtype=torch.long)
+            encode(tokenizer, sentences, config.max_seq_length),
+            torch.tensor(labels, dtype=torch.long),
         )
         for name, (sentences, labels) in splits.items()
     }

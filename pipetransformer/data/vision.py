@@ -73,7 +73,9 @@ def load_cifar_bundle(config: DataConfig, num_classes: int) -> DataBundle:
     from torchvision import datasets
 
     if config.root is None:
-        raise ValueError(f"data.root: cifar{num_classes} needs a directory (data.download=true fetches into it)")
+        raise ValueError(
+            f"data.root: cifar{num_classes} needs a directory (data.download=true fetches into it)"
+        )
     root = Path(config.root).expanduser()
     cls = datasets.CIFAR10 if num_classes == 10 else datasets.CIFAR100
     if config.download:  # one process fetches; the others wait and find the files
@@ -111,7 +113,9 @@ def load_imagefolder_bundle(config: DataConfig) -> DataBundle:
     for split in ("train", "val"):
         path = root / split
         if not path.is_dir():
-            raise FileNotFoundError(f"data.root: {path} is not a directory (expected ImageNet layout)")
+            raise FileNotFoundError(
+                f"data.root: {path} is not a directory (expected ImageNet layout)"
+            )
         try:
             splits[split] = datasets.ImageFolder(str(path))
         except (FileNotFoundError, RuntimeError) as exc:

@@ -96,8 +96,18 @@ class BertQuestionAnsweringHead(nn.Module):
 # Architectures of common hub checkpoints, so planning (`pipetransformer plan`, config
 # checks on the meta device) works offline. Training still downloads the real config and
 # weights through transformers.
-_BASE = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072}
-_LARGE = {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096}
+_BASE = {
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "intermediate_size": 3072,
+}
+_LARGE = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "intermediate_size": 4096,
+}
 KNOWN_HUB_CONFIGS = {
     "bert-base-uncased": {**_BASE, "vocab_size": 30522},
     "bert-base-cased": {**_BASE, "vocab_size": 28996},
@@ -114,8 +124,12 @@ def _is_local(path: str) -> bool:
 
 # Config fields that fix the shapes of pretrained weights: model.kwargs may not change them.
 _SHAPE_FIELDS = (
-    "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
-    "max_position_embeddings", "type_vocab_size",
+    "hidden_size",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "type_vocab_size",
 )
 
 
@@ -141,18 +155,27 @@ def create_bert(
     device: str | torch.device = "cpu",
 ) -> nn.Module:
     """BertForSequenceClassification / BertForQuestionAnswering, pretrained or random."""
-    model_cls = BertForQuestionAnswering if task == "question_answering" else BertForSequenceClassification
+    model_cls = (
+        BertForQuestionAnswering if task == "question_answering" else BertForSequenceClassification
+    )
     labels = 2 if task == "question_answering" else num_labels
     kwargs = dict(kwargs or {})
     if model_name_or_path is not None:
         if looks_like_path(model_name_or_path) and not _is_local(model_name_or_path):
-            raise FileNotFoundError(f"model.model_name_or_path: no such directory: {model_name_or_path}")
-        if _is_local(model_name_or_path) and not (Path(model_name_or_path) / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model.model_name_or_path: no such directory: {model_name_or_path}"
+            )
+        if (
+            _is_local(model_name_or_path)
+            and not (Path(model_name_or_path) / "config.json").is_file()
+        ):
             raise FileNotFoundError(
                 f"model.model_name_or_path: {model_name_or_path} has no config.json"
             )
         if str(device) == "meta" and model_name_or_path in KNOWN_HUB_CONFIGS:
-            config = BertConfig(num_labels=labels, **{**KNOWN_HUB_CONFIGS[model_name_or_path], **kwargs})
+            config = BertConfig(
+                num_labels=labels, **{**KNOWN_HUB_CONFIGS[model_name_or_path], **kwargs}
+            )
         else:
             config = BertConfig.from_pretrained(model_name_or_path, num_labels=labels, **kwargs)
         if pretrained and str(device) != "meta":
@@ -180,7 +203,10 @@ def layered_bert(model: nn.Module, max_seq_length: int) -> LayeredModel:
     for layer in bert.encoder.layer:
         if getattr(layer, "add_cross_attention", False):
             raise ValueError("BERT layers with cross-attention are not supported")
-        units += [BertAttentionUnit(layer.attention, config), BertMlpUnit(layer.intermediate, layer.output)]
+        units += [
+            BertAttentionUnit(layer.attention, config),
+            BertMlpUnit(layer.intermediate, layer.output),
+        ]
     if qa:
         units.append(BertQuestionAnsweringHead(model.qa_outputs))
         output = TensorSpec((max_seq_length, 2), torch.float32)

@@ -90,7 +90,9 @@ class ModelSpec:
 class LayeredModel(nn.Module):
     """A model cut into units. Adapters build it; nothing else looks inside the units."""
 
-    def __init__(self, units: Sequence[nn.Module], spec: ModelSpec, source: nn.Module | None = None) -> None:
+    def __init__(
+        self, units: Sequence[nn.Module], spec: ModelSpec, source: nn.Module | None = None
+    ) -> None:
         super().__init__()
         if len(units) != spec.num_units:
             raise ValueError(f"{len(units)} units but the spec names {spec.num_units}")
@@ -153,4 +155,3 @@ class UnitSequence(nn.Module):
 
 def count_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
-

@@ -128,7 +128,9 @@ def create_vit(
     except TypeError as exc:
         raise ValueError(f"model.kwargs: {exc}") from exc
     if not isinstance(model, VisionTransformer):
-        raise ValueError(f"model.name: '{name}' is a {type(model).__name__}, not a timm VisionTransformer")
+        raise ValueError(
+            f"model.name: '{name}' is a {type(model).__name__}, not a timm VisionTransformer"
+        )
     if checkpoint_path is not None and device != "meta":
         # What create_model(checkpoint_path=...) does, but never unpickling arbitrary objects:
         # timm before 1.0.31 loads with weights_only=False by default.
@@ -151,7 +153,11 @@ def layered_vit(model: VisionTransformer) -> LayeredModel:
         num_layers=len(model.blocks),
         unit_names=tuple(
             ["embedding"]
-            + [f"layer{l}.{part}" for l in range(len(model.blocks)) for part in ("attention", "mlp")]
+            + [
+                f"layer{l}.{part}"
+                for l in range(len(model.blocks))
+                for part in ("attention", "mlp")
+            ]
             + ["head"]
         ),
         unit_param_counts=tuple(count_params(u) for u in units),
@@ -162,7 +168,9 @@ def layered_vit(model: VisionTransformer) -> LayeredModel:
     return LayeredModel(units, spec, source=model)
 
 
-def export_vit(model: LayeredModel, out_dir: Path, model_args: dict[str, Any] | None = None) -> list[str]:
+def export_vit(
+    model: LayeredModel, out_dir: Path, model_args: dict[str, Any] | None = None
+) -> list[str]:
     """Write the ViT as timm writes a hub checkpoint: model.safetensors (what
     `timm.create_model(name, num_classes=..., checkpoint_path=...)` loads, with the run's
     model kwargs) and config.json (architecture, `model_args`: what create_model was given,

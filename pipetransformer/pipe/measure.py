@@ -198,8 +198,13 @@ def measure_unit_costs(
                 if device.type == "cuda"
                 else []
             )
-            with torch.random.fork_rng(devices=rng_devices), torch.autocast(
-                device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None
+            with (
+                torch.random.fork_rng(devices=rng_devices),
+                torch.autocast(
+                    device.type,
+                    dtype=autocast_dtype or torch.float32,
+                    enabled=autocast_dtype is not None,
+                ),
             ):
                 results[index] = _measure_unit(
                     unit,
@@ -246,7 +251,18 @@ def time_schedule_steps(
 class _MallInfo2(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
     ]
 
 

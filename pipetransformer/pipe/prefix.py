@@ -28,7 +28,9 @@ from pipetransformer.models.layered import UnitSequence
 from pipetransformer.utils.units import prefix_end
 
 
-def _run(units: dict[int, nn.Module], start: int, end: int, x: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+def _run(
+    units: dict[int, nn.Module], start: int, end: int, x: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, ...]:
     if start == end:
         return x
     sequence = UnitSequence([units[u] for u in range(start, end)], [True] * (end - start))
@@ -56,10 +58,14 @@ class CachedPrefix:
         # hits / upgrades / misses by sample, shared with whoever reports them.
         self.counts = counts if counts is not None else {"hits": 0, "upgrades": 0, "misses": 0}
 
-    def __call__(self, split: str, ids: Sequence[int], inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def __call__(
+        self, split: str, ids: Sequence[int], inputs: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, ...]:
         ids_array = np.asarray(ids, dtype=np.int64)
         # Shape padding repeats samples: look each id up once, then scatter back.
-        unique_ids, first_index, inverse = np.unique(ids_array, return_index=True, return_inverse=True)
+        unique_ids, first_index, inverse = np.unique(
+            ids_array, return_index=True, return_inverse=True
+        )
         tags, cached = self.client.read(split, unique_ids)
         frozen = self.num_frozen_layers
         hit = tags == frozen
@@ -82,18 +88,25 @@ class CachedPrefix:
         if miss.any():
             rows = np.flatnonzero(miss)
             positions = torch.from_numpy(first_index[rows]).to(inputs[0].device)
-            computed.append((rows, _run(self.units, 0, self.end, tuple(t[positions] for t in inputs))))
+            computed.append(
+                (rows, _run(self.units, 0, self.end, tuple(t[positions] for t in inputs)))
+            )
         rows_out += computed
 
         if computed:
             written_rows = np.concatenate([rows for rows, _ in computed])
-            written = tuple(torch.cat([values[i] for _, values in computed]).cpu() for i in range(len(computed[0][1])))
+            written = tuple(
+                torch.cat([values[i] for _, values in computed]).cpu()
+                for i in range(len(computed[0][1]))
+            )
             self.client.write(split, unique_ids[written_rows], frozen, written)
 
         # Assemble in unique-id order, then expand to the batch's order (with repeats).
         count = len(unique_ids)
         template = rows_out[0][1]
-        assembled = [torch.empty((count, *t.shape[1:]), dtype=t.dtype, device=self.device) for t in template]
+        assembled = [
+            torch.empty((count, *t.shape[1:]), dtype=t.dtype, device=self.device) for t in template
+        ]
         for rows, values in rows_out:
             index = torch.from_numpy(rows).to(self.device)
             for target, value in zip(assembled, values):

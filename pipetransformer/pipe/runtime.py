@@ -77,7 +77,9 @@ class MixedPrecisionStage(nn.Module):
     autocast dtype (half the bytes on the wire), the last stage's logits to float32 (the
     loss is computed in float32)."""
 
-    def __init__(self, module: nn.Module, dtype: torch.dtype, device_type: str, is_last: bool) -> None:
+    def __init__(
+        self, module: nn.Module, dtype: torch.dtype, device_type: str, is_last: bool
+    ) -> None:
         super().__init__()
         self.module = module
         self.dtype = dtype
@@ -114,7 +116,9 @@ class StageRuntime:
     comm_timer: CommTimer | None = None
     autocast_dtype: torch.dtype | None = None
     # (split, sample ids, inputs) -> the frozen prefix's output, served from AutoCache.
-    cached_prefix: Callable[[str, Sequence[int], Sequence[torch.Tensor]], tuple[torch.Tensor, ...]] | None = None
+    cached_prefix: (
+        Callable[[str, Sequence[int], Sequence[torch.Tensor]], tuple[torch.Tensor, ...]] | None
+    ) = None
 
     @property
     def is_first(self) -> bool:
@@ -172,7 +176,11 @@ class StageRuntime:
         if self.preprocess is None:
             return tuple(inputs)
         device_type = inputs[0].device.type
-        with torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None):
+        with torch.autocast(
+            device_type,
+            dtype=self.autocast_dtype or torch.float32,
+            enabled=self.autocast_dtype is not None,
+        ):
             if self.cached_prefix is not None and ids is not None:
                 out = self.cached_prefix(split, ids, inputs)
             else:
@@ -208,7 +216,9 @@ def build_stage_runtime(
     replica_batch = replica_batch_size
     num_micro_batches = plan.num_micro_batches
     if replica_batch % num_micro_batches:
-        raise ValueError(f"{num_micro_batches} micro-batches do not divide the replica batch {replica_batch}")
+        raise ValueError(
+            f"{num_micro_batches} micro-batches do not divide the replica batch {replica_batch}"
+        )
     micro = replica_batch // num_micro_batches
 
     # The hidden state carries gradients into a stage when a trained unit precedes it.
@@ -216,12 +226,16 @@ def build_stage_runtime(
     input_specs = spec.unit_input_specs(start)
     input_args = _examples(
         boundary_specs(input_specs, autocast_dtype) if stage_index > 0 else input_specs,
-        micro, device, grad_first=stage_index > 0 and frozen_end < start,
+        micro,
+        device,
+        grad_first=stage_index > 0 and frozen_end < start,
     )
     output_specs = spec.unit_output_specs(end - 1)
     output_args = _examples(
         output_specs if is_last else boundary_specs(output_specs, autocast_dtype),
-        micro, device, grad_first=frozen_end < end,
+        micro,
+        device,
+        grad_first=frozen_end < end,
     )
 
     wrapped: nn.Module = module
@@ -252,6 +266,15 @@ def build_stage_runtime(
         stage, n_microbatches=num_micro_batches, loss_fn=loss_fn, scale_grads=False
     )
     return StageRuntime(
-        stage_index, plan.pipe_len, module, wrapped, stage, schedule, preprocess, micro, num_micro_batches, comm_timer,
+        stage_index,
+        plan.pipe_len,
+        module,
+        wrapped,
+        stage,
+        schedule,
+        preprocess,
+        micro,
+        num_micro_batches,
+        comm_timer,
         autocast_dtype=autocast_dtype,
     )

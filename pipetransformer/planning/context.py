@@ -96,7 +96,9 @@ def usable_device_bytes(total_bytes: float) -> float:
     return float(total_bytes * (1 - CUDA_RESERVE_FRACTION) - CUDA_RESERVE_BYTES)
 
 
-def memory_model(config: Config, spec: ModelSpec, profile: UnitProfile | None = None) -> MemoryModel:
+def memory_model(
+    config: Config, spec: ModelSpec, profile: UnitProfile | None = None
+) -> MemoryModel:
     """From the measured unit profile; without one, from parameter counts alone (float32
     parameters, activations unknown: counted as zero)."""
     optimizer = config.optimizer
@@ -140,7 +142,9 @@ def profiling_micro_batch_size(config: Config, world_size: int | None = None) ->
     )
 
 
-def _layout_shape(config: Config, pipe_len: int, world_size: int, initial_pipe_len: int) -> LayoutShape:
+def _layout_shape(
+    config: Config, pipe_len: int, world_size: int, initial_pipe_len: int
+) -> LayoutShape:
     """Micro-batch size, micro-batch count (the measurement-free rule: for GPipe the total
     activation bytes do not depend on it), replicas and schedule of a layout with `pipe_len`."""
     dp = dp_degree_for(pipe_len, world_size, world_size // initial_pipe_len, config.autodp.enabled)
@@ -201,8 +205,10 @@ class PlanContext:
         none; stages are balanced on its times under `pipeline.balance: time`."""
         config = resolve(config, world)  # K may still be 'auto': it is chosen below
         measured = profile is not None and config.pipeline.balance == "time"
-        costs = unit_costs_from_profile(profile) if measured else UnitCosts.from_param_counts(
-            spec.unit_param_counts, config.autopipe.lambda_frozen
+        costs = (
+            unit_costs_from_profile(profile)
+            if measured
+            else UnitCosts.from_param_counts(spec.unit_param_counts, config.autopipe.lambda_frozen)
         )
         if costs.num_units != spec.num_units:
             raise ValueError(f"{costs.num_units} unit costs for a model of {spec.num_units} units")
@@ -241,10 +247,14 @@ class PlanContext:
         else:
             plan = fixed_plan(self.costs, self.planner.initial, num_frozen_layers)
         initial_dp = world.world_size // self.initial_pipe_len
-        dp_degree = dp_degree_for(plan.pipe_len, world.world_size, initial_dp, config.autodp.enabled)
+        dp_degree = dp_degree_for(
+            plan.pipe_len, world.world_size, initial_dp, config.autodp.enabled
+        )
         replica_batch = config.trainer.global_batch_size // dp_degree
         if micro_batches is None:
-            m = choose_num_micro_batches(config.pipeline.num_micro_batches, plan.pipe_len, replica_batch)
+            m = choose_num_micro_batches(
+                config.pipeline.num_micro_batches, plan.pipe_len, replica_batch
+            )
         else:
             m = micro_batches(plan.pipe_len, replica_batch)
         plan = dataclasses.replace(plan, num_micro_batches=m)
@@ -252,7 +262,9 @@ class PlanContext:
 
     def stage_bytes(self, plan: PipelinePlan) -> list[float]:
         """The memory model's peak bytes of each stage of `plan` in this run."""
-        shape = _layout_shape(self.config, plan.pipe_len, self.world.world_size, self.initial_pipe_len)
+        shape = _layout_shape(
+            self.config, plan.pipe_len, self.world.world_size, self.initial_pipe_len
+        )
         return self.memory.peak_bytes(plan, shape)
 
     def with_pipeline(self, initial_pipe_len: int) -> PlanContext:

@@ -105,11 +105,16 @@ class Prediction:
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
-        cluster = {key: data.pop(key) for key in ("nodes", "devices_per_node", "intra_node_gbps", "inter_node_gbps")}
+        cluster = {
+            key: data.pop(key)
+            for key in ("nodes", "devices_per_node", "intra_node_gbps", "inter_node_gbps")
+        }
         return {"cluster": cluster, **data, "speedup": self.speedup}
 
 
-def find_unit_profile(config: Config, path: Path) -> tuple[UnitProfile, UnitProfileKey, ProfileStore]:
+def find_unit_profile(
+    config: Config, path: Path
+) -> tuple[UnitProfile, UnitProfileKey, ProfileStore]:
     """This model's unit profile from a profile file: (profile, its key, the file's store).
     Prefers the largest micro-batch measured on a GPU, else any device."""
     spec = describe_model(config)
@@ -126,15 +131,24 @@ def find_unit_profile(config: Config, path: Path) -> tuple[UnitProfile, UnitProf
 
 
 def unit_times(
-    profile: UnitProfile, memory_bytes_per_s: float = 2e12, cache_read_s_per_sample: float | None = None
+    profile: UnitProfile,
+    memory_bytes_per_s: float = 2e12,
+    cache_read_s_per_sample: float | None = None,
 ) -> UnitTimes:
     costs = unit_costs_from_profile(profile)
     if cache_read_s_per_sample is None:
         # Reading the prefix's output back: its bytes at the stated bandwidth.
-        cache_read_s_per_sample = profile.output_bytes[0] / profile.micro_batch_size / (CACHE_READ_GBPS * 1e9)
+        cache_read_s_per_sample = (
+            profile.output_bytes[0] / profile.micro_batch_size / (CACHE_READ_GBPS * 1e9)
+        )
     return UnitTimes(
-        costs.trained, costs.frozen, profile.output_bytes, profile.param_bytes, profile.micro_batch_size,
-        cache_read_s_per_sample, memory_bytes_per_s,
+        costs.trained,
+        costs.frozen,
+        profile.output_bytes,
+        profile.param_bytes,
+        profile.micro_batch_size,
+        cache_read_s_per_sample,
+        memory_bytes_per_s,
     )
 
 
@@ -147,21 +161,32 @@ def calibrated_times(
     costs = unit_costs_from_profile(store.unit_profile(profile_key))
     gaps = []
     for key in store.micro_batch_keys():
-        if (key.model, key.device) != (profile_key.model, profile_key.device) or key.num_frozen_layers is not None:
+        if (key.model, key.device) != (
+            profile_key.model,
+            profile_key.device,
+        ) or key.num_frozen_layers is not None:
             continue
         plan = balance(costs, 0, key.pipe_len)
         replicas = max(1, config.trainer.global_batch_size // key.replica_batch)
         for m, seconds in store.micro_batch_timings(key).items():
             step = predict_step(
-                times, plan, micro_batch_size=key.replica_batch // m, num_micro_batches=m, dp_degree=replicas,
-                replicas_per_node=replicas, links=links, cached_prefix=False,
+                times,
+                plan,
+                micro_batch_size=key.replica_batch // m,
+                num_micro_batches=m,
+                dp_degree=replicas,
+                replicas_per_node=replicas,
+                links=links,
+                cached_prefix=False,
             )
             gaps.append((m + key.pipe_len - 1, seconds - (step.step_s - step.overhead_s)))
     per_step, per_slot = calibrate_overhead(gaps)
     return dataclasses.replace(times, step_overhead_s=per_step, slot_overhead_s=per_slot)
 
 
-def frozen_per_step(config: Config, trajectory: str, num_layers: int, steps_per_epoch: int) -> list[int]:
+def frozen_per_step(
+    config: Config, trajectory: str, num_layers: int, steps_per_epoch: int
+) -> list[int]:
     """F during each step of the run. `trajectory`: 'auto' (the config's own: a manual
     schedule, or the paper's closed form with the config's alpha for gradient_norm and
     alpha_schedule — the fastest pace Eq. 1 allows — at the config's decision points; for
@@ -175,7 +200,9 @@ def frozen_per_step(config: Config, trajectory: str, num_layers: int, steps_per_
         try:
             values = [int(v) for v in trajectory.split(",")]
         except ValueError:
-            raise ConfigError(f"--trajectory: 'auto', 'paper' or F per epoch such as 0,0,2,4; got {trajectory!r}") from None
+            raise ConfigError(
+                f"--trajectory: 'auto', 'paper' or F per epoch such as 0,0,2,4; got {trajectory!r}"
+            ) from None
         per_epoch = [values[min(e, len(values) - 1)] for e in range(epochs)]
         return [min(per_epoch[s // steps_per_epoch], num_layers - 1) for s in range(total)]
     fastest = paper_trajectory(num_layers, freeze.alpha, total, freeze.max_frozen_layers)
@@ -187,7 +214,11 @@ def frozen_per_step(config: Config, trajectory: str, num_layers: int, steps_per_
         decisions = freeze.manual_schedule
     else:
         return [0] * total
-    cadence = freeze if trajectory == "auto" else dataclasses.replace(freeze, interval_steps=None, warmup_epochs=0)
+    cadence = (
+        freeze
+        if trajectory == "auto"
+        else dataclasses.replace(freeze, interval_steps=None, warmup_epochs=0)
+    )
     schedule = DecisionSchedule.for_config(cadence, epochs, steps_per_epoch)
     frozen, current, taken, since = [], 0, 0, 0
     for step in range(1, total + 1):
@@ -246,7 +277,12 @@ def predict(
         steps_per_epoch=steps_per_epoch,
         rows=rows,
         trajectory=[frozen[e * steps_per_epoch] for e in range(config.trainer.epochs)],
-        baseline=BaselineLayout(base_layout.pipe_len, base_layout.dp_degree, base_layout.plan.num_micro_batches, base_step),
+        baseline=BaselineLayout(
+            base_layout.pipe_len,
+            base_layout.dp_degree,
+            base_layout.plan.num_micro_batches,
+            base_step,
+        ),
         baseline_s=base_step * len(frozen),
         elastic_s=elastic_s,
     )
@@ -255,18 +291,34 @@ def predict(
 def _predicted(frozen: int, layout: Layout, step: StepPrediction) -> PredictedLayout:
     m, k = layout.plan.num_micro_batches, layout.pipe_len
     return PredictedLayout(
-        num_frozen_layers=frozen, pipe_len=k, dp_degree=layout.dp_degree, num_micro_batches=m,
-        compute_s=step.compute_s, p2p_s=step.p2p_s, allreduce_s=step.allreduce_s, optimizer_s=step.optimizer_s,
-        overhead_s=step.overhead_s, step_s=step.step_s, bubble=(m + k - 1) / m,
+        num_frozen_layers=frozen,
+        pipe_len=k,
+        dp_degree=layout.dp_degree,
+        num_micro_batches=m,
+        compute_s=step.compute_s,
+        p2p_s=step.p2p_s,
+        allreduce_s=step.allreduce_s,
+        optimizer_s=step.optimizer_s,
+        overhead_s=step.overhead_s,
+        step_s=step.step_s,
+        bubble=(m + k - 1) / m,
     )
 
 
-def _step(times: UnitTimes, layout: Layout, config: Config, cluster: Cluster, cached: bool) -> StepPrediction:
+def _step(
+    times: UnitTimes, layout: Layout, config: Config, cluster: Cluster, cached: bool
+) -> StepPrediction:
     replica_batch = config.trainer.global_batch_size // layout.dp_degree
     m = layout.plan.num_micro_batches
     return predict_step(
-        times, layout.plan, micro_batch_size=replica_batch // m, num_micro_batches=m, dp_degree=layout.dp_degree,
-        replicas_per_node=layout.replicas_per_node, links=cluster.links, cached_prefix=cached,
+        times,
+        layout.plan,
+        micro_batch_size=replica_batch // m,
+        num_micro_batches=m,
+        dp_degree=layout.dp_degree,
+        replicas_per_node=layout.replicas_per_node,
+        links=cluster.links,
+        cached_prefix=cached,
     )
 
 
@@ -299,10 +351,18 @@ def format_prediction(result: Prediction, source: str) -> str:
 def steps_per_epoch_for(config: Config, nodes: int) -> int:
     """Steps an epoch, from the size of the local training data."""
     if config.data.root is None and config.data.name != "digits":
-        raise ConfigError("--steps-per-epoch: needed when the data is fetched from the network (data.root unset)")
+        raise ConfigError(
+            "--steps-per-epoch: needed when the data is fetched from the network (data.root unset)"
+        )
     from pipetransformer.data import build_data
 
-    samples = len(build_data(config.data, seed=config.trainer.seed, model_name_or_path=config.model.model_name_or_path).train)
+    samples = len(
+        build_data(
+            config.data,
+            seed=config.trainer.seed,
+            model_name_or_path=config.model.model_name_or_path,
+        ).train
+    )
     per_node = config.trainer.global_batch_size // nodes
     return math.ceil(math.ceil(samples / nodes) / per_node)
 

@@ -89,20 +89,29 @@ def _input_shapes(spec: ModelSpec) -> list[tuple[int, ...]]:
 
 def _dtype_name(config: Config, spec: ModelSpec) -> str:
     """The compute dtype costs are measured in: the autocast dtype, else the activations'."""
-    return config.trainer.autocast_dtype or str(spec.activation_specs[0].dtype).removeprefix("torch.")
+    return config.trainer.autocast_dtype or str(spec.activation_specs[0].dtype).removeprefix(
+        "torch."
+    )
 
 
 def unit_profile_key_for(
     config: Config, spec: ModelSpec, device_type: str, micro_batch_size: int
 ) -> UnitProfileKey:
     return unit_profile_key(
-        model_signature_for(config, spec), device_type, _dtype_name(config, spec), micro_batch_size,
+        model_signature_for(config, spec),
+        device_type,
+        _dtype_name(config, spec),
+        micro_batch_size,
         _input_shapes(spec),
     )
 
 
 def micro_batch_key_for(
-    config: Config, spec: ModelSpec, device_type: str, pipe_len: int, replica_batch: int,
+    config: Config,
+    spec: ModelSpec,
+    device_type: str,
+    pipe_len: int,
+    replica_batch: int,
     num_frozen_layers: int | None = None,
 ) -> MicroBatchKey:
     return micro_batch_key(

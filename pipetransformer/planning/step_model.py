@@ -87,7 +87,9 @@ def predict_step(
     frozen_end = plan.frozen_end
     stage_s = []
     for stage, (start, end) in enumerate(plan.stage_ranges):
-        seconds = sum(times.frozen_s[u] if u < frozen_end else times.trained_s[u] for u in range(start, end))
+        seconds = sum(
+            times.frozen_s[u] if u < frozen_end else times.trained_s[u] for u in range(start, end)
+        )
         if stage == 0 and plan.prefix_end > 0:
             seconds += (
                 times.cache_read_s_per_sample * times.micro_batch_size
@@ -99,15 +101,25 @@ def predict_step(
     compute = (m + k - 1) * max(stage_s)
     p2p = 0.0
     if k > 1:  # forward activation and backward gradient across each boundary, per micro-batch
-        boundary_bytes = max(times.output_bytes[end - 1] for _, end in plan.stage_ranges[:-1]) * scale
+        boundary_bytes = (
+            max(times.output_bytes[end - 1] for _, end in plan.stage_ranges[:-1]) * scale
+        )
         p2p = 2 * (m + k - 2) * (links.latency_s + boundary_bytes / links.intra_node_bytes_per_s)
     grads = max(
-        sum(times.param_bytes[u] for u in range(start, end) if u >= frozen_end) for start, end in plan.stage_ranges
+        sum(times.param_bytes[u] for u in range(start, end) if u >= frozen_end)
+        for start, end in plan.stage_ranges
     )
     allreduce = 0.0
     if dp_degree > 1:
-        bandwidth = links.intra_node_bytes_per_s if dp_degree <= replicas_per_node else links.inter_node_bytes_per_s
-        allreduce = 2 * (dp_degree - 1) / dp_degree * grads / bandwidth + 2 * (dp_degree - 1) * links.latency_s
+        bandwidth = (
+            links.intra_node_bytes_per_s
+            if dp_degree <= replicas_per_node
+            else links.inter_node_bytes_per_s
+        )
+        allreduce = (
+            2 * (dp_degree - 1) / dp_degree * grads / bandwidth
+            + 2 * (dp_degree - 1) * links.latency_s
+        )
     optimizer = times.optimizer_passes * grads / times.memory_bytes_per_s
     overhead = times.step_overhead_s + (m + k - 1) * times.slot_overhead_s
     return StepPrediction(compute, p2p, allreduce, optimizer, overhead)
@@ -131,7 +143,12 @@ def calibrate_overhead(gaps: Sequence[tuple[int, float]]) -> tuple[float, float]
     return intercept, slope
 
 
-def paper_trajectory(num_layers: int, alpha: float, decisions: int, max_frozen: int | None = None) -> list[int]:
+def paper_trajectory(
+    num_layers: int, alpha: float, decisions: int, max_frozen: int | None = None
+) -> list[int]:
     """F after each decision under the paper's closed form ceil(L (1 - (1 - alpha)^T))."""
     cap = num_layers - 1 if max_frozen is None else max_frozen
-    return [min(cap, math.ceil(num_layers * (1 - (1 - alpha) ** t) - 1e-6)) for t in range(1, decisions + 1)]
+    return [
+        min(cap, math.ceil(num_layers * (1 - (1 - alpha) ** t) - 1e-6))
+        for t in range(1, decisions + 1)
+    ]

@@ -80,10 +80,15 @@ def plan_table(
     store = ProfileStore(path).load()
     micro_batch_size = profiling_micro_batch_size(config, world.world_size)
     profile = store.unit_profile(unit_profile_key_for(config, spec, device_type, micro_batch_size))
-    if profile is None and (config.pipeline.balance == "time" or config.pipeline.initial_pipe_len == "auto"):
+    if profile is None and (
+        config.pipeline.balance == "time" or config.pipeline.initial_pipe_len == "auto"
+    ):
         logger.warning(
             "%s has no unit profile for this model on %s at micro-batch %d: costs from parameter counts, "
-            "memory without activations (a training run measures them)", path, device_type, micro_batch_size,
+            "memory without activations (a training run measures them)",
+            path,
+            device_type,
+            micro_batch_size,
         )
     # The budget of this machine's device; a GPU profile planned elsewhere: the configured one.
     on_gpu = device_type.startswith("cuda") and torch.cuda.is_available()
@@ -105,7 +110,9 @@ def plan_table(
                 num_micro_batches=plan.num_micro_batches,
                 prefix_units=[0, plan.prefix_end],
                 stage_ranges=[list(r) for r in plan.stage_ranges],
-                stage_names=[f"{spec.unit_names[a]}..{spec.unit_names[b - 1]}" for a, b in plan.stage_ranges],
+                stage_names=[
+                    f"{spec.unit_names[a]}..{spec.unit_names[b - 1]}" for a, b in plan.stage_ranges
+                ],
                 stage_costs=[_rounded(c, source) for c in plan.stage_costs],
                 max_stage_cost=_rounded(plan.max_stage_cost, source),
                 cost_source=source,
@@ -125,14 +132,20 @@ def _rounded(cost: float, source: str) -> float:
 def format_plan_table(config: Config, rows: list[PlanRow]) -> str:
     first = rows[0] if rows else None
     unit = "params" if first is None or first.cost_source == "params" else "s"
-    described = "params" if unit == "params" else "s (measured: forward+backward, frozen prefix forward only)"
+    described = (
+        "params"
+        if unit == "params"
+        else "s (measured: forward+backward, frozen prefix forward only)"
+    )
     auto = " (auto)" if config.pipeline.initial_pipe_len == "auto" else ""
     memory = (
-        "measured unit profile" if first and first.memory_source == "profile"
+        "measured unit profile"
+        if first and first.memory_source == "profile"
         else "parameters, gradients, optimizer state (no profile yet: activations unknown)"
     )
     budget = (
-        f"; device budget {first.device_memory_bytes / 2**20:,.0f} MiB" if first and first.device_memory_bytes
+        f"; device budget {first.device_memory_bytes / 2**20:,.0f} MiB"
+        if first and first.device_memory_bytes
         else "; no device limit"
     )
     lines = [

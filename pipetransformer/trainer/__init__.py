@@ -13,7 +13,9 @@ from pipetransformer.trainer.rundir import RunOptions
 logger = logging.getLogger(__name__)
 
 
-def run_worker(config: Config, run_dir: str | Path, options: RunOptions | None = None) -> RunSummary:
+def run_worker(
+    config: Config, run_dir: str | Path, options: RunOptions | None = None
+) -> RunSummary:
     """One rank's whole run: setup, train, cleanup (also after a failure or a stop).
     Raises RunStopped when a stop signal ended the run after a checkpoint."""
     from pipetransformer.trainer.trainer import Trainer
@@ -21,7 +23,9 @@ def run_worker(config: Config, run_dir: str | Path, options: RunOptions | None =
     from pipetransformer.utils.stopping import StopRequest
 
     setup_logging(rank=os.environ.get("RANK", "-"))
-    stop = StopRequest().install()  # before anything slow: a signal during setup still stops cleanly
+    stop = (
+        StopRequest().install()
+    )  # before anything slow: a signal during setup still stops cleanly
     trainer = Trainer(config, run_dir, options, stop)
     try:
         trainer.setup()

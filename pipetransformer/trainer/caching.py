@@ -42,7 +42,9 @@ def check_augmentation(config: Config, data: DataBundle) -> None:
             "data.augment=false, cache.enabled=false, or cache.allow_augmented=true to cache "
             "each sample's first view (the paper's behaviour)"
         )
-    logger.warning("training inputs are augmented: the cache serves each sample's first augmented view")
+    logger.warning(
+        "training inputs are augmented: the cache serves each sample's first augmented view"
+    )
 
 
 class RunCache:
@@ -63,7 +65,9 @@ class RunCache:
         self.control = control
         self.daemon: CacheDaemon | None = None
         pids = control.all_gather(os.getpid())
-        node_ranks = range(world.node * world.devices_per_node, (world.node + 1) * world.devices_per_node)
+        node_ranks = range(
+            world.node * world.devices_per_node, (world.node + 1) * world.devices_per_node
+        )
         if world.rank == node_ranks[0]:
             specs = list(spec.activation_specs)
             self.daemon = CacheDaemon.start(
@@ -74,20 +78,33 @@ class RunCache:
                 keep=config.cache.keep,
                 watched_pids=[pids[r] for r in node_ranks],
             )
-            started = {"node": world.node, "rank": world.rank, "daemon_pid": self.daemon.pid, "address": self.daemon.address}
+            started = {
+                "node": world.node,
+                "rank": world.rank,
+                "daemon_pid": self.daemon.pid,
+                "address": self.daemon.address,
+            }
         else:
             started = None
         gathered = control.all_gather(started)
         # One daemon per node (what the run's start event reports).
-        self.daemons = [{k: v for k, v in e.items() if k != "address"} for e in gathered if e is not None]
+        self.daemons = [
+            {k: v for k, v in e.items() if k != "address"} for e in gathered if e is not None
+        ]
         # cache.prefetch_batches of the largest batch a replica of this node can read.
         window = config.cache.prefetch_batches * config.trainer.global_batch_size // world.num_nodes
-        self.client = CacheClient.attach(gathered[node_ranks[0]]["address"], prefetch_window_rows=window)
+        self.client = CacheClient.attach(
+            gathered[node_ranks[0]]["address"], prefetch_window_rows=window
+        )
         if read_s_per_sample is None:
             read_s_per_sample = self._measure_read(min(len(data.train), 64))
         self.read_s_per_sample = read_s_per_sample
         self.counts = {"hits": 0, "upgrades": 0, "misses": 0}  # filled by CachedPrefix
-        logger.info("AutoCache attached (%s); a cached sample reads in %.1f us", self.client.address, 1e6 * self.read_s_per_sample)
+        logger.info(
+            "AutoCache attached (%s); a cached sample reads in %.1f us",
+            self.client.address,
+            1e6 * self.read_s_per_sample,
+        )
 
     def _measure_read(self, rows: int) -> float:
         """Seconds to read one sample from the store, averaged over every rank (collective)."""
@@ -109,7 +126,10 @@ class RunCache:
         decision = self.read_s_per_sample < recompute
         logger.info(
             "frozen prefix of %d layers: recompute %.1f us vs cache read %.1f us per sample: %s",
-            num_frozen_layers, 1e6 * recompute, 1e6 * self.read_s_per_sample, "cache" if decision else "recompute",
+            num_frozen_layers,
+            1e6 * recompute,
+            1e6 * self.read_s_per_sample,
+            "cache" if decision else "recompute",
         )
         return decision
 
@@ -125,8 +145,13 @@ class RunCache:
         counts = self.counts
         values = self.control.all_sum(
             [
-                counts["hits"], counts["misses"], counts["upgrades"], stats.bytes_read, stats.read_seconds,
-                stats.bytes_in_memory if holds_node_totals else 0, stats.bytes_on_disk if holds_node_totals else 0,
+                counts["hits"],
+                counts["misses"],
+                counts["upgrades"],
+                stats.bytes_read,
+                stats.read_seconds,
+                stats.bytes_in_memory if holds_node_totals else 0,
+                stats.bytes_on_disk if holds_node_totals else 0,
             ]
         )
         by_rank = torch.zeros(self.world.world_size, dtype=torch.float64)

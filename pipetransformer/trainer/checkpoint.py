@@ -67,7 +67,11 @@ def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
 
 
 def is_complete(path: Path) -> bool:
-    return bool(_NAME.match(path.name)) and (path / RUN_STATE).is_file() and (path / ".metadata").is_file()
+    return (
+        bool(_NAME.match(path.name))
+        and (path / RUN_STATE).is_file()
+        and (path / ".metadata").is_file()
+    )
 
 
 def complete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
@@ -140,7 +144,9 @@ class Checkpointer:
     """Writes a run's checkpoints on every rank (collective), keeps the newest few, and
     loads one into the statefuls a rank holds."""
 
-    def __init__(self, config: CheckpointConfig, run_dir: Path, control: Control, save_final: bool = False) -> None:
+    def __init__(
+        self, config: CheckpointConfig, run_dir: Path, control: Control, save_final: bool = False
+    ) -> None:
         self.config = config
         self.root = checkpoints_dir(run_dir)
         self.control = control
@@ -252,7 +258,11 @@ class Checkpointer:
     def _update_best(self, name: str, eval_metric: float) -> None:
         path = self.root / "best.json"
         best = json.loads(path.read_text()) if path.is_file() else None
-        if best is None or not is_complete(self.root / best["checkpoint"]) or eval_metric > best["eval_metric"]:
+        if (
+            best is None
+            or not is_complete(self.root / best["checkpoint"])
+            or eval_metric > best["eval_metric"]
+        ):
             write_json_atomic(path, {"checkpoint": name, "eval_metric": eval_metric})
 
     def _prune(self) -> None:

@@ -65,7 +65,13 @@ class StepClock:
     def ticks(self) -> Iterator[Tick]:
         state = self.state
         while state.epoch < self.epochs:
-            tick = Tick(state.epoch, state.step_in_epoch, state.global_step + 1, self.steps_per_epoch, self.epochs)
+            tick = Tick(
+                state.epoch,
+                state.step_in_epoch,
+                state.global_step + 1,
+                self.steps_per_epoch,
+                self.epochs,
+            )
             state.global_step = tick.global_step
             if tick.epoch_end:
                 state.epoch, state.step_in_epoch = tick.epoch + 1, 0

@@ -42,7 +42,9 @@ def _env_int(name: str, default: int | None = None) -> int:
     value = os.environ.get(name)
     if value is None:
         if default is None:
-            raise RuntimeError(f"environment variable {name} is not set (start through the CLI or torchrun)")
+            raise RuntimeError(
+                f"environment variable {name} is not set (start through the CLI or torchrun)"
+            )
         return default
     return int(value)
 

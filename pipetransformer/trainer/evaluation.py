@@ -25,7 +25,13 @@ from pipetransformer.trainer.step import Stage
 
 class Evaluator:
     def __init__(
-        self, config: Config, data: DataBundle, task, world: WorldInfo, control: Control, cache: RunCache | None,
+        self,
+        config: Config,
+        data: DataBundle,
+        task,
+        world: WorldInfo,
+        control: Control,
+        cache: RunCache | None,
         state: RunState,
     ) -> None:
         self.config = config
@@ -48,7 +54,9 @@ class Evaluator:
         result = self._evaluate(stage)
         self.state.last_eval_metric = result.eval_metric
         best = self.state.best_eval_metric
-        self.state.best_eval_metric = result.eval_metric if best is None else max(best, result.eval_metric)
+        self.state.best_eval_metric = (
+            result.eval_metric if best is None else max(best, result.eval_metric)
+        )
         return result, time.perf_counter() - started
 
     def _evaluate(self, stage: Stage) -> EvalResult:
@@ -56,10 +64,15 @@ class Evaluator:
         role = layout.role(self.world.rank)
         accumulator = self.task.new_accumulator(self.data.eval_extras)
         if role is not None:
-            batches = [self.sampler.replica_batch(role.replica, layout.dp_degree, s) for s in range(self.sampler.steps)]
+            batches = [
+                self.sampler.replica_batch(role.replica, layout.dp_degree, s)
+                for s in range(self.sampler.steps)
+            ]
             loader = None
             if role.is_first:
-                loader = iterate_batches(self.data.eval, [b.ids for b in batches], self.config.data.num_workers)
+                loader = iterate_batches(
+                    self.data.eval, [b.ids for b in batches], self.config.data.num_workers
+                )
                 if stage.cache_active:
                     self.cache.client.prefetch("eval", [i for b in batches for i in b.ids])
             for batch in batches:

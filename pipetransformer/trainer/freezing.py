@@ -34,7 +34,12 @@ class Decision:
 
 class FreezeControl:
     def __init__(
-        self, config: Config, num_layers: int, steps_per_epoch: int, state: RunState, metrics: MetricsTracker,
+        self,
+        config: Config,
+        num_layers: int,
+        steps_per_epoch: int,
+        state: RunState,
+        metrics: MetricsTracker,
         control: Control,
     ) -> None:
         self.config = config
@@ -55,14 +60,18 @@ class FreezeControl:
         return self.decider.needs_grad_norms
 
     def due(self, tick: Tick) -> bool:
-        return self.schedule.due(tick.global_step, tick.epoch_end, self.metrics.steps_since_decision)
+        return self.schedule.due(
+            tick.global_step, tick.epoch_end, self.metrics.steps_since_decision
+        )
 
     def decide(self, num_frozen_layers: int, dp_degree: int) -> Decision:
         """The decision at this point (collective); starts the next interval."""
         self.state.decision_index += 1
         signal = self.metrics.freeze_signal(dp_degree, with_norms=self.needs_grad_norms)
         decided = self.decider.decide(
-            self.state.decision_index, num_frozen_layers, signal.layer_grad_norms,
+            self.state.decision_index,
+            num_frozen_layers,
+            signal.layer_grad_norms,
             self.state.previous_layer_grad_norms,
         )
         self.control.agree(decided, "num_frozen_layers")
@@ -82,5 +91,7 @@ class FreezeControl:
             self.schedule = self._schedule(bound)
             logger.info(
                 "decision interval: %d steps (a transition took %.3f s, a step %.3f s)",
-                self.schedule.interval_steps, transition_s, step_s,
+                self.schedule.interval_steps,
+                transition_s,
+                step_s,
             )

@@ -41,8 +41,12 @@ class StepResult:
     started_s: float  # perf_counter at the step's start
     seconds: float
     samples: int  # valid samples in the global batch
-    replica_loss: torch.Tensor | None  # this replica's summed per-sample loss (last stage), on the device
-    unit_grad_sq: torch.Tensor | None  # per unit, squared norm of the gradients applied, on the device
+    replica_loss: (
+        torch.Tensor | None
+    )  # this replica's summed per-sample loss (last stage), on the device
+    unit_grad_sq: (
+        torch.Tensor | None
+    )  # per unit, squared norm of the gradients applied, on the device
     comm_s: float  # this rank's DDP all-reduce seconds in the step
 
 
@@ -80,12 +84,17 @@ class MetricsTracker:
         self._reset_decision()
         # Sums of intervals begun in an earlier attempt, already reduced over the ranks.
         self._carried_epoch = (
-            carried.epoch_loss_sum, carried.epoch_train_s, carried.epoch_transition_s, carried.epoch_comm_s,
+            carried.epoch_loss_sum,
+            carried.epoch_train_s,
+            carried.epoch_transition_s,
+            carried.epoch_comm_s,
         )
         grad_sq = carried.interval_grad_sq
         self._carried_grad_sq = list(grad_sq) if len(grad_sq) == num_units else [0.0] * num_units
         self._carried_steps = carried.interval_steps
-        carried.epoch_loss_sum = carried.epoch_train_s = carried.epoch_transition_s = carried.epoch_comm_s = 0.0
+        carried.epoch_loss_sum = carried.epoch_train_s = carried.epoch_transition_s = (
+            carried.epoch_comm_s
+        ) = 0.0
         carried.interval_grad_sq, carried.interval_steps = [], 0
 
     # ------------------------------------------------------------------ resets, one each
@@ -118,7 +127,9 @@ class MetricsTracker:
         if self._epoch_started is None:
             self._epoch_started = result.started_s
         if self._bar_epoch != tick.epoch:
-            self.reporter.start_epoch(tick.epoch, tick.epochs, tick.steps_per_epoch, tick.step_in_epoch)
+            self.reporter.start_epoch(
+                tick.epoch, tick.epochs, tick.steps_per_epoch, tick.step_in_epoch
+            )
             self._bar_epoch = tick.epoch
         if result.replica_loss is not None:
             self._log_loss += result.replica_loss
@@ -130,7 +141,9 @@ class MetricsTracker:
         self._decision_steps += 1
         self._decision_train_s += result.seconds
         layout = result.layout
-        self.reporter.step(frozen=layout.plan.num_frozen_layers, K=layout.pipe_len, R=layout.dp_degree)
+        self.reporter.step(
+            frozen=layout.plan.num_frozen_layers, K=layout.pipe_len, R=layout.dp_degree
+        )
 
     def add_transition(self, seconds: float) -> None:
         self._epoch_transition_s += seconds
@@ -217,11 +230,15 @@ class MetricsTracker:
         communication seconds (mean over the ranks that ran DDP)."""
         loss, train, transition, comm = self._carried_epoch
         ran_ddp = 1.0 if self._epoch_comm_s > 0 else 0.0
-        totals = self.control.all_sum(torch.stack([
-            self._epoch_loss.detach().to("cpu", torch.float64),
-            torch.tensor(self._epoch_comm_s, dtype=torch.float64),
-            torch.tensor(ran_ddp, dtype=torch.float64),
-        ]))
+        totals = self.control.all_sum(
+            torch.stack(
+                [
+                    self._epoch_loss.detach().to("cpu", torch.float64),
+                    torch.tensor(self._epoch_comm_s, dtype=torch.float64),
+                    torch.tensor(ran_ddp, dtype=torch.float64),
+                ]
+            )
+        )
         if self._epoch_started is not None:
             train += max(0.0, now - self._epoch_started - self._epoch_excluded_s)
         comm += float(totals[1] / totals[2]) if totals[2] > 0 else 0.0

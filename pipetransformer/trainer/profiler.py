@@ -90,7 +90,11 @@ class RunProfiler:
             on_device = {u: unit.to(self.device) for u, unit in mine.items()}
             name = self.config.trainer.autocast_dtype
             measured = measure_unit_costs(
-                on_device, self.spec, micro, self.device, autocast_dtype=getattr(torch, name) if name else None
+                on_device,
+                self.spec,
+                micro,
+                self.device,
+                autocast_dtype=getattr(torch, name) if name else None,
             )
             for unit in mine.values():
                 unit.to("cpu")
@@ -100,14 +104,21 @@ class RunProfiler:
             self.store.put_unit_profile(key, profile)
             self._save()
             self.seconds += time.perf_counter() - start
-            logger.info("measured %d unit costs at micro-batch %d in %.2f s", len(merged), micro, time.perf_counter() - start)
+            logger.info(
+                "measured %d unit costs at micro-batch %d in %.2f s",
+                len(merged),
+                micro,
+                time.perf_counter() - start,
+            )
         else:
             logger.info("unit costs from %s", self.store.path)
         return profile
 
     # ------------------------------------------------------------------ micro-batches
 
-    def micro_batches(self, pipe_len: int, replica_batch: int, measure_step: Callable[[int], Callable[[], None]]) -> int:
+    def micro_batches(
+        self, pipe_len: int, replica_batch: int, measure_step: Callable[[int], Callable[[], None]]
+    ) -> int:
         """The fastest M for this layout, measured the first time it is seen (collective).
 
         `measure_step(m)` returns a function running one forward+backward step of this
@@ -121,14 +132,20 @@ class RunProfiler:
             start = time.perf_counter()
             for m in missing:
                 step = measure_step(m)
-                with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                    local = time_schedule_steps(step, PROFILE_STEPS, PROFILE_WARMUP_STEPS, self.device)
+                with torch.random.fork_rng(
+                    devices=[self.device] if self.device.type == "cuda" else []
+                ):
+                    local = time_schedule_steps(
+                        step, PROFILE_STEPS, PROFILE_WARMUP_STEPS, self.device
+                    )
                 timings[m] = float(self.control.all_max([local])[0])
             self.store.put_micro_batch_timings(key, {m: timings[m] for m in missing})
             self._save()
             self.seconds += time.perf_counter() - start
             logger.info(
                 "micro-batch timings for pipe_len %d, replica batch %d: %s",
-                pipe_len, replica_batch, ", ".join(f"M={m}: {timings[m] * 1000:.1f} ms" for m in candidates),
+                pipe_len,
+                replica_batch,
+                ", ".join(f"M={m}: {timings[m] * 1000:.1f} ms" for m in candidates),
             )
         return choose_micro_batches({m: timings[m] for m in candidates}, candidates)

@@ -117,7 +117,9 @@ class QuestionAnsweringAccumulator:
             max_answer_length=self.max_answer_length,
         )
         scores = squad_evaluate({e["id"]: e["answers"] for e in examples}, predictions)
-        return EvalResult(eval_metric=scores["f1"], eval_samples=len(examples), exact_match=scores["exact_match"])
+        return EvalResult(
+            eval_metric=scores["f1"], eval_samples=len(examples), exact_match=scores["exact_match"]
+        )
 
 
 class QuestionAnsweringTask:

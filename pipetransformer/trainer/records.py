@@ -216,7 +216,8 @@ class CheckpointEvent(Event):
 
 
 EVENT_TYPES: dict[str, type[Event]] = {
-    cls.kind: cls for cls in (TransitionEvent, ProfileEvent, StartEvent, ResumeEvent, CheckpointEvent)
+    cls.kind: cls
+    for cls in (TransitionEvent, ProfileEvent, StartEvent, ResumeEvent, CheckpointEvent)
 }
 
 

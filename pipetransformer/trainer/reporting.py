@@ -22,7 +22,9 @@ logger = logging.getLogger(__name__)
 
 def _numbers(record: dict[str, Any], skip: tuple[str, ...]) -> dict[str, float]:
     return {
-        k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in skip
+        k: float(v)
+        for k, v in record.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in skip
     }
 
 
@@ -48,12 +50,16 @@ class Reporter:
 
                 self._tb = SummaryWriter(str(run_dir / "tensorboard"))
             except ImportError:
-                logger.warning("logging.tensorboard: the tensorboard package is not installed; skipping")
+                logger.warning(
+                    "logging.tensorboard: the tensorboard package is not installed; skipping"
+                )
         if enabled and wandb:
             try:
                 import wandb as wandb_module
             except ImportError:
-                logger.warning("logging.wandb: the wandb package is not installed (pip install wandb); skipping")
+                logger.warning(
+                    "logging.wandb: the wandb package is not installed (pip install wandb); skipping"
+                )
             else:
                 # The run's id (kept in RUN_DIR across resumes and restarts) names the W&B
                 # run, so a resumed run continues its own W&B run and no other.
@@ -73,8 +79,13 @@ class Reporter:
         from tqdm import tqdm
 
         self._bar = tqdm(
-            total=steps, initial=done, desc=f"epoch {epoch + 1}/{epochs}", unit="step", file=sys.stderr,
-            leave=True, dynamic_ncols=True,
+            total=steps,
+            initial=done,
+            desc=f"epoch {epoch + 1}/{epochs}",
+            unit="step",
+            file=sys.stderr,
+            leave=True,
+            dynamic_ncols=True,
         )
 
     def step(self, **postfix: Any) -> None:
@@ -95,7 +106,10 @@ class Reporter:
         append_jsonl(self.run_dir / "steps.jsonl", values)
         if self._bar is not None:
             self._bar.set_postfix(
-                loss=f"{record.loss:.4f}", frozen=record.num_frozen_layers, K=record.pipe_len, R=record.dp_degree,
+                loss=f"{record.loss:.4f}",
+                frozen=record.num_frozen_layers,
+                K=record.pipe_len,
+                R=record.dp_degree,
                 refresh=False,
             )
         scalars = _numbers(values, skip=("global_step", "epoch"))
@@ -112,8 +126,13 @@ class Reporter:
         append_jsonl(self.run_dir / "metrics.jsonl", values)
         logger.info(
             "epoch %d: train_loss %.4f eval_metric %.4f, %.1f samples/s, frozen %d, pipe_len %d, dp_degree %d",
-            record.epoch, record.train_loss, float("nan") if record.eval_metric is None else record.eval_metric,
-            record.samples_per_s, record.num_frozen_layers, record.pipe_len, record.dp_degree,
+            record.epoch,
+            record.train_loss,
+            float("nan") if record.eval_metric is None else record.eval_metric,
+            record.samples_per_s,
+            record.num_frozen_layers,
+            record.pipe_len,
+            record.dp_degree,
         )
         scalars = _numbers(values, skip=("epoch", "global_step"))
         if self._tb is not None:
@@ -121,7 +140,10 @@ class Reporter:
                 self._tb.add_scalar(key, value, record.epoch)
             self._tb.flush()
         if self._wandb is not None:
-            self._wandb.log({f"epoch/{k}": v for k, v in scalars.items()} | {"epoch": record.epoch}, step=record.global_step)
+            self._wandb.log(
+                {f"epoch/{k}": v for k, v in scalars.items()} | {"epoch": record.epoch},
+                step=record.global_step,
+            )
 
     def event(self, record: Event) -> None:
         if self.enabled:

@@ -60,7 +60,9 @@ class Resumption:
     def state(self, spec: ModelSpec) -> RunState:
         """The run state to continue from, after checking the checkpoint is of this model."""
         model = self.record.model
-        if model.unit_names != list(spec.unit_names) or model.unit_param_counts != list(spec.unit_param_counts):
+        if model.unit_names != list(spec.unit_names) or model.unit_param_counts != list(
+            spec.unit_param_counts
+        ):
             raise RunDirError(
                 f"{self.checkpoint} was written for another model ({len(model.unit_names)} units); "
                 "resume it with the config it was trained with"
@@ -113,7 +115,11 @@ def write_resolved_config(run_dir: Path, config: Config) -> None:
 def _prepare(run_dir: Path, options: RunOptions) -> Resumption | None:
     if options.prepared_checkpoint is None:
         checkpoint = prepare_run_dir(
-            run_dir, resume=options.resume, overwrite=options.overwrite, restart=options.restart, run_id=options.run_id
+            run_dir,
+            resume=options.resume,
+            overwrite=options.overwrite,
+            restart=options.restart,
+            run_id=options.run_id,
         )
         _held_locks.append(RunLock(run_dir).acquire())
     else:
@@ -125,5 +131,10 @@ def _prepare(run_dir: Path, options: RunOptions) -> Resumption | None:
     state = read_run_state(checkpoint).state
     previous = previous_attempt_wall_s(run_dir)  # before the records it reads are trimmed
     truncate_after(run_dir, state.global_step, state.epoch)
-    logger.info("resuming from %s (global step %d, attempt %d)", checkpoint, state.global_step, state.attempt + 1)
+    logger.info(
+        "resuming from %s (global step %d, attempt %d)",
+        checkpoint,
+        state.global_step,
+        state.attempt + 1,
+    )
     return Resumption(checkpoint, previous)

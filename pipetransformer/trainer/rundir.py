@@ -36,8 +36,17 @@ logger = logging.getLogger(__name__)
 
 # Everything a run writes in its directory (what --overwrite removes).
 RUN_FILES = (
-    "config.yaml", "metrics.jsonl", "events.jsonl", "steps.jsonl", "summary.json", CHECKPOINTS,
-    "export", "tensorboard", "wandb", "samples", ".run_id",
+    "config.yaml",
+    "metrics.jsonl",
+    "events.jsonl",
+    "steps.jsonl",
+    "summary.json",
+    CHECKPOINTS,
+    "export",
+    "tensorboard",
+    "wandb",
+    "samples",
+    ".run_id",
 )
 LOCK_FILE = ".lock"
 RUN_ID_FILE = ".run_id"
@@ -95,7 +104,9 @@ def prepare_run_dir(
     checkpoint = find_checkpoint(run_dir)
     if resume == "required":
         if checkpoint is None:
-            raise RunDirError(f"--resume {run_dir}: no complete checkpoint in {run_dir / CHECKPOINTS}")
+            raise RunDirError(
+                f"--resume {run_dir}: no complete checkpoint in {run_dir / CHECKPOINTS}"
+            )
         return checkpoint
     if checkpoint is not None and (resume == "auto" or ours):
         return checkpoint
@@ -164,15 +175,23 @@ def truncate_after(run_dir: Path, global_step: int, completed_epochs: int) -> No
     whole epochs): the resumed run writes them again."""
     dropped = rewrite_jsonl(run_dir / "metrics.jsonl", lambda r: r["epoch"] <= completed_epochs)
     dropped += rewrite_jsonl(run_dir / "steps.jsonl", lambda r: r["global_step"] <= global_step)
-    dropped += rewrite_jsonl(run_dir / "events.jsonl", lambda r: r.get("global_step", 0) <= global_step)
+    dropped += rewrite_jsonl(
+        run_dir / "events.jsonl", lambda r: r.get("global_step", 0) <= global_step
+    )
     if dropped:
-        logger.info("dropped %d records written after the checkpoint at step %d", dropped, global_step)
+        logger.info(
+            "dropped %d records written after the checkpoint at step %d", dropped, global_step
+        )
 
 
 def previous_attempt_wall_s(run_dir: Path) -> float:
     """Wall time of the attempt that ran last: from its start event to the last time it
     wrote anything (so work lost after its last checkpoint counts too)."""
-    starts = [e for e in map(event_from_dict, read_jsonl(run_dir / "events.jsonl")) if isinstance(e, StartEvent)]
+    starts = [
+        e
+        for e in map(event_from_dict, read_jsonl(run_dir / "events.jsonl"))
+        if isinstance(e, StartEvent)
+    ]
     if not starts:
         return 0.0
     written = [

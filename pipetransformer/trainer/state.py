@@ -92,7 +92,9 @@ class RunState:
         data = dict(data)
         version = data.pop("state_version", None)
         if version != STATE_VERSION:
-            raise ValueError(f"run state version {version!r}; this code reads version {STATE_VERSION}")
+            raise ValueError(
+                f"run state version {version!r}; this code reads version {STATE_VERSION}"
+            )
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
@@ -132,7 +134,8 @@ class CheckpointRecord:
             state=RunState.from_dict(data["state"]),
             config=data["config"],
             model=ModelRecord(
-                list(model.get("unit_names", [])), list(model.get("unit_param_counts", [])),
+                list(model.get("unit_names", [])),
+                list(model.get("unit_param_counts", [])),
                 dict(model.get("build_args", {})),
             ),
             time=float(data.get("time", 0.0)),
@@ -193,13 +196,17 @@ class UnitWeights:
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         missing = sorted(set(self.state_dict()) - set(state_dict))
         if missing:
-            raise KeyError(f"no {missing[0]} ({len(missing)} tensors missing): it was written for another model")
+            raise KeyError(
+                f"no {missing[0]} ({len(missing)} tensors missing): it was written for another model"
+            )
 
 
 class OptimizerState:
     """The optimizer state of this rank's trained parameters, by parameter name."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer | None, named_params: Mapping[str, nn.Parameter]) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer | None, named_params: Mapping[str, nn.Parameter]
+    ) -> None:
         self.optimizer = optimizer
         self.named_params = named_params
 

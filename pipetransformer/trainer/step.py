@@ -59,7 +59,13 @@ class Stage:
 
 class Batches:
     def __init__(
-        self, config: Config, data: DataBundle, sampler: TrainSampler, task, world: WorldInfo, run_dir: Path,
+        self,
+        config: Config,
+        data: DataBundle,
+        sampler: TrainSampler,
+        task,
+        world: WorldInfo,
+        run_dir: Path,
         cache: RunCache | None,
     ) -> None:
         self.config = config
@@ -77,13 +83,20 @@ class Batches:
         self._loader = None
 
     def step_data(
-        self, layout: Layout, epoch: int, step: int, prefetched: bool = False, cache_active: bool = False
+        self,
+        layout: Layout,
+        epoch: int,
+        step: int,
+        prefetched: bool = False,
+        cache_active: bool = False,
     ) -> tuple[list[torch.Tensor] | None, torch.Tensor | None, tuple[int, ...]]:
         """This rank's (inputs, target, sample ids) for one step in `layout` (None where not
         needed). `prefetched`: take the inputs from the loader that reads ahead (training)."""
         role = layout.role(self.world.rank)
         node, local_replica = divmod(role.replica, layout.replicas_per_node)
-        batch = self.sampler.replica_batch(node, local_replica, layout.replicas_per_node, epoch, step)
+        batch = self.sampler.replica_batch(
+            node, local_replica, layout.replicas_per_node, epoch, step
+        )
         inputs = target = None
         if role.is_first:
             if prefetched:
@@ -98,21 +111,29 @@ class Batches:
                     {"epoch": epoch + 1, "step": step, "node": node, "ids": trained},
                 )
         if role.is_last:
-            weights = loss_weights(batch.valid, layout.dp_degree, self.sampler.global_num_valid(epoch, step))
+            weights = loss_weights(
+                batch.valid, layout.dp_degree, self.sampler.global_num_valid(epoch, step)
+            )
             target = self.task.make_target(self.data.train.targets(batch.ids), weights)
             target = target.to(self.world.device, non_blocking=True)  # host to device: no sync
         return inputs, target, batch.ids
 
-    def _next_inputs(self, layout: Layout, role: Role, epoch: int, step: int, cache_active: bool) -> Sequence[torch.Tensor]:
+    def _next_inputs(
+        self, layout: Layout, role: Role, epoch: int, step: int, cache_active: bool
+    ) -> Sequence[torch.Tensor]:
         """The rest of the epoch's batches are known in advance for the current layout; a
         transition changes the split, so the loader restarts at the step after it."""
         if self._loader is None or self._position != (epoch, step):
             node, local_replica = divmod(role.replica, layout.replicas_per_node)
             id_batches = [
-                self.sampler.replica_batch(node, local_replica, layout.replicas_per_node, epoch, s).ids
+                self.sampler.replica_batch(
+                    node, local_replica, layout.replicas_per_node, epoch, s
+                ).ids
                 for s in range(step, self.sampler.steps_per_epoch)
             ]
-            self._loader = iterate_batches(self.data.train, id_batches, self.config.data.num_workers)
+            self._loader = iterate_batches(
+                self.data.train, id_batches, self.config.data.num_workers
+            )
             if cache_active:  # the cache's disk tier reads ahead in the same order
                 self.cache.client.prefetch("train", [i for ids in id_batches for i in ids])
         inputs, _ = next(self._loader)
@@ -122,7 +143,13 @@ class Batches:
 
 class StepRunner:
     def __init__(
-        self, config: Config, batches: Batches, world: WorldInfo, num_units: int, total_steps: int, grad_norms: bool
+        self,
+        config: Config,
+        batches: Batches,
+        world: WorldInfo,
+        num_units: int,
+        total_steps: int,
+        grad_norms: bool,
     ) -> None:
         self.config = config
         self.batches = batches
@@ -145,7 +172,11 @@ class StepRunner:
         runtime = stage.runtime
         if runtime is not None:
             inputs, target, ids = self.batches.step_data(
-                layout, tick.epoch, tick.step_in_epoch, prefetched=True, cache_active=stage.cache_active
+                layout,
+                tick.epoch,
+                tick.step_in_epoch,
+                prefetched=True,
+                cache_active=stage.cache_active,
             )
             optim.set_learning_rate(stage.optimizer, self.learning_rate(tick.global_step))
             losses = runtime.train_step(inputs, target, ids if inputs is not None else None)
@@ -166,13 +197,17 @@ class StepRunner:
                 replica_loss = torch.stack([loss.detach() for loss in losses]).double().sum() * (
                     samples / layout.dp_degree
                 )
-        return StepResult(layout, started, time.perf_counter() - started, samples, replica_loss, unit_sq, comm_s)
+        return StepResult(
+            layout, started, time.perf_counter() - started, samples, replica_loss, unit_sq, comm_s
+        )
 
     def _unit_grad_squares(self, stage: Stage) -> torch.Tensor:
         """Squared gradient norm of each unit this rank trains, float64 on the device."""
         squares = torch.zeros(self.num_units, dtype=torch.float64, device=self.world.device)
         for index, unit in stage.units.items():
-            grads = [p.grad.detach() for p in unit.parameters() if p.requires_grad and p.grad is not None]
+            grads = [
+                p.grad.detach() for p in unit.parameters() if p.requires_grad and p.grad is not None
+            ]
             if grads:
                 squares[index] = torch.stack([g.double().pow(2).sum() for g in grads]).sum()
         return squares

@@ -29,7 +29,9 @@ class ClassificationAccumulator:
         self.count = 0
         self.loss_sum = 0.0
 
-    def add(self, logits: torch.Tensor, ids: Sequence[int], valid: Sequence[bool], labels: torch.Tensor) -> None:
+    def add(
+        self, logits: torch.Tensor, ids: Sequence[int], valid: Sequence[bool], labels: torch.Tensor
+    ) -> None:
         mask = torch.tensor(valid, dtype=torch.bool, device=logits.device)
         labels = labels.to(logits.device)
         self.correct += int(((logits.argmax(-1) == labels) & mask).sum())
@@ -39,10 +41,14 @@ class ClassificationAccumulator:
 
     def reduce(self, control: Control) -> EvalResult:
         """Collective (every rank calls it, adding nothing if it saw nothing)."""
-        correct, count, loss_sum = control.all_sum([self.correct, self.count, self.loss_sum]).tolist()
+        correct, count, loss_sum = control.all_sum(
+            [self.correct, self.count, self.loss_sum]
+        ).tolist()
         if count == 0:
             raise RuntimeError("evaluation saw no samples")
-        return EvalResult(eval_metric=correct / count, eval_samples=int(count), eval_loss=loss_sum / count)
+        return EvalResult(
+            eval_metric=correct / count, eval_samples=int(count), eval_loss=loss_sum / count
+        )
 
 
 class ClassificationTask:

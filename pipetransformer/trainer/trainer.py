@@ -87,7 +87,11 @@ class Trainer:
     """setup() -> train() -> cleanup(); see the module docstring."""
 
     def __init__(
-        self, config: Config, run_dir: str | Path, options: RunOptions | None = None, stop: StopRequest | None = None
+        self,
+        config: Config,
+        run_dir: str | Path,
+        options: RunOptions | None = None,
+        stop: StopRequest | None = None,
     ) -> None:
         self.config = config  # setup replaces it by the resolved config (planning/context.py)
         self.run_dir = Path(run_dir)
@@ -104,24 +108,38 @@ class Trainer:
     # ------------------------------------------------------------------ setup
 
     def setup(self) -> None:
-        self.world = world = init_distributed(self.config.trainer.device, self.config.trainer.timeout_s)
+        self.world = world = init_distributed(
+            self.config.trainer.device, self.config.trainer.timeout_s
+        )
         self.control = control = Control(create_control_group(self.config.trainer.timeout_s))
         self._note_processes_per_node()
-        self.run_dir = Path(control.broadcast(str(self.run_dir)))  # every node writes where rank 0 does
+        self.run_dir = Path(
+            control.broadcast(str(self.run_dir))
+        )  # every node writes where rank 0 does
         # Whether this run resumes, decided once (by rank 0 or the launcher) for all ranks.
         resumption = start_run_directory(self.run_dir, self.options, control)
         config = resolve(self.config, world.shape)  # the launcher's processes; K may be 'auto' yet
-        self.checkpointer = Checkpointer(config.checkpoint, self.run_dir, control, config.trainer.save_model)
+        self.checkpointer = Checkpointer(
+            config.checkpoint, self.run_dir, control, config.trainer.save_model
+        )
         if resumption is not None:
             run = RunRecordState()
             self.checkpointer.load(resumption.checkpoint, {"run": run})
             resumption.record = run.record
 
-        self.data = build_data(config.data, seed=config.trainer.seed, model_name_or_path=config.model.model_name_or_path)
+        self.data = build_data(
+            config.data,
+            seed=config.trainer.seed,
+            model_name_or_path=config.model.model_name_or_path,
+        )
         self.task = task_for(self.data.task)
         self.model_args = dict(
-            task=self.data.task, num_classes=self.data.num_classes, in_chans=self.data.in_chans,
-            image_size=self.data.image_size, vocab_size=self.data.vocab_size, max_seq_length=self.data.max_seq_length,
+            task=self.data.task,
+            num_classes=self.data.num_classes,
+            in_chans=self.data.in_chans,
+            image_size=self.data.image_size,
+            vocab_size=self.data.vocab_size,
+            max_seq_length=self.data.max_seq_length,
         )
         # The skeleton gives every rank the structure of every unit without weights: what a
         # rank receives at a transition is materialised from it.
@@ -137,29 +155,59 @@ class Trainer:
         config = self.config
 
         self.reporter = Reporter(
-            self.run_dir, world.rank == 0, config.trainer.progress_bar, config.logging.tensorboard,
-            config.logging.wandb, config.to_dict(),
+            self.run_dir,
+            world.rank == 0,
+            config.trainer.progress_bar,
+            config.logging.tensorboard,
+            config.logging.wandb,
+            config.to_dict(),
         )
         # The cache serves frozen layers: with nothing ever frozen (the baseline) it stays off.
         if config.cache.enabled and config.freeze.strategy != "none":
             self.cache = RunCache(
-                config, spec, self.data, world, control, read_s_per_sample=self.state.cache_read_s_per_sample
+                config,
+                spec,
+                self.data,
+                world,
+                control,
+                read_s_per_sample=self.state.cache_read_s_per_sample,
             )
             self.state.cache_read_s_per_sample = self.cache.read_s_per_sample
-        self.sampler = TrainSampler(len(self.data.train), world.num_nodes, config.trainer.global_batch_size, config.trainer.seed)
+        self.sampler = TrainSampler(
+            len(self.data.train),
+            world.num_nodes,
+            config.trainer.global_batch_size,
+            config.trainer.seed,
+        )
         steps = self.sampler.steps_per_epoch
         self.clock = StepClock(self.state, steps, config.trainer.epochs)
         self.metrics = MetricsTracker(
-            control=control, reporter=self.reporter, num_layers=spec.num_layers, num_units=spec.num_units,
-            num_train_samples=len(self.data.train), device=world.device,
-            log_interval_steps=config.trainer.log_interval_steps, carried=self.state,
+            control=control,
+            reporter=self.reporter,
+            num_layers=spec.num_layers,
+            num_units=spec.num_units,
+            num_train_samples=len(self.data.train),
+            device=world.device,
+            log_interval_steps=config.trainer.log_interval_steps,
+            carried=self.state,
         )
-        self.freezer = FreezeControl(config, spec.num_layers, steps, self.state, self.metrics, control)
-        self.batches = Batches(config, self.data, self.sampler, self.task, world, self.run_dir, self.cache)
+        self.freezer = FreezeControl(
+            config, spec.num_layers, steps, self.state, self.metrics, control
+        )
+        self.batches = Batches(
+            config, self.data, self.sampler, self.task, world, self.run_dir, self.cache
+        )
         self.steps = StepRunner(
-            config, self.batches, world, spec.num_units, self.clock.total_steps, self.freezer.needs_grad_norms
+            config,
+            self.batches,
+            world,
+            spec.num_units,
+            self.clock.total_steps,
+            self.freezer.needs_grad_norms,
         )
-        self.evaluator = Evaluator(config, self.data, self.task, world, control, self.cache, self.state)
+        self.evaluator = Evaluator(
+            config, self.data, self.task, world, control, self.cache, self.state
+        )
 
         layout = self.layout_for(self.state.num_frozen_layers, self._resume_pipe_len())
         units = {u: full.units[u].to(world.device) for u in layout.units_of_rank(world.rank)}
@@ -171,22 +219,36 @@ class Trainer:
             same_world = resumption.world_size == world.world_size
             self.checkpointer.load(resumption.checkpoint, self._statefuls(rng=same_world))
             resumption.load_s = time.perf_counter() - started
-        profile_s = times["profile_s"] + self.profiler.take_seconds()  # unit costs and micro-batches
+        profile_s = (
+            times["profile_s"] + self.profiler.take_seconds()
+        )  # unit costs and micro-batches
         if profile_s > 0:
-            self.reporter.event(ProfileEvent(self.state.global_step, profile_s, self.plan.costs.source))
+            self.reporter.event(
+                ProfileEvent(self.state.global_step, profile_s, self.plan.costs.source)
+            )
         if resumption is not None:
             self.reporter.event(resumption.event(self.stage.layout, world))
-        logger.info("initial layout: %s (stage costs from %s)", self.stage.layout.describe(), self.plan.costs.source)
+        logger.info(
+            "initial layout: %s (stage costs from %s)",
+            self.stage.layout.describe(),
+            self.plan.costs.source,
+        )
         self._seed_streams(resumption)
 
     def _note_processes_per_node(self) -> None:
         """Under torchrun the launcher says how many processes a node runs; a different
         trainer.nproc_per_node in the config is overruled (said once, by rank 0)."""
         configured = self.config.trainer.nproc_per_node
-        if configured is not None and configured != self.world.devices_per_node and self.world.rank == 0:
+        if (
+            configured is not None
+            and configured != self.world.devices_per_node
+            and self.world.rank == 0
+        ):
             logger.warning(
                 "trainer.nproc_per_node is %d but the launcher started %d processes per node: using %d",
-                configured, self.world.devices_per_node, self.world.devices_per_node,
+                configured,
+                self.world.devices_per_node,
+                self.world.devices_per_node,
             )
 
     def _plan_run(self, config: Config, full: nn.Module, resumption: Resumption | None) -> None:
@@ -195,7 +257,9 @@ class Trainer:
         the cache pays and what a stage holds in memory."""
         world = self.world
         carried = resumption.checkpoint / PROFILES if resumption is not None else None
-        self.profiler = RunProfiler(config, self.spec, self.run_dir, world.device, self.control, carried)
+        self.profiler = RunProfiler(
+            config, self.spec, self.run_dir, world.device, self.control, carried
+        )
         budget = device_memory_budget(config, world.device)
         # Measured at the initial layout's micro-batch size, 'auto' K as the shortest start.
         self.profile_micro_batch_size = profiling_micro_batch_size(config, world.world_size)
@@ -207,7 +271,8 @@ class Trainer:
         self.config = self.plan.config
         if self.config.pipeline.initial_pipe_len != config.pipeline.initial_pipe_len:
             logger.info(
-                "initial_pipe_len auto: %d (device memory %s)", self.plan.initial_pipe_len,
+                "initial_pipe_len auto: %d (device memory %s)",
+                self.plan.initial_pipe_len,
                 "unlimited" if budget is None else format_bytes(budget),
             )
         if world.rank == 0:  # the resolved config says where the run started
@@ -228,27 +293,37 @@ class Trainer:
         would have), otherwise the initial one (re-planned for the new world)."""
         initial = self.plan.initial_pipe_len
         state, world = self.state, self.world
-        same_world = (state.world_size, state.devices_per_node) == (world.world_size, world.devices_per_node)
+        same_world = (state.world_size, state.devices_per_node) == (
+            world.world_size,
+            world.devices_per_node,
+        )
         return min(state.pipe_len, initial) if same_world and state.pipe_len > 0 else initial
 
     def cache_serves(self, num_frozen_layers: int) -> bool:
         """Whether AutoCache serves the frozen prefix at this boundary (same on every rank)."""
         if self.cache is None or not self.config.autopipe.enabled:
             return False  # without AutoPipe frozen layers stay inside stages: nothing to serve
-        return self.cache.profitable(num_frozen_layers, self.measured_costs, self.profile_micro_batch_size)
+        return self.cache.profitable(
+            num_frozen_layers, self.measured_costs, self.profile_micro_batch_size
+        )
 
     def layout_for(self, num_frozen_layers: int, current_pipe_len: int) -> Layout:
         prefix_cost = None
         if self.cache_serves(num_frozen_layers):
             # Measured seconds: a read of the prefix's output; parameter counts: next to nothing.
             time_costs = self.plan.costs.source == "time"
-            prefix_cost = self.cache.prefix_cost(self.profile_micro_batch_size) if time_costs else 0.0
+            prefix_cost = (
+                self.cache.prefix_cost(self.profile_micro_batch_size) if time_costs else 0.0
+            )
         return self.plan.layout_for(num_frozen_layers, current_pipe_len, prefix_cost=prefix_cost)
 
     # ------------------------------------------------------------------ the stage of a layout
 
     def _enter(
-        self, layout: Layout, units: dict[int, nn.Module], optimizer_states: dict[str, dict],
+        self,
+        layout: Layout,
+        units: dict[int, nn.Module],
+        optimizer_states: dict[str, dict],
         times: dict[str, float] | None = None,
     ) -> Stage:
         """This rank's stage of `layout`: training groups, frozen units, the micro-batch count
@@ -274,16 +349,27 @@ class Trainer:
         frozen = layout.plan.num_frozen_layers
         stage.cache_active = self.cache_serves(frozen)
         if stage.cache_active and stage.runtime is not None and stage.runtime.is_first:
-            stage.runtime.cached_prefix = CachedPrefix(units, frozen, self.cache.client, self.world.device, self.cache.counts)
+            stage.runtime.cached_prefix = CachedPrefix(
+                units, frozen, self.cache.client, self.world.device, self.cache.counts
+            )
         state = self.state
-        state.num_frozen_layers, state.pipe_len, state.dp_degree = frozen, layout.pipe_len, layout.dp_degree
+        state.num_frozen_layers, state.pipe_len, state.dp_degree = (
+            frozen,
+            layout.pipe_len,
+            layout.dp_degree,
+        )
         state.num_micro_batches = layout.plan.num_micro_batches
-        state.world_size, state.devices_per_node = self.world.world_size, self.world.devices_per_node
+        state.world_size, state.devices_per_node = (
+            self.world.world_size,
+            self.world.devices_per_node,
+        )
         self.control.barrier()
         times["rebuild_s"] = time.perf_counter() - started
         return stage
 
-    def _runtime(self, layout: Layout, units: dict[int, nn.Module], groups: TrainingGroups) -> StageRuntime | None:
+    def _runtime(
+        self, layout: Layout, units: dict[int, nn.Module], groups: TrainingGroups
+    ) -> StageRuntime | None:
         role = layout.role(self.world.rank)
         if role is None:
             return None
@@ -302,7 +388,9 @@ class Trainer:
             autocast_dtype=getattr(torch, name) if name else None,
         )
 
-    def _resolve_micro_batches(self, layout: Layout, units: dict[int, nn.Module], groups: TrainingGroups) -> Layout:
+    def _resolve_micro_batches(
+        self, layout: Layout, units: dict[int, nn.Module], groups: TrainingGroups
+    ) -> Layout:
         """For num_micro_batches 'auto': the measured fastest M of this layout (collective)."""
         if self.config.pipeline.num_micro_batches != "auto":
             return layout
@@ -338,25 +426,41 @@ class Trainer:
         for tick in self.clock.ticks():
             self.metrics.record(tick, self.steps.run(tick, self.stage))
             if self.metrics.due(tick):
-                self.metrics.log_steps(tick, self.stage.layout, self.steps.learning_rate(tick.global_step))
+                self.metrics.log_steps(
+                    tick, self.stage.layout, self.steps.learning_rate(tick.global_step)
+                )
             evaluation = self._end_epoch(tick) if tick.epoch_end else None
             if self.freezer.due(tick):
                 self._decision_point(tick)
             stop = int(self.control.all_max([self.stop.signum])[0])  # all ranks stop after one step
             if stop or self.checkpointer.due(tick):
-                reason = signal.Signals(stop).name if stop else "epoch" if tick.epoch_end else "steps"
+                reason = (
+                    signal.Signals(stop).name if stop else "epoch" if tick.epoch_end else "steps"
+                )
                 self.save_checkpoint(tick, reason, evaluation.eval_metric if evaluation else None)
             if stop:
                 state = self.state
-                raise RunStopped(stop, state.global_step, state.epoch, state.step_in_epoch, str(self.checkpointer.last_path))
+                raise RunStopped(
+                    stop,
+                    state.global_step,
+                    state.epoch,
+                    state.step_in_epoch,
+                    str(self.checkpointer.last_path),
+                )
         return self._finish(time.perf_counter() - started)
 
     def _end_epoch(self, tick: Tick) -> EvalResult | None:
         """Evaluation when due and the epoch's metrics line (collective)."""
-        evaluation, eval_s = self.evaluator.evaluate(self.stage) if self.evaluator.due(tick) else (None, 0.0)
+        evaluation, eval_s = (
+            self.evaluator.evaluate(self.stage) if self.evaluator.due(tick) else (None, 0.0)
+        )
         self.metrics.end_epoch(
-            tick, self.stage.layout, lr=self.steps.learning_rate(tick.global_step), evaluation=evaluation,
-            eval_s=eval_s, cache=self.cache.epoch_counters() if self.cache is not None else None,
+            tick,
+            self.stage.layout,
+            lr=self.steps.learning_rate(tick.global_step),
+            evaluation=evaluation,
+            eval_s=eval_s,
+            cache=self.cache.epoch_counters() if self.cache is not None else None,
             cache_active=self.stage.cache_active,
         )
         return evaluation
@@ -371,7 +475,10 @@ class Trainer:
     # ------------------------------------------------------------------ transitions
 
     def transition(
-        self, num_frozen_layers: int, grad_norms: list[float] | None = None, tick: Tick | None = None
+        self,
+        num_frozen_layers: int,
+        grad_norms: list[float] | None = None,
+        tick: Tick | None = None,
     ) -> TransitionEvent:
         """Move to the layout for `num_frozen_layers` after the step of `tick` (default: the
         newest). Collective: every rank, same order."""
@@ -416,7 +523,9 @@ class Trainer:
             num_micro_batches=new.plan.num_micro_batches,
             units_moved=len(transfers),
             layer_grad_norms=grad_norms,
-            data_groups=[new.data_ranks(s) for s in range(new.pipe_len)] if new.dp_degree > 1 else [],
+            data_groups=[new.data_ranks(s) for s in range(new.pipe_len)]
+            if new.dp_degree > 1
+            else [],
             **times,
             total_s=sum(times.values()),
         )
@@ -429,7 +538,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _statefuls(self, record: CheckpointRecord | None = None, rng: bool = True) -> dict[str, Stateful]:
+    def _statefuls(
+        self, record: CheckpointRecord | None = None, rng: bool = True
+    ) -> dict[str, Stateful]:
         """What a checkpoint holds of this rank, in the same order on every rank."""
         statefuls: dict[str, Stateful] = {}
         if record is not None:
@@ -443,15 +554,27 @@ class Trainer:
     def save_checkpoint(self, tick: Tick, reason: str, eval_metric: float | None = None) -> None:
         """A checkpoint of the run as it stands after the step of `tick` (collective)."""
         state = self.metrics.snapshot(self.state, self.stage.layout.dp_degree)
-        model = ModelRecord(list(self.spec.unit_names), list(self.spec.unit_param_counts), self.model_args)
+        model = ModelRecord(
+            list(self.spec.unit_names), list(self.spec.unit_param_counts), self.model_args
+        )
         record = CheckpointRecord(state, self.config.to_dict(), model, time.time())
         saved = self.checkpointer.save(
-            state.global_step, self._statefuls(record), reason, eval_metric,
+            state.global_step,
+            self._statefuls(record),
+            reason,
+            eval_metric,
             lambda directory: self.profiler.store.save_copy(directory / PROFILES),
         )
         self.reporter.event(
-            CheckpointEvent(state.global_step, tick.completed_epochs, str(saved.path), reason, saved.write_s, saved.bytes,
-                            eval_metric)
+            CheckpointEvent(
+                state.global_step,
+                tick.completed_epochs,
+                str(saved.path),
+                reason,
+                saved.write_s,
+                saved.bytes,
+                eval_metric,
+            )
         )
         self.metrics.exclude(saved.write_s)  # writing a checkpoint is not training time
 

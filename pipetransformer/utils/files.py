@@ -75,7 +75,9 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
             records.append(json.loads(line))
         except json.JSONDecodeError as exc:
             if number == len(lines):
-                logger.warning("%s: skipping its last line, cut short by an interrupted write", path)
+                logger.warning(
+                    "%s: skipping its last line, cut short by an interrupted write", path
+                )
                 break
             raise ValueError(f"{path}:{number}: not a JSON record: {exc}") from exc
     return records
@@ -93,4 +95,6 @@ def rewrite_jsonl(path: str | os.PathLike, keep: Callable[[dict[str, Any]], bool
 def looks_like_path(name: str) -> bool:
     """Whether a model or tokenizer name is meant as a local path rather than a hub id
     ('org/name' has at most one slash and never starts with '/', '.' or '~')."""
-    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+    return (
+        name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+    )
