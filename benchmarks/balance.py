@@ -91,11 +91,13 @@ def balance_table(model: LayeredModel, unit_profile: UnitProfile) -> None:
     time_costs = unit_costs_from_profile(unit_profile)
     param_costs = UnitCosts.from_param_counts(model.spec.unit_param_counts, 1 / 6)
     print(
-        f"unit costs at micro-batch {unit_profile.micro_batch_size} (forward+backward ms, parameters):"
+        f"unit costs at micro-batch {unit_profile.micro_batch_size} "
+        "(forward+backward ms, parameters):"
     )
     for unit, name in enumerate(model.spec.unit_names):
         print(
-            f"  {name:<16} {1e3 * time_costs.trained[unit]:8.3f} ms  {model.spec.unit_param_counts[unit]:>10,}"
+            f"  {name:<16} {1e3 * time_costs.trained[unit]:8.3f} ms  "
+            f"{model.spec.unit_param_counts[unit]:>10,}"
         )
     print()
     print("| K | balance | max stage time (ms) | stages |")
@@ -105,7 +107,8 @@ def balance_table(model: LayeredModel, unit_profile: UnitProfile) -> None:
             plan = balance(costs, 0, pipe_len)
             seconds = stage_time(time_costs, plan.stage_ranges)
             print(
-                f"| {pipe_len} | {label} | {1e3 * seconds:.3f} | {ranges_text(model, plan.stage_ranges)} |"
+                f"| {pipe_len} | {label} | {1e3 * seconds:.3f} | "
+                f"{ranges_text(model, plan.stage_ranges)} |"
             )
     print()
 
@@ -136,7 +139,8 @@ def micro_batch_table(model, replica_batch: int, device, steps: int, repeats: in
     modelled: dict[tuple[int, int], float] = {}
     profiles: dict[int, UnitCosts] = {}
     print(
-        "| K | M | micro-batch | measured s/step (sequential) | modelled s/step (ideal K-stage GPipe) |"
+        "| K | M | micro-batch | measured s/step (sequential) "
+        "| modelled s/step (ideal K-stage GPipe) |"
     )
     print("|---|---|---|---|---|")
     for pipe_len in (2, 1):
@@ -151,7 +155,8 @@ def micro_batch_table(model, replica_batch: int, device, steps: int, repeats: in
             plan = balance(profiles[m], 0, pipe_len)
             modelled[pipe_len, m] = (m + pipe_len - 1) * stage_time(profiles[m], plan.stage_ranges)
             print(
-                f"| {pipe_len} | {m} | {replica_batch // m} | {measured[m]:.4f} | {modelled[pipe_len, m]:.4f} |"
+                f"| {pipe_len} | {m} | {replica_batch // m} | {measured[m]:.4f} | "
+                f"{modelled[pipe_len, m]:.4f} |"
             )
         best_measured = choose_micro_batches(measured, candidates)
         best_modelled = choose_micro_batches(
@@ -186,23 +191,28 @@ def main() -> None:
 
     print(f"machine: {machine(device)}")
     print(
-        f"model: random BERT, hidden 64, 4 layers, vocab {VOCAB:,}, sequence {SEQ}; {time.strftime('%Y-%m-%d')}"
+        f"model: random BERT, hidden 64, 4 layers, vocab {VOCAB:,}, sequence {SEQ}; "
+        f"{time.strftime('%Y-%m-%d')}"
     )
     print()
     print(
-        "## Table 1: balance on measured time vs parameter counts (greedy partition, nothing frozen)"
+        "## Table 1: balance on measured time vs parameter counts "
+        "(greedy partition, nothing frozen)"
     )
     print("max stage time = sum of profiled forward+backward seconds of the stage's units")
     print()
     balance_table(model, profile(model, args.micro_batch, device, args.repeats))
     print(
-        f"## Table 2: seconds per step of one replica batch ({args.replica_batch} samples) per micro-batch count"
+        f"## Table 2: seconds per step of one replica batch ({args.replica_batch} samples) "
+        "per micro-batch count"
     )
     print(
-        "measured = single process, sequential GPipe-order loop (no pipeline concurrency, no communication);"
+        "measured = single process, sequential GPipe-order loop "
+        "(no pipeline concurrency, no communication);"
     )
     print(
-        "modelled = (M + K - 1) x largest stage time per micro-batch, from profiles at micro-batch B/M"
+        "modelled = (M + K - 1) x largest stage time per micro-batch, "
+        "from profiles at micro-batch B/M"
     )
     print()
     micro_batch_table(model, args.replica_batch, device, args.steps, args.repeats)

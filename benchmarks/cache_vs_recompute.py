@@ -68,7 +68,8 @@ def main() -> None:
     inputs = data.train.fetch(ids)[0]
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{args.threads} thread(s); model {config.model.name}, {model.spec.num_layers} layers, batch {args.batch}, "
+        f"{args.threads} thread(s); model {config.model.name}, {model.spec.num_layers} layers, "
+        f"batch {args.batch}, "
         f"cache dtype {config.cache.dtype}"
     )
     print(f"{'frozen':>6} {'recompute (ms)':>15} {'cache hit (ms)':>15} {'speedup':>8}")

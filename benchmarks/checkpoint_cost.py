@@ -4,9 +4,10 @@ train: what remains is loading). Prints the write time and size of each checkpoi
 load time, and the training time per epoch with and without. Run from the repository root:
 
     python benchmarks/checkpoint_cost.py configs/quickstart.yaml
-    python benchmarks/checkpoint_cost.py configs/bert_sst2_local.yaml model.model_name_or_path=$MINILM \\
-        "model.kwargs={}" data.max_seq_length=64 data.train_subset=2000 trainer.global_batch_size=32 \\
-        trainer.epochs=2 pipeline.initial_pipe_len=auto
+    python benchmarks/checkpoint_cost.py configs/bert_sst2_local.yaml \\
+        model.model_name_or_path=$MINILM "model.kwargs={}" data.max_seq_length=64 \\
+        data.train_subset=2000 trainer.global_batch_size=32 trainer.epochs=2 \\
+        pipeline.initial_pipe_len=auto
 """
 
 from __future__ import annotations
@@ -71,16 +72,20 @@ def main() -> None:
             for name, path in (("with", with_ckpt), ("without", without))
         }
     print(
-        f"machine: {platform.machine()}, {os.cpu_count()} cores; {args.config} {' '.join(args.overrides)}"
+        f"machine: {platform.machine()}, {os.cpu_count()} cores; "
+        f"{args.config} {' '.join(args.overrides)}"
     )
     print(
-        f"checkpoint writes: {len(writes)}, {statistics.median(e['write_s'] for e in writes):.3f} s median "
-        f"(max {max(e['write_s'] for e in writes):.3f} s), {writes[-1]['bytes'] / 2**20:.1f} MiB each"
+        f"checkpoint writes: {len(writes)}, "
+        f"{statistics.median(e['write_s'] for e in writes):.3f} s median "
+        f"(max {max(e['write_s'] for e in writes):.3f} s), "
+        f"{writes[-1]['bytes'] / 2**20:.1f} MiB each"
     )
     print(f"load (resume from the last one): {resume['load_s']:.3f} s")
     print(
         f"training time per epoch: {statistics.mean(epochs['with']):.3f} s with checkpoints, "
-        f"{statistics.mean(epochs['without']):.3f} s without; wall time {walls['with']:.1f} s vs {walls['without']:.1f} s "
+        f"{statistics.mean(epochs['without']):.3f} s without; "
+        f"wall time {walls['with']:.1f} s vs {walls['without']:.1f} s "
         f"(of which checkpoint writes {sum(e['write_s'] for e in writes):.2f} s)"
     )
 

@@ -65,11 +65,13 @@ def main() -> None:
         },
     }
     print(
-        f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; ViT embed "
-        f"{args.embed_dim}, depth {args.depth}, 32x32 px, global batch {args.batch}, AdamW, float32"
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
+        f"ViT embed {args.embed_dim}, depth {args.depth}, 32x32 px, global batch {args.batch}, "
+        "AdamW, float32"
     )
     print(
-        f"{'layout':>16} {'stage':>5} {'predicted MiB':>14} {'measured MiB':>13} {'error':>7}   predicted parts (MiB)"
+        f"{'layout':>16} {'stage':>5} {'predicted MiB':>14} {'measured MiB':>13} {'error':>7}   "
+        "predicted parts (MiB)"
     )
     for pipe_len, dp_degree, schedule, micro in LAYOUTS:
         with tempfile.TemporaryDirectory() as out:
@@ -84,7 +86,8 @@ def main() -> None:
             )
             layout = f"K={pipe_len} R={dp_degree} {schedule} M={micro}"
             print(
-                f"{layout:>16} {result['stage']:>5} {predicted / 2**20:>14.1f} {measured / 2**20:>13.1f} "
+                f"{layout:>16} {result['stage']:>5} {predicted / 2**20:>14.1f} "
+                f"{measured / 2**20:>13.1f} "
                 f"{(predicted - measured) / measured:>+7.1%}   {parts}   (rank {rank})"
             )
 

@@ -1,10 +1,11 @@
 """`plan --predict` against measured epoch times: the steady epochs (the layout already in
 effect the epoch before, no transition inside it) of the runs of one or more `compare`
 directories, grouped by run and layout (the median epoch: single epochs of a few seconds
-vary by +-20% on a shared VM), predicted from the unit profile those runs measured, this machine's measured
-memory and loopback bandwidth, and the per-step overhead calibrated from the trainer's own
-micro-batch timings. Prints predicted vs measured and writes the records (with everything
-the prediction needs) to --out, which tests/test_predict.py recomputes. From the repository root:
+vary by +-20% on a shared VM), predicted from the unit profile those runs measured, this
+machine's measured memory and loopback bandwidth, and the per-step overhead calibrated
+from the trainer's own micro-batch timings. Prints predicted vs measured and writes the
+records (with everything the prediction needs) to --out, which tests/test_predict.py
+recomputes. From the repository root:
 
     python benchmarks/predict_validation.py runs/compare/quickstart runs/bench_bert_sst2 \\
         --out docs/benchmarks/predict_validation.json
@@ -78,8 +79,8 @@ def main() -> None:
     parser.add_argument(
         "--bandwidths-from",
         default=None,
-        help="reuse the memory and link bandwidths of an earlier output file instead of measuring them "
-        "(when the machine is busy now)",
+        help="reuse the memory and link bandwidths of an earlier output file "
+        "instead of measuring them (when the machine is busy now)",
     )
     args = parser.parse_args()
     if args.bandwidths_from:
@@ -159,7 +160,8 @@ def main() -> None:
     )
     print(f"memory {memory_bps / 1e9:.1f} GB/s, gloo loopback all-reduce {link_bps / 1e9:.2f} GB/s")
     print(
-        "| workload | variant | steady epochs | frozen | K x R | M | measured, median (range) (s) | predicted (s) | error |"
+        "| workload | variant | steady epochs | frozen | K x R | M "
+        "| measured, median (range) (s) | predicted (s) | error |"
     )
     print("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     for e in entries:

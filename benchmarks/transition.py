@@ -7,7 +7,8 @@ layout seen for the first time, with num_micro_batches: auto), rebuild (optimize
 PipelineStage, schedule). Run from the repository root:
 
     python benchmarks/transition.py configs/quickstart.yaml --frozen 2 5 --nproc 2
-    python benchmarks/transition.py configs/quickstart.yaml --frozen 3 5 --nproc 4 pipeline.initial_pipe_len=4
+    python benchmarks/transition.py configs/quickstart.yaml --frozen 3 5 --nproc 4 \\
+        pipeline.initial_pipe_len=4
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def main() -> None:
         with open(out) as f:
             transitions = json.load(f)
     print(
-        f"machine: {platform.machine()}, {os.cpu_count()} cores, {args.nproc} processes, {config.model.name}"
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, {args.nproc} processes, "
+        f"{config.model.name}"
     )
     print(
         f"{'frozen':>9} {'K':>7} {'R':>7} {'units':>6} " + " ".join(f"{p[:-2]:>11}" for p in PHASES)
@@ -80,7 +82,8 @@ def main() -> None:
     for t in transitions:
         print(
             f"{t['old_num_frozen_layers']:>3} -> {t['new_num_frozen_layers']:<3}"
-            f"{t['old_pipe_len']:>3}->{t['new_pipe_len']:<2} {t['old_dp_degree']:>3}->{t['new_dp_degree']:<2}"
+            f"{t['old_pipe_len']:>3}->{t['new_pipe_len']:<2} "
+            f"{t['old_dp_degree']:>3}->{t['new_dp_degree']:<2}"
             f"{t['units_moved']:>6} " + " ".join(f"{t[p] * 1000:>9.1f}ms" for p in PHASES)
         )
 

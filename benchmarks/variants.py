@@ -4,7 +4,8 @@ time, training throughput, the eval metric and the freeze trajectory of each. Fo
 
     python benchmarks/variants.py configs/quickstart.yaml \\
         --variant fp32=trainer.precision=fp32 --variant bf16=trainer.precision=bf16
-    python benchmarks/variants.py configs/quickstart.yaml --variant epoch=freeze.interval_steps=null \\
+    python benchmarks/variants.py configs/quickstart.yaml \\
+        --variant epoch=freeze.interval_steps=null \\
         --variant auto=freeze.interval_steps=auto trainer.seed=1
 
 A variant is NAME=OVERRIDE[,OVERRIDE...]; the remaining arguments apply to every variant.

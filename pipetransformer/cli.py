@@ -114,7 +114,8 @@ def _train_locally(
         nproc = config.nproc_per_node
         start = f"from {checkpoint}" if checkpoint else "from the start"
         print(
-            f"pipetransformer: training on {nproc} local process(es) {start}; run directory {run_dir}",
+            f"pipetransformer: training on {nproc} local process(es) {start}; "
+            f"run directory {run_dir}",
             file=sys.stderr,
         )
         run_id = uuid.uuid4().hex
@@ -190,7 +191,8 @@ def _train_under_torchrun(
     rank0 = os.environ.get("RANK", "0") == "0"
     if config.trainer.max_restarts and rank0:
         logger.warning(
-            "trainer.max_restarts applies to local runs; under torchrun pass --max-restarts (MAX_RESTARTS for launch/)"
+            "trainer.max_restarts applies to local runs; under torchrun pass --max-restarts "
+            "(MAX_RESTARTS for launch/)"
         )
     try:
         run_worker(config, run_dir, options)
@@ -377,7 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument(
         "--trajectory",
         default="auto",
-        help="'auto' (the config's freeze strategy and cadence), 'paper' (closed form each epoch) or F per epoch: 0,0,2,4",
+        help="'auto' (the config's freeze strategy and cadence), "
+        "'paper' (closed form each epoch) or F per epoch: 0,0,2,4",
     )
     predict.add_argument(
         "--steps-per-epoch", type=int, default=None, help="default: from the local training data"
@@ -401,7 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument(
         "--peers",
         action="store_true",
-        help="also run what users run instead: ddp (K=1, no freezing) and freeze-ddp (K=1, freezing and AutoCache)",
+        help="also run what users run instead: ddp (K=1, no freezing) "
+        "and freeze-ddp (K=1, freezing and AutoCache)",
     )
     seeding = compare.add_mutually_exclusive_group()
     seeding.add_argument(
@@ -429,7 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument(
         "--report-only",
         action="store_true",
-        help="rerun nothing: rebuild results.json, report.md and plots from the runs already in --out",
+        help="rerun nothing: rebuild results.json, report.md and plots "
+        "from the runs already in --out",
     )
     compare.set_defaults(func=cmd_compare)
 

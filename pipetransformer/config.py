@@ -75,9 +75,9 @@ class TrainerConfig:
         if self.precision == "fp16":
             _fail(
                 "trainer.precision",
-                "fp16 needs dynamic loss scaling agreed across pipeline stages and replicas, which "
-                "this system does not implement; use bf16 (no scaling needed, the same speed on GPUs "
-                "with bfloat16 units) or fp32",
+                "fp16 needs dynamic loss scaling agreed across pipeline stages and replicas, "
+                "which this system does not implement; use bf16 (no scaling needed, the same "
+                "speed on GPUs with bfloat16 units) or fp32",
             )
 
     @property
@@ -541,7 +541,8 @@ def _layout_problem(config: Config, world: int, k0: int) -> tuple[str, str] | No
         replicas = world // k if (config.autodp.enabled or k == k0) else world // k0
         if batch % replicas != 0:
             return "trainer.global_batch_size", (
-                f"{batch} does not split evenly over {replicas} pipeline replicas (pipe_len {k} on {world} devices)"
+                f"{batch} does not split evenly over {replicas} pipeline replicas "
+                f"(pipe_len {k} on {world} devices)"
             )
         per_replica = batch // replicas
         if isinstance(m, int) and per_replica % m != 0:
@@ -588,9 +589,9 @@ def check_config(config: Config, world_size: int | None = None) -> None:
     if config.cache.enabled and augmented and not config.cache.allow_augmented:
         _fail(
             "cache.allow_augmented",
-            "data.augment makes each epoch's inputs differ, so cached frozen-layer outputs would be "
-            "stale; set cache.allow_augmented=true to cache each sample's first view (the paper's "
-            "behaviour), data.augment=false, or cache.enabled=false",
+            "data.augment makes each epoch's inputs differ, so cached frozen-layer outputs "
+            "would be stale; set cache.allow_augmented=true to cache each sample's first view "
+            "(the paper's behaviour), data.augment=false, or cache.enabled=false",
         )
     family = config.model.resolved_family()
     if family == "bert" and config.data.name in ("digits", "cifar10", "cifar100", "imagefolder"):
@@ -611,7 +612,8 @@ class World:
     def __post_init__(self) -> None:
         if self.devices_per_node < 1 or self.world_size % self.devices_per_node:
             raise ValueError(
-                f"{self.devices_per_node} devices per node do not divide the world of {self.world_size}"
+                f"{self.devices_per_node} devices per node do not divide "
+                f"the world of {self.world_size}"
             )
 
 

@@ -214,11 +214,13 @@ def check_freeze_config(config: FreezeConfig, num_layers: int) -> None:
 
     if config.max_frozen_layers is not None and config.max_frozen_layers > num_layers:
         raise ConfigError(
-            f"freeze.max_frozen_layers: {config.max_frozen_layers} exceeds the model's {num_layers} layers"
+            f"freeze.max_frozen_layers: {config.max_frozen_layers} exceeds "
+            f"the model's {num_layers} layers"
         )
     if config.strategy == "manual" and max(config.manual_schedule) > num_layers:
         raise ConfigError(
-            f"freeze.manual_schedule: {max(config.manual_schedule)} exceeds the model's {num_layers} layers"
+            f"freeze.manual_schedule: {max(config.manual_schedule)} exceeds "
+            f"the model's {num_layers} layers"
         )
 
 
@@ -244,7 +246,8 @@ def convergence_decision(
     previous_norms = [] if previous_layer_grad_norms is None else list(previous_layer_grad_norms)
     if previous_norms and len(previous_norms) != num_layers:
         raise ValueError(
-            f"convergence: {len(previous_norms)} previous layer gradient norms for {num_layers} layers"
+            f"convergence: {len(previous_norms)} previous layer gradient norms "
+            f"for {num_layers} layers"
         )
     if any(norm < 0 for norm in (*layer_grad_norms, *previous_norms)):
         raise ValueError("convergence: gradient norms must not be negative")

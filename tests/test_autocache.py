@@ -450,7 +450,8 @@ def test_the_death_of_the_starter_cleans_up(tmp_path):
     code = (
         "import os, sys, time\n"
         "from pipetransformer.autocache import CacheDaemon\n"
-        f"d = CacheDaemon.start({{'train': (8, [((4,), 'float32')])}}, memory_budget_bytes=0, disk_dir={str(tmp_path)!r})\n"
+        f"d = CacheDaemon.start({{'train': (8, [((4,), 'float32')])}}, memory_budget_bytes=0, "
+        f"disk_dir={str(tmp_path)!r})\n"
         "print(d.name, d.pid, d.disk_dir, flush=True)\n"
         "time.sleep(120)\n"
     )

@@ -97,7 +97,8 @@ def test_predicted_epoch_time_within_tolerance_of_measured(index):
     error = (predicted - entry["measured_s"]) / entry["measured_s"]
     assert abs(error) <= TOLERANCE, (
         f"{entry['workload']}/{entry['variant']} ({len(entry['epochs'])} epochs) "
-        f"(F={entry['num_frozen_layers']}, {entry['pipe_len']}x{entry['dp_degree']}, M={entry['num_micro_batches']}): "
+        f"(F={entry['num_frozen_layers']}, {entry['pipe_len']}x{entry['dp_degree']}, "
+        f"M={entry['num_micro_batches']}): "
         f"predicted {predicted:.2f} s, measured {entry['measured_s']:.2f} s ({error:+.0%})"
     )
 

@@ -156,7 +156,8 @@ def test_keys_separate_what_changes_costs_and_parse_back():
     assert UnitProfileKey.parse(str(unit)) == unit and unit.device == "cuda:NVIDIA H100 80GB HBM3"
     # The file's key strings are those of earlier releases (profile files stay readable).
     assert str(unit) == (
-        f"unit|model={MODEL}|device=cuda:NVIDIA H100 80GB HBM3|dtype=bfloat16|micro_batch=8|inputs=128,128,128"
+        f"unit|model={MODEL}|device=cuda:NVIDIA H100 80GB HBM3|dtype=bfloat16|micro_batch=8"
+        "|inputs=128,128,128"
     )
     with pytest.raises(ValueError, match="not a unit profile key"):
         UnitProfileKey.parse(str(key))

@@ -148,7 +148,10 @@ def test_squad_evaluate_takes_the_max_over_gold_answers_and_counts_unanswered_as
 
 
 def test_locate_answer_repairs_bad_annotations():
-    context = "Labor force (137.7 million) grew; it took 7 years. PEOPLE FACE TRADEOFFS: people face tradeoffs."
+    context = (
+        "Labor force (137.7 million) grew; it took 7 years. "
+        "PEOPLE FACE TRADEOFFS: people face tradeoffs."
+    )
     # Annotated inside "137.7": the whole-word occurrence is used instead.
     begin, end = locate_answer(context, "7", context.index("137.7") + 2)
     assert (context[begin:end], begin) == ("7", context.index(" 7 ") + 1)

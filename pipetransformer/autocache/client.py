@@ -189,7 +189,8 @@ class CacheClient:
             expected = (ids.size, *field.shape)
             if tuple(tensor.shape) != expected:
                 raise ValueError(
-                    f"split {split!r} tensor {index}: expected shape {expected}, got {tuple(tensor.shape)}"
+                    f"split {split!r} tensor {index}: expected shape {expected}, "
+                    f"got {tuple(tensor.shape)}"
                 )
         store.write(ids, int(layer), [t.detach().to("cpu") for t in tensors])
         if split in self._prefetchers:

@@ -91,15 +91,18 @@ def _check_private(
 ) -> None:
     if not is_kind(info.st_mode):
         raise UnsafeStore(
-            f"{path} is not a {kind} (a symlink or another kind of file): refusing to use it as a cache store"
+            f"{path} is not a {kind} (a symlink or another kind of file): "
+            "refusing to use it as a cache store"
         )
     if info.st_uid != os.geteuid():
         raise UnsafeStore(
-            f"{path} belongs to uid {info.st_uid}, not this user: refusing to use it as a cache store"
+            f"{path} belongs to uid {info.st_uid}, not this user: "
+            "refusing to use it as a cache store"
         )
     if info.st_mode & 0o077:
         raise UnsafeStore(
-            f"{path} is open to other users (mode {stat.S_IMODE(info.st_mode):o}): refusing to use it as a cache store"
+            f"{path} is open to other users (mode {stat.S_IMODE(info.st_mode):o}): "
+            "refusing to use it as a cache store"
         )
 
 

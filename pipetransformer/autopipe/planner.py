@@ -14,8 +14,8 @@ average); `optimal` minimises the largest stage exactly (dynamic programming).
 
 Compression: from the current K, try K/2 while the largest stage of the packed plan is no
 larger than the largest stage of the initial plan (F = 0, K = initial_pipe_len), and, when
-memory is limited, every stage of the packed plan fits the device (autopipe/memory.py). K only halves; it always divides
-the devices of a node because the initial K does.
+memory is limited, every stage of the packed plan fits the device (autopipe/memory.py). K
+only halves; it always divides the devices of a node because the initial K does.
 """
 
 from __future__ import annotations

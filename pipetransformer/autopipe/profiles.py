@@ -430,7 +430,8 @@ def candidate_micro_batches(pipe_len: int, replica_batch: int, minimum: int = 1)
     fallback = ([below[-1]] if below else []) + ([above[0]] if above else [])
     if not fallback:
         raise ValueError(
-            f"no micro-batch count >= {minimum} divides the replica batch {replica_batch} (pipe_len {pipe_len})"
+            f"no micro-batch count >= {minimum} divides the replica batch {replica_batch} "
+            f"(pipe_len {pipe_len})"
         )
     return fallback
 

@@ -189,7 +189,8 @@ def write_report(
         lines += ["", f"## Seed {results['detail_seed']} in detail"]
     lines += [
         "",
-        f"**Speedup {results['speedup']:.2f}x** (baseline wall time / elastic wall time); final {metric} "
+        f"**Speedup {results['speedup']:.2f}x** (baseline wall time / elastic wall time); "
+        f"final {metric} "
         f"{runs[ELASTIC]['final_eval_metric']:.4f} vs {runs[BASELINE]['final_eval_metric']:.4f} "
         f"(delta {100 * results['eval_metric_delta']:+.2f} points).",
     ]
@@ -200,14 +201,19 @@ def write_report(
         )
     lines += [
         "",
-        f"| variant | wall time (s) | speedup | final {metric} | best {metric} | frozen layers | pipe_len x dp_degree | DDP comm share |",
+        (
+            f"| variant | wall time (s) | speedup | final {metric} | best {metric} "
+            "| frozen layers | pipe_len x dp_degree | DDP comm share |"
+        ),
         "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
     for name, run in runs.items():
         lines.append(
-            f"| {TITLES.get(name, name)} | {run['wall_time_s']:.1f} | {results['speedups'][name]:.2f}x | "
+            f"| {TITLES.get(name, name)} | {run['wall_time_s']:.1f} | "
+            f"{results['speedups'][name]:.2f}x | "
             f"{run['final_eval_metric']:.4f} | {run['best_eval_metric']:.4f} | "
-            f"{run['freeze_trajectory'][-1]['num_frozen_layers']} | {_fmt_layout(run)} | {100 * run['ddp_comm_share']:.1f}% |"
+            f"{run['freeze_trajectory'][-1]['num_frozen_layers']} | {_fmt_layout(run)} | "
+            f"{100 * run['ddp_comm_share']:.1f}% |"
         )
     if len(runs) > 2:
         names = list(runs)
@@ -227,15 +233,22 @@ def write_report(
             "",
             "## Transitions of the full system",
             "",
-            "| epoch | step | frozen | pipe_len | dp_degree | units moved | plan (ms) | state move (ms) | groups (ms) | micro-batch profiling (ms) | rebuild (ms) | total (ms) |",
+            (
+                "| epoch | step | frozen | pipe_len | dp_degree | units moved | plan (ms) "
+                "| state move (ms) | groups (ms) | micro-batch profiling (ms) | rebuild (ms) "
+                "| total (ms) |"
+            ),
             "| ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for e in map(TransitionEvent.from_dict, events):
             lines.append(
-                f"| {e.epoch} | {e.global_step} | {e.old_num_frozen_layers} → {e.new_num_frozen_layers} | "
-                f"{e.old_pipe_len} → {e.new_pipe_len} | {e.old_dp_degree} → {e.new_dp_degree} | "
+                f"| {e.epoch} | {e.global_step} | "
+                f"{e.old_num_frozen_layers} → {e.new_num_frozen_layers} | "
+                f"{e.old_pipe_len} → {e.new_pipe_len} | "
+                f"{e.old_dp_degree} → {e.new_dp_degree} | "
                 f"{e.units_moved} | {1000 * e.plan_s:.1f} | {1000 * e.state_move_s:.1f} | "
-                f"{1000 * e.groups_s:.1f} | {1000 * e.profile_s:.1f} | {1000 * e.rebuild_s:.1f} | {1000 * e.total_s:.1f} |"
+                f"{1000 * e.groups_s:.1f} | {1000 * e.profile_s:.1f} | {1000 * e.rebuild_s:.1f} | "
+                f"{1000 * e.total_s:.1f} |"
             )
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]

@@ -83,7 +83,8 @@ def machine_description(config: Config) -> str:
         else "CPU"
     )
     return (
-        f"{platform.machine()}, {os.cpu_count()} cores, {device}, {config.nproc_per_node} processes, "
+        f"{platform.machine()}, {os.cpu_count()} cores, {device}, "
+        f"{config.nproc_per_node} processes, "
         f"torch {torch.__version__}, Python {platform.python_version()}"
     )
 

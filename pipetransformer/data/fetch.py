@@ -47,10 +47,11 @@ def fetch_cifar(root: Path, num_classes: int) -> None:
                 cls(str(root), train=train, download=True)
         except Exception as exc:  # urllib, ssl, http, checksum: all mean the same to the user
             raise ConfigError(
-                f"data.download: cannot fetch CIFAR-{num_classes} into {root} ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}); download it where there is "
-                f"network and point data.root at the directory holding cifar-{num_classes}-python/, "
-                "with data.download=false"
+                f"data.download: cannot fetch CIFAR-{num_classes} into {root} "
+                f"({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}); "
+                "download it where there is network and point data.root at the directory "
+                f"holding cifar-{num_classes}-python/, with data.download=false"
             ) from None
 
 

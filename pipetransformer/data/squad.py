@@ -164,8 +164,8 @@ def load_squad_examples(
         raw = {"train": read_squad_file(base)}
         if own_eval:
             logger.warning(
-                "data.root is the single file %s and data.eval_root is not set: it is used for both "
-                "training and evaluation",
+                "data.root is the single file %s and data.eval_root is not set: "
+                "it is used for both training and evaluation",
                 base,
             )
             raw["eval"] = raw["train"]
@@ -264,7 +264,8 @@ class _Encoder:
             return
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError(
-                f"data.tokenizer: SQuAD needs a fast tokenizer (for offset mappings), got {type(tokenizer).__name__}"
+                "data.tokenizer: SQuAD needs a fast tokenizer (for offset mappings), "
+                f"got {type(tokenizer).__name__}"
             )
         self.cls_id, self.sep_id, self.pad_id = (
             tokenizer.cls_token_id,
@@ -323,8 +324,10 @@ def check_window(max_seq_length: int, doc_stride: int) -> None:
     smallest_window = max_seq_length - 3 - max_query_tokens(max_seq_length)
     if doc_stride < 0 or doc_stride >= smallest_window:
         raise ValueError(
-            f"data.doc_stride: must be in [0, {smallest_window}) for data.max_seq_length={max_seq_length} "
-            f"(the context window left beside a question of up to {max_query_tokens(max_seq_length)} tokens), "
+            f"data.doc_stride: must be in [0, {smallest_window}) "
+            f"for data.max_seq_length={max_seq_length} "
+            "(the context window left beside a question of up to "
+            f"{max_query_tokens(max_seq_length)} tokens), "
             f"got {doc_stride}"
         )
 
@@ -367,7 +370,8 @@ def featurize(
             plan.append((index, question, start, min(start + window, len(ids)), answer))
     if unlocated:
         logger.warning(
-            "%d of %d questions: the first gold answer is not in the context; their features are labelled [CLS]",
+            "%d of %d questions: the first gold answer is not in the context; "
+            "their features are labelled [CLS]",
             unlocated,
             len(examples),
         )

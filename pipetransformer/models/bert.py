@@ -244,7 +244,8 @@ def export_bert(model: LayeredModel, out_dir: Path, tokenizer: str | None) -> li
         AutoTokenizer.from_pretrained(tokenizer).save_pretrained(str(out_dir))
     else:
         logger.warning(
-            "no tokenizer exported: the run used a word vocabulary built from its training text "
-            "(set data.tokenizer or model.model_name_or_path to train with a transformers tokenizer)"
+            "no tokenizer exported: the run used a word vocabulary built from its training "
+            "text (set data.tokenizer or model.model_name_or_path to train with a "
+            "transformers tokenizer)"
         )
     return sorted(p.name for p in out_dir.iterdir())

@@ -137,7 +137,8 @@ class StageRuntime:
         target: torch.Tensor | None,
         ids: Sequence[int] | None = None,
     ) -> list[torch.Tensor]:
-        """One optimizer step's forward and backward; returns the last stage's micro-batch losses."""
+        """One optimizer step's forward and backward; returns the last stage's micro-batch
+        losses."""
         self.module.train()
         losses: list[torch.Tensor] = []
         if self.is_first:

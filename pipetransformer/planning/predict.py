@@ -123,8 +123,8 @@ def find_unit_profile(
     keys = [k for k in store.unit_profile_keys() if k.model == signature]
     if not keys:
         raise ConfigError(
-            f"--profile: {path} has no unit profile of this model ({config.model.name}); a run of this "
-            "config writes one (RUN_DIR/../profiles/profiles.json)"
+            f"--profile: {path} has no unit profile of this model ({config.model.name}); "
+            "a run of this config writes one (RUN_DIR/../profiles/profiles.json)"
         )
     keys.sort(key=lambda k: (k.device.startswith("cuda"), k.micro_batch_size))
     return store.unit_profile(keys[-1]), keys[-1], store
@@ -325,24 +325,26 @@ def _step(
 def format_prediction(result: Prediction, source: str) -> str:
     lines = [
         f"predicted for {result.nodes} node(s) x {result.devices_per_node} devices, links "
-        f"{result.intra_node_gbps:g} GB/s in a node, {result.inter_node_gbps:g} GB/s between nodes; "
+        f"{result.intra_node_gbps:g} GB/s in a node, "
+        f"{result.inter_node_gbps:g} GB/s between nodes; "
         f"unit profile {source} (micro-batch {result.profile_micro_batch_size}); "
         f"{result.steps_per_epoch} steps an epoch",
-        f"{'frozen':>6} {'K':>3} {'R':>3} {'M':>3} {'bubble':>7} {'compute':>10} {'p2p':>9} {'all-reduce':>10} "
-        f"{'optimizer':>10} {'overhead':>9} {'step':>10}",
+        f"{'frozen':>6} {'K':>3} {'R':>3} {'M':>3} {'bubble':>7} {'compute':>10} {'p2p':>9} "
+        f"{'all-reduce':>10} {'optimizer':>10} {'overhead':>9} {'step':>10}",
     ]
     for r in result.rows:
         lines.append(
             f"{r.num_frozen_layers:>6} {r.pipe_len:>3} {r.dp_degree:>3} {r.num_micro_batches:>3} "
             f"{r.bubble:>7.2f} {1e3 * r.compute_s:>8.2f}ms {1e3 * r.p2p_s:>7.2f}ms "
-            f"{1e3 * r.allreduce_s:>8.2f}ms {1e3 * r.optimizer_s:>8.2f}ms {1e3 * r.overhead_s:>7.2f}ms "
-            f"{1e3 * r.step_s:>8.2f}ms"
+            f"{1e3 * r.allreduce_s:>8.2f}ms {1e3 * r.optimizer_s:>8.2f}ms "
+            f"{1e3 * r.overhead_s:>7.2f}ms {1e3 * r.step_s:>8.2f}ms"
         )
     b = result.baseline
     lines += [
         f"trajectory (frozen layers per epoch): {result.trajectory}",
         f"Pipe+DDP (K={b.pipe_len}, R={b.dp_degree}, M={b.num_micro_batches}): "
-        f"{result.baseline_s / 60:.2f} min of training; PipeTransformer: {result.elastic_s / 60:.2f} min; "
+        f"{result.baseline_s / 60:.2f} min of training; "
+        f"PipeTransformer: {result.elastic_s / 60:.2f} min; "
         f"predicted speedup {result.speedup:.2f}x",
     ]
     return "\n".join(lines)

@@ -84,8 +84,9 @@ def plan_table(
         config.pipeline.balance == "time" or config.pipeline.initial_pipe_len == "auto"
     ):
         logger.warning(
-            "%s has no unit profile for this model on %s at micro-batch %d: costs from parameter counts, "
-            "memory without activations (a training run measures them)",
+            "%s has no unit profile for this model on %s at micro-batch %d: "
+            "costs from parameter counts, memory without activations "
+            "(a training run measures them)",
             path,
             device_type,
             micro_batch_size,
@@ -150,8 +151,8 @@ def format_plan_table(config: Config, rows: list[PlanRow]) -> str:
     )
     lines = [
         f"model {config.model.name}: {len(rows)} layers, initial pipe_len "
-        f"{first.pipe_len if first else config.pipeline.initial_pipe_len}{auto}, {config.nproc_per_node} "
-        f"devices per node; costs in {described}",
+        f"{first.pipe_len if first else config.pipeline.initial_pipe_len}{auto}, "
+        f"{config.nproc_per_node} devices per node; costs in {described}",
         f"memory per stage: {memory}{budget}",
         f"{'frozen':>6} {'K':>3} {'R':>3} {'M':>3}  {'max stage':>12}  {'MiB/stage':>16}  stages",
     ]

@@ -58,7 +58,8 @@ class Reporter:
                 import wandb as wandb_module
             except ImportError:
                 logger.warning(
-                    "logging.wandb: the wandb package is not installed (pip install wandb); skipping"
+                    "logging.wandb: the wandb package is not installed "
+                    "(pip install wandb); skipping"
                 )
             else:
                 # The run's id (kept in RUN_DIR across resumes and restarts) names the W&B
@@ -125,7 +126,8 @@ class Reporter:
         values = record.to_dict()
         append_jsonl(self.run_dir / "metrics.jsonl", values)
         logger.info(
-            "epoch %d: train_loss %.4f eval_metric %.4f, %.1f samples/s, frozen %d, pipe_len %d, dp_degree %d",
+            "epoch %d: train_loss %.4f eval_metric %.4f, %.1f samples/s, "
+            "frozen %d, pipe_len %d, dp_degree %d",
             record.epoch,
             record.train_loss,
             float("nan") if record.eval_metric is None else record.eval_metric,

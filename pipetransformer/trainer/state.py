@@ -197,7 +197,8 @@ class UnitWeights:
         missing = sorted(set(self.state_dict()) - set(state_dict))
         if missing:
             raise KeyError(
-                f"no {missing[0]} ({len(missing)} tensors missing): it was written for another model"
+                f"no {missing[0]} ({len(missing)} tensors missing): "
+                "it was written for another model"
             )
 
 

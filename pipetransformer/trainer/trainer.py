@@ -245,7 +245,8 @@ class Trainer:
             and self.world.rank == 0
         ):
             logger.warning(
-                "trainer.nproc_per_node is %d but the launcher started %d processes per node: using %d",
+                "trainer.nproc_per_node is %d but the launcher started %d processes per node: "
+                "using %d",
                 configured,
                 self.world.devices_per_node,
                 self.world.devices_per_node,
