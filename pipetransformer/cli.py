@@ -17,7 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
-from pipetransformer.config import Config, ConfigError, load_config
+from pipetransformer.config import Config, ConfigError, load_config, read_config_data
 
 logger = logging.getLogger("pipetransformer.cli")
 
@@ -53,6 +53,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.nproc is not None:
         overrides.append(f"trainer.nproc_per_node={args.nproc}")
+    if under_torchrun():
+        overrides += _processes_per_node_from_torchrun(args.config, overrides)
     config = load_config(args.config, overrides)
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite exclude each other")
@@ -75,6 +77,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     if code == 0 and config.trainer.save_model and os.environ.get("RANK", "0") == "0":
         _export_trained(run_dir)
     return code
+
+
+def _processes_per_node_from_torchrun(config_path: str, overrides: list[str]) -> list[str]:
+    """Under torchrun, torchrun says how many processes each node runs (LOCAL_WORLD_SIZE):
+    that number overrules trainer.nproc_per_node (and --nproc) before the config is
+    checked. A different configured number is a warning, printed once (global rank 0)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is None:
+        return []
+    trainer = read_config_data(config_path, overrides).get("trainer") or {}
+    configured = trainer.get("nproc_per_node") if isinstance(trainer, dict) else None
+    if configured is not None and str(configured) != local and os.environ.get("RANK") == "0":
+        print(
+            f"pipetransformer: warning: trainer.nproc_per_node is {configured} but torchrun "
+            f"started {local} processes per node: using {local}",
+            file=sys.stderr,
+        )
+    return [f"trainer.nproc_per_node={local}"]
 
 
 def _export_trained(run_dir: Path) -> None:

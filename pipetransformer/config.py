@@ -482,8 +482,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
-    """Read YAML (or start from defaults), apply overrides, check everything."""
+def read_config_data(
+    path: str | os.PathLike | None, overrides: list[str] | None = None
+) -> dict[str, Any]:
+    """The YAML's sections (or none) with the overrides applied: not yet typed or checked."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -496,8 +498,12 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
         data = loaded or {}
-    data = apply_overrides(data, overrides or [])
-    config = _build(Config, data, "")
+    return apply_overrides(data, overrides or [])
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
+    """Read YAML (or start from defaults), apply overrides, check everything."""
+    config = _build(Config, read_config_data(path, overrides), "")
     check_config(config)
     return config
 

@@ -155,3 +155,28 @@ def test_a_failing_worker_is_reported_once_with_its_cause(tmp_path):
     # The cause: torch's refusal to unpickle it (loaded with weights_only=True on every timm).
     assert "a worker process failed (rank" in result.stderr and "weights_only" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_under_torchrun_its_processes_per_node_overrule_the_config(monkeypatch, capsys):
+    """torchrun --nproc-per-node 8 with a config of 2 processes per node and an 8-stage
+    pipeline: the config is checked with torchrun's 8 (it fails with the config's 2), and
+    only global rank 0 warns."""
+    from pipetransformer.cli import _processes_per_node_from_torchrun
+    from pipetransformer.config import ConfigError, load_config
+
+    overrides = ["trainer.nproc_per_node=2", "pipeline.initial_pipe_len=8"]
+    with pytest.raises(ConfigError, match="does not divide the 2 devices per node"):
+        load_config(QUICKSTART, overrides)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    for rank in ("3", "0"):
+        monkeypatch.setenv("RANK", rank)
+        extra = _processes_per_node_from_torchrun(QUICKSTART, overrides)
+        assert extra == ["trainer.nproc_per_node=8"]
+        assert load_config(QUICKSTART, overrides + extra).nproc_per_node == 8
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == [
+        "pipetransformer: warning: trainer.nproc_per_node is 2 but torchrun started 8 "
+        "processes per node: using 8"
+    ]
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert _processes_per_node_from_torchrun(QUICKSTART, overrides) == []

@@ -23,6 +23,9 @@ class WorldInfo:
     local_rank: int
     devices_per_node: int
     device: torch.device
+    # Who said how many processes a node runs: "torchrun" (LOCAL_WORLD_SIZE, which overrules
+    # trainer.nproc_per_node) or "local launcher" (trainer.nproc_per_node or --nproc).
+    devices_per_node_from: str = "local launcher"
 
     @property
     def node(self) -> int:
@@ -81,7 +84,8 @@ def init_distributed(device_kind: str, timeout_s: float) -> WorldInfo:
             timeout=timeout,
             device_id=device if use_cuda else None,
         )
-    return WorldInfo(rank, world_size, local_rank, devices_per_node, device)
+    source = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "local launcher"
+    return WorldInfo(rank, world_size, local_rank, devices_per_node, device, source)
 
 
 # Set by the local launcher: every process of the run is on this machine, so nothing it

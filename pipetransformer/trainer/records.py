@@ -176,6 +176,10 @@ class StartEvent(Event):
     pipe_len: int
     dp_degree: int
     num_frozen_layers: int
+    # Processes per node and who set it: "torchrun" (its LOCAL_WORLD_SIZE overrules
+    # trainer.nproc_per_node) or "local launcher" (trainer.nproc_per_node or --nproc).
+    processes_per_node: int = 0
+    processes_per_node_from: str = ""
     cache_daemons: list[dict[str, Any]] = field(default_factory=list)  # one per node
     # The memory model's peak bytes per stage of the starting layout, and the device budget
     # (None: unlimited); memory_source 'profile' (measured) or 'params' (no activations).

@@ -613,6 +613,8 @@ class Trainer:
             pipe_len=layout.pipe_len,
             dp_degree=layout.dp_degree,
             num_frozen_layers=layout.plan.num_frozen_layers,
+            processes_per_node=self.world.devices_per_node,
+            processes_per_node_from=self.world.devices_per_node_from,
             cache_daemons=self.cache.daemons if self.cache is not None else [],
             predicted_stage_bytes=[int(b) for b in self.plan.stage_bytes(layout.plan)],
             device_memory_bytes=self.plan.budget_bytes,
