@@ -135,6 +135,12 @@ def test_resume_after_a_transition_reproduces_the_uninterrupted_run(tmp_path, el
     )
     assert [m["eval_metric"] for m in got] == [m["eval_metric"] for m in want]
     assert [(m["pipe_len"], m["dp_degree"]) for m in got] == [(4, 1), (2, 2), (1, 4)]
+    # Every sample once per epoch: the interrupted attempt's batches after step 10 were
+    # dropped from the sample records with the other records, and read again.
+    seen = [r for p in sorted((resumed_dir / "samples").glob("rank*.jsonl")) for r in records(p)]
+    for epoch in (1, 2, 3):
+        ids = sorted(i for r in seen if r["epoch"] == epoch for i in r["ids"])
+        assert ids == list(range(config_dict["data"]["train_subset"])), f"epoch {epoch}"
     state, reference = resumed[0]["state"][0], uninterrupted[0]["state"][0]
     assert set(state) == set(reference)
     for name, value in reference.items():
@@ -150,11 +156,13 @@ def test_resume_at_another_world_size_matches_single_process(
     tmp_path, elastic_full_run, first, second
 ):
     def config(world: int) -> dict:
-        return {
-            **elastic_full_run.config_dict,
-            **elastic_config(trainer__nproc_per_node=world, pipeline__initial_pipe_len=world),
-            "checkpoint": elastic_full_run.config_dict["checkpoint"],
-        }
+        return elastic_config(
+            trainer__nproc_per_node=world,
+            pipeline__initial_pipe_len=world,
+            checkpoint__interval_steps=5,
+            checkpoint__keep_last=20,
+            trainer__record_sample_ids=True,
+        )
 
     if first == 4:  # the shared run is this first run
         assert config(4) == elastic_full_run.config_dict

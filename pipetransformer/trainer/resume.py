@@ -130,7 +130,7 @@ def _prepare(run_dir: Path, options: RunOptions) -> Resumption | None:
         return None
     state = read_run_state(checkpoint).state
     previous = previous_attempt_wall_s(run_dir)  # before the records it reads are trimmed
-    truncate_after(run_dir, state.global_step, state.epoch)
+    truncate_after(run_dir, state.global_step, state.epoch, state.step_in_epoch)
     logger.info(
         "resuming from %s (global step %d, attempt %d)",
         checkpoint,

@@ -170,14 +170,19 @@ class RunLock:
             self._fd = None
 
 
-def truncate_after(run_dir: Path, global_step: int, completed_epochs: int) -> None:
-    """Drop the records written after a checkpoint at `global_step` (after `completed_epochs`
-    whole epochs): the resumed run writes them again."""
-    dropped = rewrite_jsonl(run_dir / "metrics.jsonl", lambda r: r["epoch"] <= completed_epochs)
+def truncate_after(run_dir: Path, global_step: int, epoch: int, step_in_epoch: int) -> None:
+    """Drop the records written after a checkpoint at `global_step` (`epoch` in progress,
+    0-based, with `step_in_epoch` of its steps taken): the resumed run writes them again."""
+    dropped = rewrite_jsonl(run_dir / "metrics.jsonl", lambda r: r["epoch"] <= epoch)
     dropped += rewrite_jsonl(run_dir / "steps.jsonl", lambda r: r["global_step"] <= global_step)
     dropped += rewrite_jsonl(
         run_dir / "events.jsonl", lambda r: r.get("global_step", 0) <= global_step
     )
+    # trainer.record_sample_ids: (1-based epoch, 0-based step) of each batch a rank read.
+    for samples in sorted((run_dir / "samples").glob("rank*.jsonl")):
+        dropped += rewrite_jsonl(
+            samples, lambda r: (r["epoch"] - 1, r["step"]) < (epoch, step_in_epoch)
+        )
     if dropped:
         logger.info(
             "dropped %d records written after the checkpoint at step %d", dropped, global_step
