@@ -246,31 +246,39 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _predict(config: Config, args: argparse.Namespace) -> int:
-    from pipetransformer.planning.predict import (
-        Cluster,
-        calibrated_times,
-        find_unit_profile,
-        format_prediction,
-        predict,
+    from pipetransformer.planning.predict import predict
+    from pipetransformer.planning.prediction_inputs import (
+        cluster_from_flags,
+        prediction_unit_times,
         steps_per_epoch_for,
-        unit_times,
     )
-    from pipetransformer.planning.profile_keys import profile_path_for
-    from pipetransformer.planning.step_model import Links
+    from pipetransformer.planning.prediction_report import format_prediction
 
-    devices = args.devices_per_node or config.nproc_per_node
-    path = Path(args.profile) if args.profile else profile_path_for(config)
-    profile, key, store = find_unit_profile(config, path)
-    links = Links(args.intra_node_gbps * 1e9, args.inter_node_gbps * 1e9)
-    times = calibrated_times(config, store, key, unit_times(profile, args.memory_gbps * 1e9), links)
-    steps = args.steps_per_epoch or steps_per_epoch_for(config, args.nodes)
+    cluster = cluster_from_flags(
+        args.nodes,
+        args.devices_per_node or config.nproc_per_node,
+        device_name=args.device,
+        intra_node=args.intra_node,
+        inter_node=args.inter_node,
+        intra_node_gbps=args.intra_node_gbps,
+        inter_node_gbps=args.inter_node_gbps,
+    )
+    chosen = prediction_unit_times(config, cluster, args.profile, args.memory_gbps)
+    if args.steps_per_epoch:
+        steps, steps_source = args.steps_per_epoch, "--steps-per-epoch"
+    else:
+        steps, steps_source = steps_per_epoch_for(config, args.nodes)
     result = predict(
-        config, profile, Cluster(args.nodes, devices, links), steps, args.trajectory, times
+        config,
+        chosen.profile,
+        cluster,
+        steps,
+        args.trajectory,
+        chosen.times,
+        unit_profile_source=chosen.source,
+        steps_per_epoch_source=steps_source,
     )
-    source = f"{path} [{key.device}]"
-    print(
-        json.dumps(result.to_dict(), indent=2) if args.json else format_prediction(result, source)
-    )
+    print(json.dumps(result.to_dict(), indent=2) if args.json else format_prediction(result))
     return 0
 
 
@@ -403,14 +411,48 @@ def build_parser() -> argparse.ArgumentParser:
         "'paper' (closed form each epoch) or F per epoch: 0,0,2,4",
     )
     predict.add_argument(
-        "--steps-per-epoch", type=int, default=None, help="default: from the local training data"
+        "--steps-per-epoch",
+        type=int,
+        default=None,
+        help="default: from the training data on disk, else the dataset's published size",
     )
     predict.add_argument(
-        "--intra-node-gbps", type=float, default=150.0, help="GB/s between devices of a node"
+        "--device",
+        metavar="NAME",
+        default=None,
+        help="a device of planning/hardware.yaml (e.g. quadro-rtx-5000): without a profile "
+        "measured on one, unit times from the model's analytical profile and a roofline; "
+        "its memory is the stage budget",
     )
-    predict.add_argument("--inter-node-gbps", type=float, default=25.0, help="GB/s between nodes")
     predict.add_argument(
-        "--memory-gbps", type=float, default=2000.0, help="a device's memory bandwidth, GB/s"
+        "--intra-node",
+        metavar="LINK",
+        default=None,
+        help="the link between devices of a node, from hardware.yaml (e.g. pcie3-x16)",
+    )
+    predict.add_argument(
+        "--inter-node",
+        metavar="LINK",
+        default=None,
+        help="the link between nodes, from hardware.yaml (e.g. infiniband-edr)",
+    )
+    predict.add_argument(
+        "--intra-node-gbps",
+        type=float,
+        default=None,
+        help="GB/s between devices of a node, instead of --intra-node (default 150)",
+    )
+    predict.add_argument(
+        "--inter-node-gbps",
+        type=float,
+        default=None,
+        help="GB/s between nodes, instead of --inter-node (default 25)",
+    )
+    predict.add_argument(
+        "--memory-gbps",
+        type=float,
+        default=None,
+        help="a device's memory bandwidth, GB/s, without --device (default 2000)",
     )
     plan.set_defaults(func=cmd_plan)
 

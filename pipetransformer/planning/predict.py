@@ -1,17 +1,20 @@
 """`pipetransformer plan --predict`: what a run of a config would take on a cluster, before
-it spends GPU hours: per frozen boundary, the layout the planner would pick and its
-predicted step time; along a freeze trajectory, the whole run against Pipe+DDP.
+it spends GPU hours: per frozen boundary, the layout the planner would pick, its predicted
+step time and the bytes of its largest stage; along a freeze trajectory, the whole run
+against what users run instead (`compare --peers`' variants): Pipe+DDP, plain DDP and
+freeze + DDP, each with whether it fits a device's memory.
 
-Inputs: a unit profile (a profile file of a run of this model, on the target device type
-when there is one), the cluster shape (nodes x devices per node) and stated link
-bandwidths. The arithmetic is step_model.py's; this module only turns a config into its
-inputs. Evaluation, transitions and start-up are left out of both sides.
+Inputs: a unit profile (measured by a run of this model, or roofline times from its
+analytical profile: prediction_inputs.py), the cluster (nodes x devices per node, link
+bandwidths, optionally a named device whose memory is the budget). The arithmetic is
+step_model.py's; this module only turns a config into its inputs. Evaluation, transitions
+and start-up are left out of every side. prediction_report.py prints the result.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +26,16 @@ from pipetransformer.autopipe.profiles import (
     UnitProfileKey,
     unit_costs_from_profile,
 )
-from pipetransformer.config import Config, ConfigError, World
+from pipetransformer.config import Config, ConfigError, World, initial_pipe_lens, resolve
 from pipetransformer.freeze import DecisionSchedule
-from pipetransformer.planning.context import PlanContext, describe_model
+from pipetransformer.models import ModelSpec
+from pipetransformer.planning.context import (
+    PlanContext,
+    describe_model,
+    format_bytes,
+    usable_device_bytes,
+)
+from pipetransformer.planning.hardware import Device
 from pipetransformer.planning.profile_keys import model_signature_for
 from pipetransformer.planning.step_model import (
     Links,
@@ -46,9 +56,15 @@ CACHE_READ_GBPS = 10.0
 
 @dataclass(frozen=True)
 class Cluster:
+    """Nodes x devices per node and the links between them; `device` (a row of
+    hardware.yaml) when the devices are named: its memory is then the stage budget."""
+
     nodes: int
     devices_per_node: int
     links: Links
+    device: Device | None = None
+    intra_node_link: str | None = None  # names of hardware.yaml links, None when stated
+    inter_node_link: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -56,6 +72,21 @@ class Cluster:
 
     def world(self) -> World:
         return World(self.world_size, self.devices_per_node, "cuda")
+
+    def memory_budget(self, config: Config) -> float | None:
+        """Bytes a stage may use: pipeline.device_memory_bytes when set, else the named
+        device's memory less the CUDA reserve, else None (no limit)."""
+        if config.pipeline.device_memory_bytes is not None:
+            return float(config.pipeline.device_memory_bytes)
+        return None if self.device is None else usable_device_bytes(self.device.memory_bytes)
+
+    def memory_label(self, config: Config) -> str:
+        """What the budget is, for a message: the device's name and the key that set it."""
+        if self.device is None:
+            return "pipeline.device_memory_bytes"
+        if config.pipeline.device_memory_bytes is not None:
+            return f"a {self.device.name} under pipeline.device_memory_bytes"
+        return f"a {self.device.name} ({format_bytes(self.device.memory_bytes)})"
 
 
 @dataclass(frozen=True)
@@ -73,14 +104,24 @@ class PredictedLayout:
     overhead_s: float
     step_s: float
     bubble: float
+    peak_bytes: float  # the memory model's largest stage
 
 
 @dataclass(frozen=True)
-class BaselineLayout:
+class PeerPrediction:
+    """One way to train the same model without the full system, as `compare --peers` runs
+    it: its layout at 0 frozen layers, its run time along its own trajectory (None when it
+    cannot run) and whether its largest stage fits the budget."""
+
+    name: str  # 'baseline' (Pipe+DDP), 'ddp' or 'freeze_ddp', as compare names them
     pipe_len: int
     dp_degree: int
     num_micro_batches: int
-    step_s: float
+    step_s: float | None  # at 0 frozen layers
+    run_s: float | None
+    peak_bytes: float | None
+    fits: bool
+    problem: str | None = None  # why it cannot run (a batch that does not split), if so
 
 
 @dataclass(frozen=True)
@@ -95,20 +136,44 @@ class Prediction:
     steps_per_epoch: int
     rows: list[PredictedLayout]
     trajectory: list[int]  # F in effect at the start of each epoch
-    baseline: BaselineLayout
+    baseline: PeerPrediction  # Pipe+DDP
     baseline_s: float
     elastic_s: float
+    peers: list[PeerPrediction]  # DDP and freeze + DDP
+    device: str | None = None
+    device_memory_bytes: float | None = None  # the stage budget, None: no limit
+    intra_node_link: str | None = None
+    inter_node_link: str | None = None
+    unit_profile_source: str = ""
+    steps_per_epoch_source: str = ""
 
     @property
     def speedup(self) -> float:
         return self.baseline_s / self.elastic_s
 
+    def speedup_over(self, peer: PeerPrediction) -> float | None:
+        """The full system's speedup over `peer`; None when the peer cannot run or fit."""
+        if peer.run_s is None or not peer.fits:
+            return None
+        return peer.run_s / self.elastic_s
+
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
         cluster = {
             key: data.pop(key)
-            for key in ("nodes", "devices_per_node", "intra_node_gbps", "inter_node_gbps")
+            for key in (
+                "nodes",
+                "devices_per_node",
+                "device",
+                "device_memory_bytes",
+                "intra_node_link",
+                "intra_node_gbps",
+                "inter_node_link",
+                "inter_node_gbps",
+            )
         }
+        for entry, peer in zip([data["baseline"], *data["peers"]], [self.baseline, *self.peers]):
+            entry["speedup"] = self.speedup_over(peer)
         return {"cluster": cluster, **data, "speedup": self.speedup}
 
 
@@ -237,14 +302,26 @@ def predict(
     steps_per_epoch: int,
     trajectory: str = "auto",
     times: UnitTimes | None = None,
+    *,
+    unit_profile_source: str = "",
+    steps_per_epoch_source: str = "",
 ) -> Prediction:
-    """Layouts per frozen boundary and the run's predicted time against Pipe+DDP. `times`:
-    the profile's unit times with the device's memory bandwidth and step overhead (default:
-    a GPU's bandwidth, no overhead)."""
+    """Layouts per frozen boundary and the run's predicted time against Pipe+DDP, DDP and
+    freeze + DDP. `times`: the profile's unit times with the device's memory bandwidth and
+    step overhead (default: a GPU's bandwidth, no overhead). The stage budget is
+    `cluster.memory_budget`: the planner compresses only into layouts that fit it, and a run
+    that fits no pipeline at 0 frozen layers is a ConfigError naming the device."""
     spec = describe_model(config)
     times = times or unit_times(profile)
-    budget = config.pipeline.device_memory_bytes  # the configured budget; GPUs: set it
-    context = PlanContext.build(config, spec, cluster.world(), profile, budget)
+    world = cluster.world()
+    budget = cluster.memory_budget(config)
+    if budget is not None:
+        _require_a_start_that_fits(config, spec, world, profile, budget, cluster)
+    context = PlanContext.build(config, spec, world, profile, budget)
+
+    def peak(ctx: PlanContext, layout: Layout) -> float:
+        return max(ctx.stage_bytes(layout.plan))
+
     rows, layouts = [], {}
     pipe_len = context.initial_pipe_len
     for frozen in range(spec.num_layers):
@@ -252,21 +329,36 @@ def predict(
         pipe_len = layout.pipe_len
         layouts[frozen] = layout
         step = _step(times, layout, context.config, cluster, cached=frozen > 0)
-        rows.append(_predicted(frozen, layout, step))
+        rows.append(_predicted(frozen, layout, step, peak(context, layout)))
+    frozen = frozen_per_step(config, trajectory, spec.num_layers, steps_per_epoch)
+    no_freezing = [0] * len(frozen)
+
+    def elastic_step(value: int, cached: bool) -> float:
+        if cached:
+            return rows[value].step_s
+        return _step(times, layouts[value], context.config, cluster, cached=False).step_s
+
+    elastic_s = _run_s(frozen, steps_per_epoch, elastic_step)
     # The baseline: Pipe+DDP at the configured pipeline length, or a whole node's.
     setting = config.pipeline.initial_pipe_len
     fixed = setting if isinstance(setting, int) else cluster.devices_per_node
-    base_layout = context.with_pipeline(fixed).layout_for(0, fixed)
+    base_context = context.with_pipeline(fixed)
+    base_layout = base_context.layout_for(0, fixed)
     base_step = _step(times, base_layout, context.config, cluster, cached=False).step_s
-    frozen = frozen_per_step(config, trajectory, spec.num_layers, steps_per_epoch)
-    elastic_s = 0.0
-    for step, value in enumerate(frozen):
-        # A boundary's first epoch computes the prefix (filling the cache); then it is read.
-        first_epoch = step < steps_per_epoch or frozen[step - steps_per_epoch] != value
-        if not first_epoch or value == 0:
-            elastic_s += rows[value].step_s
-        else:
-            elastic_s += _step(times, layouts[value], context.config, cluster, cached=False).step_s
+    baseline = PeerPrediction(
+        "baseline",
+        base_layout.pipe_len,
+        base_layout.dp_degree,
+        base_layout.plan.num_micro_batches,
+        base_step,
+        base_step * len(frozen),
+        peak(base_context, base_layout),
+        budget is None or peak(base_context, base_layout) <= budget,
+    )
+    peers = [
+        _ddp_peer("ddp", no_freezing, config, context, cluster, times, steps_per_epoch, budget),
+        _ddp_peer("freeze_ddp", frozen, config, context, cluster, times, steps_per_epoch, budget),
+    ]
     links = cluster.links
     return Prediction(
         nodes=cluster.nodes,
@@ -277,18 +369,119 @@ def predict(
         steps_per_epoch=steps_per_epoch,
         rows=rows,
         trajectory=[frozen[e * steps_per_epoch] for e in range(config.trainer.epochs)],
-        baseline=BaselineLayout(
-            base_layout.pipe_len,
-            base_layout.dp_degree,
-            base_layout.plan.num_micro_batches,
-            base_step,
-        ),
-        baseline_s=base_step * len(frozen),
+        baseline=baseline,
+        baseline_s=baseline.run_s,
         elastic_s=elastic_s,
+        peers=peers,
+        device=cluster.device.name if cluster.device else None,
+        device_memory_bytes=budget,
+        intra_node_link=cluster.intra_node_link,
+        inter_node_link=cluster.inter_node_link,
+        unit_profile_source=unit_profile_source,
+        steps_per_epoch_source=steps_per_epoch_source,
     )
 
 
-def _predicted(frozen: int, layout: Layout, step: StepPrediction) -> PredictedLayout:
+def _run_s(frozen: list[int], steps_per_epoch: int, step_s: Callable[[int, bool], float]) -> float:
+    """Seconds of a run with F = frozen[step] at each step; `step_s(F, cached)`. A boundary's
+    first epoch computes the frozen prefix (filling the cache); later epochs read it."""
+    seconds: dict[tuple[int, bool], float] = {}
+    total = 0.0
+    for step, value in enumerate(frozen):
+        first_epoch = step < steps_per_epoch or frozen[step - steps_per_epoch] != value
+        key = (value, value > 0 and not first_epoch)
+        if key not in seconds:
+            seconds[key] = step_s(*key)
+        total += seconds[key]
+    return total
+
+
+def _ddp_peer(
+    name: str,
+    frozen: list[int],
+    config: Config,
+    context: PlanContext,
+    cluster: Cluster,
+    times: UnitTimes,
+    steps_per_epoch: int,
+    budget: float | None,
+) -> PeerPrediction:
+    """DDP over every device (pipe_len 1) along `frozen` (all 0: plain DDP; the run's
+    trajectory: freeze + DDP, the frozen prefix cached as the full system caches it)."""
+    world = cluster.world()
+    peer = dataclasses.replace(
+        config, pipeline=dataclasses.replace(config.pipeline, initial_pipe_len=1)
+    )
+    if not any(frozen):
+        peer = dataclasses.replace(peer, freeze=dataclasses.replace(peer.freeze, strategy="none"))
+    try:
+        resolve(peer, world)  # the checks a run of it would meet (a batch that must split)
+    except ConfigError as exc:
+        m = config.pipeline.num_micro_batches
+        return PeerPrediction(
+            name,
+            pipe_len=1,
+            dp_degree=world.world_size,
+            num_micro_batches=m if isinstance(m, int) else 1,
+            step_s=None,
+            run_s=None,
+            peak_bytes=None,
+            fits=False,
+            problem=str(exc),
+        )
+    ddp = context.with_pipeline(1)
+    layout = ddp.layout_for(0, 1)
+    peak_bytes = max(ddp.stage_bytes(layout.plan))
+
+    def step_s(value: int, cached: bool) -> float:
+        return _step(times, ddp.layout_for(value, 1), ddp.config, cluster, cached).step_s
+
+    return PeerPrediction(
+        name,
+        layout.pipe_len,
+        layout.dp_degree,
+        layout.plan.num_micro_batches,
+        step_s(0, False),
+        _run_s(frozen, steps_per_epoch, step_s),
+        peak_bytes,
+        budget is None or peak_bytes <= budget,
+    )
+
+
+def _require_a_start_that_fits(
+    config: Config,
+    spec: ModelSpec,
+    world: World,
+    profile: UnitProfile,
+    budget: float,
+    cluster: Cluster,
+) -> None:
+    """A ConfigError naming the device and the need when no pipeline length the run may
+    start at fits `budget` with nothing frozen."""
+    unlimited = PlanContext.build(config, spec, world, profile)
+    needs = {}
+    for pipe_len in initial_pipe_lens(resolve(config, world), world.world_size):
+        fixed = unlimited.with_pipeline(pipe_len)
+        needs[pipe_len] = max(fixed.stage_bytes(fixed.layout_for(0, pipe_len).plan))
+        if needs[pipe_len] <= budget:
+            return
+    pipe_len = max(needs)
+    setting = config.pipeline.initial_pipe_len
+    hint = (
+        "; pipeline.initial_pipe_len=auto tries longer pipelines"
+        if isinstance(setting, int) and setting < world.devices_per_node
+        else ""
+    )
+    raise ConfigError(
+        f"no pipeline fits {cluster.memory_label(config)} at 0 frozen layers: the largest "
+        f"stage needs {format_bytes(needs[pipe_len])} at pipe_len {pipe_len}, a device has "
+        f"{format_bytes(budget)} for stages{hint}"
+    )
+
+
+def _predicted(
+    frozen: int, layout: Layout, step: StepPrediction, peak_bytes: float
+) -> PredictedLayout:
     m, k = layout.plan.num_micro_batches, layout.pipe_len
     return PredictedLayout(
         num_frozen_layers=frozen,
@@ -302,6 +495,7 @@ def _predicted(frozen: int, layout: Layout, step: StepPrediction) -> PredictedLa
         overhead_s=step.overhead_s,
         step_s=step.step_s,
         bubble=(m + k - 1) / m,
+        peak_bytes=peak_bytes,
     )
 
 
@@ -320,53 +514,6 @@ def _step(
         links=cluster.links,
         cached_prefix=cached,
     )
-
-
-def format_prediction(result: Prediction, source: str) -> str:
-    lines = [
-        f"predicted for {result.nodes} node(s) x {result.devices_per_node} devices, links "
-        f"{result.intra_node_gbps:g} GB/s in a node, "
-        f"{result.inter_node_gbps:g} GB/s between nodes; "
-        f"unit profile {source} (micro-batch {result.profile_micro_batch_size}); "
-        f"{result.steps_per_epoch} steps an epoch",
-        f"{'frozen':>6} {'K':>3} {'R':>3} {'M':>3} {'bubble':>7} {'compute':>10} {'p2p':>9} "
-        f"{'all-reduce':>10} {'optimizer':>10} {'overhead':>9} {'step':>10}",
-    ]
-    for r in result.rows:
-        lines.append(
-            f"{r.num_frozen_layers:>6} {r.pipe_len:>3} {r.dp_degree:>3} {r.num_micro_batches:>3} "
-            f"{r.bubble:>7.2f} {1e3 * r.compute_s:>8.2f}ms {1e3 * r.p2p_s:>7.2f}ms "
-            f"{1e3 * r.allreduce_s:>8.2f}ms {1e3 * r.optimizer_s:>8.2f}ms "
-            f"{1e3 * r.overhead_s:>7.2f}ms {1e3 * r.step_s:>8.2f}ms"
-        )
-    b = result.baseline
-    lines += [
-        f"trajectory (frozen layers per epoch): {result.trajectory}",
-        f"Pipe+DDP (K={b.pipe_len}, R={b.dp_degree}, M={b.num_micro_batches}): "
-        f"{result.baseline_s / 60:.2f} min of training; "
-        f"PipeTransformer: {result.elastic_s / 60:.2f} min; "
-        f"predicted speedup {result.speedup:.2f}x",
-    ]
-    return "\n".join(lines)
-
-
-def steps_per_epoch_for(config: Config, nodes: int) -> int:
-    """Steps an epoch, from the size of the local training data."""
-    if config.data.root is None and config.data.name != "digits":
-        raise ConfigError(
-            "--steps-per-epoch: needed when the data is fetched from the network (data.root unset)"
-        )
-    from pipetransformer.data import build_data
-
-    samples = len(
-        build_data(
-            config.data,
-            seed=config.trainer.seed,
-            model_name_or_path=config.model.model_name_or_path,
-        ).train
-    )
-    per_node = config.trainer.global_batch_size // nodes
-    return math.ceil(math.ceil(samples / nodes) / per_node)
 
 
 def layout_epoch_s(

@@ -36,11 +36,13 @@ from pipetransformer.autopipe.planner import PipelinePlan
 
 @dataclass(frozen=True)
 class Links:
-    """Bandwidths in bytes per second and a fixed latency per message."""
+    """Bandwidths in bytes per second and a fixed latency per message: `latency_s` inside a
+    node, `inter_node_latency_s` between nodes (None: the same)."""
 
     intra_node_bytes_per_s: float
     inter_node_bytes_per_s: float
     latency_s: float = 20e-6
+    inter_node_latency_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -111,14 +113,13 @@ def predict_step(
     )
     allreduce = 0.0
     if dp_degree > 1:
-        bandwidth = (
-            links.intra_node_bytes_per_s
-            if dp_degree <= replicas_per_node
-            else links.inter_node_bytes_per_s
-        )
+        spans_nodes = dp_degree > replicas_per_node
+        bandwidth = links.inter_node_bytes_per_s if spans_nodes else links.intra_node_bytes_per_s
+        latency = links.latency_s
+        if spans_nodes and links.inter_node_latency_s is not None:
+            latency = links.inter_node_latency_s
         allreduce = (
-            2 * (dp_degree - 1) / dp_degree * grads / bandwidth
-            + 2 * (dp_degree - 1) * links.latency_s
+            2 * (dp_degree - 1) / dp_degree * grads / bandwidth + 2 * (dp_degree - 1) * latency
         )
     optimizer = times.optimizer_passes * grads / times.memory_bytes_per_s
     overhead = times.step_overhead_s + (m + k - 1) * times.slot_overhead_s

@@ -1,0 +1,247 @@
+"""`plan --predict`'s flags turned into predict()'s inputs: the cluster (named hardware from
+hardware.yaml or stated bandwidths), the unit profile and its unit times (a measured profile,
+or the model's analytical profile through a roofline on the named device), and the number of
+steps an epoch, each with a line saying where it came from.
+
+Which unit profile: a measured one wins when the profile file has one for this model (the
+file `--profile` names, else the runs' default), unless `--device` names a device of another
+type than the one it was measured on; then, or when there is none, the analytical profile on
+the named device. Without `--device` a measured profile is needed, as before.
+
+Owns: `cluster_from_flags`, `prediction_unit_times`, `measured_on`, `steps_per_epoch_for`.
+Must not: predict (predict.py), measure anything, or download data or weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipetransformer.autopipe.profiles import UnitProfile
+from pipetransformer.config import Config, ConfigError, DataConfig, resolve
+from pipetransformer.models import build_model
+from pipetransformer.planning.analytical import analytical_profile
+from pipetransformer.planning.context import (
+    describe_model,
+    model_build_args,
+    profiling_micro_batch_size,
+)
+from pipetransformer.planning.hardware import Device, Link, device, link
+from pipetransformer.planning.predict import (
+    INTER_NODE_GBPS,
+    INTRA_NODE_GBPS,
+    Cluster,
+    calibrated_times,
+    find_unit_profile,
+    unit_times,
+)
+from pipetransformer.planning.profile_keys import profile_path_for
+from pipetransformer.planning.roofline import PRECISION_PEAKS, AchievedFractions, roofline_profile
+from pipetransformer.planning.step_model import Links, UnitTimes
+
+# A GPU's memory bandwidth when neither --memory-gbps nor --device says it.
+MEMORY_GBPS = 2000.0
+# Words of a hardware.yaml device name that a GPU's reported name need not contain.
+_FORM_FACTORS = frozenset({"sxm", "pcie"})
+
+# Training-split sizes of the datasets a config may fetch, for predicting where the data is
+# not on disk (no download just to count it).
+PUBLISHED_TRAIN_SAMPLES: dict[str, tuple[int, str]] = {
+    "imagefolder": (
+        1_281_167,
+        "ImageNet-1k's 1,281,167 training images (Russakovsky et al., IJCV 2015)",
+    ),
+    "cifar10": (50_000, "CIFAR-10's 50,000 training images (Krizhevsky, 2009)"),
+    "cifar100": (50_000, "CIFAR-100's 50,000 training images (Krizhevsky, 2009)"),
+    "sst2": (67_349, "SST-2's 67,349 training sentences (GLUE, Wang et al., 2018)"),
+    # A question whose context is longer than a window gives several: a lower bound.
+    "squad": (87_599, "SQuAD v1.1's 87,599 training questions, one window each at least"),
+}
+
+
+@dataclass(frozen=True)
+class PredictionProfile:
+    """The unit profile a prediction uses, its unit times and where they came from."""
+
+    profile: UnitProfile
+    times: UnitTimes
+    source: str
+
+
+# ----------------------------------------------------------------------------- the cluster
+
+
+def _named_device(name: str) -> Device:
+    try:
+        return device(name)
+    except ValueError as exc:  # names the known ones
+        raise ConfigError(f"--device: {exc}") from None
+
+
+def _named_link(name: str, flag: str) -> Link:
+    try:
+        return link(name)
+    except ValueError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
+
+
+def _bandwidth(
+    name: str | None, gbps: float | None, default_gbps: float, flag: str
+) -> tuple[float, float | None]:
+    """(bytes/s, latency in s or None) of a named link or a stated bandwidth."""
+    if name is not None and gbps is not None:
+        raise ConfigError(
+            f"{flag} and {flag}-gbps exclude each other: the link {name!r} names its bandwidth"
+        )
+    if name is None:
+        return (default_gbps if gbps is None else gbps) * 1e9, None
+    named = _named_link(name, flag)
+    return named.bytes_per_s, named.latency_s
+
+
+def cluster_from_flags(
+    nodes: int,
+    devices_per_node: int,
+    *,
+    device_name: str | None = None,
+    intra_node: str | None = None,
+    inter_node: str | None = None,
+    intra_node_gbps: float | None = None,
+    inter_node_gbps: float | None = None,
+) -> Cluster:
+    """The cluster of `--nodes`, `--devices-per-node`, `--device` and the links: a named
+    link (hardware.yaml) or its `-gbps` bandwidth, not both; unknown names are one-line
+    ConfigErrors listing the known ones."""
+    if nodes < 1 or devices_per_node < 1:
+        raise ConfigError("--nodes and --devices-per-node must be >= 1")
+    named_device = _named_device(device_name) if device_name else None
+    intra_bps, intra_latency = _bandwidth(
+        intra_node, intra_node_gbps, INTRA_NODE_GBPS, "--intra-node"
+    )
+    inter_bps, inter_latency = _bandwidth(
+        inter_node, inter_node_gbps, INTER_NODE_GBPS, "--inter-node"
+    )
+    links = Links(intra_bps, inter_bps)
+    if intra_latency is not None:
+        links = dataclasses.replace(links, latency_s=intra_latency)
+    if inter_latency is not None:
+        links = dataclasses.replace(links, inter_node_latency_s=inter_latency)
+    return Cluster(nodes, devices_per_node, links, named_device, intra_node, inter_node)
+
+
+# ----------------------------------------------------------------------------- unit times
+
+
+def measured_on(named: Device, profile_device: str) -> bool:
+    """Whether a profile keyed with `profile_device` ('cpu', 'cuda' or 'cuda:<GPU name>',
+    profile_keys.py) was measured on a device of `named`'s type: a CPU row matches 'cpu'; a
+    GPU row matches a GPU name holding every word of the row's name but its form factor
+    ('quadro-rtx-5000' ~ 'Quadro RTX 5000', 'a100-80gb' ~ 'NVIDIA A100-SXM4-80GB')."""
+    if named.name.startswith("cpu"):
+        return profile_device == "cpu"
+    if not profile_device.startswith("cuda:"):
+        return False  # 'cuda' alone does not say which GPU
+    words = set(re.findall(r"[a-z0-9]+", profile_device.lower()))
+    return set(named.name.split("-")) - _FORM_FACTORS <= words
+
+
+def roofline_unit_profile(
+    config: Config, named: Device, world_size: int, fractions: AchievedFractions | None = None
+) -> UnitProfile:
+    """The config's model counted on the meta device (no weights, no download) at the run's
+    profiling micro-batch size, timed by the roofline on `named` in the run's precision."""
+    describe_model(config)  # a bad model or freeze setting: one ConfigError line
+    model = build_model(config.model, device="meta", **model_build_args(config))
+    micro_batch_size = profiling_micro_batch_size(config, world_size)
+    work = analytical_profile(model, micro_batch_size, PRECISION_PEAKS[config.trainer.precision])
+    return roofline_profile(work, named, fractions)
+
+
+def _roofline_source(config: Config, named: Device, fractions: AchievedFractions) -> str:
+    dtype = PRECISION_PEAKS[config.trainer.precision]
+    return (
+        f"analytical, roofline on {named.name} ({dtype} peak "
+        f"{named.peak_flops(dtype) / 1e12:g} TFLOP/s x {fractions.compute:g}, memory "
+        f"{named.memory_bandwidth_gbps:g} GB/s x {fractions.memory:g})"
+    )
+
+
+def prediction_unit_times(
+    config: Config,
+    cluster: Cluster,
+    profile_path: str | None = None,
+    memory_gbps: float | None = None,
+    fractions: AchievedFractions | None = None,
+) -> PredictionProfile:
+    """The unit profile and unit times to predict `config` on `cluster` with (see the module
+    docstring for which). The optimizer's memory bandwidth: `memory_gbps`, else the named
+    device's achieved bandwidth, else MEMORY_GBPS."""
+    fractions = fractions or AchievedFractions()
+    named = cluster.device
+    if named is not None and memory_gbps is not None:
+        raise ConfigError(
+            f"--memory-gbps and --device exclude each other: {named.name} names its bandwidth"
+        )
+    if named is None:
+        bandwidth = (MEMORY_GBPS if memory_gbps is None else memory_gbps) * 1e9
+    else:
+        bandwidth = named.memory_bytes_per_s * fractions.memory
+    path = Path(profile_path) if profile_path else profile_path_for(config)
+    try:
+        profile, key, store = find_unit_profile(config, path)
+    except ConfigError:
+        if named is None or profile_path:
+            raise  # no device to fall back on, or the file asked for lacks this model
+        profile = key = None
+    resolved = resolve(config, cluster.world())
+    if profile is not None and (named is None or measured_on(named, key.device)):
+        times = calibrated_times(config, store, key, unit_times(profile, bandwidth), cluster.links)
+        return PredictionProfile(profile, times, f"{path} [{key.device}]")
+    source = _roofline_source(config, named, fractions)
+    if profile is not None:
+        source += f"; {path} holds one measured on {key.device}, not a {named.name}"
+    profile = roofline_unit_profile(resolved, named, cluster.world_size, fractions)
+    return PredictionProfile(profile, unit_times(profile, bandwidth), source)
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def _data_on_disk(data: DataConfig) -> bool:
+    if data.name == "digits":
+        return True  # bundled with scikit-learn
+    if data.root is None:
+        return False
+    root = Path(data.root).expanduser()
+    return (root / "train").is_dir() if data.name == "imagefolder" else root.exists()
+
+
+def steps_per_epoch_for(config: Config, nodes: int) -> tuple[int, str]:
+    """Steps an epoch and where the sample count came from: the training data when it is on
+    disk, else the dataset's published training-split size (at most data.train_subset)."""
+    data = config.data
+    samples = None
+    if _data_on_disk(data):
+        from pipetransformer.data import build_data
+
+        try:
+            samples = len(
+                build_data(
+                    dataclasses.replace(data, download=False),
+                    seed=config.trainer.seed,
+                    model_name_or_path=config.model.model_name_or_path,
+                ).train
+            )
+            source = f"the training data in {data.root}" if data.root else "scikit-learn's digits"
+        except FileNotFoundError:  # a directory without the dataset in it
+            samples = None
+    if samples is None:
+        samples, source = PUBLISHED_TRAIN_SAMPLES[data.name]
+        source = f"{source}; the data is not on disk"
+        if data.train_subset is not None and data.train_subset < samples:
+            samples, source = data.train_subset, f"data.train_subset of {source}"
+    per_node = config.trainer.global_batch_size // nodes
+    return math.ceil(math.ceil(samples / nodes) / per_node), source

@@ -1,0 +1,73 @@
+"""The text form of `plan --predict` (`--json` prints `Prediction.to_dict()` instead): the
+cluster and where the unit times came from, a row per frozen boundary, the trajectory, and
+the run against Pipe+DDP, DDP and freeze + DDP.
+
+Owns: `format_prediction`. Must not: compute anything predict.py has not.
+"""
+
+from __future__ import annotations
+
+from pipetransformer.planning.context import format_bytes
+from pipetransformer.planning.predict import PeerPrediction, Prediction
+
+# compare's variant names (compare/report.py) -> how the table names them.
+PEER_LABELS = {"baseline": "Pipe+DDP", "ddp": "DDP", "freeze_ddp": "freeze+DDP"}
+
+
+def _link_text(name: str | None, gbps: float) -> str:
+    return f"{name} ({gbps:g} GB/s)" if name else f"{gbps:g} GB/s"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.2f} min"
+
+
+def _peer_text(result: Prediction, peer: PeerPrediction) -> str:
+    label = PEER_LABELS.get(peer.name, peer.name)
+    layout = f"{label} (K={peer.pipe_len}, R={peer.dp_degree}, M={peer.num_micro_batches})"
+    if peer.problem is not None:
+        return f"{layout}: cannot run ({peer.problem})"
+    if not peer.fits:
+        return (
+            f"{layout}: does not fit (needs {format_bytes(peer.peak_bytes)}, "
+            f"has {format_bytes(result.device_memory_bytes)})"
+        )
+    return (
+        f"{layout}: {_duration(peer.run_s)}; "
+        f"PipeTransformer's speedup over it {result.speedup_over(peer):.2f}x"
+    )
+
+
+def format_prediction(result: Prediction) -> str:
+    devices = result.device or "devices"
+    budget = (
+        f"; stages may use {format_bytes(result.device_memory_bytes)} of a device"
+        if result.device_memory_bytes is not None
+        else ""
+    )
+    steps_source = f" ({result.steps_per_epoch_source})" if result.steps_per_epoch_source else ""
+    lines = [
+        f"predicted for {result.nodes} node(s) x {result.devices_per_node} {devices}, links "
+        f"{_link_text(result.intra_node_link, result.intra_node_gbps)} in a node, "
+        f"{_link_text(result.inter_node_link, result.inter_node_gbps)} between nodes{budget}",
+        f"unit profile {result.unit_profile_source} (micro-batch "
+        f"{result.profile_micro_batch_size}); {result.steps_per_epoch} steps an epoch"
+        f"{steps_source}",
+        f"{'frozen':>6} {'K':>3} {'R':>3} {'M':>3} {'bubble':>7} {'compute':>10} {'p2p':>9} "
+        f"{'all-reduce':>10} {'optimizer':>10} {'overhead':>9} {'step':>10} {'memory':>10}",
+    ]
+    for r in result.rows:
+        lines.append(
+            f"{r.num_frozen_layers:>6} {r.pipe_len:>3} {r.dp_degree:>3} {r.num_micro_batches:>3} "
+            f"{r.bubble:>7.2f} {1e3 * r.compute_s:>8.2f}ms {1e3 * r.p2p_s:>7.2f}ms "
+            f"{1e3 * r.allreduce_s:>8.2f}ms {1e3 * r.optimizer_s:>8.2f}ms "
+            f"{1e3 * r.overhead_s:>7.2f}ms {1e3 * r.step_s:>8.2f}ms "
+            f"{format_bytes(r.peak_bytes):>10}"
+        )
+    lines += [
+        f"trajectory (frozen layers per epoch): {result.trajectory}",
+        f"PipeTransformer: {_duration(result.elastic_s)} of training; against what users "
+        "run instead:",
+        *(f"  {_peer_text(result, peer)}" for peer in [result.baseline, *result.peers]),
+    ]
+    return "\n".join(lines)
