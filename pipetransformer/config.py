@@ -279,11 +279,15 @@ class ModelConfig:
         return "vit"
 
 
+DatasetName = Literal["digits", "cifar10", "cifar100", "imagefolder", "synthetic", "sst2", "squad"]
+
+
 @dataclass(frozen=True)
 class DataConfig:
-    name: Literal["digits", "cifar10", "cifar100", "imagefolder", "sst2", "squad"] = "digits"
+    name: DatasetName = "digits"
     # Dataset location: a directory (imagefolder, cifar, sst2 TSVs) or file (squad JSON).
-    # None: fetch through torchvision / datasets.
+    # None: fetch through torchvision / datasets. 'synthetic' (random ImageNet-shaped
+    # images for benchmarks, deterministic from trainer.seed) reads no files.
     root: str | None = None
     # Where the evaluation split lives when it is not under data.root: for squad, a SQuAD
     # v1.1 JSON file (data.root, or datasets' "squad" when null, then gives only the
@@ -319,6 +323,10 @@ class DataConfig:
             _fail("data.doc_stride", "must be >= 0 or null")
         if self.num_workers < 0:
             _fail("data.num_workers", "must be >= 0")
+        if self.name == "synthetic":
+            for key in ("root", "augment"):
+                if getattr(self, key):
+                    _fail(f"data.{key}", "'synthetic' generates its images: leave it unset")
         if self.eval_root is not None and self.name != "squad":
             # Nothing else reads it: refused here, not silently ignored.
             _fail(
@@ -600,7 +608,8 @@ def check_config(config: Config, world_size: int | None = None) -> None:
             "(the paper's behaviour), data.augment=false, or cache.enabled=false",
         )
     family = config.model.resolved_family()
-    if family == "bert" and config.data.name in ("digits", "cifar10", "cifar100", "imagefolder"):
+    image_sets = ("digits", "cifar10", "cifar100", "imagefolder", "synthetic")
+    if family == "bert" and config.data.name in image_sets:
         _fail("data.name", f"'{config.data.name}' is an image dataset; model.name is BERT")
     if family == "vit" and config.data.name in ("sst2", "squad"):
         _fail("data.name", f"'{config.data.name}' is a text dataset; model.name is a ViT")

@@ -113,6 +113,30 @@ def test_imagefolder_missing_split_names_the_path(tmp_path):
         check_data_config(DataConfig(name="imagefolder", root=str(tmp_path)))
 
 
+def test_synthetic_images_are_imagenet_shaped_and_a_function_of_seed_and_id():
+    config = DataConfig(name="synthetic", image_size=16, train_subset=40, eval_subset=8)
+    bundle = build_data(config, seed=0)
+    assert (len(bundle.train), len(bundle.eval)) == (40, 8)
+    assert (bundle.num_classes, bundle.in_chans, bundle.image_size) == (1000, 3, 16)
+    assert data_facts(config).num_classes == 1000 and not bundle.train.random_inputs
+    sample_id, (image,), label = bundle.train[7]
+    assert sample_id == 7 and image.shape == (3, 16, 16) and 0 <= int(label) < 1000
+    (images,), labels = bundle.train.fetch([7, 3, 7])
+    assert torch.equal(images[0], image) and torch.equal(images[2], image)
+    assert torch.equal(bundle.train.targets([7, 3, 7]), labels) and labels[0] == label
+    # Rebuilt (another process, a resumed attempt): the same samples; another seed: others.
+    again = build_data(config, seed=0)
+    assert torch.equal(again.train.fetch(range(40))[0][0], bundle.train.fetch(range(40))[0][0])
+    other = build_data(DataConfig(name="synthetic", image_size=16), seed=1)
+    assert not torch.equal(other.train.fetch([0])[0][0], bundle.train.base.fetch([0])[0][0])
+    assert len(other.train) == 1_281_167 and len(other.eval) == 50_000
+    assert data_facts(DataConfig(name="synthetic")).image_size == 224  # ImageNet's by default
+    labels = other.train.targets(range(2000))
+    assert labels.unique().numel() > 800  # spread over the 1000 classes
+    with pytest.raises(ConfigError, match="data.root: 'synthetic' generates"):
+        DataConfig(name="synthetic", root="/data/imagenet")
+
+
 def test_cifar_without_files_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="data.root"):
         build_data(DataConfig(name="cifar100", root=str(tmp_path)), seed=0)

@@ -32,6 +32,10 @@ def build_data(
         from pipetransformer.data.vision import load_imagefolder_bundle
 
         bundle = load_imagefolder_bundle(config)
+    elif config.name == "synthetic":
+        from pipetransformer.data.vision import load_synthetic_bundle
+
+        bundle = load_synthetic_bundle(config, seed)
     elif config.name == "sst2":
         from pipetransformer.data.text import load_sst2_bundle
 

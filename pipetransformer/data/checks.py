@@ -36,6 +36,8 @@ def data_facts(config: DataConfig) -> DataFacts:
                 sum(1 for p in (Path(config.root) / "train").iterdir() if p.is_dir()) or classes
             )
         return DataFacts("classification", classes, 3, config.image_size or 224)
+    if config.name == "synthetic":  # ImageNet-shaped (data/vision.py)
+        return DataFacts("classification", 1000, 3, config.image_size or 224)
     if config.name == "sst2":
         return DataFacts("classification", 2, max_seq_length=config.max_seq_length)
     return DataFacts("question_answering", 2, max_seq_length=config.max_seq_length)

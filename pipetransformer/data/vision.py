@@ -1,11 +1,14 @@
-"""Image datasets: scikit-learn digits (offline default), CIFAR-10/100 and ImageFolder.
+"""Image datasets: scikit-learn digits (offline default), CIFAR-10/100, ImageFolder, and
+synthetic ImageNet-shaped images for benchmarks at full model size without the data.
 
-Owns: reading the images, resizing and normalising them, optional random augmentation.
+Owns: reading (or generating) the images, resizing and normalising them, optional random
+augmentation.
 Must not: know about ranks or samplers.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -13,10 +16,18 @@ import torch
 import torch.nn.functional as F
 
 from pipetransformer.config import DataConfig
-from pipetransformer.data.base import DataBundle, ItemSampleDataset, TensorSampleDataset
+from pipetransformer.data.base import (
+    DataBundle,
+    ItemSampleDataset,
+    SampleDataset,
+    TensorSampleDataset,
+)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+# What `synthetic` stands in for: ImageNet-1k's classes and split sizes.
+SYNTHETIC_CLASSES = 1000
+SYNTHETIC_SPLIT_SAMPLES = {"train": 1_281_167, "eval": 50_000}
 
 
 def load_digits_bundle(config: DataConfig, seed: int) -> DataBundle:
@@ -129,6 +140,55 @@ def load_imagefolder_bundle(config: DataConfig) -> DataBundle:
         eval=_torchvision_split(splits["val"], eval_tf, False),
         task="classification",
         num_classes=len(splits["train"].classes),
+        in_chans=3,
+        image_size=size,
+    )
+
+
+class SyntheticImages(SampleDataset):
+    """Standard-normal images (what normalised pixels look like) with uniform labels, each
+    a function of (seed, split, sample id) alone: the same in every epoch, process and
+    attempt (so AutoCache and resume see the same samples), and nothing held in memory."""
+
+    def __init__(self, split: str, image_size: int, seed: int) -> None:
+        self.split, self.image_size, self.seed = split, image_size, seed
+
+    def __len__(self) -> int:
+        return SYNTHETIC_SPLIT_SAMPLES[self.split]
+
+    def _generator(self, index: int) -> torch.Generator:
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample id {index} outside the {self.split} split of {len(self)}")
+        key = f"{self.seed}/{self.split}/{index}".encode()
+        digest = hashlib.blake2b(key, digest_size=8).digest()
+        return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+
+    @staticmethod
+    def _label(generator: torch.Generator) -> int:  # the first draw: no image needed for it
+        return int(torch.randint(SYNTHETIC_CLASSES, (1,), generator=generator))
+
+    def fetch(self, ids):
+        images, labels = [], []
+        for index in ids:
+            generator = self._generator(index)
+            labels.append(self._label(generator))
+            size = self.image_size
+            images.append(torch.randn(3, size, size, generator=generator))
+        return (torch.stack(images),), torch.tensor(labels, dtype=torch.long)
+
+    def targets(self, ids):
+        return torch.tensor([self._label(self._generator(i)) for i in ids], dtype=torch.long)
+
+
+def load_synthetic_bundle(config: DataConfig, seed: int) -> DataBundle:
+    """ImageNet-shaped random data (1000 classes, ImageNet-1k's split sizes, 224 px unless
+    data.image_size says otherwise), deterministic from the run's seed."""
+    size = config.image_size or 224
+    return DataBundle(
+        train=SyntheticImages("train", size, seed),
+        eval=SyntheticImages("eval", size, seed),
+        task="classification",
+        num_classes=SYNTHETIC_CLASSES,
         in_chans=3,
         image_size=size,
     )
