@@ -275,6 +275,7 @@ def worker_pids(pid: int) -> list[int]:
 
 @pytest.mark.slow
 def test_sigkill_of_a_worker_restarts_from_the_latest_checkpoint(tmp_path):
+    """Slow: ~37 s on 2 cores (a CLI run, a kill, a restart from the checkpoint)."""
     run_dir = tmp_path / "run"
     process = start_cli(quick_run_args(run_dir, "trainer.max_restarts=1"))
     wait_for_checkpoint(run_dir, 8, process)  # past the first transition (after epoch 1)
@@ -295,6 +296,7 @@ def test_sigkill_of_a_worker_restarts_from_the_latest_checkpoint(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_to_the_parent_checkpoints_and_the_resume_command_finishes(tmp_path, signum):
+    """Slow: ~39 s (SIGTERM) and ~19 s (SIGINT) on 2 cores: a CLI run stopped, then resumed."""
     run_dir = tmp_path / "run"
     process = start_cli(quick_run_args(run_dir))
     wait_for_checkpoint(run_dir, 8, process)

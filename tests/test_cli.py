@@ -80,6 +80,7 @@ def test_plan_for_a_large_model_needs_no_download():
 
 @pytest.mark.slow
 def test_short_training_run_writes_its_outputs(tmp_path):
+    """Slow: ~20 s on 2 cores (the CLI in a subprocess, end to end)."""
     run_dir = tmp_path / "run"
     result = cli(
         "train",

@@ -223,6 +223,7 @@ def test_plots_are_pngs_with_the_expected_series(tmp_path):
 
 @pytest.mark.slow
 def test_compare_command_end_to_end(tmp_path):
+    """Slow: ~67 s on 2 cores (`compare` runs the baseline and the full system)."""
     out = tmp_path / "cmp"
     result = subprocess.run(
         [

@@ -178,9 +178,9 @@ def run_pids(parent: int) -> list[int]:
 
 @pytest.mark.slow
 def test_concurrent_runs_local_sockets_and_file_modes(tmp_path):
-    """A second run on a live run's directory is refused (even with --overwrite) and the
-    first finishes intact; a local run listens on the loopback interface only; every run
-    file has the same mode."""
+    """Slow: ~31 s on 2 cores. A second run on a live run's directory is refused (even with
+    --overwrite) and the first finishes intact; a local run listens on the loopback
+    interface only; every run file has the same mode."""
     run_dir = tmp_path / "run"
     first = subprocess.Popen(
         [

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 def test_steps_reach_jsonl_tensorboard_and_wandb_offline(tmp_path):
+    """Slow: ~16 s on 2 cores (a CLI run with TensorBoard and wandb offline)."""
     pytest.importorskip("tensorboard")
     pytest.importorskip("wandb")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -115,6 +115,7 @@ def run_cli(config, run_dir, *overrides):
 
 @pytest.mark.slow
 def test_bert_sst2_local_elastic_run_reaches_a_transition(tmp_path, shared_data):
+    """Slow: ~16 s on 2 cores."""
     metrics = run_cli(
         "bert_sst2_local.yaml",
         tmp_path,
@@ -130,6 +131,7 @@ def test_bert_sst2_local_elastic_run_reaches_a_transition(tmp_path, shared_data)
 
 @pytest.mark.slow
 def test_squad_mini_elastic_run_reaches_a_transition(tmp_path, shared_data):
+    """Slow: ~16 s on 2 cores."""
     squad = shared_data / "squad"
     metrics = run_cli(
         "bert_squad_local.yaml",
@@ -151,7 +153,8 @@ def minilm_dir():
 
 @pytest.mark.slow
 def test_pretrained_minilm_sst2_offline(tmp_path, shared_data):
-    """A local pretrained directory trains fully offline with its own weights and tokenizer."""
+    """Slow: ~28 s on 2 cores. A local pretrained directory trains fully offline with its
+    own weights and tokenizer."""
     model_dir = minilm_dir()
     if model_dir is None:
         pytest.skip(
