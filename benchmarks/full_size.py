@@ -510,7 +510,12 @@ def train_samples(workload: Workload, overrides: list[str], wanted: int) -> int:
 
 def run_elastic(workload: Workload, args: argparse.Namespace, out: Path) -> None:
     batch, steps = args.batch or 8, args.steps_per_epoch
-    common = [f"trainer.global_batch_size={batch}", *args.overrides]
+    common = [
+        f"trainer.global_batch_size={batch}",
+        "trainer.nproc_per_node=2",
+        "pipeline.initial_pipe_len=2",
+        *args.overrides,
+    ]
     frozen = layers_to_freeze(workload, common)
     subset = train_samples(workload, common, steps * batch)
     overrides = [
@@ -563,7 +568,13 @@ def run_elastic(workload: Workload, args: argparse.Namespace, out: Path) -> None
 
 def run_memory_only(workload: Workload, args: argparse.Namespace, out: Path) -> None:
     batch, stages = args.batch or 2, args.stages
-    common = [f"trainer.global_batch_size={batch}", *args.overrides]
+    common = [
+        f"trainer.global_batch_size={batch}",
+        f"trainer.nproc_per_node={stages}",
+        f"pipeline.initial_pipe_len={stages}",
+        f"pipeline.num_micro_batches={stages}",
+        *args.overrides,
+    ]
     subset = train_samples(workload, common, batch)
     overrides = [
         "trainer.epochs=1",
