@@ -10,7 +10,12 @@ import pytest
 
 from pipetransformer import cli
 from pipetransformer.compare import rebuild_compare, run_compare, runner
-from pipetransformer.compare.report import finished_seed_runs, read_seed_run, write_report
+from pipetransformer.compare.report import (
+    finished_seed_runs,
+    read_seed_run,
+    seeded_section,
+    write_report,
+)
 from pipetransformer.compare.stats import (
     INCONCLUSIVE,
     NOT_WORSE,
@@ -95,6 +100,33 @@ def test_pairs_use_the_seeds_both_ran_and_one_seed_has_no_interval():
     assert mean_std([3.0]).std == 0.0
     with pytest.raises(ValueError, match="no finished baseline"):
         seeded_stats(runs[2:], "baseline")
+
+
+def test_pairs_against_the_peer_leave_out_baseline_and_peer():
+    runs = [
+        seed_run("baseline", 0, 100.0, 0.80),
+        seed_run("baseline", 1, 100.0, 0.80),
+        seed_run("ddp", 0, 80.0, 0.90),
+        seed_run("ddp", 1, 90.0, 0.92),
+        seed_run("elastic", 0, 40.0, 0.85),
+        seed_run("elastic", 1, 45.0, 0.87),
+    ]
+    stats = seeded_stats(runs, "baseline", margin_points=1.0, peer="ddp")
+    assert [p.variant for p in stats.pairs] == ["ddp", "elastic"]
+    (pair,) = stats.peer_pairs
+    assert stats.peer == "ddp" and pair.variant == "elastic"
+    # Speedups 80/40 and 90/45; differences -5 and -5 points against DDP (+5, +7 against the
+    # baseline): an interval of width 0 at -5, below -1.
+    assert pair.speedup_mean == pytest.approx(2.0)
+    assert pair.metric_difference_points.mean == pytest.approx(-5.0)
+    assert pair.verdict == WORSE
+    assert stats.pairs[1].metric_difference_points.mean == pytest.approx(6.0)
+    text = "\n".join(seeded_section(stats, "accuracy"))
+    assert "| against ddp | seeds |" in text
+    assert "| elastic | 2 | 2.00x (2.00 - 2.00x) | -5.00 ± 0.00 | [-5.00, -5.00] | worse |" in text
+    # No such peer run: no peer pairs, and the report has no second table.
+    no_peer = seeded_stats([r for r in runs if r.variant != "ddp"], "baseline", peer="ddp")
+    assert no_peer.peer is None and no_peer.peer_pairs == ()
 
 
 def test_verdict_at_the_margin_edges():

@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from pipetransformer.compare.ideal import StepLayout, ideal_speedup, segments_from_run
-from pipetransformer.compare.stats import MeanStd, SeededStats, SeedRun, evaluation_times
+from pipetransformer.compare.stats import (
+    MeanStd,
+    PairStats,
+    SeededStats,
+    SeedRun,
+    evaluation_times,
+)
 from pipetransformer.trainer.records import (
     CheckpointEvent,
     EpochMetrics,
@@ -297,15 +303,18 @@ def seeded_section(stats: SeededStats, metric: str) -> list[str]:
         f"| final {metric} difference (points) | 95% interval (points) | verdict |",
         "| --- | ---: | ---: | ---: | ---: | --- |",
     ]
-    for p in stats.pairs:
-        interval = p.interval_points
-        shown = f"[{interval.low:+.2f}, {interval.high:+.2f}]" if interval else "-"
-        difference = p.metric_difference_points
-        lines.append(
-            f"| {p.variant} | {len(p.seeds)} | {p.speedup_mean:.2f}x ({p.speedup_min:.2f} - "
-            f"{p.speedup_max:.2f}x) | {difference.mean:+.2f} ± {difference.std:.2f} | {shown} | "
-            f"{p.verdict} |"
-        )
+    lines += _pair_rows(stats.pairs)
+    if stats.peer_pairs:
+        lines += [
+            "",
+            f"The same pairing against {stats.peer} (what a user whose model fits one device "
+            "runs): is the freezing variants' accuracy distinguishable from it?",
+            "",
+            f"| against {stats.peer} | seeds | speedup mean (min - max) "
+            f"| final {metric} difference (points) | 95% interval (points) | verdict |",
+            "| --- | ---: | ---: | ---: | ---: | --- |",
+            *_pair_rows(stats.peer_pairs),
+        ]
     lines += [
         "",
         f"| seed | variant | target {metric} | time to target (s) |",
@@ -315,6 +324,20 @@ def seeded_section(stats: SeededStats, metric: str) -> list[str]:
         reached = f"{t.wall_s:.1f}" if t.wall_s is not None else "never"
         lines.append(f"| {t.seed} | {t.variant} | {t.target_metric:.4f} | {reached} |")
     return lines
+
+
+def _pair_rows(pairs: tuple[PairStats, ...]) -> list[str]:
+    rows = []
+    for p in pairs:
+        interval = p.interval_points
+        shown = f"[{interval.low:+.2f}, {interval.high:+.2f}]" if interval else "-"
+        difference = p.metric_difference_points
+        rows.append(
+            f"| {p.variant} | {len(p.seeds)} | {p.speedup_mean:.2f}x ({p.speedup_min:.2f} - "
+            f"{p.speedup_max:.2f}x) | {difference.mean:+.2f} ± {difference.std:.2f} | {shown} | "
+            f"{p.verdict} |"
+        )
+    return rows
 
 
 def _fits(run: dict[str, Any]) -> str:

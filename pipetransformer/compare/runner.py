@@ -314,7 +314,7 @@ def _write_seeded_outputs(
         for seed, runs in runs_by_seed.items()
         for name in runs
     ]
-    stats = seeded_stats(seed_runs, BASELINE, margin_points)
+    stats = seeded_stats(seed_runs, BASELINE, margin_points, peer=DDP)
     results = build_results(runs_by_seed[detail], costs, config.cache.enabled, context)
     results.update(detail_seed=detail, margin_points=margin_points, seeded=stats.to_dict())
     plots = write_seeded_plots(runs_by_seed, stats, detail, out)

@@ -75,8 +75,9 @@ class Interval:
 
 @dataclass(frozen=True)
 class PairStats:
-    """A variant against the baseline over the seeds both ran. Speedup: baseline wall time /
-    variant wall time at the same seed. Difference: variant - baseline final metric, points."""
+    """A variant against a reference (the baseline, or the peer) over the seeds both ran.
+    Speedup: reference wall time / variant wall time at the same seed. Difference: variant -
+    reference final metric, points."""
 
     variant: str
     seeds: tuple[int, ...]
@@ -119,6 +120,10 @@ class SeededStats:
     pairs: tuple[PairStats, ...]
     time_to_target: tuple[TimeToTarget, ...]
     target_stats: tuple[TargetStats, ...]
+    # The same pairing against a peer (DDP under --peers), for the variants that are neither
+    # the baseline nor the peer: is the full system distinguishable from what a user runs?
+    peer: str | None = None
+    peer_pairs: tuple[PairStats, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -189,10 +194,14 @@ def evaluation_times(
 
 
 def seeded_stats(
-    runs: Sequence[SeedRun], baseline: str, margin_points: float = DEFAULT_MARGIN_POINTS
+    runs: Sequence[SeedRun],
+    baseline: str,
+    margin_points: float = DEFAULT_MARGIN_POINTS,
+    peer: str | None = None,
 ) -> SeededStats:
     """Everything the seeded report shows. Variants keep the order of their first run;
-    a pair uses the seeds both it and the baseline finished."""
+    a pair uses the seeds both it and the baseline finished. With `peer` (a variant name)
+    that finished, every other variant but the baseline is also paired with it."""
     if margin_points < 0:
         raise ValueError(f"--margin: {margin_points} is negative (it is in metric points, >= 0)")
     by_variant: dict[str, dict[int, SeedRun]] = {}
@@ -208,6 +217,16 @@ def seeded_stats(
         if name != baseline and set(seeded) & set(base)
     )
     targets = tuple(_times_to_target(by_variant, base, margin_points))
+    reference = by_variant.get(peer) if peer is not None else None
+    peer_pairs = (
+        tuple(
+            _pair_stats(name, reference, seeded, margin_points)
+            for name, seeded in by_variant.items()
+            if name not in (baseline, peer) and set(seeded) & set(reference)
+        )
+        if reference
+        else ()
+    )
     return SeededStats(
         baseline=baseline,
         margin_points=margin_points,
@@ -216,6 +235,8 @@ def seeded_stats(
         pairs=pairs,
         time_to_target=targets,
         target_stats=tuple(_target_stats(name, targets) for name in by_variant),
+        peer=peer if reference else None,
+        peer_pairs=peer_pairs,
     )
 
 
