@@ -17,13 +17,17 @@ from pipetransformer.compare.report import (
     write_report,
 )
 from pipetransformer.compare.stats import (
+    HIGHER,
     INCONCLUSIVE,
+    LOWER,
+    NOT_DISTINGUISHED,
     NOT_WORSE,
     ONE_SEED,
     WORSE,
     EvalPoint,
     Interval,
     SeedRun,
+    distinguishable,
     evaluation_times,
     mean_std,
     seeded_stats,
@@ -123,10 +127,24 @@ def test_pairs_against_the_peer_leave_out_baseline_and_peer():
     assert stats.pairs[1].metric_difference_points.mean == pytest.approx(6.0)
     text = "\n".join(seeded_section(stats, "accuracy"))
     assert "| against ddp | seeds |" in text
-    assert "| elastic | 2 | 2.00x (2.00 - 2.00x) | -5.00 ± 0.00 | [-5.00, -5.00] | worse |" in text
+    assert (
+        "| elastic | 2 | 2.00x (2.00 - 2.00x) | -5.00 ± 0.00 | [-5.00, -5.00] | worse | lower |"
+        in text
+    )
     # No such peer run: no peer pairs, and the report has no second table.
     no_peer = seeded_stats([r for r in runs if r.variant != "ddp"], "baseline", peer="ddp")
     assert no_peer.peer is None and no_peer.peer_pairs == ()
+
+
+def test_distinguishable_only_when_the_interval_excludes_zero():
+    # An interval wholly below 0 that still reaches past -margin: the verdict cannot decide,
+    # yet the variant is measurably less accurate, and the report must say so.
+    interval = Interval(-3.71, -0.57)
+    assert verdict(interval, 1.0) == INCONCLUSIVE and distinguishable(interval) == LOWER
+    assert distinguishable(Interval(0.2, 1.0)) == HIGHER
+    assert distinguishable(Interval(-0.5, 0.0)) == NOT_DISTINGUISHED  # touching 0 is not
+    assert distinguishable(Interval(0.0, 0.5)) == NOT_DISTINGUISHED
+    assert distinguishable(None) == ONE_SEED
 
 
 def test_verdict_at_the_margin_edges():

@@ -283,7 +283,9 @@ def seeded_section(stats: SeededStats, metric: str) -> list[str]:
         f"{metric} less the margin of {margin:.2f} points; **time to target**: the wall time of "
         "the first evaluation that reached it (over the seeds that did). A variant is **not "
         "worse** than the baseline when the 95% interval of its paired difference (t over the "
-        f"seeds) lies above -{margin:.2f} points, **worse** when it lies below.",
+        f"seeds) lies above -{margin:.2f} points, **worse** when it lies below; its metric is "
+        "**distinguishable** from the reference's (lower or higher) when the interval excludes "
+        "0.",
         "",
         f"| variant | seeds | wall time (s) | final {metric} | best {metric} "
         "| time to target (s) | reached |",
@@ -300,8 +302,9 @@ def seeded_section(stats: SeededStats, metric: str) -> list[str]:
     lines += [
         "",
         f"| against {stats.baseline} | seeds | speedup mean (min - max) "
-        f"| final {metric} difference (points) | 95% interval (points) | verdict |",
-        "| --- | ---: | ---: | ---: | ---: | --- |",
+        f"| final {metric} difference (points) | 95% interval (points) | verdict "
+        "| distinguishable |",
+        "| --- | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     lines += _pair_rows(stats.pairs)
     if stats.peer_pairs:
@@ -311,8 +314,9 @@ def seeded_section(stats: SeededStats, metric: str) -> list[str]:
             "runs): is the freezing variants' accuracy distinguishable from it?",
             "",
             f"| against {stats.peer} | seeds | speedup mean (min - max) "
-            f"| final {metric} difference (points) | 95% interval (points) | verdict |",
-            "| --- | ---: | ---: | ---: | ---: | --- |",
+            f"| final {metric} difference (points) | 95% interval (points) | verdict "
+            "| distinguishable |",
+            "| --- | ---: | ---: | ---: | ---: | --- | --- |",
             *_pair_rows(stats.peer_pairs),
         ]
     lines += [
@@ -335,7 +339,7 @@ def _pair_rows(pairs: tuple[PairStats, ...]) -> list[str]:
         rows.append(
             f"| {p.variant} | {len(p.seeds)} | {p.speedup_mean:.2f}x ({p.speedup_min:.2f} - "
             f"{p.speedup_max:.2f}x) | {difference.mean:+.2f} ± {difference.std:.2f} | {shown} | "
-            f"{p.verdict} |"
+            f"{p.verdict} | {p.distinguishable} |"
         )
     return rows
 

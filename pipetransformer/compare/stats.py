@@ -23,6 +23,7 @@ from pipetransformer.trainer.records import CheckpointEvent, EpochMetrics
 POINTS_PER_UNIT = 100.0  # a metric of 0.9712 is 97.12 points
 DEFAULT_MARGIN_POINTS = 1.0
 NOT_WORSE, WORSE, INCONCLUSIVE = "not worse", "worse", "inconclusive"
+LOWER, HIGHER, NOT_DISTINGUISHED = "lower", "higher", "no"
 ONE_SEED = "one seed: no interval"
 # A metric equal to its target can come out a hair below it after the subtraction
 # (0.9 - 0.01 = 0.89000000000000001); counts that far below still reach it.
@@ -87,6 +88,9 @@ class PairStats:
     metric_difference_points: MeanStd
     interval_points: Interval | None  # 95%, t-distribution with n - 1 degrees of freedom
     verdict: str
+    # Whether the interval excludes 0: the variant's metric is distinguishable from the
+    # reference's ('lower' / 'higher'), whatever the margin says.
+    distinguishable: str = ONE_SEED
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,18 @@ def verdict(interval: Interval | None, margin_points: float) -> str:
     if interval.high < -margin_points:
         return WORSE
     return INCONCLUSIVE
+
+
+def distinguishable(interval: Interval | None) -> str:
+    """'lower' / 'higher' when the 95% interval of the difference lies wholly below / above
+    0 (touching 0 is not), 'no' when it contains 0."""
+    if interval is None:
+        return ONE_SEED
+    if interval.high < 0:
+        return LOWER
+    if interval.low > 0:
+        return HIGHER
+    return NOT_DISTINGUISHED
 
 
 def time_to_target(evaluations: Sequence[EvalPoint], target_metric: float) -> float | None:
@@ -269,6 +285,7 @@ def _pair_stats(
         metric_difference_points=mean_std(differences),
         interval_points=interval,
         verdict=verdict(interval, margin_points),
+        distinguishable=distinguishable(interval),
     )
 
 
