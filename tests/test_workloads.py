@@ -119,6 +119,7 @@ def test_bert_sst2_local_elastic_run_reaches_a_transition(tmp_path, shared_data)
     metrics = run_cli(
         "bert_sst2_local.yaml",
         tmp_path,
+        "freeze.strategy=gradient_norm",  # a transition for sure: the paper's rule is eager
         "trainer.epochs=2",
         "data.train_subset=512",
         "data.max_seq_length=32",
@@ -136,6 +137,7 @@ def test_squad_mini_elastic_run_reaches_a_transition(tmp_path, shared_data):
     metrics = run_cli(
         "bert_squad_local.yaml",
         tmp_path,
+        "freeze.strategy=gradient_norm",  # a transition for sure: the paper's rule is eager
         f"data.root={squad / 'train-mini-v1.1.json'}",
         f"data.eval_root={squad / 'eval-mini-v1.1.json'}",
     )
