@@ -196,11 +196,17 @@ def worker_pids(launcher: int) -> list[int]:
 class Worker:
     pid: int
     attempt: int
-    samples: list[tuple[float, int]] = field(default_factory=list)  # (unix time, VmHWM)
+    samples: list[tuple[float, int, int]] = field(default_factory=list)  # (time, VmHWM, VmRSS)
 
     def peak_before(self, moment: float | None = None) -> int | None:
-        values = [hwm for t, hwm in self.samples if moment is None or t < moment]
+        values = [hwm for t, hwm, _ in self.samples if moment is None or t < moment]
         return values[-1] if values else None
+
+    def rss_peak_between(self, begin: float, end: float | None) -> int | None:
+        """The largest resident set polled in [begin, end): a window's own peak, which
+        VmHWM (the peak since the start) cannot give."""
+        values = [rss for t, _, rss in self.samples if t >= begin and (end is None or t < end)]
+        return max(values) if values else None
 
 
 class Watch:
@@ -219,9 +225,10 @@ class Watch:
         now = time.time()
         attempt = 2 if self.killed else 1
         for pid in worker_pids(self.launcher):
-            hwm = status_bytes(pid, "VmHWM")
-            if hwm is not None:
-                self.workers.setdefault(pid, Worker(pid, attempt)).samples.append((now, hwm))
+            hwm, rss = status_bytes(pid, "VmHWM"), status_bytes(pid, "VmRSS")
+            if hwm is not None and rss is not None:
+                worker = self.workers.setdefault(pid, Worker(pid, attempt))
+                worker.samples.append((now, hwm, rss))
         self._records(now)
         if self.kill and self.killed is None and self.transition_step is not None:
             latest = find_checkpoint(self.run_dir)
@@ -407,6 +414,11 @@ def print_memory(run_dir: Path, watch: Watch, runtime: int) -> None:
         for rank, worker in enumerate(first):
             when = "attempt 1, to the kill (transition incl.)"
             rows.append((label, rank, when, worker.peak_before(done), start2, 0))
+        if end is not None:  # the window's own peak: the transition and the K=1 steps
+            for rank, worker in enumerate(first):
+                when = "attempt 1, transition to kill (VmRSS)"
+                peak = worker.rss_peak_between(end, watch.killed[0] if watch.killed else done)
+                rows.append((label, rank, when, peak, start2, 0))
         for rank, worker in enumerate(resumed):
             stage = rank % start2["pipe_len"]
             when = "attempt 2 (resumed), to the end"

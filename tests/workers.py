@@ -188,7 +188,11 @@ def _snapshot(trainer) -> dict:
 
 
 def handoff_snapshots(config_dict: dict, run_dir: str, new_frozen: list[int]):
-    """Train, then force transitions; return this rank's state before and after each."""
+    """Train, then force transitions; return this rank's state before and after each, and
+    after each whether the old layout's runtime was still alive when the new stage was built
+    (None on a rank that had none)."""
+    import weakref
+
     from pipetransformer.config import config_from_dict
     from pipetransformer.trainer.trainer import Trainer
 
@@ -196,10 +200,21 @@ def handoff_snapshots(config_dict: dict, run_dir: str, new_frozen: list[int]):
     try:
         trainer.setup()
         trainer.train()
-        snapshots = [(trainer.stage.layout, _snapshot(trainer))]
+        snapshots = [(trainer.stage.layout, _snapshot(trainer), None)]
+        enter = trainer._enter
         for frozen in new_frozen:
+            runtime = trainer.stage.runtime
+            old = weakref.ref(runtime) if runtime is not None else None
+            del runtime
+            alive: list[bool | None] = []
+
+            def entering(*args, old=old, alive=alive, **kwargs):
+                alive.append(None if old is None else old() is not None)
+                return enter(*args, **kwargs)
+
+            trainer._enter = entering
             trainer.transition(frozen)
-            snapshots.append((trainer.stage.layout, _snapshot(trainer)))
+            snapshots.append((trainer.stage.layout, _snapshot(trainer), alive[0]))
         return snapshots
     finally:
         trainer.cleanup()

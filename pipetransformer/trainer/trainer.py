@@ -16,6 +16,7 @@ trainer/state.py, which the checkpointer saves and loads the same way.
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import time
@@ -504,6 +505,11 @@ class Trainer:
         started = time.perf_counter()
         self.batches.restart()  # the data split changes with the layout
         old.groups.destroy()
+        # The old layout's runtime (DDP's buckets, the pipeline's buffers) goes before the new
+        # one allocates its own, not after: at full size that is hundreds of MiB held twice.
+        # DDP and the schedule hold reference cycles, hence the collection.
+        old.runtime = old.optimizer = None
+        gc.collect()
         self.stage = None
         times["groups_s"] = time.perf_counter() - started
         self.stage = self._enter(new, units, states, times)
