@@ -100,8 +100,9 @@ def test_state_handoff_is_bit_exact(tmp_path):
         before = [r[phase - 1] for r in results]
         after = [r[phase] for r in results]
         # The old runtime (DDP buckets, pipeline buffers) is gone before the new one is built.
-        alive = [a[2] for a in after]
-        assert True not in alive and False in alive, (phase, alive)
+        # (None on a rank that held no runtime.)
+        had_runtime = [a[2] for a in after if a[2] is not None]
+        assert had_runtime and not any(had_runtime), (phase, had_runtime)
         new_layout = after[0][0]
         frozen_units = new_layout.plan.frozen_end
         checked_moves = 0

@@ -173,14 +173,10 @@ def verdict(interval: Interval | None, margin_points: float) -> str:
 
 def distinguishable(interval: Interval | None) -> str:
     """'lower' / 'higher' when the 95% interval of the difference lies wholly below / above
-    0 (touching 0 is not), 'no' when it contains 0."""
-    if interval is None:
-        return ONE_SEED
-    if interval.high < 0:
-        return LOWER
-    if interval.low > 0:
-        return HIGHER
-    return NOT_DISTINGUISHED
+    0 (touching 0 is not), 'no' when it contains 0: the verdict at a margin of 0."""
+    return {NOT_WORSE: HIGHER, WORSE: LOWER, INCONCLUSIVE: NOT_DISTINGUISHED}.get(
+        verdict(interval, 0.0), ONE_SEED
+    )
 
 
 def time_to_target(evaluations: Sequence[EvalPoint], target_metric: float) -> float | None:
