@@ -408,30 +408,48 @@ def print_memory(run_dir: Path, watch: Watch, runtime: int) -> None:
         when = "attempt 1, before the transition" if end else "attempt 1, to the end"
         for rank, worker in enumerate(first):
             stage = rank % start1["pipe_len"]
-            rows.append((label, rank, when, worker.peak_before(end or done), start1, stage))
+            rows.append((label, rank, when, worker.peak_before(end or done), steady(start1, stage)))
     if transitions and start2 is not None:
         label = f"K={start2['pipe_len']} R={start2['dp_degree']}"
         for rank, worker in enumerate(first):
             when = "attempt 1, to the kill (transition incl.)"
-            rows.append((label, rank, when, worker.peak_before(done), start2, 0))
-        if end is not None:  # the window's own peak: the transition and the K=1 steps
-            for rank, worker in enumerate(first):
-                when = "attempt 1, transition to kill (VmRSS)"
-                peak = worker.rss_peak_between(end, watch.killed[0] if watch.killed else done)
-                rows.append((label, rank, when, peak, start2, 0))
+            rows.append((label, rank, when, worker.peak_before(done), steady(start2, 0)))
+        if end is not None:  # the windows' own peaks: the transition, then the K=1 steps
+            moved = watch.seen.get(("events.jsonl", "transition", transitions[0]["global_step"]))
+            stop = watch.killed[0] if watch.killed else done
+            move = transitions[0].get("predicted_move_bytes") or []
+            windows = [("attempt 1, transition to kill (VmRSS)", end, stop, None)]
+            if moved is not None:
+                windows += [
+                    ("attempt 1, the transition alone (VmRSS)*", end, moved, move),
+                    ("attempt 1, K=1 steps to the kill (VmRSS)", moved, stop, None),
+                ]
+            for when, begin, until, predicted in windows:
+                for rank, worker in enumerate(first):
+                    peak = worker.rss_peak_between(begin, until)
+                    if predicted is None:
+                        expected = steady(start2, 0)
+                    else:
+                        expected = predicted[rank] if rank < len(predicted) else None
+                    rows.append((label, rank, when, peak, expected))
         for rank, worker in enumerate(resumed):
             stage = rank % start2["pipe_len"]
             when = "attempt 2 (resumed), to the end"
-            rows.append((label, rank, when, worker.peak_before(done), start2, stage))
-    for label, rank, when, peak, start, stage in rows:
-        predicted = start["predicted_stage_bytes"][stage] if start else None
+            rows.append((label, rank, when, worker.peak_before(done), steady(start2, stage)))
+    for label, rank, when, peak, predicted in rows:
         net = peak - runtime if peak else None
         print(
             f"    {label:<8} {rank:>4}  {when:<41} {mib(peak):>7} {mib(net):>8} "
             f"{mib(predicted):>9} {error(predicted, peak):>8} {error(predicted, net):>13}"
         )
     if start1 is not None:
-        print(f"    (memory model from: {start1['memory_source']})")
+        print(f"    (memory model from: {start1['memory_source']}; *: against the unit move's")
+        print("     peak, MemoryModel.move_bytes; every other row: the layout's steady state)")
+
+
+def steady(start: dict | None, stage: int) -> int | None:
+    """The memory model's steady-state peak of `stage`, from an attempt's start event."""
+    return start["predicted_stage_bytes"][stage] if start else None
 
 
 def check_export(run_dir: Path, family: str) -> None:
@@ -575,7 +593,22 @@ def run_elastic(workload: Workload, args: argparse.Namespace, out: Path) -> None
     print_transitions(run_dir)
     print_checkpoints(run_dir, watch)
     print_memory(run_dir, watch, runtime_bytes(workload.family))
+    save_timeline(watch, run_dir.parent / "memory_timeline.json")
     check_export(run_dir, workload.family)
+
+
+def save_timeline(watch: Watch, path: Path) -> None:
+    """Every poll of every worker and when each record appeared, for a closer look (kept
+    with the run directory under --out)."""
+    timeline = {
+        "workers": [
+            {"pid": w.pid, "attempt": w.attempt, "samples": w.samples}
+            for w in watch.workers.values()
+        ],
+        "records": [[*tag, t] for tag, t in sorted(watch.seen.items(), key=lambda kv: kv[1])],
+        "killed": watch.killed,
+    }
+    path.write_text(json.dumps(timeline))
 
 
 def run_memory_only(workload: Workload, args: argparse.Namespace, out: Path) -> None:

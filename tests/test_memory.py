@@ -9,13 +9,15 @@ uses torch.cuda.max_memory_allocated (docs/profiling.md)."""
 from __future__ import annotations
 
 import pytest
-from helpers import run_workers
+from helpers import TINY_VIT, run_workers, tiny_vit
 from memory_check import measure_stage_memory
 
+from pipetransformer.autodp.handoff import Transfer, plan_transfers
+from pipetransformer.autodp.topology import Layout
 from pipetransformer.autopipe.memory import LayoutShape, MemoryModel
 from pipetransformer.autopipe.planner import UnitCosts, balance
-from pipetransformer.config import ConfigError, config_from_dict
-from pipetransformer.planning.context import choose_initial_pipe_len
+from pipetransformer.config import ConfigError, World, config_from_dict
+from pipetransformer.planning.context import PlanContext, choose_initial_pipe_len
 
 # Six units: embedding, two layers (attention, MLP), head. Parameters 100 bytes each, 10
 # bytes saved for backward and 4 bytes of output per unit and micro-batch of 2 samples.
@@ -69,6 +71,60 @@ def test_initial_pipe_len_auto_is_the_shortest_that_fits():
     assert choose_initial_pipe_len(config, costs, TOY, peaks[4], 4) == 4
     with pytest.raises(ConfigError, match="pipeline.initial_pipe_len: auto: no pipeline fits"):
         choose_initial_pipe_len(config, costs, TOY, peaks[4] - 1, 4)
+
+
+def test_move_bytes_by_hand():
+    """A move holds the old stage and the arriving units; units this rank stops holding go
+    after their last send (or before anything arrives, when nobody needs them from it)."""
+    # Two ranks, K=2 (units [0, 3) and [3, 6), all trained) to F=1 at K=1 R=2: both hold
+    # every unit, [3, 6) trained. Parameters 100 bytes, with Adam's two moments 300.
+    old = Layout(balance(UnitCosts.from_param_counts([1] * 6, 1 / 6), 0, 2), 2, 2, 1)
+    new = Layout(balance(UnitCosts.from_param_counts([1] * 6, 1 / 6), 1, 1), 2, 2, 2)
+    transfers = plan_transfers(old, new)
+    assert [(t.unit, t.src, t.dst, t.with_optimizer_state) for t in transfers] == [
+        (3, 1, 0, True),
+        (4, 1, 0, True),
+        (5, 1, 0, True),
+        (0, 0, 1, False),
+        (1, 0, 1, False),
+        (2, 0, 1, False),
+    ]
+    everything = range(6)
+    # Rank 0 holds 3 x 300 (its old moments too, until the move is over), receives three
+    # units of 300, the last with its payload and unpacked copy in flight: 900 + 600 + 600.
+    assert TOY.move_bytes(transfers, 0, [0, 1, 2], [0, 1, 2], everything) == 2100
+    # Rank 1: 900, sends 300 at a time, then receives 100 at a time: 900 + 200 + 2 * 100.
+    assert TOY.move_bytes(transfers, 1, [3, 4, 5], [3, 4, 5], everything) == 1300
+    # A rank that keeps nothing it held: unit 5 (needed by nobody) goes at once, unit 0 after
+    # its send, before unit 2 arrives: 300 + 2 * 300, not 900 + 2 * 300.
+    moves = [Transfer(0, 0, 1, True), Transfer(2, 1, 0, True), Transfer(1, 0, 1, True)]
+    assert TOY.move_bytes(moves, 0, [0, 1, 5], [0, 1, 5], [2]) == 900
+
+
+def test_a_compression_whose_move_does_not_fit_is_not_taken():
+    config = config_from_dict(
+        {
+            "trainer": {"global_batch_size": 8, "nproc_per_node": 2},
+            "optimizer": {"name": "adamw"},
+            "pipeline": {"initial_pipe_len": 2, "num_micro_batches": 2, "balance": "params"},
+            "model": {"name": TINY_VIT.name, "kwargs": TINY_VIT.kwargs},
+        }
+    )
+    spec = tiny_vit().spec
+    frozen = spec.num_layers // 2
+    unlimited = PlanContext.build(config, spec, World(2, 2))
+    current = unlimited.layout_for(0, 2)
+    compressed = unlimited.layout_for(frozen, 2, prefix_cost=0.0, moving_from=current)
+    assert (compressed.pipe_len, compressed.dp_degree) == (1, 2)
+    # With parameters alone the single stage holds every weight and half of them trained
+    # (3 P), while the move holds that and one unit in flight: more.
+    steady = max(unlimited.stage_bytes(compressed.plan))
+    moved = max(unlimited.move_bytes(current, compressed))
+    assert moved > steady
+    limited = PlanContext.build(config, spec, World(2, 2), budget_bytes=(steady + moved) / 2)
+    assert limited.layout_for(frozen, 2, prefix_cost=0.0).pipe_len == 1  # steady state fits
+    kept = limited.layout_for(frozen, 2, prefix_cost=0.0, moving_from=current)
+    assert kept.pipe_len == 2  # the move does not
 
 
 CONFIG = {

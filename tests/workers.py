@@ -188,19 +188,49 @@ def _snapshot(trainer) -> dict:
 
 
 def handoff_snapshots(config_dict: dict, run_dir: str, new_frozen: list[int]):
-    """Train, then force transitions; return this rank's state before and after each, and
-    after each whether the old layout's runtime was still alive when the new stage was built
-    (None on a rank that had none)."""
+    """Train, then force transitions; return this rank's state before and after each, after
+    each whether the old layout's runtime was still alive when the new stage was built (None
+    on a rank that had none), and the unit move's peak bytes above what the rank held when
+    it began: (measured by pipe/measure.py, predicted by MemoryModel.move_bytes)."""
+    import gc
     import weakref
 
+    import pipetransformer.trainer.trainer as trainer_module
+    from pipetransformer.autopipe.memory import MemoryModel, optimizer_state_factor
     from pipetransformer.config import config_from_dict
+    from pipetransformer.pipe.measure import bytes_in_use, peak_bytes
     from pipetransformer.trainer.trainer import Trainer
+    from pipetransformer.utils.units import parse_param_key
 
-    trainer = Trainer(config_from_dict(config_dict), run_dir)
+    config = config_from_dict(config_dict)
+    trainer = Trainer(config, run_dir)
+    execute = trainer_module.execute_transfers
+    moves: list[tuple[int, float]] = []
+
+    def measured_move(transfers, rank, units, states, *rest):
+        skeleton = trainer.skeleton.units
+        param_bytes = tuple(
+            sum(p.numel() * p.element_size() for p in skeleton[u].parameters())
+            for u in range(len(skeleton))
+        )
+        factor = optimizer_state_factor(config.optimizer.name, config.optimizer.momentum)
+        memory = MemoryModel(param_bytes, (), (), 1, factor)
+        held = list(units)
+        trained = {parse_param_key(k)[0] for k in states}
+        holding = sum(param_bytes[u] * (1 + (factor if u in trained else 0)) for u in held)
+        predicted = memory.move_bytes(transfers, rank, held, trained, rest[-1]) - holding
+        gc.collect()
+        start = bytes_in_use()
+        out = []
+        peak = peak_bytes(lambda: out.append(execute(transfers, rank, units, states, *rest)))
+        moves.append((peak - start, predicted))
+        return out[0]
+
+    trainer_module.execute_transfers = measured_move
     try:
         trainer.setup()
         trainer.train()
-        snapshots = [(trainer.stage.layout, _snapshot(trainer), None)]
+        snapshots = [(trainer.stage.layout, _snapshot(trainer), None, None)]
         enter = trainer._enter
         for frozen in new_frozen:
             runtime = trainer.stage.runtime
@@ -214,9 +244,10 @@ def handoff_snapshots(config_dict: dict, run_dir: str, new_frozen: list[int]):
 
             trainer._enter = entering
             trainer.transition(frozen)
-            snapshots.append((trainer.stage.layout, _snapshot(trainer), alive[0]))
+            snapshots.append((trainer.stage.layout, _snapshot(trainer), alive[0], moves[-1]))
         return snapshots
     finally:
+        trainer_module.execute_transfers = execute
         trainer.cleanup()
 
 

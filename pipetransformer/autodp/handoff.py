@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetransformer.autodp.topology import Layout
-from pipetransformer.utils.units import param_key
+from pipetransformer.utils.units import param_key, parse_param_key
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +149,12 @@ def _set_buffer(module: nn.Module, dotted: str, value: torch.Tensor) -> None:
     owner._buffers[leaf] = value
 
 
+def _release(unit: int, units: dict[int, nn.Module], optimizer_states: OptimizerStates) -> None:
+    del units[unit]
+    for key in [k for k in optimizer_states if parse_param_key(k)[0] == unit]:
+        del optimizer_states[key]
+
+
 def execute_transfers(
     transfers: list[Transfer],
     rank: int,
@@ -157,13 +163,26 @@ def execute_transfers(
     skeletons: Mapping[int, nn.Module],
     control: dist.ProcessGroup,
     device: torch.device,
+    keep: set[int] | None = None,
 ) -> tuple[dict[int, nn.Module], OptimizerStates]:
-    """Run this rank's part of `transfers`; return the units and states it received."""
+    """Run this rank's part of `transfers`; return the units and states it received.
+
+    `keep`: the units this rank holds in the new layout. When given, every other unit is
+    removed from `units` and `optimizer_states` once this rank has nothing more to send from
+    it (before anything arrives, for a unit nobody needs from it), so the old stage and the
+    arriving units are held together no longer than they must be; the caller must hold no
+    other reference to them (the old runtime and optimizer go first)."""
+    last_send = {t.unit: i for i, t in enumerate(transfers) if t.src == rank}
+    if keep is not None:
+        for unit in [u for u in units if u not in keep and u not in last_send]:
+            _release(unit, units, optimizer_states)
     received: dict[int, nn.Module] = {}
     received_states: OptimizerStates = {}
-    for transfer in transfers:
+    for i, transfer in enumerate(transfers):
         if transfer.src == rank:
             _send_unit(transfer, units[transfer.unit], optimizer_states, control, device)
+            if keep is not None and transfer.unit not in keep and last_send[transfer.unit] == i:
+                _release(transfer.unit, units, optimizer_states)
         elif transfer.dst == rank:
             skeleton = copy.deepcopy(skeletons[transfer.unit])
             unit, states = _receive_unit(transfer, skeleton, control, device)

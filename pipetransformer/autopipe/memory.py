@@ -13,6 +13,13 @@ For one rank of a layout (stage s of K, M micro-batches of m samples, R replicas
                     gradients (M, all but the last stage) and the outputs kept for backward;
                     stage 0 also holds the frozen prefix's output for the replica batch
 
+A transition (`move_bytes`) holds something else: no activations, but for a while both
+layouts' weights. Walking the transfer list in the order every rank runs it
+(autodp/handoff.py), a rank holds its old units with their optimizer state, less each unit
+it keeps no longer once nothing more is sent from it, plus each unit as it arrives (with
+its optimizer state when it stays trained), plus the unit in flight: the sender's flat copy
+(one unit's bytes), the receiver's payload and the tensors unpacked from it (two).
+
 Activation terms are measured at the profile's micro-batch size and scale linearly with the
 micro-batch size (and are taken in the precision the profile was measured in). The sum is
 checked against measured peaks in tests/test_memory.py and docs/profiling.md.
@@ -20,7 +27,9 @@ checked against measured peaks in tests/test_memory.py and docs/profiling.md.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 from pipetransformer.autopipe.planner import PipelinePlan
 
@@ -36,6 +45,15 @@ def optimizer_state_factor(optimizer_name: str, momentum: float = 0.9) -> float:
     if name == "sgd":
         return 1.0 if momentum > 0 else 0.0
     raise ValueError(f"unknown optimizer '{optimizer_name}' (expected adam, adamw or sgd)")
+
+
+class Move(Protocol):
+    """One unit's transfer (autodp/handoff.py's Transfer)."""
+
+    unit: int
+    src: int
+    dst: int
+    with_optimizer_state: bool
 
 
 @dataclass(frozen=True)
@@ -121,3 +139,42 @@ class MemoryModel:
 
     def fits(self, plan: PipelinePlan, shape: LayoutShape, budget_bytes: float | None) -> bool:
         return budget_bytes is None or max(self.peak_bytes(plan, shape)) <= budget_bytes
+
+    def move_bytes(
+        self,
+        transfers: Sequence[Move],
+        rank: int,
+        held: Iterable[int],
+        trained: Iterable[int],
+        keep: Iterable[int],
+    ) -> float:
+        """The most bytes `rank` holds while `transfers` run: `held`, the units it held in the
+        old layout, `trained` those of them with optimizer state, `keep` those it holds next
+        (see the module docstring)."""
+        opt = self.optimizer_state_factor
+        keep = set(keep)
+        with_state = set(trained)
+        units = set(held)
+        last_send = {t.unit: i for i, t in enumerate(transfers) if t.src == rank}
+
+        def unit_bytes(unit: int, state: bool) -> float:
+            return self.param_bytes[unit] * (1 + (opt if state else 0.0))
+
+        def holding() -> float:
+            return sum(unit_bytes(u, u in with_state) for u in units)
+
+        units -= {u for u in units if u not in keep and u not in last_send}
+        peak = holding()
+        for i, transfer in enumerate(transfers):
+            if transfer.src == rank:
+                in_flight = unit_bytes(transfer.unit, transfer.with_optimizer_state)
+                peak = max(peak, holding() + in_flight)
+                if last_send[transfer.unit] == i and transfer.unit not in keep:
+                    units.discard(transfer.unit)
+            elif transfer.dst == rank:
+                arriving = unit_bytes(transfer.unit, transfer.with_optimizer_state)
+                peak = max(peak, holding() + 2 * arriving)
+                units.add(transfer.unit)
+                if transfer.with_optimizer_state:
+                    with_state.add(transfer.unit)
+        return peak

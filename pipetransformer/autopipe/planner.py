@@ -234,9 +234,15 @@ class AutoPipePlanner:
         self.initial = balance(self.costs, 0, self.initial_pipe_len, self.method)
 
     def plan(
-        self, num_frozen_layers: int, current_pipe_len: int, prefix_cost: float | None = None
+        self,
+        num_frozen_layers: int,
+        current_pipe_len: int,
+        prefix_cost: float | None = None,
+        fits: Callable[[PipelinePlan], bool] | None = None,
     ) -> PipelinePlan:
-        """The plan at `num_frozen_layers`: compressed as far as the criterion allows."""
+        """The plan at `num_frozen_layers`: compressed as far as the criterion allows.
+        `fits`: instead of the planner's own (PlanContext adds the move's memory)."""
+        fits = fits or self.fits
         budget = self.initial.max_stage_cost * (1 + _TOLERANCE)
         active_units = self.costs.num_units - prefix_end(num_frozen_layers)
         pipe_len = current_pipe_len
@@ -249,7 +255,7 @@ class AutoPipePlanner:
             )
             if packed.max_stage_cost > budget:
                 break
-            if self.fits is not None and not self.fits(packed):
+            if fits is not None and not fits(packed):
                 break
             plan = packed
         return plan

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from pipetransformer.autodp.handoff import plan_transfers
 from pipetransformer.autodp.topology import Layout, dp_degree_for
 from pipetransformer.autopipe.memory import LayoutShape, MemoryModel, optimizer_state_factor
 from pipetransformer.autopipe.planner import (
@@ -236,29 +237,63 @@ class PlanContext:
         current_pipe_len: int,
         micro_batches: MicroBatchChooser | None = None,
         prefix_cost: float | None = None,
+        moving_from: Layout | None = None,
     ) -> Layout:
         """The layout a run moves to when `num_frozen_layers` layers are frozen, from a
         pipeline of `current_pipe_len` (K only halves). `micro_batches` chooses M (default:
         the configured number, or the measurement-free rule for 'auto'); `prefix_cost`: the
-        frozen prefix's cost on stage 0 when AutoCache serves it."""
-        config, world = self.config, self.world
+        frozen prefix's cost on stage 0 when AutoCache serves it; `moving_from`: the layout
+        the run is in, whose units move (with a memory budget, a compression is taken only
+        when the move fits too)."""
+        config = self.config
         if config.autopipe.enabled:
-            plan = self.planner.plan(num_frozen_layers, current_pipe_len, prefix_cost)
+            fits = self.planner.fits
+            if fits is not None and moving_from is not None:
+                fits = self._fits_with_move(fits, moving_from)
+            plan = self.planner.plan(num_frozen_layers, current_pipe_len, prefix_cost, fits)
         else:
             plan = fixed_plan(self.costs, self.planner.initial, num_frozen_layers)
-        initial_dp = world.world_size // self.initial_pipe_len
-        dp_degree = dp_degree_for(
-            plan.pipe_len, world.world_size, initial_dp, config.autodp.enabled
-        )
-        replica_batch = config.trainer.global_batch_size // dp_degree
+        layout = self._layout(plan)
+        replica_batch = config.trainer.global_batch_size // layout.dp_degree
         if micro_batches is None:
             m = choose_num_micro_batches(
                 config.pipeline.num_micro_batches, plan.pipe_len, replica_batch
             )
         else:
             m = micro_batches(plan.pipe_len, replica_batch)
-        plan = dataclasses.replace(plan, num_micro_batches=m)
+        return layout.with_micro_batches(m)
+
+    def _fits_with_move(
+        self, steady: Callable[[PipelinePlan], bool], current: Layout
+    ) -> Callable[[PipelinePlan], bool]:
+        """`steady`, and the move from `current` to the plan within the budget too."""
+
+        def fits(plan: PipelinePlan) -> bool:
+            moved = self.move_bytes(current, self._layout(plan))
+            return steady(plan) and max(moved) <= self.budget_bytes
+
+        return fits
+
+    def _layout(self, plan: PipelinePlan) -> Layout:
+        """`plan` placed on this run's world, with the replicas AutoDP gives it."""
+        world = self.world
+        initial_dp = world.world_size // self.initial_pipe_len
+        dp_degree = dp_degree_for(
+            plan.pipe_len, world.world_size, initial_dp, self.config.autodp.enabled
+        )
         return Layout(plan, world.world_size, world.devices_per_node, dp_degree)
+
+    def move_bytes(self, old: Layout, new: Layout) -> list[float]:
+        """The memory model's peak bytes of each rank while units move from `old` to `new`
+        (MemoryModel.move_bytes: no activations, both layouts' weights for a while)."""
+        transfers = plan_transfers(old, new)
+        peaks = []
+        for rank in range(old.world_size):
+            held = old.units_of_rank(rank)
+            trained = [u for u in held if u >= old.plan.frozen_end]
+            keep = new.units_of_rank(rank)
+            peaks.append(self.memory.move_bytes(transfers, rank, held, trained, keep))
+        return peaks
 
     def stage_bytes(self, plan: PipelinePlan) -> list[float]:
         """The memory model's peak bytes of each stage of `plan` in this run."""

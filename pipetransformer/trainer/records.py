@@ -146,6 +146,8 @@ class TransitionEvent(Event):
     new_stage_ranges: list[list[int]]
     num_micro_batches: int
     units_moved: int
+    # Each rank's peak bytes while the units moved, by the memory model (MemoryModel.move_bytes).
+    predicted_move_bytes: list[int] = field(default_factory=list)
     layer_grad_norms: list[float] | None = None
     data_groups: list[list[int]] = field(default_factory=list)  # ranks of each stage's replicas
     plan_s: float = 0.0

@@ -80,6 +80,7 @@ from pipetransformer.trainer.state import (
 from pipetransformer.trainer.step import Batches, Stage, StepRunner
 from pipetransformer.trainer.tasks import task_for
 from pipetransformer.utils.stopping import RunStopped, StopRequest
+from pipetransformer.utils.units import parse_param_key
 
 logger = logging.getLogger(__name__)
 
@@ -309,7 +310,9 @@ class Trainer:
             num_frozen_layers, self.measured_costs, self.profile_micro_batch_size
         )
 
-    def layout_for(self, num_frozen_layers: int, current_pipe_len: int) -> Layout:
+    def layout_for(
+        self, num_frozen_layers: int, current_pipe_len: int, moving_from: Layout | None = None
+    ) -> Layout:
         prefix_cost = None
         if self.cache_serves(num_frozen_layers):
             # Measured seconds: a read of the prefix's output; parameter counts: next to nothing.
@@ -317,7 +320,9 @@ class Trainer:
             prefix_cost = (
                 self.cache.prefix_cost(self.profile_micro_batch_size) if time_costs else 0.0
             )
-        return self.plan.layout_for(num_frozen_layers, current_pipe_len, prefix_cost=prefix_cost)
+        return self.plan.layout_for(
+            num_frozen_layers, current_pipe_len, prefix_cost=prefix_cost, moving_from=moving_from
+        )
 
     # ------------------------------------------------------------------ the stage of a layout
 
@@ -487,29 +492,41 @@ class Trainer:
         rank, old = self.world.rank, self.stage
         times = {}
         started = time.perf_counter()
-        new = self.layout_for(num_frozen_layers, old.layout.pipe_len)
+        new = self.layout_for(num_frozen_layers, old.layout.pipe_len, moving_from=old.layout)
+        move_bytes = self.plan.move_bytes(old.layout, new)
         times["plan_s"] = time.perf_counter() - started
 
         started = time.perf_counter()
         states = optim.states_by_name(old.optimizer, old.named_params())
+        # The old layout's runtime (DDP's buckets, the pipeline's buffers) and optimizer go
+        # before any unit moves, and each unit this rank stops holding goes after its last
+        # send: at full size each is hundreds of MiB that would otherwise be held twice
+        # (MemoryModel.move_bytes budgets what remains). DDP and the schedule hold reference
+        # cycles, hence the collection.
+        old.runtime = old.optimizer = None
+        gc.collect()
         transfers = plan_transfers(old.layout, new)
         skeletons = {u: self.skeleton.units[u] for u in range(self.spec.num_units)}
-        received, received_states = execute_transfers(
-            transfers, rank, old.units, states, skeletons, self.control.group, self.world.device
-        )
         keep = set(new.units_of_rank(rank))
-        units = {u: m for u, m in {**old.units, **received}.items() if u in keep}
+        received, received_states = execute_transfers(
+            transfers,
+            rank,
+            old.units,
+            states,
+            skeletons,
+            self.control.group,
+            self.world.device,
+            keep,
+        )
+        units = {**old.units, **received}
         states.update(received_states)
+        # Optimizer state of units frozen from now on is dropped before the new stage exists.
+        states = {k: v for k, v in states.items() if parse_param_key(k)[0] >= new.plan.frozen_end}
         times["state_move_s"] = time.perf_counter() - started
 
         started = time.perf_counter()
         self.batches.restart()  # the data split changes with the layout
         old.groups.destroy()
-        # The old layout's runtime (DDP's buckets, the pipeline's buffers) goes before the new
-        # one allocates its own, not after: at full size that is hundreds of MiB held twice.
-        # DDP and the schedule hold reference cycles, hence the collection.
-        old.runtime = old.optimizer = None
-        gc.collect()
         self.stage = None
         times["groups_s"] = time.perf_counter() - started
         self.stage = self._enter(new, units, states, times)
@@ -529,6 +546,7 @@ class Trainer:
             new_stage_ranges=[list(r) for r in new.plan.stage_ranges],
             num_micro_batches=new.plan.num_micro_batches,
             units_moved=len(transfers),
+            predicted_move_bytes=[int(b) for b in move_bytes],
             layer_grad_norms=grad_norms,
             data_groups=[new.data_ranks(s) for s in range(new.pipe_len)]
             if new.dp_degree > 1
