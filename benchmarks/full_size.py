@@ -416,12 +416,16 @@ def print_memory(run_dir: Path, watch: Watch, runtime: int) -> None:
             rows.append((label, rank, when, worker.peak_before(done), steady(start2, 0)))
         if end is not None:  # the windows' own peaks: the transition, then the K=1 steps
             moved = watch.seen.get(("events.jsonl", "transition", transitions[0]["global_step"]))
+            # The transition alone: from when the old layout's runtime was gone (its memory is
+            # the old layout's, counted above) to when the event was written.
+            event = transitions[0]
+            began = moved - event["total_s"] + event.get("release_s", 0.0) if moved else None
             stop = watch.killed[0] if watch.killed else done
             move = transitions[0].get("predicted_move_bytes") or []
             windows = [("attempt 1, transition to kill (VmRSS)", end, stop, None)]
             if moved is not None:
                 windows += [
-                    ("attempt 1, the transition alone (VmRSS)*", end, moved, move),
+                    ("attempt 1, the transition alone (VmRSS)*", began, moved, move),
                     ("attempt 1, K=1 steps to the kill (VmRSS)", moved, stop, None),
                 ]
             for when, begin, until, predicted in windows:

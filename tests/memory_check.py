@@ -109,3 +109,52 @@ def measure_stage_memory(
     )
     torch.distributed.destroy_process_group()
     return {"stage": role.stage, "predicted": predicted.to_dict(), "measured": peak - baseline}
+
+
+def eval_retained_bytes(config_dict: dict, image_size: int = 32) -> dict:
+    """One rank of a 2-stage pipeline: bytes still held after two evaluation steps (above
+    what it held before them, after a training step), and whether the last stage's outputs
+    carry an autograd graph."""
+    config = config_from_dict(config_dict)
+    world = init_distributed("cpu", 120)
+    batch = config.trainer.global_batch_size
+    torch.manual_seed(0)
+    model = build_model(
+        config.model, task="classification", num_classes=10, in_chans=1, image_size=image_size
+    )
+    plan = balance(UnitCosts.from_param_counts(model.spec.unit_param_counts, 1 / 6), 0, 2)
+    layout = Layout(plan, world.world_size, world.world_size, 1).with_micro_batches(2)
+    groups = build_training_groups(layout, world.rank, 120)
+    role = layout.role(world.rank)
+    units = {u: model.units[u] for u in layout.units_of_rank(world.rank)}
+    runtime = build_stage_runtime(
+        plan=layout.plan,
+        stage_index=role.stage,
+        replica_batch_size=batch,
+        units=units,
+        spec=model.spec,
+        loss_fn=ClassificationTask.loss_fn,
+        schedule_name="gpipe",
+        pipeline_group=groups.pipeline,
+        data_group=None,
+        device=world.device,
+    )
+    g = torch.Generator().manual_seed(1)
+    images = torch.randn(batch, 1, image_size, image_size, generator=g)
+    target = ClassificationTask.make_target(
+        torch.randint(0, 10, (batch,), generator=g), loss_weights([True] * batch, 1, batch)
+    )
+    inputs = [images] if role.is_first else None
+    runtime.train_step(inputs, target if role.is_last else None)
+    for p in runtime.module.parameters():
+        p.grad = None
+    gc.collect()
+    before = bytes_in_use()
+    for _ in range(2):
+        outputs = runtime.eval_step(inputs, target if role.is_last else None)
+    with_graph = outputs is not None and outputs.requires_grad
+    del outputs
+    gc.collect()
+    retained = bytes_in_use() - before
+    torch.distributed.destroy_process_group()
+    return {"stage": role.stage, "retained": retained, "with_graph": with_graph}

@@ -156,16 +156,19 @@ class StageRuntime:
         target: torch.Tensor | None,
         ids: Sequence[int] | None = None,
     ) -> torch.Tensor | None:
-        """Forward only; returns the merged outputs on the last stage."""
+        """Forward only; returns the merged outputs on the last stage. Without gradients:
+        the schedule's forward-only step builds an autograd graph otherwise, which the
+        stage keeps (activations and all) until the next training step."""
         self.module.eval()
         try:
-            if self.is_first:
-                activations = self.run_prefix(inputs, ids, "eval")
-                return self.schedule.eval(*activations, target=target)
-            if self.is_last:
-                return self.schedule.eval(target=target)
-            self.schedule.eval()
-            return None
+            with torch.no_grad():
+                if self.is_first:
+                    activations = self.run_prefix(inputs, ids, "eval")
+                    return self.schedule.eval(*activations, target=target)
+                if self.is_last:
+                    return self.schedule.eval(target=target)
+                self.schedule.eval()
+                return None
         finally:
             self.module.train()
 

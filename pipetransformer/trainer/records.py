@@ -152,6 +152,7 @@ class TransitionEvent(Event):
     data_groups: list[list[int]] = field(default_factory=list)  # ranks of each stage's replicas
     plan_s: float = 0.0
     state_move_s: float = 0.0
+    release_s: float = 0.0  # of state_move_s: dropping the old runtime and optimizer
     groups_s: float = 0.0
     profile_s: float = 0.0
     rebuild_s: float = 0.0

@@ -505,6 +505,7 @@ class Trainer:
         # cycles, hence the collection.
         old.runtime = old.optimizer = None
         gc.collect()
+        release_s = time.perf_counter() - started
         transfers = plan_transfers(old.layout, new)
         skeletons = {u: self.skeleton.units[u] for u in range(self.spec.num_units)}
         keep = set(new.units_of_rank(rank))
@@ -552,6 +553,7 @@ class Trainer:
             if new.dp_degree > 1
             else [],
             **times,
+            release_s=release_s,
             total_s=sum(times.values()),
         )
         self.state.num_transitions += 1
