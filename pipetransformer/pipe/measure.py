@@ -95,7 +95,11 @@ def _saved_bytes(unit: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[int
         pointer = storage.data_ptr()
         if pointer not in held:
             storages.setdefault(pointer, storage.nbytes())
-        return tensor
+        # Detached: a packed tensor that is the op's own output (softmax saves its result)
+        # would otherwise close a cycle through its grad_fn that Python's collector cannot
+        # see, and the whole forward's graph would outlive this function (measured: every
+        # attention unit's activations, for the rest of the run).
+        return tensor.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         outputs = _as_tuple(unit(*inputs))
