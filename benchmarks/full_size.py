@@ -411,9 +411,17 @@ def print_memory(run_dir: Path, watch: Watch, runtime: int) -> None:
             rows.append((label, rank, when, worker.peak_before(end or done), steady(start1, stage)))
     if transitions and start2 is not None:
         label = f"K={start2['pipe_len']} R={start2['dp_degree']}"
+        move = transitions[0].get("predicted_move_bytes") or []
         for rank, worker in enumerate(first):
-            when = "attempt 1, to the kill (transition incl.)"
-            rows.append((label, rank, when, worker.peak_before(done), steady(start2, 0)))
+            # Since the process started: the largest of both layouts' peaks and the move's.
+            when = "attempt 1, to the kill (all of it)**"
+            expected = [steady(start2, 0)]
+            if start1 is not None:
+                expected.append(steady(start1, rank % start1["pipe_len"]))
+            if rank < len(move):
+                expected.append(move[rank])
+            known = [e for e in expected if e is not None]
+            rows.append((label, rank, when, worker.peak_before(done), max(known, default=None)))
         if end is not None:  # the windows' own peaks: the transition, then the K=1 steps
             moved = watch.seen.get(("events.jsonl", "transition", transitions[0]["global_step"]))
             # The transition alone: from when the old layout's runtime was gone (its memory is
@@ -421,7 +429,6 @@ def print_memory(run_dir: Path, watch: Watch, runtime: int) -> None:
             event = transitions[0]
             began = moved - event["total_s"] + event.get("release_s", 0.0) if moved else None
             stop = watch.killed[0] if watch.killed else done
-            move = transitions[0].get("predicted_move_bytes") or []
             windows = [("attempt 1, transition to kill (VmRSS)", end, stop, None)]
             if moved is not None:
                 windows += [
@@ -448,7 +455,8 @@ def print_memory(run_dir: Path, watch: Watch, runtime: int) -> None:
         )
     if start1 is not None:
         print(f"    (memory model from: {start1['memory_source']}; *: against the unit move's")
-        print("     peak, MemoryModel.move_bytes; every other row: the layout's steady state)")
+        print("     peak, MemoryModel.move_bytes; **: against the largest of both layouts' and")
+        print("     the move's; every other row: the layout's steady state)")
 
 
 def steady(start: dict | None, stage: int) -> int | None:

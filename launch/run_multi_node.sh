@@ -29,6 +29,11 @@ if [ -z "${NPROC_PER_NODE:-}" ]; then
     exit 2
   fi
 fi
+# Each rendezvous round gets a fresh store for the workers. torchrun's default shares one
+# store (on node 0's agent) across rounds, and the agents' restart counts can differ (a node
+# whose own workers did not fail restarts without counting), so a restarted round could find
+# the dead round's addresses under its keys and hang in gloo's connectFullMesh.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 cmd=(torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE"
      --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID"
      --max-restarts "$MAX_RESTARTS"

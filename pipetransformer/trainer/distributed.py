@@ -75,6 +75,7 @@ def init_distributed(device_kind: str, timeout_s: float) -> WorldInfo:
         if os.environ.get(LOOPBACK_ENV) == "1":
             store = _loopback_store(rank, world_size, timeout)
         elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+            _warn_if_restarts_may_hang(rank)
             store = _attempt_store(timeout)
         dist.init_process_group(
             backend,
@@ -104,6 +105,22 @@ def _attempt_store(timeout: datetime.timedelta) -> dist.PrefixStore:
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
     )
     return dist.PrefixStore(f"pipetransformer/attempt_{attempt}", client)
+
+
+def _warn_if_restarts_may_hang(rank: int) -> None:
+    """Several torchrun agents sharing one worker store across rendezvous rounds (torchrun's
+    default) can restart into a hang: a node whose own workers did not fail restarts without
+    counting the restart, so `_attempt_store`'s prefixes differ between nodes and one node's
+    workers meet the dead round's keys. launch/run_multi_node.sh turns the sharing off."""
+    restarts = _env_int("TORCHELASTIC_MAX_RESTARTS", 0)
+    if rank == 0 and restarts > 0 and _env_int("GROUP_WORLD_SIZE", 1) > 1:
+        logger.warning(
+            "torchrun --max-restarts %d across %s nodes with a shared rendezvous store: a "
+            "restart may hang in gloo's connectFullMesh; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+            "(launch/run_multi_node.sh does) or restart the whole run from its checkpoint",
+            restarts,
+            os.environ.get("GROUP_WORLD_SIZE"),
+        )
 
 
 def _loopback_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
