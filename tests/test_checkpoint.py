@@ -23,7 +23,7 @@ import pytest
 import torch
 from helpers import run_workers
 from reference import elastic_config, reference_run, step_losses
-from workers import checkpoint_killed_half_way, elastic_run
+from workers import checkpoint_killed_half_way, elastic_run, start_in_run_dir
 
 from pipetransformer.config import CheckpointConfig, config_from_dict
 from pipetransformer.launcher import WorkerFailed
@@ -107,6 +107,24 @@ def test_a_used_run_directory_is_refused_and_left_untouched(tmp_path):
 
 
 # ---------------------------------------------------------------- distributed, in process
+
+
+@pytest.mark.distributed
+def test_a_restart_counted_by_one_torchrun_agent_is_a_restart_for_every_rank(tmp_path):
+    """Across torchrun nodes only the agent whose workers failed counts the restart; rank 0's
+    may not have. The run is still a restart: its directory is not refused, and the command
+    line's --overwrite (repeated by torchrun) does not wipe the run."""
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 1}\n')
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / ".run_id").write_text("job-7\n")
+    results = run_workers(start_in_run_dir, 2, str(tmp_path), [1], "job-7")
+    assert results == [None, None]  # its attempt died before a checkpoint: it starts over
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    # Another job's directory is still refused, whoever restarted.
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 1}\n')
+    (tmp_path / ".run_id").write_text("job-6\n")
+    results = run_workers(start_in_run_dir, 2, str(tmp_path), [1], "job-7")
+    assert all("already holds a run" in r for r in results), results
 
 
 @pytest.mark.distributed

@@ -348,3 +348,23 @@ def host_syncs_of_a_step(config_dict: dict, run_dir: str):
         return found
     finally:
         trainer.cleanup()
+
+
+def start_in_run_dir(run_dir: str, restarting_ranks: list[int], run_id: str):
+    """start_run_directory as a torchrun restart in which only `restarting_ranks` were told
+    so (TORCHELASTIC_RESTART_COUNT > 0): what each rank got, or the refusal's text."""
+    from pathlib import Path
+
+    from pipetransformer.trainer.control import Control
+    from pipetransformer.trainer.resume import start_run_directory
+    from pipetransformer.trainer.rundir import RunDirError, RunOptions
+
+    world = init_distributed("cpu", 60)
+    restart = world.rank in restarting_ranks
+    options = RunOptions(restart=restart, overwrite=True, run_id=run_id)
+    try:
+        return start_run_directory(Path(run_dir), options, Control(torch.distributed.group.WORLD))
+    except RunDirError as exc:
+        return str(exc)
+    finally:
+        torch.distributed.destroy_process_group()

@@ -96,6 +96,11 @@ def start_run_directory(run_dir: Path, options: RunOptions, control: Control) ->
     """Decide on rank 0 how the run starts in `run_dir` and prepare the directory; every
     rank returns the same answer (collective). Raises RunDirError on every rank."""
     answer: Resumption | RunDirError | None = None
+    # Under torchrun the agent whose workers failed counts the restart; another node's agent
+    # restarts its own workers without counting it (for it, a membership change). So any
+    # rank that says 'restart' speaks for the run, and a restart never overwrites.
+    if bool(control.all_max([float(options.restart)])[0]):
+        options = dataclasses.replace(options, restart=True, overwrite=False)
     if control.rank == 0:
         try:
             answer = _prepare(run_dir, options)
