@@ -39,11 +39,20 @@ def test_stage_memory_by_hand():
     )
     # 3 micro-batches in flight x (4 / 2 samples) x 3 units x 10 bytes saved.
     assert first.activations == 3 * 2 * 30
+    # The first backward makes the 300 bytes of gradients while it frees its micro-batch's
+    # 60 bytes of activations: at most 120 + 300 of the two at once, not 180 + 300.
+    assert first.overlap == 60
+    assert first.total == 300 + 300 + 600 + 300 + 180 + 2 * (3 * 4 + 3 * 4) - 60
     # Outputs kept (3) and output gradients received (3) at 4 bytes x 2.
     assert first.boundary == 2 * (3 * 4 + 3 * 4)
     last = TOY.stage_memory(plan, 1, LayoutShape(4, 3, dp_degree=1, schedule="1f1b"))
     assert last.ddp_buckets == 0  # one replica: no DDP
     assert last.activations == 1 * 2 * 30  # 1F1B: at most K - s = 1 micro-batch in flight
+    # 1F1B with more micro-batches than in flight: a forward follows the first backward, so
+    # the gradients and one micro-batch's activations are held together.
+    assert last.overlap == 0
+    one = TOY.stage_memory(plan, 1, LayoutShape(4, 1, dp_degree=1, schedule="1f1b"))
+    assert one.overlap == 60  # one micro-batch in all: the larger of the two, 300
     assert last.boundary == 2 * (1 * 4 + 3 * 4)  # its output kept, its inputs received
     # With 4 of the 6 units frozen (F = 2 ... not possible with 2 layers; take F = 1):
     frozen = balance(

@@ -9,6 +9,12 @@ For one rank of a layout (stage s of K, M micro-batches of m samples, R replicas
     DDP buckets     a flat copy of the trained gradients when R > 1 (DDP's reducer buckets)
     activations     what autograd saves for backward, per micro-batch still waiting for its
                     backward: GPipe holds all M, 1F1B at most K - s on stage s
+    overlap         (subtracted) gradients and activations are not all held at once when
+                    every forward precedes every backward (GPipe; 1F1B with M <= K - s): the
+                    gradients (set to None after each step) are made by the first backward,
+                    which frees its micro-batch's activations as it goes, so with n in flight
+                    the peak holds max(n micro-batches, n - 1 and the gradients); in 1F1B's
+                    steady phase a forward follows a backward: both are held in full
     boundary        the pipeline's buffers: received inputs (M, stage > 0), received output
                     gradients (M, all but the last stage) and the outputs kept for backward;
                     stage 0 also holds the frozen prefix's output for the replica batch
@@ -74,6 +80,7 @@ class StageMemory:
     ddp_buckets: float
     activations: float
     boundary: float
+    overlap: float = 0.0  # subtracted: gradients made while activations are freed
 
     @property
     def total(self) -> float:
@@ -84,6 +91,7 @@ class StageMemory:
             + self.ddp_buckets
             + self.activations
             + self.boundary
+            - self.overlap
         )
 
     def to_dict(self) -> dict[str, float]:
@@ -125,13 +133,18 @@ class MemoryModel:
             boundary += m * self.output_bytes[end - 1]  # received output gradients
         if stage == 0 and plan.prefix_end > 0:
             boundary += m * self.output_bytes[plan.prefix_end - 1]  # the prefix's output
+        activations = in_flight * scale * sum(self.saved_bytes[u] for u in trained)
+        with_gradients = activations + grads
+        if m == in_flight:  # no forward after the first backward (GPipe; 1F1B with M <= K - s)
+            with_gradients = max(activations, activations * (in_flight - 1) / in_flight + grads)
         return StageMemory(
             parameters=float(sum(self.param_bytes[u] for u in held)),
             gradients=grads,
             optimizer=grads * self.optimizer_state_factor,
             ddp_buckets=grads if shape.dp_degree > 1 else 0.0,
-            activations=in_flight * scale * sum(self.saved_bytes[u] for u in trained),
+            activations=activations,
             boundary=scale * boundary,
+            overlap=activations + grads - with_gradients,
         )
 
     def peak_bytes(self, plan: PipelinePlan, shape: LayoutShape) -> list[float]:
