@@ -163,25 +163,24 @@ def execute_transfers(
     skeletons: Mapping[int, nn.Module],
     control: dist.ProcessGroup,
     device: torch.device,
-    keep: set[int] | None = None,
+    keep: set[int],
 ) -> tuple[dict[int, nn.Module], OptimizerStates]:
     """Run this rank's part of `transfers`; return the units and states it received.
 
-    `keep`: the units this rank holds in the new layout. When given, every other unit is
-    removed from `units` and `optimizer_states` once this rank has nothing more to send from
-    it (before anything arrives, for a unit nobody needs from it), so the old stage and the
-    arriving units are held together no longer than they must be; the caller must hold no
-    other reference to them (the old runtime and optimizer go first)."""
+    `keep`: the units this rank holds in the new layout. Every other unit is removed from
+    `units` and `optimizer_states` once this rank has nothing more to send from it (before
+    anything arrives, for a unit nobody needs from it), so the old stage and the arriving
+    units are held together no longer than they must be; the caller must hold no other
+    reference to them (the old runtime and optimizer go first)."""
     last_send = {t.unit: i for i, t in enumerate(transfers) if t.src == rank}
-    if keep is not None:
-        for unit in [u for u in units if u not in keep and u not in last_send]:
-            _release(unit, units, optimizer_states)
+    for unit in [u for u in units if u not in keep and u not in last_send]:
+        _release(unit, units, optimizer_states)
     received: dict[int, nn.Module] = {}
     received_states: OptimizerStates = {}
     for i, transfer in enumerate(transfers):
         if transfer.src == rank:
             _send_unit(transfer, units[transfer.unit], optimizer_states, control, device)
-            if keep is not None and transfer.unit not in keep and last_send[transfer.unit] == i:
+            if transfer.unit not in keep and last_send[transfer.unit] == i:
                 _release(transfer.unit, units, optimizer_states)
         elif transfer.dst == rank:
             skeleton = copy.deepcopy(skeletons[transfer.unit])

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pipetransformer.autodp.handoff import plan_transfers
+from pipetransformer.autodp.handoff import Transfer, plan_transfers
 from pipetransformer.autodp.topology import Layout, dp_degree_for
 from pipetransformer.autopipe.memory import LayoutShape, MemoryModel, optimizer_state_factor
 from pipetransformer.autopipe.planner import (
@@ -283,10 +283,14 @@ class PlanContext:
         )
         return Layout(plan, world.world_size, world.devices_per_node, dp_degree)
 
-    def move_bytes(self, old: Layout, new: Layout) -> list[float]:
+    def move_bytes(
+        self, old: Layout, new: Layout, transfers: list[Transfer] | None = None
+    ) -> list[float]:
         """The memory model's peak bytes of each rank while units move from `old` to `new`
-        (MemoryModel.move_bytes: no activations, both layouts' weights for a while)."""
-        transfers = plan_transfers(old, new)
+        (MemoryModel.move_bytes: no activations, both layouts' weights for a while).
+        `transfers`: plan_transfers(old, new) when the caller has it already."""
+        if transfers is None:
+            transfers = plan_transfers(old, new)
         peaks = []
         for rank in range(old.world_size):
             held = old.units_of_rank(rank)

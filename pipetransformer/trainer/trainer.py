@@ -493,7 +493,8 @@ class Trainer:
         times = {}
         started = time.perf_counter()
         new = self.layout_for(num_frozen_layers, old.layout.pipe_len, moving_from=old.layout)
-        move_bytes = self.plan.move_bytes(old.layout, new)
+        transfers = plan_transfers(old.layout, new)
+        move_bytes = self.plan.move_bytes(old.layout, new, transfers)
         times["plan_s"] = time.perf_counter() - started
 
         started = time.perf_counter()
@@ -506,7 +507,6 @@ class Trainer:
         old.runtime = old.optimizer = None
         gc.collect()
         release_s = time.perf_counter() - started
-        transfers = plan_transfers(old.layout, new)
         skeletons = {u: self.skeleton.units[u] for u in range(self.spec.num_units)}
         keep = set(new.units_of_rank(rank))
         received, received_states = execute_transfers(
