@@ -46,7 +46,11 @@ class BertEmbeddingUnit(nn.Module):
 
 
 class BertAttentionUnit(nn.Module):
-    """Self-attention + output dense/dropout/LayerNorm with the residual inside."""
+    """Self-attention + output dense/dropout/LayerNorm with the residual inside.
+
+    The bias is always materialised from the mask: by default transformers reads
+    `padding_mask.all()` on the host to skip it for unpadded batches, which on a GPU is a
+    device-to-host synchronisation in every attention unit of every micro-batch."""
 
     def __init__(self, attention: nn.Module, config: BertConfig) -> None:
         super().__init__()
@@ -55,7 +59,10 @@ class BertAttentionUnit(nn.Module):
 
     def forward(self, hidden, attention_mask):
         bias = create_bidirectional_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=attention_mask
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            allow_is_bidirectional_skip=False,
         )
         output, _ = self.attention(hidden, bias)
         return output, attention_mask
