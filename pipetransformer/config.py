@@ -53,6 +53,9 @@ class TrainerConfig:
     # bfloat16 autocast with float32 weights, gradients and optimizer state; activations
     # cross stage boundaries in bfloat16.
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # On CUDA, float32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs,
+    # float32 accumulation); false: full float32 (several times slower on A100/H100).
+    tf32: bool = True
     # Audit the data order: every first-stage rank appends the sample ids it trains on
     # (shape padding left out) to RUN_DIR/samples/rank<r>.jsonl, one line per step.
     record_sample_ids: bool = False

@@ -243,7 +243,12 @@ def handoff_snapshots(config_dict: dict, run_dir: str, new_frozen: list[int]):
                 return enter(*args, **kwargs)
 
             trainer._enter = entering
-            trainer.transition(frozen)
+            gc.collect()
+            gc.disable()  # what reference counting alone frees, as in a run
+            try:
+                trainer.transition(frozen)
+            finally:
+                gc.enable()
             snapshots.append((trainer.stage.layout, _snapshot(trainer), alive[0], moves[-1]))
         return snapshots
     finally:

@@ -30,6 +30,7 @@ from pipetransformer.config import Config
 from pipetransformer.data import DataBundle, iterate_batches
 from pipetransformer.models import unit_param_names
 from pipetransformer.pipe import StageRuntime
+from pipetransformer.pipe.timing import IntervalTimer
 from pipetransformer.trainer import optim
 from pipetransformer.trainer.caching import RunCache
 from pipetransformer.trainer.clock import Tick
@@ -157,6 +158,7 @@ class StepRunner:
         self.num_units = num_units
         self.total_steps = total_steps
         self.grad_norms = grad_norms  # the freeze signal needs each unit's gradient norm
+        self.clock = IntervalTimer(world.device)  # marks a step's start and end on the device
 
     def learning_rate(self, global_step: int) -> float:
         """The learning rate of the step that made the count `global_step` (1-based)."""
@@ -166,9 +168,9 @@ class StepRunner:
         """Forward, backward and update for this rank's part of one global step."""
         layout = stage.layout
         started = time.perf_counter()
+        start_mark = self.clock.mark()
         samples = self.batches.sampler.global_num_valid(tick.epoch, tick.step_in_epoch)
         replica_loss = unit_sq = None
-        comm_s = 0.0
         runtime = stage.runtime
         if runtime is not None:
             inputs, target, ids = self.batches.step_data(
@@ -180,8 +182,6 @@ class StepRunner:
             )
             optim.set_learning_rate(stage.optimizer, self.learning_rate(tick.global_step))
             losses = runtime.train_step(inputs, target, ids if inputs is not None else None)
-            if runtime.comm_timer is not None:
-                comm_s = runtime.comm_timer.take()
             clip = self.config.optimizer.max_grad_norm
             if clip is not None or self.grad_norms:
                 squares = self._unit_grad_squares(stage)  # one pass over the gradients serves both
@@ -198,18 +198,24 @@ class StepRunner:
                     samples / layout.dp_degree
                 )
         return StepResult(
-            layout, started, time.perf_counter() - started, samples, replica_loss, unit_sq, comm_s
+            layout, started, (start_mark, self.clock.mark()), samples, replica_loss, unit_sq
         )
 
     def _unit_grad_squares(self, stage: Stage) -> torch.Tensor:
-        """Squared gradient norm of each unit this rank trains, float64 on the device."""
-        squares = torch.zeros(self.num_units, dtype=torch.float64, device=self.world.device)
+        """Squared gradient norm of each unit this rank trains, float64 on the device: one
+        multi-tensor norm kernel over every gradient (float32 norms of float32 gradients),
+        then a scatter-add of their squares by unit."""
+        grads, owners = [], []
         for index, unit in stage.units.items():
-            grads = [
-                p.grad.detach() for p in unit.parameters() if p.requires_grad and p.grad is not None
-            ]
-            if grads:
-                squares[index] = torch.stack([g.double().pow(2).sum() for g in grads]).sum()
+            for p in unit.parameters():
+                if p.requires_grad and p.grad is not None:
+                    grads.append(p.grad.detach())
+                    owners.append(index)
+        squares = torch.zeros(self.num_units, dtype=torch.float64, device=self.world.device)
+        if grads:
+            norms = torch.stack(torch._foreach_norm(grads)).double()
+            index = torch.tensor(owners, dtype=torch.long).to(squares.device, non_blocking=True)
+            squares.index_add_(0, index, norms.square())
         return squares
 
     def _clip(self, stage: Stage, unit_squares: torch.Tensor, max_norm: float) -> torch.Tensor:
