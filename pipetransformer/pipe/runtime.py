@@ -122,13 +122,13 @@ class StageRuntime:
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def _autocast(self, device_type: str):
+    def _autocast(self):
         """One autocast region for a whole step: autocast caches the low-precision copy of
         each trained weight for the region, so every micro-batch's forward (and the graph
         it keeps for backward) shares one copy. Entered per micro-batch, each of the M
         micro-batches in flight held its own copy of the stage's weights."""
         return torch.autocast(
-            device_type,
+            self.stage.device.type,
             dtype=self.autocast_dtype or torch.float32,
             enabled=self.autocast_dtype is not None,
         )
@@ -145,10 +145,10 @@ class StageRuntime:
         losses: list[torch.Tensor] = []
         if self.is_first:
             activations = self.run_prefix(inputs, ids, "train")
-            with self._autocast(activations[0].device.type):
+            with self._autocast():
                 self.schedule.step(*activations, target=target, losses=losses, return_outputs=False)
             return losses
-        with self._autocast(self.stage.device.type):
+        with self._autocast():
             if self.is_last:
                 self.schedule.step(target=target, losses=losses, return_outputs=False)
             else:
@@ -169,9 +169,9 @@ class StageRuntime:
             with torch.no_grad():
                 if self.is_first:
                     activations = self.run_prefix(inputs, ids, "eval")
-                    with self._autocast(activations[0].device.type):
+                    with self._autocast():
                         return self.schedule.eval(*activations, target=target)
-                with self._autocast(self.stage.device.type):
+                with self._autocast():
                     if self.is_last:
                         return self.schedule.eval(target=target)
                     self.schedule.eval()
@@ -186,7 +186,7 @@ class StageRuntime:
         stage 0 takes in."""
         if self.preprocess is None:
             return tuple(inputs)
-        with self._autocast(inputs[0].device.type):
+        with self._autocast():
             if self.cached_prefix is not None and ids is not None:
                 out = self.cached_prefix(split, ids, inputs)
             else:

@@ -27,10 +27,12 @@ from pipetransformer.autodp.groups import TrainingGroups
 from pipetransformer.autodp.sampler import TrainSampler
 from pipetransformer.autodp.topology import Layout, Role
 from pipetransformer.config import Config
-from pipetransformer.data import DataBundle, iterate_batches
+from pipetransformer.data import DataBundle
+from pipetransformer.data.loader import BatchLoader
 from pipetransformer.models import unit_param_names
 from pipetransformer.pipe import StageRuntime
 from pipetransformer.pipe.timing import IntervalTimer
+from pipetransformer.pipe.transfer import to_device
 from pipetransformer.trainer import optim
 from pipetransformer.trainer.caching import RunCache
 from pipetransformer.trainer.clock import Tick
@@ -76,12 +78,22 @@ class Batches:
         self.world = world
         self.run_dir = run_dir
         self.cache = cache
+        # Workers live for the run; a pass per epoch and per layout (data/loader.py).
+        self._batch_loader = BatchLoader(
+            data.train, config.data.num_workers, pin_memory=world.device.type == "cuda"
+        )
         self._loader = None
         self._position: tuple[int, int] | None = None  # (epoch, step) the loader yields next
 
     def restart(self) -> None:
         """The data split changes with the layout: the loader restarts at the next step."""
         self._loader = None
+
+    def device_inputs(self, split: str, ids: Sequence[int]) -> list[torch.Tensor]:
+        """Inputs of `ids` on the device, loaded now (what a batch the loader skipped needs
+        when the cache turns out not to serve all of it)."""
+        dataset = self.data.train if split == "train" else self.data.eval
+        return [to_device(t, self.world.device) for t in dataset.fetch(ids)[0]]
 
     def step_data(
         self,
@@ -104,7 +116,8 @@ class Batches:
                 raw = self._next_inputs(layout, role, epoch, step, cache_active)
             else:
                 raw = self.data.train.fetch(batch.ids)[0]
-            inputs = [t.to(self.world.device, non_blocking=True) for t in raw]
+            # None: every sample is served by AutoCache, nothing was decoded.
+            inputs = None if raw is None else [to_device(t, self.world.device) for t in raw]
             if prefetched and self.config.trainer.record_sample_ids:
                 trained = [i for i, valid in zip(batch.ids, batch.valid) if valid]
                 append_jsonl(
@@ -116,14 +129,16 @@ class Batches:
                 batch.valid, layout.dp_degree, self.sampler.global_num_valid(epoch, step)
             )
             target = self.task.make_target(self.data.train.targets(batch.ids), weights)
-            target = target.to(self.world.device, non_blocking=True)  # host to device: no sync
+            target = to_device(target, self.world.device)
         return inputs, target, batch.ids
 
     def _next_inputs(
         self, layout: Layout, role: Role, epoch: int, step: int, cache_active: bool
-    ) -> Sequence[torch.Tensor]:
+    ) -> Sequence[torch.Tensor] | None:
         """The rest of the epoch's batches are known in advance for the current layout; a
-        transition changes the split, so the loader restarts at the step after it."""
+        transition changes the split, so the loader restarts at the step after it. With the
+        cache serving, a batch whose every sample is cached at this boundary is not decoded
+        (None): entries at the current boundary stay valid until the next transition."""
         if self._loader is None or self._position != (epoch, step):
             node, local_replica = divmod(role.replica, layout.replicas_per_node)
             id_batches = [
@@ -132,12 +147,14 @@ class Batches:
                 ).ids
                 for s in range(step, self.sampler.steps_per_epoch)
             ]
-            self._loader = iterate_batches(
-                self.data.train, id_batches, self.config.data.num_workers
-            )
+            skip = None
             if cache_active:  # the cache's disk tier reads ahead in the same order
                 self.cache.client.prefetch("train", [i for ids in id_batches for i in ids])
-        inputs, _ = next(self._loader)
+                frozen = layout.plan.num_frozen_layers
+                client = self.cache.client
+                skip = lambda ids: client.serves_all("train", ids, frozen)  # noqa: E731
+            self._loader = self._batch_loader.start(id_batches, skip)
+        inputs = next(self._loader)
         self._position = (epoch, step + 1)
         return inputs
 
@@ -181,7 +198,7 @@ class StepRunner:
                 cache_active=stage.cache_active,
             )
             optim.set_learning_rate(stage.optimizer, self.learning_rate(tick.global_step))
-            losses = runtime.train_step(inputs, target, ids if inputs is not None else None)
+            losses = runtime.train_step(inputs, target, ids if runtime.is_first else None)
             clip = self.config.optimizer.max_grad_norm
             if clip is not None or self.grad_norms:
                 squares = self._unit_grad_squares(stage)  # one pass over the gradients serves both

@@ -78,6 +78,7 @@ from pipetransformer.trainer.state import (
     reseed,
 )
 from pipetransformer.trainer.step import Batches, Stage, StepRunner
+from pipetransformer.trainer.stop_poll import StopPoll
 from pipetransformer.trainer.tasks import task_for
 from pipetransformer.utils.stopping import RunStopped, StopRequest
 from pipetransformer.utils.units import parse_param_key
@@ -208,6 +209,8 @@ class Trainer:
             self.clock.total_steps,
             self.freezer.needs_grad_norms,
         )
+        # All ranks stop after the same step; agreed about every second, not every step.
+        self.stop_poll = StopPoll(control, self.stop, config.trainer.log_interval_steps)
         self.evaluator = Evaluator(
             config, self.data, self.task, world, control, self.cache, self.state
         )
@@ -359,7 +362,12 @@ class Trainer:
         stage.cache_active = self.cache_serves(frozen)
         if stage.cache_active and stage.runtime is not None and stage.runtime.is_first:
             stage.runtime.cached_prefix = CachedPrefix(
-                units, frozen, self.cache.client, self.world.device, self.cache.counts
+                units,
+                frozen,
+                self.cache.client,
+                self.world.device,
+                self.cache.counts,
+                load_inputs=self.batches.device_inputs,
             )
         state = self.state
         state.num_frozen_layers, state.pipe_len, state.dp_degree = (
@@ -446,7 +454,7 @@ class Trainer:
             evaluation = self._end_epoch(tick) if tick.epoch_end else None
             if self.freezer.due(tick):
                 self._decision_point(tick)
-            stop = int(self.control.all_max([self.stop.signum])[0])  # all ranks stop after one step
+            stop = self.stop_poll.poll(tick) if self.stop_poll.due(tick) else 0
             if stop or self.checkpointer.due(tick):
                 reason = (
                     signal.Signals(stop).name if stop else "epoch" if tick.epoch_end else "steps"
@@ -484,7 +492,11 @@ class Trainer:
         decision = self.freezer.decide(layout.plan.num_frozen_layers, layout.dp_degree)
         if decision.num_frozen_layers != layout.plan.num_frozen_layers:
             record = self.transition(decision.num_frozen_layers, decision.layer_grad_norms, tick)
-            self.freezer.space(record.total_s - record.profile_s, decision.step_s)
+            cadence = self.freezer.space(
+                record.total_s - record.profile_s, decision.step_s, tick.global_step
+            )
+            if cadence is not None:
+                self.reporter.event(cadence)
 
     # ------------------------------------------------------------------ transitions
 
@@ -505,6 +517,8 @@ class Trainer:
         times["plan_s"] = time.perf_counter() - started
 
         started = time.perf_counter()
+        if old.runtime is not None and old.runtime.cached_prefix is not None:
+            old.runtime.cached_prefix.flush()  # rows computed at the old boundary
         states = optim.states_by_name(old.optimizer, old.named_params())
         # The old layout's runtime (DDP's buckets, the pipeline's buffers) and optimizer go
         # before any unit moves, and each unit this rank stops holding goes after its last
@@ -633,6 +647,8 @@ class Trainer:
             world_size=self.world.world_size,
             device=self.world.device.type,
             checkpoint=str(last) if last else None,
+            freeze_decisions=state.decision_index,
+            decision_interval_steps=self.freezer.schedule.interval_steps,
         )
         self.reporter.summary(summary)
         return summary
