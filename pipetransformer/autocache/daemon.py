@@ -174,6 +174,7 @@ class CacheDaemon:
         watched_pids: Sequence[int] = (),
         poll_interval_s: float = 0.25,
         start_timeout_s: float = 60.0,
+        shm_reserve_bytes: int = 0,
     ) -> CacheDaemon:
         """Start the node's daemon and wait until its files exist.
 
@@ -183,6 +184,8 @@ class CacheDaemon:
         The store's own private directory `<disk_dir>/ptcache-<uid>-<random>-disk` is
         removed at cleanup unless `keep`. Stale stores of this user, under /dev/shm and
         `disk_dir`, are removed first (private.py says which are stale).
+        `shm_reserve_bytes`: left free in /dev/shm besides the spare fraction (NCCL's
+        intra-node buffers live there, and are built again at every transition).
         """
         shm_parent = shm_dir()
         # Absolute: the owner record and the manifest must mean the same from any directory.
@@ -196,6 +199,7 @@ class CacheDaemon:
             "watched_pids": [int(p) for p in watched_pids],
             "parent_pid": os.getpid(),
             "poll_interval_s": poll_interval_s,
+            "shm_reserve_bytes": int(shm_reserve_bytes),
         }
         # Checks the request here, so that a bad spec fails in the caller, not in the daemon.
         plan_layout(
@@ -308,13 +312,16 @@ def _create_store(request: dict[str, Any], shm_fd: int, disk_fd: int) -> CacheMa
     budget = request["memory_budget_bytes"]
     usage = shutil.disk_usage(shm_store)
     tag_bytes = sum(n * TAG_BYTES for n, _ in splits.values())
-    shm_cap = int(usage.free * (1 - _SHM_SPARE_FRACTION)) - tag_bytes
+    reserve = int(request.get("shm_reserve_bytes", 0))
+    shm_cap = int(usage.free * (1 - _SHM_SPARE_FRACTION)) - reserve - tag_bytes
     if budget > shm_cap:
         logger.warning(
-            "memory budget %d bytes exceeds what %s can hold; using %d",
+            "memory budget %d bytes exceeds what %s can hold (less %d bytes kept for NCCL); "
+            "using %d",
             budget,
             shm_store.parent,
-            shm_cap,
+            reserve,
+            max(0, shm_cap),
         )
         budget = max(0, shm_cap)
     layouts = plan_layout(splits, budget, request["storage_dtype"], shm_store, disk_store, "store")

@@ -123,6 +123,9 @@ def init_distributed(device_kind: str, timeout_s: float, tf32: bool = True) -> W
                 f"trainer.device: 'cuda' was asked for but CUDA is unusable: {reason}"
             )
         check_visible_gpus(devices_per_node, torch.cuda.device_count())
+        # Layouts free and allocate stages of other sizes at every transition: expandable
+        # segments keep the caching allocator from fragmenting (read at its first use).
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         configure_math(device, tf32)
