@@ -50,9 +50,9 @@ CUDA_CONTEXT_BYTES = 1 << 30
 NCCL_COMMUNICATOR_BYTES = 128 << 20
 NCCL_COMMUNICATORS_HELD = 6
 # - the caching allocator's fragmentation: after a transition frees one layout's tensors
-#   and allocates another's, reserved memory exceeds allocated memory (the launcher sets
-#   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which keeps this small).
-FRAGMENTATION_ALLOWANCE = 0.10
+#   and allocates another's, reserved memory exceeds allocated memory (init_distributed
+#   sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which keeps this small).
+FRAGMENTATION_ALLOWANCE = 0.05
 
 # (pipe_len, replica batch) -> the number of micro-batches of that layout.
 MicroBatchChooser = Callable[[int, int], int]
