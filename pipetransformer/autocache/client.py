@@ -210,7 +210,10 @@ class CacheClient:
                     f"split {split!r} tensor {index}: expected shape {expected}, "
                     f"got {tuple(tensor.shape)}"
                 )
-        store.write(ids, int(layer), [t.detach().to("cpu") for t in tensors])
+        # Host tensors as they are (a step hands over rows already copied to the host).
+        store.write(
+            ids, int(layer), [t.detach() if t.is_cpu else t.detach().cpu() for t in tensors]
+        )
         if split in self._prefetchers:
             self._prefetchers[split].invalidate(ids)
         self._stats.bytes_written += ids.size * store.layout.row_bytes

@@ -71,6 +71,12 @@ _BOOT = "from pipetransformer.autocache.daemon import main; main()"
 _SHM_SPARE_FRACTION = 0.1
 
 
+def shm_capacity(free_bytes: int, reserve_bytes: int, tag_bytes: int) -> int:
+    """What the memory tier may take of a tmpfs with `free_bytes` free: all but the spare
+    fraction, the bytes reserved for others (NCCL) and the tags."""
+    return int(free_bytes * (1 - _SHM_SPARE_FRACTION)) - reserve_bytes - tag_bytes
+
+
 def shm_dir() -> Path:
     """/dev/shm where it exists (Linux); elsewhere a temporary directory (not RAM-backed)."""
     path = Path("/dev/shm")
@@ -313,7 +319,7 @@ def _create_store(request: dict[str, Any], shm_fd: int, disk_fd: int) -> CacheMa
     usage = shutil.disk_usage(shm_store)
     tag_bytes = sum(n * TAG_BYTES for n, _ in splits.values())
     reserve = int(request.get("shm_reserve_bytes", 0))
-    shm_cap = int(usage.free * (1 - _SHM_SPARE_FRACTION)) - reserve - tag_bytes
+    shm_cap = shm_capacity(usage.free, reserve, tag_bytes)
     if budget > shm_cap:
         logger.warning(
             "memory budget %d bytes exceeds what %s can hold (less %d bytes kept for NCCL); "

@@ -231,7 +231,7 @@ class StepRunner:
         squares = torch.zeros(self.num_units, dtype=torch.float64, device=self.world.device)
         if grads:
             norms = torch.stack(torch._foreach_norm(grads)).double()
-            index = torch.tensor(owners, dtype=torch.long).to(squares.device, non_blocking=True)
+            index = to_device(torch.tensor(owners, dtype=torch.long), self.world.device)
             squares.index_add_(0, index, norms.square())
         return squares
 
