@@ -1,4 +1,4 @@
-from pipetransformer.cli import main
+from pipetransformer.cli import entry
 
 if __name__ == "__main__":
-    main()
+    entry()

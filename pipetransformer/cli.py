@@ -20,6 +20,7 @@ from pathlib import Path
 from pipetransformer.config import Config, ConfigError, load_config, read_config_data
 
 logger = logging.getLogger("pipetransformer.cli")
+_STARTED = time.monotonic()  # when this command began (its imports are before)
 
 
 def _default_run_dir(
@@ -84,6 +85,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError(
             "--resume RUN_DIR continues in RUN_DIR: leave out --run-dir or give the same directory"
         )
+    if args.resume:  # before anything is created or locked in it
+        from pipetransformer.trainer.rundir import check_resumable
+
+        check_resumable(Path(args.resume))
     preflight(config)
     resume = "required" if args.resume else config.trainer.resume
     run_dir = Path(
@@ -96,8 +101,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         code = _train_under_torchrun(config, run_dir, resume, args.overwrite, resume_line)
     else:
         code = _train_locally(config, run_dir, resume, args.overwrite, resume_line)
-    if code == 0 and config.trainer.save_model and os.environ.get("RANK", "0") == "0":
-        _export_trained(run_dir)
+    if code == 0 and os.environ.get("RANK", "0") == "0":
+        if config.trainer.save_model:
+            _export_trained(run_dir)
+        _print_closing_line(run_dir)
     return code
 
 
@@ -146,18 +153,28 @@ def _train_locally(
     (trainer.max_restarts); turn a Ctrl-C or SIGTERM into a checkpoint and a resume line."""
     from pipetransformer.launcher import LaunchInterrupted, WorkerFailed, launch_local
     from pipetransformer.trainer import RunOptions, run_worker
-    from pipetransformer.trainer.rundir import RunLock, ensure_directory, prepare_run_dir
+    from pipetransformer.trainer.rundir import (
+        RunDirError,
+        RunLock,
+        ensure_directory,
+        prepare_run_dir,
+    )
     from pipetransformer.utils.stopping import exit_code_for
 
     ensure_directory(run_dir)
     lock = RunLock(run_dir).acquire()  # before looking inside: a second run must not touch it
     try:
-        checkpoint = prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
+        try:
+            checkpoint = prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
+        except RunDirError:
+            lock.release(remove=True)  # refused: leave the directory as it was
+            raise
         nproc = config.nproc_per_node
         start = f"from {checkpoint}" if checkpoint else "from the start"
         print(
             f"pipetransformer: training on {nproc} local process(es) {start}; "
-            f"run directory {run_dir}",
+            f"run directory {run_dir} (starting the workers: each imports torch, timm and "
+            "transformers, a few seconds)",
             file=sys.stderr,
         )
         run_id = uuid.uuid4().hex
@@ -175,8 +192,7 @@ def _train_locally(
             except LaunchInterrupted as exc:
                 if exc.stopped is None:
                     print(
-                        f"pipetransformer: interrupted ({exc}); workers killed before a checkpoint",
-                        file=sys.stderr,
+                        f"pipetransformer: {_killed_report(run_dir, resume_line)}", file=sys.stderr
                     )
                 else:
                     print(
@@ -208,10 +224,40 @@ def _train_locally(
                 )
     finally:
         lock.release()
-    summary = run_dir / "summary.json"
-    if summary.exists():
-        print(summary.read_text().strip())
     return 0
+
+
+def _print_closing_line(run_dir: Path) -> None:
+    """The run's one closing line (summary.json holds the figures)."""
+    from pipetransformer.trainer.records import RunSummary
+
+    path = run_dir / "summary.json"
+    if path.exists():
+        summary = RunSummary.from_dict(json.loads(path.read_text()))
+        total_s = time.monotonic() - _STARTED
+        print(f"pipetransformer: {summary.closing_line(str(run_dir), total_s)}", file=sys.stderr)
+
+
+def _killed_report(run_dir: Path, resume_line: str) -> str:
+    """What a second Ctrl-C (the workers killed at once) left: the newest complete
+    checkpoint, which may be the one the first Ctrl-C asked for, and how to resume it."""
+    from pipetransformer.trainer.checkpoint import find_checkpoint, read_run_state
+
+    checkpoint = find_checkpoint(run_dir)
+    if checkpoint is None:
+        return (
+            f"interrupted again: workers killed before any checkpoint was complete; nothing in "
+            f"{run_dir} to resume (start again with --overwrite, or another --run-dir)"
+        )
+    try:
+        record = read_run_state(checkpoint)
+        written = f"after global step {record.state.global_step}, {record.reason or 'saved'}"
+    except ValueError:
+        written = "complete"
+    return (
+        f"interrupted again: workers killed; the latest complete checkpoint is {checkpoint} "
+        f"({written}). Resume with: {resume_line}"
+    )
 
 
 def _train_under_torchrun(
@@ -246,9 +292,6 @@ def _train_under_torchrun(
         if rank0:
             print(f"pipetransformer: {exc}", file=sys.stderr)
         return 2
-    summary = run_dir / "summary.json"
-    if rank0 and summary.exists():
-        print(summary.read_text().strip())
     return 0
 
 
@@ -533,6 +576,22 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="output directory")
     export.set_defaults(func=cmd_export)
     return parser
+
+
+def entry() -> None:
+    """The `pipetransformer` command and `python -m pipetransformer`: main(), then an exit
+    that skips the interpreter's finalization. Finalizing a process that imported torch,
+    timm and transformers runs full collections over every module's objects: seconds on
+    a busy machine, after the run has written everything (a stopped run took 8 s to exit
+    after its checkpoint). Everything the run owns is closed before main() returns."""
+    try:
+        main()
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:

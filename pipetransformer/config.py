@@ -660,6 +660,21 @@ def resolve(config: Config, world: World, initial_pipe_len: int | None = None) -
     return resolved
 
 
+def config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(dotted key, value before, value after) for every setting that differs between two
+    `Config.to_dict()`s; a key one of them lacks (a config written by an older release)
+    counts as unchanged."""
+    changes = []
+    for section, values in after.items():
+        old_values = before.get(section)
+        if not isinstance(values, dict) or not isinstance(old_values, dict):
+            continue
+        for key, value in values.items():
+            if key in old_values and old_values[key] != value:
+                changes.append((f"{section}.{key}", old_values[key], value))
+    return changes
+
+
 def config_yaml(config: Config) -> str:
     """The resolved config as YAML text (what RUN_DIR/config.yaml holds)."""
     return yaml.safe_dump(config.to_dict(), sort_keys=False)

@@ -28,6 +28,7 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -38,6 +39,9 @@ from typing import Any
 from pipetransformer.utils.stopping import STOP_SIGNALS, RunStopped
 
 logger = logging.getLogger(__name__)
+
+# When the launcher started the workers (time.time()): a worker says how long start-up took.
+LAUNCHED_AT_ENV = "PIPETRANSFORMER_LAUNCHED_AT"
 
 # Seconds the other workers get to exit by themselves after one failed.
 FAILURE_GRACE_S = 5.0
@@ -110,14 +114,24 @@ def _worker_entry(
         result = fn(*args)
     except RunStopped as stopped:
         (status / f"rank{local_rank}.stopped").write_bytes(pickle.dumps(stopped))
-        return
+        _exit_now(0)
     except BaseException as exc:
         # The parent reports the first line; the whole traceback stays in the file.
         (status / f"rank{local_rank}.err").write_text(
             f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         )
-        os._exit(1)
+        _exit_now(1)
     (status / f"rank{local_rank}.result").write_bytes(pickle.dumps(result))
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    """End a worker whose outcome is written, without the interpreter's finalization (full
+    collections over torch's, timm's and transformers' modules: seconds, cli.entry says
+    more); the run has closed what it owns."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _describe(rank: int, exitcode: int | None, status: Path) -> str:
@@ -149,7 +163,16 @@ def launch_local(
         processes = [
             context.Process(
                 target=_worker_entry,
-                args=(rank, nproc, port, fn, args, status_dir, parent_pid, dict(os.environ)),
+                args=(
+                    rank,
+                    nproc,
+                    port,
+                    fn,
+                    args,
+                    status_dir,
+                    parent_pid,
+                    {**os.environ, LAUNCHED_AT_ENV: f"{time.time():.3f}"},
+                ),
                 daemon=False,
             )
             for rank in range(nproc)

@@ -139,8 +139,12 @@ def test_resume_after_a_transition_reproduces_the_uninterrupted_run(tmp_path, el
     assert steps == [5, 7, 10, 14, 15, 20, 21]  # every 5 steps and at each epoch's end
     resumed_dir = tmp_path / "resumed"
     continue_from(full, resumed_dir, 10)  # epoch 2, step 3 of 7, layout 2x2
-    resumed = run_workers(elastic_run, 4, config_dict, str(resumed_dir), False, RESUME)
+    # A setting changed on resume is said, never silent (this one changes nothing trained).
+    changed = {**config_dict, "checkpoint": {**config_dict["checkpoint"], "keep_last": 21}}
+    resumed = run_workers(elastic_run, 4, changed, str(resumed_dir), False, RESUME)
 
+    (change,) = events(resumed_dir, "config_change")
+    assert change["changes"] == {"checkpoint.keep_last": [20, 21]}
     (event,) = events(resumed_dir, "resume")
     assert (event["global_step"], event["epoch"], event["step"]) == (10, 1, 3)
     assert (event["pipe_len"], event["dp_degree"], event["rng"]) == (2, 2, "restored")
@@ -199,6 +203,7 @@ def test_resume_at_another_world_size_matches_single_process(
         "reseeded",
     )
     assert event["num_frozen_layers"] == 3 and event["pipe_len"] * event["dp_degree"] == second
+    assert events(resumed_dir, "config_change") == []  # the world's processes are not a change
     ref_losses, ref_state, _ = reference_run(config_from_dict(config(first)))
     assert step_losses(resumed_dir) == pytest.approx(ref_losses, abs=1e-5)
     state = results[0]["state"][0]
@@ -320,6 +325,7 @@ def test_a_stop_signal_to_the_parent_checkpoints_and_the_resume_command_finishes
     wait_for_checkpoint(run_dir, 8, process)
     process.send_signal(signum)  # to the parent only, as a scheduler may
     _, stderr = process.communicate(timeout=120)
+    exited = time.time()
     assert process.returncode == 128 + signum, stderr[-3000:]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
     last = stderr.strip().splitlines()[-1]
@@ -328,6 +334,10 @@ def test_a_stop_signal_to_the_parent_checkpoints_and_the_resume_command_finishes
         e for e in events(run_dir, "checkpoint") if e["reason"] == signal.Signals(signum).name
     ]
     assert find_checkpoint(run_dir).name == Path(checkpoint["path"]).name
+    # The processes end promptly once the checkpoint is written (the interpreter's own
+    # finalization took 7-8 s here, which invites a second Ctrl-C).
+    written = (Path(checkpoint["path"]) / "run_state.json").stat().st_mtime
+    assert exited - written < 3.0, exited - written
     if signum != signal.SIGTERM:
         return
     command = shlex.split(last.split("Resume with: ", 1)[1])
@@ -342,3 +352,21 @@ def test_a_stop_signal_to_the_parent_checkpoints_and_the_resume_command_finishes
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert [m["epoch"] for m in records(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
     assert json.loads((run_dir / "summary.json").read_text())["attempts"] == 2
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_reports_the_checkpoint_it_left(tmp_path):
+    """Slow: ~15 s on 2 cores. Two Ctrl-C in a row: the workers are killed at once, and the
+    last line names the newest complete checkpoint (whichever the first press got to) with
+    the command that resumes it."""
+    run_dir = tmp_path / "run"
+    process = start_cli(quick_run_args(run_dir))
+    wait_for_checkpoint(run_dir, 8, process)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    latest = find_checkpoint(run_dir)
+    assert f"the latest complete checkpoint is {latest}" in last and "Resume with: " in last

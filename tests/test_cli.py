@@ -99,6 +99,13 @@ def test_short_training_run_writes_its_outputs(tmp_path):
         str(run_dir),
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    # Output a person reads: rank 0 speaks for the run, no progress bar into a pipe, and
+    # one closing line (not summary.json dumped).
+    lines = result.stderr.strip().splitlines()
+    assert "\r" not in result.stderr and not any("[rank1] INFO" in line for line in lines)
+    assert lines[-1].startswith("pipetransformer: done in ") and str(run_dir) in lines[-1]
+    assert "layers frozen; pipe_len 1 x dp_degree 2" in lines[-1]
+    assert result.stdout == ""
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["epoch"] for m in metrics] == [1, 2]
     for key in (
@@ -138,7 +145,7 @@ def test_short_training_run_writes_its_outputs(tmp_path):
     # trainer.save_model: the model exported as timm loads it, from the final checkpoint.
     assert {"config.json", "model.safetensors"} <= {p.name for p in (run_dir / "export").iterdir()}
     assert summary["checkpoint"].endswith("step-00000008")
-    assert "[rank0]" in result.stderr and "[rank1]" in result.stderr
+    assert "[rank0]" in result.stderr and "[rank1]" not in result.stderr  # nothing of its own
 
 
 def test_a_failing_worker_is_reported_once_with_its_cause(tmp_path):

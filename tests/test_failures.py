@@ -47,12 +47,45 @@ def one_line_error(result: subprocess.CompletedProcess | CliResult, code: int, *
 
 
 def digest(directory: Path) -> dict[str, str]:
-    """Every file's contents (the lock file a refused run may create aside)."""
+    """Every file's contents (a refused run leaves no lock file behind either)."""
     return {
         str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(directory.rglob("*"))
-        if p.is_file() and p.name != ".lock"
+        if p.is_file()
     }
+
+
+def test_resume_of_a_path_that_is_not_a_run_is_one_line_and_creates_nothing(tmp_path):
+    missing = tmp_path / "no-such-run"
+    result = run_cli("train", QUICKSTART, "--resume", str(missing))
+    one_line_error(result, 2, f"--resume {missing}: no such directory")
+    assert not missing.exists()
+    foreign = tmp_path / "photos"
+    foreign.mkdir()
+    (foreign / "cat.jpg").write_bytes(b"\xff\xd8")
+    before = digest(foreign)
+    result = run_cli("train", QUICKSTART, "--resume", str(foreign))
+    one_line_error(result, 2, "not a run directory")
+    assert digest(foreign) == before and sorted(p.name for p in foreign.iterdir()) == ["cat.jpg"]
+
+
+def test_a_second_interrupt_names_the_checkpoint_that_exists(tmp_path, elastic_full_run):
+    """The first Ctrl-C writes a checkpoint; a second kills the workers at once, and the
+    report must not say there is none (a user who believed it would pass --overwrite)."""
+    import shutil
+
+    from pipetransformer.cli import _killed_report
+    from pipetransformer.trainer.checkpoint import find_checkpoint
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(elastic_full_run.run_dir, run_dir)
+    report = _killed_report(run_dir, "pipetransformer train X --resume RUN")
+    latest = find_checkpoint(run_dir)
+    assert f"the latest complete checkpoint is {latest} (after global step 21" in report
+    assert report.endswith("Resume with: pipetransformer train X --resume RUN")
+    shutil.rmtree(run_dir / "checkpoints")
+    report = _killed_report(run_dir, "pipetransformer train X --resume RUN")
+    assert "before any checkpoint was complete" in report and "Resume with" not in report
 
 
 def test_a_used_run_directory_is_refused_with_its_files_untouched(tmp_path):

@@ -64,3 +64,44 @@ def test_steps_reach_jsonl_tensorboard_and_wandb_offline(tmp_path):
     (wandb_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     content = wandb_file.read_bytes()
     assert content.count(b"step/loss") >= len(steps) and content.count(b"epoch/train_loss") >= 2
+
+
+def test_rank_zero_speaks_for_the_run_and_other_ranks_only_warn():
+    import logging
+
+    from pipetransformer.utils.logging import setup_logging
+
+    logger = logging.getLogger("pipetransformer")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    try:
+        for rank, level in (("0", logging.INFO), ("1", logging.WARNING), ("-", logging.INFO)):
+            setup_logging(rank=rank)
+            assert logger.level == level, rank
+    finally:
+        logger.handlers[:], logger.level, logger.propagate = saved
+
+
+def test_the_closing_line_says_time_metric_freezing_layout_and_outputs():
+    from pipetransformer.trainer.records import RunSummary
+
+    summary = RunSummary(
+        wall_time_s=234.4,
+        attempts=1,
+        final_eval_metric=0.9611,
+        best_eval_metric=0.975,
+        epochs=30,
+        global_steps=690,
+        num_transitions=2,
+        final_num_frozen_layers=6,
+        final_pipe_len=1,
+        final_dp_degree=2,
+        world_size=2,
+        device="cpu",
+        checkpoint="runs/q/checkpoints/step-00000690",
+        metric_name="accuracy",
+        num_layers=8,
+    )
+    line = summary.closing_line("runs/q", total_s=352.0)
+    assert line.startswith("done in 5 min 52 s (3 min 54 s training, the rest start-up)")
+    assert "accuracy 96.11% final, 97.50% best; 6 of 8 layers frozen" in line
+    assert "pipe_len 1 x dp_degree 2; outputs in runs/q/" in line

@@ -251,7 +251,7 @@ class CacheDaemon:
             )
         daemon = cls(process, shm_store, disk_store, keep)
         atexit.register(daemon.stop)
-        logger.info("cache daemon %s started (pid %d)", daemon.name, process.pid)
+        logger.debug("cache daemon %s started (pid %d)", daemon.name, process.pid)
         return daemon
 
     @property
@@ -359,7 +359,7 @@ def _create_store(request: dict[str, Any], shm_fd: int, disk_fd: int) -> CacheMa
 
 def _log_layout(layouts: Sequence[SplitLayout]) -> None:
     for layout in layouts:
-        logger.info(
+        logger.debug(
             "split %s: %d samples, %d bytes per slot, %d in memory, %d on disk",
             layout.name,
             layout.num_samples,
@@ -407,7 +407,7 @@ def main() -> None:
         sys.stdout.write("ready\n")
         sys.stdout.flush()
         reason = _wait_for_shutdown(request)
-        logger.info("cache %s: %s; removing its files", name, reason)
+        logger.debug("cache %s: %s; removing its files", name, reason)
     except Exception:
         logger.exception("cache daemon %s failed", name)
         code = 1

@@ -290,7 +290,7 @@ class ProfileStore:
             micro.setdefault(key, {}).update(timings)
         write_json_atomic(self.path, _payload(units, micro))
         self._unit_profiles, self._micro_batch_timings = units, micro
-        logger.info(
+        logger.debug(
             "saved %d unit profiles and %d micro-batch timings to %s",
             len(units),
             len(micro),

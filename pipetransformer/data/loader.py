@@ -89,3 +89,9 @@ class BatchLoader:
                 continue
             inputs = self.dataset.fetch(ids)[0]
             yield pin(inputs) if self.pin_memory else inputs
+
+    def close(self) -> None:
+        """Stop the workers (they would otherwise outlive a process that exits at once)."""
+        if self._loader is not None and self._loader._iterator is not None:
+            self._loader._iterator._shutdown_workers()
+            self._loader._iterator = None

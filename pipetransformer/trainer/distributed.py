@@ -6,6 +6,7 @@ import datetime
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -154,7 +155,9 @@ def init_distributed(device_kind: str, timeout_s: float, tf32: bool = True) -> W
     source = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "local launcher"
     world = WorldInfo(rank, world_size, local_rank, devices_per_node, device, source)
     if rank == 0:
-        logger.info("%s", world.describe(tf32))
+        launched = os.environ.get("PIPETRANSFORMER_LAUNCHED_AT")
+        up = f"; workers up {time.time() - float(launched):.1f} s after launch" if launched else ""
+        logger.info("%s%s", world.describe(tf32), up)
         reason = cuda_unusable_reason() if device_kind == "auto" and not use_cuda else None
         if reason is not None:
             logger.warning(

@@ -48,6 +48,9 @@ class Evaluator:
             data.eval, config.data.num_workers, pin_memory=world.device.type == "cuda"
         )
 
+    def close(self) -> None:
+        self._loader.close()
+
     def due(self, tick: Tick) -> bool:
         """At the end of every `trainer.eval_interval_epochs`-th epoch and of the last."""
         interval = self.config.trainer.eval_interval_epochs

@@ -86,6 +86,25 @@ class FreezeControl:
             self.state.previous_layer_grad_norms = list(signal.layer_grad_norms)
         return Decision(decided, signal.layer_grad_norms, signal.step_s)
 
+    def warn_if_nothing_can_freeze(self) -> None:
+        """A freezing strategy whose schedule holds no decision point (a warm-up as long as
+        the run, say) trains exactly as the baseline: said once, at the start."""
+        freeze = self.config.freeze
+        if freeze.strategy == "none":
+            return
+        schedule, since = self.schedule, 0
+        for global_step in range(1, schedule.total_steps + 1):
+            since += 1
+            if schedule.due(global_step, global_step % self.steps_per_epoch == 0, since):
+                return
+        logger.warning(
+            "nothing will freeze: freeze.strategy %s, but with freeze.warmup_epochs %d and "
+            "trainer.epochs %d no decision point falls before the run ends",
+            freeze.strategy,
+            freeze.warmup_epochs,
+            self.config.trainer.epochs,
+        )
+
     def decisions_left(self, global_step: int) -> int:
         """Decision points after `global_step` at the current schedule (without warm-up)."""
         schedule = self.schedule

@@ -146,7 +146,9 @@ class MetricsTracker:
         self.step_timer.add(*result.marks)
         layout = result.layout
         self.reporter.step(
-            frozen=layout.plan.num_frozen_layers, K=layout.pipe_len, R=layout.dp_degree
+            frozen=layout.plan.num_frozen_layers,
+            pipe_len=layout.pipe_len,
+            dp_degree=layout.dp_degree,
         )
 
     def _drain_timers(self) -> None:

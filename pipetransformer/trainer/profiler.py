@@ -143,10 +143,15 @@ class RunProfiler:
             self.store.put_micro_batch_timings(key, {m: timings[m] for m in missing})
             self._save()
             self.seconds += time.perf_counter() - start
-            logger.info(
-                "micro-batch timings for pipe_len %d, replica batch %d: %s",
-                pipe_len,
-                replica_batch,
-                ", ".join(f"M={m}: {timings[m] * 1000:.1f} ms" for m in candidates),
-            )
-        return choose_micro_batches({m: timings[m] for m in candidates}, candidates)
+        chosen = choose_micro_batches({m: timings[m] for m in candidates}, candidates)
+        logger.info(
+            "micro-batches for pipe_len %d, replica batch %d: M=%d (%s; %s; pin it with "
+            "pipeline.num_micro_batches=%d)",
+            pipe_len,
+            replica_batch,
+            chosen,
+            ", ".join(f"M={m}: {timings[m] * 1000:.1f} ms" for m in candidates),
+            "measured now" if missing else f"measured earlier, from {self.store.path}",
+            chosen,
+        )
+        return chosen

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 T = TypeVar("T", bound="Record")
@@ -77,6 +78,34 @@ class RunSummary(Record):
     metric_name: str = "eval_metric"  # what eval_metric measures (summaries of old runs lack it)
     freeze_decisions: int = 0  # decision points the freeze algorithm was asked at
     decision_interval_steps: int | None = None  # steps between them (None: epoch ends)
+    num_layers: int = 0  # the model's layers (0: a summary of an older run)
+
+    def closing_line(self, run_dir: str, total_s: float | None = None) -> str:
+        """One line for a person: how long (`total_s`: this command's whole time, start-up
+        included), how well, how far it froze, where it ended and where its outputs are."""
+
+        def duration(seconds_total: float) -> str:
+            minutes, seconds = divmod(round(seconds_total), 60)
+            return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
+
+        took = duration(self.wall_time_s)
+        if total_s is not None and self.attempts == 1 and total_s > self.wall_time_s:
+            took = f"{duration(total_s)} ({took} training, the rest start-up)"
+        attempts = f" over {self.attempts} attempts" if self.attempts > 1 else ""
+
+        def score(value: float | None) -> str:
+            if value is None:
+                return "-"
+            return f"{100 * value:.2f}%" if self.metric_name == "accuracy" else f"{value:.4f}"
+
+        layers = f" of {self.num_layers}" if self.num_layers else ""
+        return (
+            f"done in {took}{attempts}: {self.metric_name} {score(self.final_eval_metric)} "
+            f"final, {score(self.best_eval_metric)} best; {self.final_num_frozen_layers}{layers} "
+            f"layers frozen; pipe_len {self.final_pipe_len} x dp_degree {self.final_dp_degree}; "
+            f"outputs in {run_dir}/ (metrics.jsonl, summary.json, checkpoints/"
+            f"{', export/' if Path(run_dir, 'export').is_dir() else ''})"
+        )
 
 
 @dataclass
@@ -239,6 +268,16 @@ class CadenceEvent(Event):
     decisions_left: int  # decision points the rest of the run holds at this interval
 
 
+@dataclass
+class ConfigChangeEvent(Event):
+    """A resume with settings that differ from the checkpoint's (e.g. more epochs)."""
+
+    kind: ClassVar[str] = "config_change"
+    global_step: int
+    checkpoint: str
+    changes: dict[str, list[Any]]  # dotted key -> [before, after]
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls
     for cls in (
@@ -248,6 +287,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         ResumeEvent,
         CheckpointEvent,
         CadenceEvent,
+        ConfigChangeEvent,
     )
 }
 

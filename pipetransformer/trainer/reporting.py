@@ -40,7 +40,9 @@ class Reporter:
     ) -> None:
         self.run_dir = run_dir
         self.enabled = enabled
-        self.progress_bar = progress_bar and enabled
+        # On a terminal only: in a log file its carriage-return updates make one line of
+        # thousands of characters.
+        self.progress_bar = progress_bar and enabled and sys.stderr.isatty()
         self._bar = None
         self._tb = None
         self._wandb = None
@@ -109,8 +111,8 @@ class Reporter:
             self._bar.set_postfix(
                 loss=f"{record.loss:.4f}",
                 frozen=record.num_frozen_layers,
-                K=record.pipe_len,
-                R=record.dp_degree,
+                pipe_len=record.pipe_len,
+                dp_degree=record.dp_degree,
                 refresh=False,
             )
         scalars = _numbers(values, skip=("global_step", "epoch"))

@@ -73,6 +73,20 @@ def holds_run(run_dir: Path) -> bool:
     return any((run_dir / name).exists() for name in ("config.yaml", "metrics.jsonl", CHECKPOINTS))
 
 
+def check_resumable(run_dir: Path) -> None:
+    """`--resume RUN_DIR` names a run directory: raise RunDirError (one line) otherwise,
+    creating nothing. Whether it holds a complete checkpoint is decided under its lock."""
+    if not run_dir.exists():
+        raise RunDirError(f"--resume {run_dir}: no such directory")
+    if not run_dir.is_dir():
+        raise RunDirError(f"--resume {run_dir}: not a directory")
+    if not holds_run(run_dir):
+        raise RunDirError(
+            f"--resume {run_dir}: not a run directory (it has no config.yaml, metrics.jsonl "
+            f"or {CHECKPOINTS}/); pass the directory a run printed at its start"
+        )
+
+
 def ensure_directory(run_dir: Path) -> None:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -147,9 +161,14 @@ class RunLock:
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / LOCK_FILE
         self._fd: int | None = None
+        self._created = False
 
     def acquire(self) -> RunLock:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+            self._created = True
+        except FileExistsError:
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -164,8 +183,12 @@ class RunLock:
         self._fd = fd
         return self
 
-    def release(self) -> None:
+    def release(self, remove: bool = False) -> None:
+        """`remove`: also delete the lock file if this lock created it (a refused start
+        leaves the directory as it found it)."""
         if self._fd is not None:
+            if remove and self._created:
+                self.path.unlink(missing_ok=True)  # while held: no other run holds it
             os.close(self._fd)  # closing drops the flock
             self._fd = None
 

@@ -89,6 +89,10 @@ class Batches:
         """The data split changes with the layout: the loader restarts at the next step."""
         self._loader = None
 
+    def close(self) -> None:
+        self._loader = None
+        self._batch_loader.close()
+
     def device_inputs(self, split: str, ids: Sequence[int]) -> list[torch.Tensor]:
         """Inputs of `ids` on the device, loaded now (what a batch the loader skipped needs
         when the cache turns out not to serve all of it)."""

@@ -33,7 +33,7 @@ from pipetransformer.autodp.handoff import execute_transfers, plan_transfers
 from pipetransformer.autodp.sampler import TrainSampler
 from pipetransformer.autodp.topology import Layout
 from pipetransformer.autopipe.profiles import unit_costs_from_profile
-from pipetransformer.config import Config, resolve
+from pipetransformer.config import Config, config_changes, resolve
 from pipetransformer.data import build_data
 from pipetransformer.models import build_model
 from pipetransformer.pipe import StageRuntime, build_stage_runtime
@@ -57,6 +57,7 @@ from pipetransformer.trainer.metrics import MetricsTracker
 from pipetransformer.trainer.profiler import RunProfiler
 from pipetransformer.trainer.records import (
     CheckpointEvent,
+    ConfigChangeEvent,
     EvalResult,
     ProfileEvent,
     RunSummary,
@@ -107,6 +108,7 @@ class Trainer:
         self.stage: Stage | None = None
         self.state = RunState()
         self.transitions: list[TransitionEvent] = []
+        self._pending_events: list = []  # made before the reporter exists
 
     # ------------------------------------------------------------------ setup
 
@@ -198,6 +200,8 @@ class Trainer:
         self.freezer = FreezeControl(
             config, spec.num_layers, steps, self.state, self.metrics, control
         )
+        if world.rank == 0 and resumption is None:
+            self.freezer.warn_if_nothing_can_freeze()
         self.batches = Batches(
             config, self.data, self.sampler, self.task, world, self.run_dir, self.cache
         )
@@ -234,6 +238,9 @@ class Trainer:
             )
         if resumption is not None:
             self.reporter.event(resumption.event(self.stage.layout, world))
+        for event in self._pending_events:
+            self.reporter.event(event)
+        self._pending_events.clear()
         logger.info(
             "initial layout: %s (stage costs from %s)",
             self.stage.layout.describe(),
@@ -282,8 +289,33 @@ class Trainer:
                 self.plan.initial_pipe_len,
                 "unlimited" if budget is None else format_bytes(budget),
             )
+        if resumption is not None:
+            self._note_config_changes(resumption)
         if world.rank == 0:  # the resolved config says where the run started
             write_resolved_config(self.run_dir, self.config)
+
+    def _note_config_changes(self, resumption: Resumption) -> None:
+        """A resume with other settings than the checkpoint's is said and recorded (an
+        event, reported once the reporter exists), never silent. The processes per node
+        follow the world that resumes; that is the resume event's to say."""
+        changes = {
+            key: [before, after]
+            for key, before, after in config_changes(
+                resumption.record.config, self.config.to_dict()
+            )
+            if key != "trainer.nproc_per_node"
+        }
+        if not changes:
+            return
+        self._pending_events.append(
+            ConfigChangeEvent(self.state.global_step, str(resumption.checkpoint), changes)
+        )
+        if self.world.rank == 0:
+            logger.warning(
+                "resuming %s with changed settings: %s (recorded in events.jsonl)",
+                resumption.checkpoint,
+                ", ".join(f"{k} {b!r} -> {a!r}" for k, (b, a) in changes.items()),
+            )
 
     def _seed_streams(self, resumption: Resumption | None) -> None:
         """Last, so nothing in setup draws from the streams a checkpoint restored."""
@@ -649,6 +681,7 @@ class Trainer:
             checkpoint=str(last) if last else None,
             freeze_decisions=state.decision_index,
             decision_interval_steps=self.freezer.schedule.interval_steps,
+            num_layers=self.spec.num_layers,
         )
         self.reporter.summary(summary)
         return summary
@@ -674,6 +707,9 @@ class Trainer:
     # ------------------------------------------------------------------ teardown
 
     def cleanup(self) -> None:
+        for loading in (getattr(self, "batches", None), getattr(self, "evaluator", None)):
+            if loading is not None:
+                loading.close()
         if self.stage is not None:
             self.stage.runtime = None
             self.stage.groups.destroy()

@@ -18,8 +18,13 @@ class _RankFilter(logging.Filter):
         return True
 
 
-def setup_logging(rank: int | str = "-", level: int = logging.INFO) -> None:
-    """Route the package's logs to stderr, each line tagged with the process's rank."""
+def setup_logging(rank: int | str = "-", level: int | None = None) -> None:
+    """Route the package's logs to stderr, each line tagged with the process's rank. By
+    default the reporting process (the CLI, global rank 0, a node's cache daemon) logs
+    from INFO and every other rank only its warnings and errors: the ranks agree on
+    everything, so they would each say the same."""
+    if level is None:
+        level = logging.INFO if str(rank) in ("-", "0", "cache") else logging.WARNING
     logger = logging.getLogger("pipetransformer")
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
