@@ -91,8 +91,11 @@ def main() -> None:
     links = Links(link_bps, link_bps)
     entries = []
     for compare_dir in map(Path, args.compare_dirs):
-        store = ProfileStore(compare_dir / "profiles" / "profiles.json").load()
         for run_dir in sorted(p for p in compare_dir.iterdir() if (p / "metrics.jsonl").exists()):
+            # Each run's own measurements (older compare directories shared one file).
+            shared = compare_dir / "profiles" / "profiles.json"
+            store = ProfileStore(run_dir / "profiles.json" if not shared.exists() else shared)
+            store.load()
             config = load_config(str(run_dir / "config.yaml"))
             spec = describe_model(config)
             key = unit_profile_key_for(config, spec, "cpu", profiling_micro_batch_size(config))

@@ -138,8 +138,9 @@ class PipelineConfig:
     schedule: Literal["gpipe", "1f1b"] = "gpipe"
     # How stages are balanced: measured forward+backward time per unit, or parameter counts.
     balance: Literal["time", "params"] = "time"
-    # JSON file of measured profiles (per-sublayer costs, micro-batch timings).
-    # None: RUN_DIR/../profiles/profiles.json.
+    # JSON file of measured profiles (per-sublayer costs, micro-batch timings). None: the
+    # run's own RUN_DIR/profiles.json; a path shared by several runs (of the same model on
+    # the same kind of machine) lets later runs skip the measurements.
     profile_path: str | None = None
 
     def __post_init__(self) -> None:

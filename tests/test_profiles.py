@@ -211,6 +211,38 @@ def test_second_run_reads_the_profile_instead_of_measuring(tmp_path, monkeypatch
     assert calls["units"] == 2
 
 
+def test_a_micro_batch_timing_taken_under_load_is_measured_again_and_not_kept(
+    tmp_path, monkeypatch, caplog
+):
+    """Repeats of one timing that disagree (another job on the machine) are measured again;
+    if they still disagree the timing serves this layout but is not written for later
+    runs, and a warning says how to pin M. A run's profiles live in its own directory."""
+    import itertools
+    import logging
+
+    from pipetransformer.planning import describe_model
+    from pipetransformer.trainer import profiler as profiler_module
+    from pipetransformer.trainer.control import Control
+
+    samples = {1: itertools.cycle([0.010, 0.011]), 2: itertools.cycle([0.010, 0.030, 0.010])}
+    monkeypatch.setattr(
+        profiler_module,
+        "time_schedule_samples",
+        lambda step, steps, warmup, device: [next(step) for _ in range(steps)],
+    )
+    config = load_config(QUICKSTART)
+    run = profiler_module.RunProfiler(
+        config, describe_model(config), tmp_path / "run", torch.device("cpu"), Control(None)
+    )
+    assert run.path == tmp_path / "run" / "profiles.json"
+    with caplog.at_level(logging.WARNING, logger="pipetransformer"):
+        chosen = run.micro_batches(1, 2, lambda m: samples[m])
+    assert chosen == 1 and "look taken under load" in caplog.text and "M=2" in caplog.text
+    stored = ProfileStore(run.path).load()
+    (timings,) = stored._micro_batch_timings.values()
+    assert set(timings) == {1}  # the noisy M=2 was not kept
+
+
 def test_corrupt_or_foreign_profile_file_is_an_error_naming_the_path(tmp_path):
     path = tmp_path / "profiles.json"
     path.write_text("{not json")

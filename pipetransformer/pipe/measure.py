@@ -240,13 +240,25 @@ def time_schedule_steps(
     Pass `device` when it is a GPU, so each timing waits for the step's kernels. In a
     pipeline every rank times its own step; the layout's step time is the slowest rank's.
     """
+    return statistics.median(time_schedule_samples(step_fn, steps, warmup, device))
+
+
+def time_schedule_samples(
+    step_fn: Callable[[], None], steps: int, warmup: int, device: torch.device | str | None = None
+) -> list[float]:
+    """Seconds of each of `steps` timed `step_fn()` calls after `warmup` untimed ones."""
     if steps < 1 or warmup < 0:
         raise ValueError("need steps >= 1 and warmup >= 0")
     device = torch.device(device) if device is not None else torch.device("cpu")
     for _ in range(warmup):
         step_fn()
-    times = [_timed(step_fn, device)[0] for _ in range(steps)]
-    return statistics.median(times)
+    return [_timed(step_fn, device)[0] for _ in range(steps)]
+
+
+def relative_spread(samples: list[float]) -> float:
+    """(slowest - fastest) / median: how much repeats of one measurement disagree."""
+    median = statistics.median(samples)
+    return (max(samples) - min(samples)) / median if median > 0 else 0.0
 
 
 # ----------------------------------------------------------------------------- memory

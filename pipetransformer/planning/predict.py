@@ -189,7 +189,7 @@ def find_unit_profile(
     if not keys:
         raise ConfigError(
             f"--profile: {path} has no unit profile of this model ({config.model.name}); "
-            "a run of this config writes one (RUN_DIR/../profiles/profiles.json)"
+            "a run of this config writes one (RUN_DIR/profiles.json)"
         )
     keys.sort(key=lambda k: (k.device.startswith("cuda"), k.micro_batch_size))
     return store.unit_profile(keys[-1]), keys[-1], store

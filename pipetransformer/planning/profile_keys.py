@@ -28,19 +28,22 @@ from pipetransformer.models import ModelSpec
 from pipetransformer.planning.context import MicroBatchChooser, choose_num_micro_batches
 
 # Where `plan` (which has no run directory) looks for profiles when pipeline.profile_path is
-# unset: the profiles directory beside the default run directories (runs/<config>-<time>),
-# i.e. what RUN_DIR/../profiles resolves to for a run started with the default --run-dir.
-# Relative to the current directory, like those run directories.
+# unset: a cache shared between runs, used by runs that set
+# pipeline.profile_path=runs/profiles/profiles.json (relative to the current directory,
+# like the default run directories). A run's own measurements are in RUN_DIR/profiles.json
+# (`plan --profile` reads them).
 PLAN_PROFILE_PATH = Path("runs") / "profiles" / "profiles.json"
 
 
 def profile_path_for(config: Config, run_dir: str | os.PathLike | None = None) -> Path:
-    """pipeline.profile_path; else RUN_DIR/../profiles/profiles.json; else (no run
-    directory, as for `plan`) runs/profiles/profiles.json under the current directory."""
+    """pipeline.profile_path; else the run's own RUN_DIR/profiles.json (a run measures for
+    itself: a file shared by every run of a directory kept one run's measurements, even one
+    taken under load, for all later ones); else (no run directory, as for `plan`)
+    runs/profiles/profiles.json under the current directory."""
     if config.pipeline.profile_path is not None:
         return Path(config.pipeline.profile_path).expanduser()
     if run_dir is not None:
-        return Path(run_dir).parent / "profiles" / "profiles.json"
+        return Path(run_dir) / "profiles.json"
     return PLAN_PROFILE_PATH
 
 

@@ -15,6 +15,7 @@ time is the layout's time.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +26,11 @@ from torch import nn
 from pipetransformer.autopipe.profiles import ProfileStore, UnitProfile, choose_micro_batches
 from pipetransformer.config import Config
 from pipetransformer.models import ModelSpec
-from pipetransformer.pipe.measure import measure_unit_costs, time_schedule_steps
+from pipetransformer.pipe.measure import (
+    measure_unit_costs,
+    relative_spread,
+    time_schedule_samples,
+)
 from pipetransformer.planning.profile_keys import (
     device_type_for,
     micro_batch_candidates,
@@ -39,6 +44,11 @@ logger = logging.getLogger(__name__)
 
 PROFILE_WARMUP_STEPS = 1
 PROFILE_STEPS = 3
+# Repeats of one timing that differ by more than this share of their median (and by more
+# than NOISY_MIN_S: a timer's jitter on a sub-millisecond step is not load) were taken under
+# load (another job on the machine): measured again, and not kept if they still do.
+NOISY_SPREAD = 0.5
+NOISY_MIN_S = 0.002
 
 
 class RunProfiler:
@@ -116,6 +126,15 @@ class RunProfiler:
 
     # ------------------------------------------------------------------ micro-batches
 
+    def _time_steps(self, step: Callable[[], None], steps: int) -> tuple[float, float]:
+        """The slowest rank's median step and the largest relative spread of repeats (0
+        below NOISY_MIN_S; collective: every rank gets the same two numbers)."""
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            samples = time_schedule_samples(step, steps, PROFILE_WARMUP_STEPS, self.device)
+        spread = relative_spread(samples) if max(samples) - min(samples) > NOISY_MIN_S else 0.0
+        median, spread = self.control.all_max([statistics.median(samples), spread]).tolist()
+        return median, spread
+
     def micro_batches(
         self, pipe_len: int, replica_batch: int, measure_step: Callable[[int], Callable[[], None]]
     ) -> int:
@@ -128,21 +147,32 @@ class RunProfiler:
         key = micro_batch_key_for(self.config, self.spec, self.device_type, pipe_len, replica_batch)
         timings = self.store.micro_batch_timings(key)
         missing = [m for m in candidates if m not in timings]
+        noisy: dict[int, float] = {}
         if missing:
             start = time.perf_counter()
             for m in missing:
                 step = measure_step(m)
-                with torch.random.fork_rng(
-                    devices=[self.device] if self.device.type == "cuda" else []
-                ):
-                    local = time_schedule_steps(
-                        step, PROFILE_STEPS, PROFILE_WARMUP_STEPS, self.device
-                    )
-                timings[m] = float(self.control.all_max([local])[0])
+                timings[m], spread = self._time_steps(step, PROFILE_STEPS)
+                if spread > NOISY_SPREAD:  # measured again, twice as long
+                    timings[m], spread = self._time_steps(step, 2 * PROFILE_STEPS)
+                    if spread > NOISY_SPREAD:
+                        noisy[m] = spread
                 del step  # this trial's runtime goes before the next one is built
-            self.store.put_micro_batch_timings(key, {m: timings[m] for m in missing})
-            self._save()
+            # A measurement whose repeats disagree this much was taken under load: used for
+            # this layout now, but not kept for later layouts and runs to reuse.
+            kept = {m: timings[m] for m in missing if m not in noisy}
+            if kept:
+                self.store.put_micro_batch_timings(key, kept)
+                self._save()
             self.seconds += time.perf_counter() - start
+            if noisy and self.rank == 0:
+                logger.warning(
+                    "micro-batch timings for pipe_len %d look taken under load (repeats differ "
+                    "by %s): used now, not kept; pin pipeline.num_micro_batches for runs that "
+                    "must decide alike",
+                    pipe_len,
+                    ", ".join(f"{100 * spread:.0f}% at M={m}" for m, spread in noisy.items()),
+                )
         chosen = choose_micro_batches({m: timings[m] for m in candidates}, candidates)
         logger.info(
             "micro-batches for pipe_len %d, replica batch %d: M=%d (%s; %s; pin it with "

@@ -46,6 +46,7 @@ RUN_FILES = (
     "tensorboard",
     "wandb",
     "samples",
+    "profiles.json",
     ".run_id",
 )
 LOCK_FILE = ".lock"
