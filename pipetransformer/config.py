@@ -155,7 +155,16 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class FreezeConfig:
-    strategy: Literal["none", "gradient_norm", "convergence", "alpha_schedule", "manual"] = "none"
+    # gradient_norm: the paper's Eq. 1 (the layers below the smallest gradient norm freeze);
+    # gradient_norm_inclusive: the same with that layer frozen too; freeze.py says more.
+    strategy: Literal[
+        "none",
+        "gradient_norm",
+        "gradient_norm_inclusive",
+        "convergence",
+        "alpha_schedule",
+        "manual",
+    ] = "none"
     alpha: float = 1 / 3
     # For strategy 'convergence': a bottom layer freezes once its gradient norm changed by
     # less than this share between two decision points (AutoFreeze's test; still at most

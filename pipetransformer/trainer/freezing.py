@@ -51,9 +51,7 @@ class FreezeControl:
         self.schedule = self._schedule(state.min_decision_interval)
 
     def _schedule(self, min_interval: int) -> DecisionSchedule:
-        return DecisionSchedule.for_config(
-            self.config.freeze, self.config.trainer.epochs, self.steps_per_epoch, min_interval
-        )
+        return DecisionSchedule.for_config(self.config.freeze, self.steps_per_epoch, min_interval)
 
     @property
     def needs_grad_norms(self) -> bool:
@@ -61,7 +59,7 @@ class FreezeControl:
 
     def due(self, tick: Tick) -> bool:
         return self.schedule.due(
-            tick.global_step, tick.epoch_end, self.metrics.steps_since_decision
+            tick.epoch, tick.epoch_end, tick.last, self.metrics.steps_since_decision
         )
 
     def decide(self, num_frozen_layers: int, dp_degree: int) -> Decision:
