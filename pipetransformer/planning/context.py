@@ -137,7 +137,7 @@ def profiling_micro_batch_size(config: Config, world_size: int | None = None) ->
     if pipe_len == "auto":  # before the start is chosen: the shortest pipeline's (the costs
         pipe_len = min(initial_pipe_lens(config, world))  # of other sizes scale from it)
     dp_degree = dp_degree_for(pipe_len, world, world // pipe_len, config.autodp.enabled)
-    replica_batch = config.trainer.global_batch_size // dp_degree
+    replica_batch = config.trainer.replica_batch_size(dp_degree)
     return replica_batch // choose_num_micro_batches(
         config.pipeline.num_micro_batches, pipe_len, replica_batch
     )
@@ -149,7 +149,7 @@ def _layout_shape(
     """Micro-batch size, micro-batch count (the measurement-free rule: for GPipe the total
     activation bytes do not depend on it), replicas and schedule of a layout with `pipe_len`."""
     dp = dp_degree_for(pipe_len, world_size, world_size // initial_pipe_len, config.autodp.enabled)
-    replica_batch = config.trainer.global_batch_size // dp
+    replica_batch = config.trainer.replica_batch_size(dp)
     m = choose_num_micro_batches(config.pipeline.num_micro_batches, pipe_len, replica_batch)
     return LayoutShape(replica_batch // m, m, dp, config.pipeline.schedule)
 
@@ -254,7 +254,7 @@ class PlanContext:
         else:
             plan = fixed_plan(self.costs, self.planner.initial, num_frozen_layers)
         layout = self._layout(plan)
-        replica_batch = config.trainer.global_batch_size // layout.dp_degree
+        replica_batch = config.trainer.replica_batch_size(layout.dp_degree)
         if micro_batches is None:
             m = choose_num_micro_batches(
                 config.pipeline.num_micro_batches, plan.pipe_len, replica_batch

@@ -41,7 +41,6 @@ class Evaluator:
         self.control = control
         self.cache = cache
         self.state = state  # holds the last and best metric
-        self.sampler = EvalSampler(len(data.eval), config.trainer.global_batch_size)
 
     def due(self, tick: Tick) -> bool:
         """At the end of every `trainer.eval_interval_epochs`-th epoch and of the last."""
@@ -64,9 +63,12 @@ class Evaluator:
         role = layout.role(self.world.rank)
         accumulator = self.task.new_accumulator(self.data.eval_extras)
         if role is not None:
+            # The training batch of this layout (it grows with R under batch_per_replica).
+            replica_batch = self.config.trainer.replica_batch_size(layout.dp_degree)
+            sampler = EvalSampler(len(self.data.eval), replica_batch * layout.dp_degree)
             batches = [
-                self.sampler.replica_batch(role.replica, layout.dp_degree, s)
-                for s in range(self.sampler.steps)
+                sampler.replica_batch(role.replica, layout.dp_degree, s)
+                for s in range(sampler.steps)
             ]
             loader = None
             if role.is_first:

@@ -175,14 +175,18 @@ class Trainer:
                 read_s_per_sample=self.state.cache_read_s_per_sample,
             )
             self.state.cache_read_s_per_sample = self.cache.read_s_per_sample
+        batch_per_replica = config.trainer.batch_per_replica
         self.sampler = TrainSampler(
             len(self.data.train),
             world.num_nodes,
-            config.trainer.global_batch_size,
+            None if batch_per_replica else config.trainer.global_batch_size,
             config.trainer.seed,
+            batch_per_replica,
         )
-        steps = self.sampler.steps_per_epoch
-        self.clock = StepClock(self.state, steps, config.trainer.epochs)
+        # Replicas a node has at the start (R = W / K0 with or without AutoDP).
+        start_replicas = world.devices_per_node // self.plan.initial_pipe_len
+        steps = self.sampler.steps_per_epoch_at(start_replicas)
+        self.clock = StepClock(self.state, self.sampler, config.trainer.epochs, start_replicas)
         self.metrics = MetricsTracker(
             control=control,
             reporter=self.reporter,
@@ -204,7 +208,6 @@ class Trainer:
             self.batches,
             world,
             spec.num_units,
-            self.clock.total_steps,
             self.freezer.needs_grad_norms,
         )
         self.evaluator = Evaluator(
@@ -337,6 +340,7 @@ class Trainer:
         (measured for 'auto'), the optimizer over the active parameters with their carried
         state, and the runtime. Collective. `times`: filled with the phases' seconds."""
         times = {} if times is None else times
+        self.clock.use_layout(layout.replicas_per_node)  # the batch may change with it
         started = time.perf_counter()
         groups = build_training_groups(layout, self.world.rank, self.config.trainer.timeout_s)
         times["groups_s"] = times.get("groups_s", 0.0) + time.perf_counter() - started
@@ -384,7 +388,7 @@ class Trainer:
         return build_stage_runtime(
             plan=layout.plan,
             stage_index=role.stage,
-            replica_batch_size=layout.replica_batch_size(self.config.trainer.global_batch_size),
+            replica_batch_size=self.config.trainer.replica_batch_size(layout.dp_degree),
             units=units,
             spec=self.spec,
             loss_fn=self.task.loss_fn,
@@ -401,7 +405,7 @@ class Trainer:
         """For num_micro_batches 'auto': the measured fastest M of this layout (collective)."""
         if self.config.pipeline.num_micro_batches != "auto":
             return layout
-        replica_batch = layout.replica_batch_size(self.config.trainer.global_batch_size)
+        replica_batch = self.config.trainer.replica_batch_size(layout.dp_degree)
         # A step at the position the run continues from (the last one for a finished run).
         epoch = min(self.state.epoch, self.config.trainer.epochs - 1)
         step = min(self.state.step_in_epoch, self.sampler.steps_per_epoch - 1)
@@ -433,9 +437,7 @@ class Trainer:
         for tick in self.clock.ticks():
             self.metrics.record(tick, self.steps.run(tick, self.stage))
             if self.metrics.due(tick):
-                self.metrics.log_steps(
-                    tick, self.stage.layout, self.steps.learning_rate(tick.global_step)
-                )
+                self.metrics.log_steps(tick, self.stage.layout, self.steps.learning_rate(tick))
             evaluation = self._end_epoch(tick) if tick.epoch_end else None
             if self.freezer.due(tick):
                 self._decision_point(tick)
@@ -464,7 +466,7 @@ class Trainer:
         self.metrics.end_epoch(
             tick,
             self.stage.layout,
-            lr=self.steps.learning_rate(tick.global_step),
+            lr=self.steps.learning_rate(tick),
             evaluation=evaluation,
             eval_s=eval_s,
             cache=self.cache.epoch_counters() if self.cache is not None else None,
