@@ -77,6 +77,12 @@ def describe_model(config: Config, **overrides: Any) -> ModelSpec:
     return spec
 
 
+def parameter_sizes(config: Config, spec: ModelSpec) -> UnitCosts:
+    """What the compression criterion compares (Eq. 2): each unit's parameter count, a
+    frozen one at autopipe.lambda_frozen of it."""
+    return UnitCosts.from_param_counts(spec.unit_param_counts, config.autopipe.lambda_frozen)
+
+
 # ----------------------------------------------------------------------------- memory
 
 
@@ -223,7 +229,9 @@ class PlanContext:
                 shape = _layout_shape(config, plan.pipe_len, world.world_size, initial)
                 return memory.fits(plan, shape, budget_bytes)
 
-        planner = AutoPipePlanner(costs, initial, config.autopipe.partition_method, fits)
+        planner = AutoPipePlanner(
+            costs, initial, config.autopipe.partition_method, fits, parameter_sizes(config, spec)
+        )
         source = "profile" if profile is not None else "params"
         return cls(config, spec, world, costs, memory, source, budget_bytes, planner)
 
@@ -311,5 +319,10 @@ class PlanContext:
         compression: what Pipe+DDP and DDP baselines plan."""
         pipeline = dataclasses.replace(self.config.pipeline, initial_pipe_len=initial_pipe_len)
         config = dataclasses.replace(self.config, pipeline=pipeline)
-        planner = AutoPipePlanner(self.costs, initial_pipe_len, config.autopipe.partition_method)
+        planner = AutoPipePlanner(
+            self.costs,
+            initial_pipe_len,
+            config.autopipe.partition_method,
+            sizes=parameter_sizes(config, self.spec),
+        )
         return dataclasses.replace(self, config=config, planner=planner)

@@ -8,6 +8,11 @@ where the next step starts), so a checkpoint written after a step resumes at the
 it. How many steps an epoch has is the sampler's answer for the current layout: with
 `trainer.batch_per_replica` it falls as replicas are added (autodp/sampler.py).
 
+The clock also counts what AutoCache holds for the samples (`CachedShares`, kept in the run
+state): each step's share of the epoch is recorded at the boundary the cache serves it at,
+so that a boundary's stage 0 can be balanced for the prefix work its steps will do
+(planning/run_model.py).
+
 The learning-rate schedule runs on the samples trained, not on the step count, so that a
 growing global batch does not stretch it: a step's place in the schedule is
 `epoch x S + samples_in_epoch / B`, over `epochs x S` in all, where B is a node's batch in
@@ -23,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pipetransformer.autodp.sampler import TrainSampler
+from pipetransformer.planning.run_model import CachedShares
 from pipetransformer.trainer.state import RunState
 
 
@@ -35,6 +41,7 @@ class Tick:
     epochs: int
     schedule_step: float = -1.0  # this step's place in the learning-rate schedule (0-based)
     schedule_steps: int = 0  # the schedule's length
+    samples: int = 0  # of its node's epoch order this step trains (shape padding aside)
 
     @property
     def epoch_start(self) -> bool:
@@ -73,6 +80,8 @@ class StepClock:
         self.sampler = sampler
         self.epochs = epochs
         self.last: Tick | None = None  # the tick of the newest step
+        self.cached = CachedShares.from_dict(state.cache_shares)
+        self.cache_serves_at: int | None = None  # the boundary AutoCache serves; None: off
         if state.lr_reference_node_batch <= 0:
             state.lr_reference_node_batch = sampler.node_batch_size(replicas_per_node)
         if state.step_in_epoch > 0 and state.samples_in_epoch <= 0:
@@ -84,8 +93,10 @@ class StepClock:
             state.epoch, state.step_in_epoch, state.samples_in_epoch, replicas_per_node
         )
 
-    def use_layout(self, replicas_per_node: int) -> None:
-        """The layout from the run state's position on (at the start and every transition)."""
+    def use_layout(self, replicas_per_node: int, cache_serves_at: int | None = None) -> None:
+        """The layout from the run state's position on (at the start and every transition),
+        and the frozen boundary AutoCache serves its prefix at (None: it does not)."""
+        self.cache_serves_at = cache_serves_at
         state = self.state
         self.sampler.continue_at(
             state.epoch, state.step_in_epoch, state.samples_in_epoch, replicas_per_node
@@ -113,7 +124,12 @@ class StepClock:
                 self.epochs,
                 state.epoch * per_epoch + offset / reference,
                 schedule_steps,
+                min(sampler.node_batch_size_now, sampler.epoch_samples - offset),
             )
+            self.cached.record(self.cache_serves_at, tick.samples / sampler.epoch_samples)
+            if tick.epoch_end:
+                self.cached.end_epoch()
+            state.cache_shares = self.cached.to_dict()
             state.global_step = tick.global_step
             if tick.epoch_end:
                 state.epoch, state.step_in_epoch, state.samples_in_epoch = tick.epoch + 1, 0, 0

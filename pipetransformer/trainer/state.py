@@ -87,6 +87,9 @@ class RunState:
     # Attempts of this run (1 = never resumed) and the wall time of the earlier ones.
     attempt: int = 1
     previous_attempts_wall_s: float = 0.0
+    # Shares of the training samples by the frozen boundary of their AutoCache entry
+    # (planning/run_model.py CachedShares.to_dict; empty: none cached).
+    cache_shares: dict[str, Any] = field(default_factory=dict)
     # What the profilers measured that is not in the profile file.
     cache_read_s_per_sample: float | None = None
 

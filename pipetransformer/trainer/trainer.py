@@ -45,6 +45,7 @@ from pipetransformer.planning import (
     format_bytes,
     profiling_micro_batch_size,
 )
+from pipetransformer.planning.run_model import prefix_cost_to_balance
 from pipetransformer.trainer import optim
 from pipetransformer.trainer.caching import RunCache
 from pipetransformer.trainer.checkpoint import PROFILES, Checkpointer
@@ -316,12 +317,16 @@ class Trainer:
     def layout_for(
         self, num_frozen_layers: int, current_pipe_len: int, moving_from: Layout | None = None
     ) -> Layout:
-        prefix_cost = None
-        if self.cache_serves(num_frozen_layers):
-            # Measured seconds: a read of the prefix's output; parameter counts: next to nothing.
-            time_costs = self.plan.costs.source == "time"
-            prefix_cost = (
-                self.cache.prefix_cost(self.profile_micro_batch_size) if time_costs else 0.0
+        prefix_cost = None  # parameter counts: the frozen prefix at lambda_frozen of its size
+        if self.plan.costs.source == "time" and self.cache is not None:
+            # Measured seconds of the work the coming steps do there: the prefix's forward,
+            # filling or upgrading cache entries, or reading them (planning/run_model.py).
+            prefix_cost = prefix_cost_to_balance(
+                self.measured_costs.frozen,
+                self.cache.prefix_cost(self.profile_micro_batch_size),
+                num_frozen_layers,
+                self.clock.cached.at_start,
+                self.cache_serves(num_frozen_layers),
             )
         return self.plan.layout_for(
             num_frozen_layers, current_pipe_len, prefix_cost=prefix_cost, moving_from=moving_from
@@ -340,7 +345,11 @@ class Trainer:
         (measured for 'auto'), the optimizer over the active parameters with their carried
         state, and the runtime. Collective. `times`: filled with the phases' seconds."""
         times = {} if times is None else times
-        self.clock.use_layout(layout.replicas_per_node)  # the batch may change with it
+        # The batch may change with the layout, and what the cache serves with the boundary.
+        frozen = layout.plan.num_frozen_layers
+        self.clock.use_layout(
+            layout.replicas_per_node, frozen if self.cache_serves(frozen) else None
+        )
         started = time.perf_counter()
         groups = build_training_groups(layout, self.world.rank, self.config.trainer.timeout_s)
         times["groups_s"] = times.get("groups_s", 0.0) + time.perf_counter() - started
@@ -477,7 +486,13 @@ class Trainer:
     def _decision_point(self, tick: Tick) -> None:
         layout = self.stage.layout
         decision = self.freezer.decide(layout.plan.num_frozen_layers, layout.dp_degree)
-        if decision.num_frozen_layers != layout.plan.num_frozen_layers:
+        # A new boundary, or the same one balanced again now that the cache holds what its
+        # stage 0 was balanced to fill (the new plan is the same on every rank).
+        replanned = self.layout_for(decision.num_frozen_layers, layout.pipe_len, layout).plan
+        if (replanned.num_frozen_layers, replanned.stage_ranges) != (
+            layout.plan.num_frozen_layers,
+            layout.plan.stage_ranges,
+        ):
             record = self.transition(decision.num_frozen_layers, decision.layer_grad_norms, tick)
             self.freezer.space(record.total_s - record.profile_s, decision.step_s)
 
