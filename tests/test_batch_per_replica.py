@@ -264,3 +264,10 @@ def test_resume_mid_epoch_at_another_world_size_keeps_every_sample_once(tmp_path
     for epoch in (1, 2, 3):
         ids = sorted(i for r in seen if r["epoch"] == epoch for i in r["ids"])
         assert ids == list(range(200)), f"epoch {epoch}"
+
+
+def test_compare_leaves_out_the_ideal_speedup_under_a_growing_batch():
+    from pipetransformer.compare.runner import measured_unit_costs
+
+    # The ideal model counts a fixed number of steps an epoch: nothing is measured for it.
+    assert measured_unit_costs(config_from_dict(per_replica_config())) is None

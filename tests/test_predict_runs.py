@@ -87,3 +87,33 @@ def test_the_full_system_is_not_predicted_slower_than_pipe_ddp_on_squad(tmp_path
     assert result.trajectory == [0, 8, 14]
     assert result.speedup > 1.0
     assert [e.prefix for e in result.epochs] == ["none", "filled", "upgraded"]
+
+
+def test_the_command_prints_the_run_epoch_by_epoch(tmp_path):
+    from helpers import run_cli
+
+    result = run_cli(
+        "plan",
+        str(ROOT / "configs" / "quickstart.yaml"),
+        f"pipeline.profile_path={tmp_path / 'no.json'}",
+        "--predict",
+        "--device",
+        "quadro-rtx-5000",
+        "--train-samples",
+        "1000",
+        "--trajectory",
+        "paper",
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert any(
+        line.startswith("1000 training samples an epoch (--train-samples); a global batch of 64")
+        for line in lines
+    ), result.stdout
+    table = lines.index(next(line for line in lines if line.strip().startswith("epoch ")))
+    epochs = [line.split() for line in lines[table + 1 : table + 31]]
+    assert [int(e[0]) for e in epochs] == list(range(1, 31))
+    # The paper's trajectory on 8 layers: the bound at every epoch end (3, 5, 6, 7).
+    assert [e[1] for e in epochs[:5]] == ["0", "3", "5", "6", "7"]
+    # What stage 0 does with the prefix: nothing frozen, then filling the cache, upgrading it.
+    assert [e[-1] for e in epochs[:3]] == ["none", "filled", "upgraded"]

@@ -91,7 +91,12 @@ def machine_description(config: Config) -> str:
 
 def measured_unit_costs(config: Config) -> dict[str, list[float]] | None:
     """Per-unit forward+backward and forward-only seconds at the run's micro-batch size,
-    measured in this process (the ideal speedup needs times, not parameter counts)."""
+    measured in this process (the ideal speedup needs times, not parameter counts). None
+    under trainer.batch_per_replica: the ideal model (compare/ideal.py) counts a fixed number
+    of steps an epoch, which a growing global batch does not have."""
+    if config.trainer.batch_per_replica is not None:
+        logger.info("no ideal speedup: trainer.batch_per_replica changes the steps an epoch")
+        return None
     try:
         return measure_model_costs(config)
     except Exception as exc:  # the report stays useful without the ideal figure
