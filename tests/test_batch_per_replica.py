@@ -3,8 +3,8 @@ the global batch grows as AutoDP adds replicas and an epoch has fewer steps.
 
 Pure parts (sampler, clock, config) without processes; then 4 gloo ranks going 1 x 4 ->
 2 x 2 -> 4 x 1 against a single-process loop whose batch grows the same way (global batch
-16 -> 32 -> 64), and a run resumed in the middle of an epoch at another world size (2
-ranks -> 4: the global batch doubles mid-epoch). Tolerances are the elastic tests'
+16 -> 32 -> 64), and that run resumed in the middle of an epoch at another world size (4
+ranks -> 2: the global batch halves mid-epoch). Tolerances are the elastic tests'
 (float32 summation order only)."""
 
 from __future__ import annotations
@@ -200,11 +200,29 @@ def assert_matches(run_dir, results, reference) -> None:
         )
 
 
+@pytest.fixture(scope="module")
+def growing_run(tmp_path_factory):
+    """4 ranks, 1 x 4 -> 2 x 2 -> 4 x 1 at 16 images a replica, a checkpoint every 2 steps
+    (all kept), the sample ids each rank read: the run checked against single-process
+    training, and the one the resume test continues at another world size."""
+    config_dict = per_replica_config(
+        trainer__record_sample_ids=True, checkpoint__interval_steps=2, checkpoint__keep_last=30
+    )
+    run_dir = tmp_path_factory.mktemp("growing")
+    return config_dict, run_dir, run_workers(elastic_run, 4, config_dict, str(run_dir))
+
+
+def every_sample_once_an_epoch(run_dir) -> None:
+    seen = [r for p in sorted((run_dir / "samples").glob("rank*.jsonl")) for r in records(p)]
+    for epoch in (1, 2, 3):
+        ids = sorted(i for r in seen if r["epoch"] == epoch for i in r["ids"])
+        assert ids == list(range(200)), f"epoch {epoch}"
+
+
 @pytest.mark.distributed
-def test_elastic_run_with_a_growing_global_batch_matches_single_process(tmp_path):
-    config_dict = per_replica_config(trainer__record_sample_ids=True)
-    results = run_workers(elastic_run, 4, config_dict, str(tmp_path))
-    metrics = records(tmp_path / "metrics.jsonl")
+def test_elastic_run_with_a_growing_global_batch_matches_single_process(growing_run):
+    config_dict, run_dir, results = growing_run
+    metrics = records(run_dir / "metrics.jsonl")
     assert [(m["pipe_len"], m["dp_degree"]) for m in metrics] == [(4, 1), (2, 2), (1, 4)]
     # 200 samples at 16, 32 and 64 a step: 13, 7 and 4 steps.
     assert [m["global_step"] for m in metrics] == [13, 20, 24]
@@ -212,58 +230,43 @@ def test_elastic_run_with_a_growing_global_batch_matches_single_process(tmp_path
     reference = reference_run(
         config_from_dict(config_dict), replicas_per_node=lambda epoch, step: replicas[epoch]
     )
-    assert_matches(tmp_path, results, reference)
+    assert_matches(run_dir, results, reference)
     # The learning rate is not scaled with the batch: it follows the schedule on samples.
-    lrs = [r["lr"] for r in records(tmp_path / "steps.jsonl")]
+    lrs = [r["lr"] for r in records(run_dir / "steps.jsonl")]
     assert lrs[0] == pytest.approx(0.05 / 2) and lrs[1] == pytest.approx(0.05)  # warm-up
-    seen = [r for p in sorted((tmp_path / "samples").glob("rank*.jsonl")) for r in records(p)]
-    for epoch in (1, 2, 3):
-        ids = sorted(i for r in seen if r["epoch"] == epoch for i in r["ids"])
-        assert ids == list(range(200)), f"epoch {epoch}"
+    every_sample_once_an_epoch(run_dir)
 
 
 @pytest.mark.distributed
-def test_resume_mid_epoch_at_another_world_size_keeps_every_sample_once(tmp_path):
-    """2 ranks (2 x 1 until 5 layers are frozen, then 1 x 2) checkpoint in the middle of
-    epoch 3; 4 ranks resume it, whose
-    layout at 5 frozen layers is 1 x 4: the global batch goes from 32 to 64 mid-epoch. The
-    4-rank run starts its pipelines at 2 stages, so a schedule recomputed from its own start
-    would count 32 samples a step, not the first run's 16."""
+def test_resume_mid_epoch_at_another_world_size_keeps_every_sample_once(tmp_path, growing_run):
+    """The 4-rank run, interrupted after 2 of its 4 steps of epoch 3 (64 images a step), is
+    resumed by 2 ranks, whose layout at 5 frozen layers is 1 x 2: 32 a step for the 72
+    images left. The 2-rank run starts as DDP (2 replicas), so a schedule recomputed from its
+    own start would count 32 images a step, not the first run's 16."""
     from test_checkpoint import continue_from, events
 
-    def config(world: int, pipe_len: int) -> dict:
-        return per_replica_config(
-            trainer__nproc_per_node=world,
-            pipeline__initial_pipe_len=pipe_len,
-            checkpoint__interval_steps=2,
-            checkpoint__keep_last=30,
-            trainer__record_sample_ids=True,
-        )
-
-    first_dir, resumed_dir = tmp_path / "first", tmp_path / "resumed"
-    run_workers(elastic_run, 2, config(2, 2), str(first_dir))
-    # 13 steps at 16 twice, then epoch 3 at 32: resume after its 2nd step (global 28).
-    layouts = [(m["pipe_len"], m["dp_degree"]) for m in records(first_dir / "metrics.jsonl")]
-    assert layouts == [(2, 1), (2, 1), (1, 2)]
-    assert [m["global_step"] for m in records(first_dir / "metrics.jsonl")] == [13, 26, 33]
-    continue_from(first_dir, resumed_dir, 28)
+    config_dict, first_dir, _ = growing_run
+    resumed_config = per_replica_config(
+        trainer__nproc_per_node=2,
+        pipeline__initial_pipe_len=1,
+        trainer__record_sample_ids=True,
+    )
+    resumed_dir = tmp_path / "resumed"
+    continue_from(first_dir, resumed_dir, 22)  # 13 + 7 + 2 steps
     results = run_workers(
-        elastic_run, 4, config(4, 2), str(resumed_dir), False, RunOptions(resume="required")
+        elastic_run, 2, resumed_config, str(resumed_dir), False, RunOptions(resume="required")
     )
     (event,) = events(resumed_dir, "resume")
-    assert (event["world_size"], event["pipe_len"], event["dp_degree"]) == (4, 1, 4)
-    # 64 samples of epoch 3 done; 136 left at 64 a step: 3 more steps.
-    assert [m["global_step"] for m in records(resumed_dir / "metrics.jsonl")] == [13, 26, 31]
+    assert (event["world_size"], event["pipe_len"], event["dp_degree"]) == (2, 1, 2)
+    # 128 samples of epoch 3 done; 72 left at 32 a step: 3 more steps.
+    assert [m["global_step"] for m in records(resumed_dir / "metrics.jsonl")] == [13, 20, 25]
 
     def replicas(epoch: int, step: int) -> int:
-        return 1 if epoch < 2 else 2 if step < 2 else 4
+        return [1, 2][epoch] if epoch < 2 else 4 if step < 2 else 2
 
-    reference = reference_run(config_from_dict(config(2, 2)), replicas_per_node=replicas)
+    reference = reference_run(config_from_dict(config_dict), replicas_per_node=replicas)
     assert_matches(resumed_dir, results, reference)
-    seen = [r for p in sorted((resumed_dir / "samples").glob("rank*.jsonl")) for r in records(p)]
-    for epoch in (1, 2, 3):
-        ids = sorted(i for r in seen if r["epoch"] == epoch for i in r["ids"])
-        assert ids == list(range(200)), f"epoch {epoch}"
+    every_sample_once_an_epoch(resumed_dir)
 
 
 def test_compare_leaves_out_the_ideal_speedup_under_a_growing_batch():

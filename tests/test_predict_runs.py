@@ -17,7 +17,7 @@ from pipetransformer.planning.predict import predict
 from pipetransformer.planning.prediction_inputs import cluster_from_flags, prediction_unit_times
 
 ROOT = Path(__file__).resolve().parent.parent
-IMAGENET_SAMPLES = 1_281_167
+CIFAR_SAMPLES = 50_000
 
 
 def _predict(config_path: str, tmp_path: Path, *overrides: str, trajectory="auto", samples=None):
@@ -30,44 +30,44 @@ def _predict(config_path: str, tmp_path: Path, *overrides: str, trajectory="auto
     )
     chosen = prediction_unit_times(config, cluster)
     return predict(
-        config, chosen.profile, cluster, samples or IMAGENET_SAMPLES, trajectory, chosen.times
+        config, chosen.profile, cluster, samples or CIFAR_SAMPLES, trajectory, chosen.times
     )
 
 
 def test_the_paper_trajectory_is_eq1s_bound_at_epoch_ends_with_a_growing_batch(tmp_path):
-    result = _predict("vit_imagenet.yaml", tmp_path, trajectory="paper")
+    result = _predict("vit_cifar100.yaml", tmp_path, trajectory="paper")
     assert result.trajectory == [0, *bound_trajectory(12, 1 / 3, 9)]
     assert result.trajectory == [0, 4, 7, 9, 10, 11, 11, 11, 11, 11]
-    # 400 images a replica: a node trains 400 x its replicas a step.
-    node_samples = math.ceil(IMAGENET_SAMPLES / 2)
+    # 320 images a replica: a node trains 320 x its replicas a step.
+    node_samples = math.ceil(CIFAR_SAMPLES / 2)
     for epoch in result.epochs:
         replicas_per_node = epoch.dp_degree // 2
-        assert epoch.steps == math.ceil(node_samples / (400 * replicas_per_node)), epoch
+        assert epoch.steps == math.ceil(node_samples / (320 * replicas_per_node)), epoch
     assert result.epochs[0].dp_degree == 2 and result.epochs[-1].dp_degree > 2
-    assert result.batch_per_replica == 400 and result.global_batch_size == 800
+    assert result.batch_per_replica == 320 and result.global_batch_size == 640
     # The config decides at epoch ends with Eq. 1 itself: `auto` is the same run.
-    auto = _predict("vit_imagenet.yaml", tmp_path)
+    auto = _predict("vit_cifar100.yaml", tmp_path)
     assert auto.trajectory == result.trajectory and auto.elastic_s == result.elastic_s
 
 
 def test_the_cache_is_filled_upgraded_then_read(tmp_path):
-    result = _predict("vit_imagenet.yaml", tmp_path, trajectory="paper")
+    result = _predict("vit_cifar100.yaml", tmp_path, trajectory="paper")
     kinds = [e.prefix for e in result.epochs]
     assert kinds[:2] == ["none", "filled"]  # F = 4: nothing was cached before
     assert set(kinds[2:6]) == {"upgraded"}  # 7, 9, 10, 11: from the previous boundary's entries
     assert set(kinds[6:]) == {"read"}  # F stays at 11
     # Without the cache every frozen epoch computes its prefix.
-    plain = _predict("vit_imagenet.yaml", tmp_path, "cache.enabled=false", trajectory="paper")
+    plain = _predict("vit_cifar100.yaml", tmp_path, "cache.enabled=false", trajectory="paper")
     assert {e.prefix for e in plain.epochs[1:]} == {"computed"}
     assert plain.elastic_s > result.elastic_s
 
 
 def test_peers_train_the_baselines_global_batch(tmp_path):
-    result = _predict("vit_imagenet.yaml", tmp_path)
+    result = _predict("vit_cifar100.yaml", tmp_path)
     ddp = next(p for p in result.peers if p.name == "ddp")
     assert (ddp.pipe_len, ddp.dp_degree, ddp.num_micro_batches) == (1, 16, 1)
-    # 800 images a step over 16 devices: 1,602 steps an epoch, every epoch.
-    steps = math.ceil(math.ceil(IMAGENET_SAMPLES / 2) / 400)
+    # 640 images a step over 16 devices: 79 steps an epoch, every epoch.
+    steps = math.ceil(math.ceil(CIFAR_SAMPLES / 2) / 320)
     assert ddp.run_s == pytest.approx(10 * steps * ddp.step_s)
     baseline = result.baseline
     assert (baseline.pipe_len, baseline.dp_degree) == (8, 2)
@@ -75,7 +75,7 @@ def test_peers_train_the_baselines_global_batch(tmp_path):
 
 
 def test_a_list_trajectory_is_taken_as_given(tmp_path):
-    result = _predict("vit_cifar100.yaml", tmp_path, trajectory="0,6,6,9", samples=50_000)
+    result = _predict("vit_cifar100.yaml", tmp_path, trajectory="0,6,6,9")
     assert result.trajectory == [0, 6, 6, 9, 9, 9, 9, 9, 9, 9]
 
 
