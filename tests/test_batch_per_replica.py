@@ -274,3 +274,16 @@ def test_compare_leaves_out_the_ideal_speedup_under_a_growing_batch():
 
     # The ideal model counts a fixed number of steps an epoch: nothing is measured for it.
     assert measured_unit_costs(config_from_dict(per_replica_config())) is None
+
+
+def test_compare_peers_train_the_baselines_global_batch():
+    from pipetransformer.compare.runner import variant_overrides
+    from pipetransformer.config import apply_overrides
+
+    config = config_from_dict(per_replica_config())  # 4 processes, a 4-stage baseline: R = 1
+    variants = variant_overrides(config, ablations=False, peers=True)
+    for name in ("ddp", "freeze_ddp"):
+        data = apply_overrides(json.loads(json.dumps(config.to_dict())), variants[name])
+        peer = config_from_dict(data)
+        assert peer.trainer.batch_per_replica is None and peer.trainer.global_batch_size == 16
+    assert not any("batch" in o for o in variants["baseline"] + variants["elastic"])
