@@ -251,7 +251,10 @@ def calibrated_times(
         ) or key.num_frozen_layers is not None:
             continue
         plan = balance(costs, 0, key.pipe_len)
-        replicas = max(1, config.trainer.global_batch_size // key.replica_batch)
+        if config.trainer.batch_per_replica is None:
+            replicas = max(1, config.trainer.global_batch_size // key.replica_batch)
+        else:  # the timed layout's replicas, on the run's one node
+            replicas = max(1, config.nproc_per_node // key.pipe_len)
         for m, seconds in store.micro_batch_timings(key).items():
             step = predict_step(
                 times,
