@@ -227,7 +227,8 @@ class AutoPipeConfig:
     enabled: bool = True
     # Cost of a frozen (forward-only) sublayer relative to a trained one, for `balance: params`.
     lambda_frozen: float = 1 / 6
-    # 'greedy' is the paper's Algorithm 1; 'optimal' minimises the largest stage exactly.
+    # 'greedy' fills stages towards the average as the paper's Algorithm 1 does (without its
+    # variance term); 'optimal' minimises the largest stage exactly.
     partition_method: Literal["greedy", "optimal"] = "greedy"
 
     def __post_init__(self) -> None:
