@@ -315,7 +315,7 @@ def _predict(config: Config, args: argparse.Namespace) -> int:
     from pipetransformer.planning.prediction_inputs import (
         cluster_from_flags,
         prediction_unit_times,
-        steps_per_epoch_for,
+        train_samples_for,
     )
     from pipetransformer.planning.prediction_report import format_prediction
 
@@ -329,19 +329,19 @@ def _predict(config: Config, args: argparse.Namespace) -> int:
         inter_node_gbps=args.inter_node_gbps,
     )
     chosen = prediction_unit_times(config, cluster, args.profile, args.memory_gbps)
-    if args.steps_per_epoch:
-        steps, steps_source = args.steps_per_epoch, "--steps-per-epoch"
+    if args.train_samples:
+        samples, samples_source = args.train_samples, "--train-samples"
     else:
-        steps, steps_source = steps_per_epoch_for(config, args.nodes)
+        samples, samples_source = train_samples_for(config)
     result = predict(
         config,
         chosen.profile,
         cluster,
-        steps,
+        samples,
         args.trajectory,
         chosen.times,
         unit_profile_source=chosen.source,
-        steps_per_epoch_source=steps_source,
+        steps_per_epoch_source=samples_source,
     )
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_prediction(result))
     return 0
@@ -472,14 +472,16 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument(
         "--trajectory",
         default="auto",
-        help="'auto' (the config's freeze strategy and cadence), "
-        "'paper' (closed form each epoch) or F per epoch: 0,0,2,4",
+        help="'auto' (the config's freeze rule and cadence, replayed as the trainer decides; "
+        "gradient rules at their bound), 'paper' (Eq. 1's bound at every epoch end) or F per "
+        "epoch: 0,0,2,4",
     )
     predict.add_argument(
-        "--steps-per-epoch",
+        "--train-samples",
         type=int,
         default=None,
-        help="default: from the training data on disk, else the dataset's published size",
+        help="training samples an epoch; default: the training data on disk, else the "
+        "dataset's published size",
     )
     predict.add_argument(
         "--device",

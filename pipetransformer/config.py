@@ -32,6 +32,12 @@ class TrainerConfig:
     epochs: int = 10
     seed: int = 0
     global_batch_size: int = 64
+    # The paper's batch semantics: every pipeline replica trains this many samples a step,
+    # so the global batch is batch_per_replica x R and grows as AutoDP adds replicas; an
+    # epoch then has fewer steps, and the learning rate is not scaled with the batch (as the
+    # paper's code does). null: the fixed global batch above, split over the replicas.
+    # Setting both is an error. docs/architecture.md, "Batch semantics".
+    batch_per_replica: int | None = None
     # Local worker processes (one per device). None: one per initial pipeline stage.
     nproc_per_node: int | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -65,6 +71,8 @@ class TrainerConfig:
             _fail("trainer.epochs", f"must be >= 1, got {self.epochs}")
         if self.global_batch_size < 1:
             _fail("trainer.global_batch_size", f"must be >= 1, got {self.global_batch_size}")
+        if self.batch_per_replica is not None and self.batch_per_replica < 1:
+            _fail("trainer.batch_per_replica", "must be >= 1 or null")
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
             _fail("trainer.nproc_per_node", f"must be >= 1, got {self.nproc_per_node}")
         if self.log_interval_steps < 1:
@@ -82,6 +90,18 @@ class TrainerConfig:
                 "which this system does not implement; use bf16 (no scaling needed, the same "
                 "speed on GPUs with bfloat16 units) or fp32",
             )
+
+    def replica_batch_size(self, dp_degree: int) -> int:
+        """Samples one replica trains a step in a layout of `dp_degree` replicas."""
+        if self.batch_per_replica is not None:
+            return self.batch_per_replica
+        return self.global_batch_size // dp_degree
+
+    def global_batch_size_at(self, dp_degree: int) -> int:
+        """Samples a step trains over all `dp_degree` replicas."""
+        if self.batch_per_replica is not None:
+            return self.batch_per_replica * dp_degree
+        return self.global_batch_size
 
     @property
     def autocast_dtype(self) -> str | None:
@@ -162,7 +182,16 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class FreezeConfig:
-    strategy: Literal["none", "gradient_norm", "convergence", "alpha_schedule", "manual"] = "none"
+    # gradient_norm: the paper's Eq. 1 (the layers below the smallest gradient norm freeze);
+    # gradient_norm_inclusive: the same with that layer frozen too; freeze.py says more.
+    strategy: Literal[
+        "none",
+        "gradient_norm",
+        "gradient_norm_inclusive",
+        "convergence",
+        "alpha_schedule",
+        "manual",
+    ] = "none"
     alpha: float = 1 / 3
     # For strategy 'convergence': a bottom layer freezes once its gradient norm changed by
     # less than this share between two decision points (AutoFreeze's test; still at most
@@ -205,7 +234,8 @@ class AutoPipeConfig:
     enabled: bool = True
     # Cost of a frozen (forward-only) sublayer relative to a trained one, for `balance: params`.
     lambda_frozen: float = 1 / 6
-    # 'greedy' is the paper's Algorithm 1; 'optimal' minimises the largest stage exactly.
+    # 'greedy' fills stages towards the average as the paper's Algorithm 1 does (without its
+    # variance term); 'optimal' minimises the largest stage exactly.
     partition_method: Literal["greedy", "optimal"] = "greedy"
 
     def __post_init__(self) -> None:
@@ -382,7 +412,10 @@ class Config:
         return self.trainer.autocast_dtype or "float32"
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if self.trainer.batch_per_replica is not None:  # not used, and refused beside it
+            del data["trainer"]["global_batch_size"]
+        return data
 
 
 # ---------------------------------------------------------------- loading and overrides
@@ -454,6 +487,13 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if cls is TrainerConfig and data.get("batch_per_replica") is not None:
+        if "global_batch_size" in data:
+            _fail(
+                f"{prefix}global_batch_size",
+                "not used with trainer.batch_per_replica (the global batch is then "
+                "batch_per_replica x the replicas); set one of them",
+            )
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -556,26 +596,27 @@ def _layout_problem(config: Config, world: int, k0: int) -> tuple[str, str] | No
             "pipeline.initial_pipe_len",
             f"{k0} does not divide the {nproc} devices per node (trainer.nproc_per_node)",
         )
-    batch = config.trainer.global_batch_size
+    trainer = config.trainer
+    batch = trainer.global_batch_size
+    batch_key = "trainer.global_batch_size"
+    if trainer.batch_per_replica is not None:
+        batch_key = "trainer.batch_per_replica"
     m = config.pipeline.num_micro_batches
     for k in reachable_pipe_lens(config, k0):
         replicas = world // k if (config.autodp.enabled or k == k0) else world // k0
-        if batch % replicas != 0:
-            return "trainer.global_batch_size", (
+        if trainer.batch_per_replica is None and batch % replicas != 0:
+            return batch_key, (
                 f"{batch} does not split evenly over {replicas} pipeline replicas "
                 f"(pipe_len {k} on {world} devices)"
             )
-        per_replica = batch // replicas
+        per_replica = trainer.replica_batch_size(replicas)
         if isinstance(m, int) and per_replica % m != 0:
             return "pipeline.num_micro_batches", (
                 f"{m} does not divide the per-replica batch {per_replica} "
-                f"(global batch {batch} over {replicas} replicas at pipe_len {k})"
+                f"({replicas} replicas at pipe_len {k})"
             )
         if m == "auto" and per_replica < k:
-            return (
-                "trainer.global_batch_size",
-                f"per-replica batch {per_replica} is smaller than pipe_len {k}",
-            )
+            return (batch_key, f"per-replica batch {per_replica} is smaller than pipe_len {k}")
         if config.pipeline.schedule == "1f1b" and isinstance(m, int) and m < k:
             return "pipeline.num_micro_batches", f"1f1b needs at least pipe_len ({k}) micro-batches"
     return None

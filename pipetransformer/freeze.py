@@ -4,23 +4,49 @@
 the first of them, the head never freezes. A decision never lowers F and never exceeds
 `max_frozen_layers` (default L - 1: one block always trains).
 
-gradient_norm (the paper's Eq. 1)
-    F_T = min(F_{T-1} + floor(alpha * (L - F_{T-1})),  argmin_{l in [F_{T-1}, L)} ||g_l|| + 1)
+The bound (Eq. 1's first term, one rounding for every rule and every prediction)
+    B(F) = F + ceil(alpha * (L - F))
 
-    ||g_l|| is layer l's gradient norm accumulated over the decision interval (the trainer
-    sums each step's per-layer norm and reduces it over all ranks, so every rank holds the
-    same numbers). "Freeze up to the argmin layer" is taken *inclusively*: the layer whose
-    gradient moved least is the most converged one, so it freezes together with every
-    layer below it (freezing stops at a layer boundary, so the layers below must go too).
-    Eq. 1 caps each step at alpha of the still-active layers; when
-    floor(alpha * (L - F)) is 0, freezing stops there.
+    The paper writes F_{T-1} + alpha (L - F_{T-1}) and gives its closed form
+    L (1 - (1 - alpha)^T) (section 3.1, Appendix B), neither a whole number of layers.
+    The authors' released code (Distributed-AI/PipeTransformer, freeze/auto_freeze.py)
+    rounds the closed form *up* at every epoch; this bound rounds Eq. 1's own expression up
+    at every decision. Up, because rounding down stalls freezing as soon as
+    alpha (L - F) < 1 (L = 12, alpha = 1/3: floor stops at F = 10 and never reaches the
+    cap of 11), while rounding up lets every decision freeze at least one layer until the
+    cap. Iterated from F = 0 with whole layers, the bound never falls below the released
+    code's ceil(L (1 - (1 - alpha)^T)) and can run ahead of it, because each decision
+    rounds up again: equal for L = 8 and 12 at alpha = 1/3 (12: 4, 7, 9, 10, 11) and at
+    alpha = 1/2, one layer ahead at most for alpha = 1/3 (L = 24: 8, 14, 18, 20, 22 against
+    8, 14, 17, 20, 21), more for small alpha (`bound_trajectory`). A product within 1e-6 of
+    an integer counts as that integer, so alpha written as 0.3333333333 acts as 1/3 and
+    0.1 * 30 as 3.
+
+gradient_norm (the paper's Eq. 1, as Appendix B states it)
+    F_T = min(B(F_{T-1}),  argmin_{l in [F_{T-1}, L)} ||g_l||)
+
+    The layers *preceding* the layer with the smallest gradient norm freeze; that layer
+    stays active (Appendix B: "all layers preceding the layer with the smallest gradient
+    norm", bounded by B). Layers are
+    counted from 0, so the argmin's index is the number of layers below it: an argmin at
+    the lowest active layer freezes nothing. ||g_l|| is layer l's gradient norm over the
+    decision interval (the trainer's RMS over the interval's steps, reduced over all
+    ranks, so every rank holds the same numbers). Ties go to the lower layer (fewer layers
+    freeze on an ambiguous signal); a NaN or infinite norm is never the argmin, and when no
+    active layer has a finite norm nothing freezes. Negative norms are errors.
+
+gradient_norm_inclusive (this project's earlier reading of Eq. 1)
+    F_T = min(B(F_{T-1}),  argmin_{l in [F_{T-1}, L)} ||g_l|| + 1)
+
+    The argmin layer freezes too, as the least-moving layer. One layer more aggressive than
+    the paper's rule; the measured runs of docs/benchmarks.md made before the paper's
+    reading was adopted used it (with the bound rounded down).
 
 convergence (AutoFreeze's test: freeze a layer once its gradient norm has stopped changing)
     r_l = | ||g_l||_T - ||g_l||_{T-1} | / ||g_l||_{T-1}
-    F_T = min(F_{T-1} + floor(alpha * (L - F_{T-1})),  F_{T-1} + c)
+    F_T = min(B(F_{T-1}),  F_{T-1} + c)
 
-    ||g_l|| is the same per-layer signal gradient_norm reads (the trainer's RMS over the
-    interval's steps of layer l's gradient norm, reduced over all ranks). c is the number of
+    ||g_l|| is the same per-layer signal gradient_norm reads. c is the number of
     consecutive active layers, from F_{T-1} up, whose r_l is strictly below `threshold`:
     freezing stops at the first layer that has not converged, whatever lies above it. The
     previous decision's norms are handed in: the trainer keeps them in the checkpointed run
@@ -43,7 +69,8 @@ manual
 none
     F_T = 0: the baseline.
 
-T counts decision points from 1.
+T counts decision points from 1. The paper's T is an epoch ("iterations (i.e., epoch)",
+Appendix B): `freeze.interval_steps: null` decides at epoch ends (`DecisionSchedule`).
 """
 
 from __future__ import annotations
@@ -54,9 +81,37 @@ from dataclasses import dataclass
 
 from pipetransformer.config import FreezeConfig
 
+# A product alpha * (L - F) within this of an integer counts as that integer.
+_ROUNDING_SLACK = 1e-6
+
+# Strategies that read per-layer gradient norms.
+GRADIENT_RULES = ("gradient_norm", "gradient_norm_inclusive", "convergence")
+
 
 def _clamp(previous: int, proposed: int, max_frozen_layers: int) -> int:
     return max(previous, min(proposed, max_frozen_layers))
+
+
+def eq1_bound(num_frozen_layers: int, num_layers: int, alpha: float) -> int:
+    """B(F) = F + ceil(alpha (L - F)): the most layers Eq. 1 lets a decision freeze (the
+    module docstring says why up)."""
+    remaining = num_layers - num_frozen_layers
+    if remaining <= 0:
+        return num_frozen_layers
+    return num_frozen_layers + max(0, math.ceil(alpha * remaining - _ROUNDING_SLACK))
+
+
+def bound_trajectory(
+    num_layers: int, alpha: float, decisions: int, max_frozen_layers: int | None = None
+) -> list[int]:
+    """F after each of `decisions` decisions when the bound always binds (every gradient
+    rule's fastest pace; `plan --predict --trajectory paper`)."""
+    cap = num_layers - 1 if max_frozen_layers is None else max_frozen_layers
+    frozen, values = 0, []
+    for _ in range(decisions):
+        frozen = _clamp(frozen, eq1_bound(frozen, num_layers, alpha), cap)
+        values.append(frozen)
+    return values
 
 
 def gradient_norm_decision(
@@ -64,24 +119,29 @@ def gradient_norm_decision(
     layer_grad_norms: Sequence[float],
     alpha: float,
     max_frozen_layers: int,
+    inclusive: bool = False,
 ) -> int:
+    """Eq. 1 (module docstring): `inclusive` freezes the argmin layer too."""
+    if any(norm < 0 for norm in layer_grad_norms):
+        raise ValueError("gradient_norm: gradient norms must not be negative")
     num_layers = len(layer_grad_norms)
     previous = num_frozen_layers
     if previous >= min(max_frozen_layers, num_layers):
         return previous
-    # alpha is often written as a rounded fraction (0.3333333333 for 1/3): treat products
-    # within 1e-6 of an integer as that integer, or floor(0.9999999999) would stop freezing.
-    bound = previous + math.floor(alpha * (num_layers - previous) + 1e-6)
-    active = range(previous, num_layers)
+    usable = [l for l in range(previous, num_layers) if math.isfinite(layer_grad_norms[l])]
+    if not usable:
+        return previous
     # Ties go to the lower layer: fewer layers freeze when the signal is ambiguous.
-    argmin = min(active, key=lambda layer: (layer_grad_norms[layer], layer))
-    return _clamp(previous, min(bound, argmin + 1), max_frozen_layers)
+    argmin = min(usable, key=lambda layer: (layer_grad_norms[layer], layer))
+    proposed = argmin + 1 if inclusive else argmin
+    bound = eq1_bound(previous, num_layers, alpha)
+    return _clamp(previous, min(bound, proposed), max_frozen_layers)
 
 
 def alpha_schedule_decision(
     decision_index: int, num_layers: int, alpha: float, previous: int, max_frozen_layers: int
 ) -> int:
-    proposed = math.ceil(num_layers * (1 - (1 - alpha) ** decision_index) - 1e-6)
+    proposed = math.ceil(num_layers * (1 - (1 - alpha) ** decision_index) - _ROUNDING_SLACK)
     return _clamp(previous, proposed, max_frozen_layers)
 
 
@@ -106,7 +166,7 @@ class FreezeDecider:
 
     @property
     def needs_grad_norms(self) -> bool:
-        return self.config.strategy in ("gradient_norm", "convergence")
+        return self.config.strategy in GRADIENT_RULES
 
     def decide(
         self,
@@ -125,9 +185,13 @@ class FreezeDecider:
         norms_missing = layer_grad_norms is None or len(layer_grad_norms) != self.num_layers
         if self.needs_grad_norms and norms_missing:
             raise ValueError(f"{strategy} needs {self.num_layers} layer gradient norms")
-        if strategy == "gradient_norm":
+        if strategy in ("gradient_norm", "gradient_norm_inclusive"):
             return gradient_norm_decision(
-                num_frozen_layers, layer_grad_norms, self.config.alpha, self.max_frozen_layers
+                num_frozen_layers,
+                layer_grad_norms,
+                self.config.alpha,
+                self.max_frozen_layers,
+                inclusive=strategy == "gradient_norm_inclusive",
             )
         if strategy == "convergence":
             return convergence_decision(
@@ -166,38 +230,34 @@ TRANSITION_TIME_SHARE = 0.05
 class DecisionSchedule:
     """When decision points fall: every `interval_steps` optimizer steps (counted from the
     previous decision), or (None) at the end of every epoch; none during the first
-    `warmup_epochs` epochs and none after the last step (nothing would train in the new
-    layout). Pure: the trainer asks `due` once after every step."""
+    `warmup_epochs` epochs and none after the run's last step (nothing would train in the
+    new layout). Pure: the trainer asks `due` once after every step. The step's epoch is
+    handed in, not derived from a step count: with `trainer.batch_per_replica` an epoch's
+    steps change with the number of replicas."""
 
     interval_steps: int | None
     warmup_epochs: int
-    epochs: int
-    steps_per_epoch: int
 
     @classmethod
     def for_config(
-        cls, config: FreezeConfig, epochs: int, steps_per_epoch: int, min_interval_steps: int = 1
-    ):
-        """`min_interval_steps`: the lower bound 'auto' has learnt from transition costs."""
+        cls, config: FreezeConfig, steps_per_epoch: int, min_interval_steps: int = 1
+    ) -> DecisionSchedule:
+        """`steps_per_epoch`: of the layout the run starts in (what 'auto' divides);
+        `min_interval_steps`: the lower bound 'auto' has learnt from transition costs."""
         interval = config.interval_steps
         if interval == "auto":
             interval = max(math.ceil(steps_per_epoch / DECISIONS_PER_EPOCH), min_interval_steps)
-        return cls(interval, config.warmup_epochs, epochs, steps_per_epoch)
+        return cls(interval, config.warmup_epochs)
 
-    @property
-    def total_steps(self) -> int:
-        return self.epochs * self.steps_per_epoch
-
-    def due(self, global_step: int, epoch_end: bool, steps_since_decision: int) -> bool:
-        """After step `global_step` (1-based count of steps taken); `epoch_end`: that step
-        finished an epoch; `steps_since_decision`: steps since the previous decision point
-        (since the start before the first)."""
-        if global_step >= self.total_steps:
+    def due(self, epoch: int, epoch_end: bool, last: bool, steps_since_decision: int) -> bool:
+        """After a step of `epoch` (0-based); `epoch_end`: that step finished its epoch;
+        `last`: it was the run's last step; `steps_since_decision`: steps since the previous
+        decision point (since the start before the first), this one included."""
+        if last:
             return False
-        epoch_of_step = (global_step - 1) // self.steps_per_epoch
         if self.interval_steps is None:
-            return epoch_end and epoch_of_step + 1 >= self.warmup_epochs
-        return steps_since_decision >= self.interval_steps and epoch_of_step >= self.warmup_epochs
+            return epoch_end and epoch + 1 >= self.warmup_epochs
+        return steps_since_decision >= self.interval_steps and epoch >= self.warmup_epochs
 
 
 def min_interval_for(transition_s: float, step_s: float) -> int:
@@ -256,7 +316,7 @@ def convergence_decision(
     previous = num_frozen_layers
     if not previous_norms or previous >= min(max_frozen_layers, num_layers):
         return previous
-    bound = previous + math.floor(alpha * (num_layers - previous) + 1e-6)  # as in Eq. 1
+    bound = eq1_bound(previous, num_layers, alpha)
     proposed = previous
     while proposed < min(bound, num_layers) and (
         _relative_change(previous_norms[proposed], layer_grad_norms[proposed]) < threshold

@@ -2,6 +2,7 @@
 freezing the same layers at the same points, and the config those tests share."""
 
 import json
+import math
 
 import torch
 
@@ -61,9 +62,15 @@ def step_losses(run_dir) -> list[float]:
     return [r["loss"] for r in records]
 
 
-def reference_run(config, num_nodes: int = 1):
+def reference_run(config, num_nodes: int = 1, replicas_per_node=None):
     """Single process, whole model, same batches, same freeze points. With several nodes a
-    global batch is every node's batch of the step (each node samples its own subset)."""
+    global batch is every node's batch of the step (each node samples its own subset).
+
+    Under trainer.batch_per_replica a step's batch is that of the layout's replicas:
+    `replicas_per_node(epoch, step)` says how many a node had at each step (the layouts the
+    elastic run went through). The learning rate follows the schedule as documented in
+    trainer/clock.py: step s of epoch e sits at e x S + (samples before it) / B, B a node's
+    batch at the first step and S = ceil(a node's epoch / B)."""
     data = build_data(config.data, seed=config.trainer.seed)
     torch.manual_seed(config.trainer.seed)
     model = build_model(
@@ -73,19 +80,33 @@ def reference_run(config, num_nodes: int = 1):
         f"units.{i}.{n}": p for i, u in enumerate(model.units) for n, p in u.named_parameters()
     }
     optimizer = optim.build_optimizer(config.optimizer, named)
+    per_replica = config.trainer.batch_per_replica
     sampler = TrainSampler(
-        len(data.train), num_nodes, config.trainer.global_batch_size, config.trainer.seed
+        len(data.train),
+        num_nodes,
+        None if per_replica else config.trainer.global_batch_size,
+        config.trainer.seed,
+        per_replica,
     )
-    total = config.trainer.epochs * sampler.steps_per_epoch
-    losses, step = [], 0
+
+    def replicas(epoch: int, step: int) -> int:
+        return 1 if replicas_per_node is None else replicas_per_node(epoch, step)
+
+    reference = sampler.node_batch_size(replicas(0, 0))
+    per_epoch = math.ceil(sampler.epoch_samples / reference)
+    total = config.trainer.epochs * per_epoch
+    losses = []
     for epoch in range(config.trainer.epochs):
-        for s in range(sampler.steps_per_epoch):
-            batches = [sampler.node_batch(node, epoch, s) for node in range(num_nodes)]
+        offset, step = 0, 0
+        while offset < sampler.epoch_samples:
+            sampler.continue_at(epoch, step, offset, replicas(epoch, step))
+            batches = [sampler.node_batch(node, epoch, step) for node in range(num_nodes)]
             (images,), labels = data.train.fetch([i for b in batches for i in b.ids])
             valid = torch.tensor([v for b in batches for v in b.valid])
             per_sample = torch.nn.functional.cross_entropy(model(images), labels, reduction="none")
             loss = (per_sample * valid).sum() / valid.sum()
-            optim.set_learning_rate(optimizer, optim.learning_rate(config.optimizer, step, total))
+            place = epoch * per_epoch + offset / reference
+            optim.set_learning_rate(optimizer, optim.learning_rate(config.optimizer, place, total))
             loss.backward()
             if config.optimizer.max_grad_norm is not None:
                 trained = [p for p in model.parameters() if p.requires_grad]
@@ -93,6 +114,7 @@ def reference_run(config, num_nodes: int = 1):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))
+            offset += len(batches[0].ids)
             step += 1
         if epoch + 1 < config.trainer.epochs:
             frozen = config.freeze.manual_schedule[

@@ -8,45 +8,104 @@ from pipetransformer.config import ConfigError, FreezeConfig
 from pipetransformer.freeze import (
     FreezeDecider,
     alpha_schedule_decision,
+    bound_trajectory,
     check_freeze_config,
+    eq1_bound,
     gradient_norm_decision,
 )
 
 
+def test_eq1_bound_rounds_up():
+    # L = 12, alpha = 1/3: 4, then 4 + ceil(8/3) = 7, 7 + ceil(5/3) = 9, 9 + 1, 10 + ceil(2/3).
+    assert [eq1_bound(f, 12, 1 / 3) for f in (0, 4, 7, 9, 10, 11)] == [4, 7, 9, 10, 11, 12]
+    # Rounded down it would stall at 10 (floor(2/3) = 0): up, every decision may freeze one.
+    assert eq1_bound(10, 12, 1 / 3) == 11
+    # Products within 1e-6 of an integer are that integer: 0.1 * 30 is 3.0000000000000004,
+    # 0.3333333333 * 3 is 0.9999999999.
+    assert eq1_bound(0, 30, 0.1) == 3
+    assert eq1_bound(5, 8, 0.3333333333) == 6 == eq1_bound(5, 8, 1 / 3)
+    # Nothing left to freeze: the bound is F itself.
+    assert eq1_bound(12, 12, 0.5) == 12 and eq1_bound(13, 12, 0.5) == 13
+
+
+def test_bound_trajectory_against_the_released_codes_closed_form():
+    def closed_form(num_layers, alpha, decisions):
+        values, frozen = [], 0
+        for t in range(1, decisions + 1):
+            frozen = alpha_schedule_decision(t, num_layers, alpha, frozen, num_layers - 1)
+            values.append(frozen)
+        return values
+
+    # Equal where no rounding compounds ...
+    assert bound_trajectory(12, 1 / 3, 6) == closed_form(12, 1 / 3, 6) == [4, 7, 9, 10, 11, 11]
+    assert bound_trajectory(12, 0.5, 4) == closed_form(12, 0.5, 4) == [6, 9, 11, 11]
+    # ... one layer ahead where each decision rounds up again (BERT-large's 24 layers).
+    assert bound_trajectory(24, 1 / 3, 5) == [8, 14, 18, 20, 22]
+    assert closed_form(24, 1 / 3, 5) == [8, 14, 17, 20, 21]
+    # Never behind it, and capped.
+    for num_layers in range(2, 30):
+        for alpha in (0.1, 0.25, 1 / 3, 0.5, 0.9):
+            ahead = bound_trajectory(num_layers, alpha, 12)
+            assert all(a >= b for a, b in zip(ahead, closed_form(num_layers, alpha, 12)))
+            assert max(ahead) <= num_layers - 1
+    assert bound_trajectory(12, 0.5, 6, max_frozen_layers=8) == [6, 8, 8, 8, 8, 8]
+
+
 def test_eq1_bound_by_alpha():
-    # L=12, F=0: the bound is floor(12/3)=4; the smallest norm is at layer 9, so Eq. 1
-    # takes the bound.
+    # L=12, F=0: the bound is 4; the smallest norm is at layer 9, so Eq. 1 takes the bound.
     norms = [5, 4, 3, 3.5, 2, 2.5, 2, 1.9, 1.8, 0.5, 1, 1.2]
     assert gradient_norm_decision(0, norms, 1 / 3, 11) == 4
 
 
-def test_eq1_bound_by_argmin_inclusive():
-    # The smallest norm at layer 1 (inside the alpha bound): freeze layers 0 and 1.
-    norms = [5, 0.1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3]
+def test_eq1_freezes_the_layers_below_the_argmin_and_keeps_it_active():
+    # The smallest norm at layer 2 (inside the bound): layers 0 and 1 freeze, 2 trains.
+    norms = [5, 3, 0.1, 3, 3, 3, 3, 3, 3, 3, 3, 3]
     assert gradient_norm_decision(0, norms, 1 / 3, 11) == 2
+    # The inclusive variant freezes the argmin layer too.
+    assert gradient_norm_decision(0, norms, 1 / 3, 11, inclusive=True) == 3
+
+
+def test_eq1_argmin_at_the_lowest_active_layer_freezes_nothing():
+    norms = [0.1, 5, 5, 5, 5, 5]
+    assert gradient_norm_decision(0, norms, 0.5, 5) == 0
+    assert gradient_norm_decision(0, norms, 0.5, 5, inclusive=True) == 1
+    # From F = 2 the lowest active layer is 2.
+    assert gradient_norm_decision(2, [9, 9, 0.1, 5, 5, 5], 0.5, 5) == 2
 
 
 def test_eq1_only_looks_at_active_layers():
     # Frozen layers' norms (whatever they are) are ignored: from F=4, argmin over 4..11.
     norms = [0, 0, 0, 0, 9, 9, 0.2, 9, 9, 9, 9, 9]
-    assert gradient_norm_decision(4, norms, 0.5, 11) == 7
-    # floor(alpha * (L - F)) = floor(0.2 * 8) = 1: one more layer at most.
-    assert gradient_norm_decision(4, norms, 0.2, 11) == 5
+    assert gradient_norm_decision(4, norms, 0.5, 11) == 6
+    # ceil(0.2 * 8 - 1e-6) = 2: two more layers at most, and the argmin (6) allows two.
+    assert gradient_norm_decision(4, norms, 0.2, 11) == 6
+    assert gradient_norm_decision(4, norms, 0.1, 11) == 5  # ceil(0.8) = 1
 
 
-def test_eq1_stops_when_the_bound_rounds_to_zero():
-    norms = [1.0] * 8
-    assert gradient_norm_decision(6, norms, 1 / 3, 7) == 6  # floor(2/3) = 0
-
-
-def test_eq1_rounded_alpha_counts_as_the_fraction():
-    # 0.3333333333 * 3 = 0.9999999999: one more layer, as with alpha = 1/3 exactly.
-    assert gradient_norm_decision(5, [1.0] * 8, 0.3333333333, 7) == 6
-    assert gradient_norm_decision(5, [1.0] * 8, 1 / 3, 7) == 6
+def test_eq1_top_layer_argmin_and_the_cap():
+    norms = [1.0] * 7 + [0.1]
+    # The argmin is the top layer: the bound binds (ceil(8/3) = 3).
+    assert gradient_norm_decision(0, norms, 1 / 3, 7) == 3
+    # At the cap nothing more freezes; the inclusive variant is capped too.
+    assert gradient_norm_decision(7, norms, 1 / 3, 7) == 7
+    assert gradient_norm_decision(6, norms, 0.9, 7, inclusive=True) == 7
+    assert gradient_norm_decision(0, norms, 0.9, 5) == 5
 
 
 def test_eq1_ties_go_to_the_lower_layer():
-    assert gradient_norm_decision(0, [2, 1, 1, 1, 2, 2], 0.9, 5) == 2
+    assert gradient_norm_decision(0, [2, 1, 1, 1, 2, 2], 0.9, 5) == 1
+    assert gradient_norm_decision(0, [2, 1, 1, 1, 2, 2], 0.9, 5, inclusive=True) == 2
+
+
+def test_eq1_non_finite_norms_are_never_the_argmin():
+    nan, inf = math.nan, math.inf
+    assert gradient_norm_decision(0, [5, nan, 2, 3], 0.9, 3) == 2
+    assert gradient_norm_decision(0, [5, inf, 2, 3], 0.9, 3) == 2
+    # No finite norm among the active layers: nothing freezes, with either reading.
+    assert gradient_norm_decision(1, [0.1, nan, inf, nan], 0.9, 3) == 1
+    assert gradient_norm_decision(1, [0.1, nan, inf, nan], 0.9, 3, inclusive=True) == 1
+    with pytest.raises(ValueError, match="negative"):
+        gradient_norm_decision(0, [1, -0.5, 2], 0.5, 2)
 
 
 def test_eq1_sequence_is_monotone_and_capped():
@@ -54,14 +113,14 @@ def test_eq1_sequence_is_monotone_and_capped():
         [3, 2, 1, 4, 4, 4, 4, 4],
         [3, 2, 1, 0.5, 4, 4, 4, 4],
         [9, 9, 9, 9, 9, 9, 9, 0.1],
-        [9, 9, 9, 9, 9, 9, 9, 0.1],
+        [9, 9, 9, 0.1, 9, 9, 9, 9],  # the argmin is below F now: only active layers count
         [9, 9, 9, 9, 9, 9, 9, 0.1],
     ]
     frozen, history = 0, []
     for norms in norms_seq:
         frozen = gradient_norm_decision(frozen, norms, 0.5, 7)
         history.append(frozen)
-    assert history == [3, 4, 6, 7, 7]
+    assert history == [2, 3, 6, 6, 7]
     assert all(b >= a for a, b in zip(history, history[1:]))
 
 
@@ -89,7 +148,10 @@ def test_decider_strategies():
     grad = FreezeDecider(FreezeConfig(strategy="gradient_norm", alpha=0.5), L)
     with pytest.raises(ValueError):
         grad.decide(1, 0, None)
-    assert grad.decide(1, 0, [1, 0.1, 1, 1, 1, 1, 1, 1]) == 2
+    assert grad.decide(1, 0, [1, 0.1, 1, 1, 1, 1, 1, 1]) == 1
+    inclusive = FreezeDecider(FreezeConfig(strategy="gradient_norm_inclusive", alpha=0.5), L)
+    assert inclusive.needs_grad_norms and grad.needs_grad_norms
+    assert inclusive.decide(1, 0, [1, 0.1, 1, 1, 1, 1, 1, 1]) == 2
 
 
 def test_depth_dependent_checks():
@@ -107,23 +169,24 @@ def test_decision_cadence():
         found, since = [], 0
         for step in range(1, steps_per_epoch * epochs + 1):
             since += 1
-            if schedule.due(step, step % steps_per_epoch == 0, since):
+            epoch, in_epoch = divmod(step - 1, steps_per_epoch)
+            end = in_epoch == steps_per_epoch - 1
+            if schedule.due(epoch, end, step == steps_per_epoch * epochs, since):
                 found.append(step)
                 since = 0
         return found
 
     # Epoch ends (null), after one warm-up epoch; never after the last step.
-    per_epoch = DecisionSchedule.for_config(
-        FreezeConfig(interval_steps=None, warmup_epochs=1), 3, 7
-    )
+    per_epoch = DecisionSchedule.for_config(FreezeConfig(interval_steps=None, warmup_epochs=1), 7)
     assert due_steps(per_epoch) == [7, 14]
+    # Epochs of different lengths (a growing global batch): the epoch is handed in.
+    assert per_epoch.due(1, True, False, 3) and not per_epoch.due(1, False, False, 3)
+    assert not DecisionSchedule(None, 3).due(1, True, False, 3)  # still warming up
     # auto: three a 7-step epoch (every ceil(7 / 3) = 3 steps); none in the warm-up epoch, the
     # first once it is over (its steps count towards the interval).
-    auto = DecisionSchedule.for_config(FreezeConfig(interval_steps="auto", warmup_epochs=1), 3, 7)
+    auto = DecisionSchedule.for_config(FreezeConfig(interval_steps="auto", warmup_epochs=1), 7)
     assert auto.interval_steps == 3 and due_steps(auto) == [8, 11, 14, 17, 20]
     # ... spaced out when transitions are costly: 0.2 s transitions, 0.1 s steps -> 40 steps.
     assert min_interval_for(0.2, 0.1) == 40 and min_interval_for(0.001, 0.1) == 1
-    spaced = DecisionSchedule.for_config(
-        FreezeConfig(interval_steps="auto"), 3, 7, min_interval_steps=10
-    )
+    spaced = DecisionSchedule.for_config(FreezeConfig(interval_steps="auto"), 7, 10)
     assert due_steps(spaced) == [10, 20]

@@ -51,14 +51,14 @@ def test_only_active_layers_are_tested():
 
 def test_alpha_cap_binds():
     steady = [1.0] * 12
-    # F=0, L=12, alpha=1/3: floor(12/3) = 4 even though all 12 have converged.
+    # F=0, L=12, alpha=1/3: the bound is 4 even though all 12 have converged.
     assert convergence_decision(0, steady, steady, 1 / 3, 0.05, 11) == 4
-    # F=4: 4 + floor(8/3) = 6.
-    assert convergence_decision(4, steady, steady, 1 / 3, 0.05, 11) == 6
-    # A rounded alpha counts as the fraction (as in Eq. 1): 9 + floor(3 * 0.3333333333) = 10.
+    # F=4: Eq. 1's bound, rounded up as every rule rounds it: 4 + ceil(8/3) = 7.
+    assert convergence_decision(4, steady, steady, 1 / 3, 0.05, 11) == 7
+    # A rounded alpha counts as the fraction: 9 + ceil(3 * 0.3333333333) = 10.
     assert convergence_decision(9, steady, steady, 0.3333333333, 0.05, 11) == 10
-    # floor(alpha * (L - F)) = 0: nothing more freezes.
-    assert convergence_decision(10, steady, steady, 1 / 3, 0.05, 11) == 10
+    # ceil(alpha * (L - F)) = 1 while a layer remains: 10 -> 11, the cap.
+    assert convergence_decision(10, steady, steady, 1 / 3, 0.05, 11) == 11
 
 
 def test_max_frozen_layers_binds():

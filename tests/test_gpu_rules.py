@@ -347,7 +347,8 @@ def audited(request, tmp_path_factory):
         pytest.skip(f"{SHARED_DATA} is not present")
     config = _audit_config(request.param, SHARED_DATA)
     run_dir = tmp_path_factory.mktemp(f"audited-{request.param}")
-    return request.param, run_workers(audited_run, 2, config, str(run_dir), 2)
+    # Frozen enough that the active layers pack into one stage (Eq. 2 on parameter sizes).
+    return request.param, run_workers(audited_run, 2, config, str(run_dir), 3)
 
 
 @pytest.mark.distributed

@@ -35,6 +35,7 @@ REQUIRED_LINKS = {
     "nvlink2",
     "nvlink3",
     "nvlink4",
+    "infiniband-cx353a",
     "infiniband-edr",
     "infiniband-hdr",
     "infiniband-ndr",
@@ -141,6 +142,19 @@ def test_pcie_rates_follow_the_standard():
         expected = gigatransfers * 16 * 128 / 130 / 8
         assert TABLE.link(name).bandwidth_gbps == pytest.approx(expected, abs=5e-4), name
     assert TABLE.link("pcie3-x16").bandwidth_gbps == 15.754
+
+
+def test_the_papers_links_are_labelled_as_the_paper_states_them():
+    """Section 4.1: PCIe 3.0 x16 at 15.754 GB/s in a node, InfiniBand CX353A at 5 GB/s
+    between the two; only those rows say they are the paper's."""
+    paper = TABLE.link("infiniband-cx353a")
+    assert paper.bandwidth_gbps == 5.0 and "5 GB/s" in paper.description
+    assert TABLE.link("pcie3-x16").bandwidth_gbps == 15.754
+    labelled = {
+        name for name, row in TABLE.links.items() if "PipeTransformer paper" in row.description
+    }
+    assert labelled == {"pcie3-x16", "infiniband-cx353a"}
+    assert TABLE.link("infiniband-edr").bandwidth_gbps > paper.bandwidth_gbps
 
 
 def test_links_rank_as_published():

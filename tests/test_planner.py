@@ -11,6 +11,7 @@ from pipetransformer.autopipe.planner import (
     fixed_plan,
     partition_greedy,
     partition_optimal,
+    stage_sizes,
 )
 
 
@@ -147,3 +148,46 @@ def test_more_stages_than_units_shrinks_k():
     planner = AutoPipePlanner(vit_like(num_layers=4), 8)
     plan = planner.plan(3, 8)  # units left: layer 3 (2 units) + head = 3
     assert plan.pipe_len <= 3 and 8 % plan.pipe_len == 0
+
+
+def test_stage_sizes_count_the_frozen_prefix_at_lambda_on_stage_0():
+    sizes = UnitCosts.from_param_counts([60, 6, 12, 6, 12, 6, 12, 3], 1 / 6)  # 3 layers
+    plan = balance(sizes, 1, 2)  # embedding and layer 0 frozen: prefix units [0, 3)
+    assert plan.prefix_end == 3
+    got = stage_sizes(sizes, plan)
+    prefix = (60 + 6 + 12) / 6
+    first, second = plan.stage_ranges
+    assert got[0] == pytest.approx(prefix + sum(sizes.trained[u] for u in range(*first)))
+    assert got[1] == pytest.approx(sum(sizes.trained[u] for u in range(*second)))
+
+
+def test_compression_compares_parameter_sizes_not_the_balanced_costs():
+    """Eq. 2 compares parameter sizes (a memory proxy). Stages balanced on time can be
+    slower per micro-batch once packed and still fit the start's largest stage in size, and
+    the other way round: the criterion follows the sizes either way."""
+    layers = 6
+    sizes = UnitCosts.from_param_counts([40] + [10, 20] * layers + [5], 1 / 6)
+    # Attention 20x slower than its size says: packed stages take far longer than the
+    # start's slowest, which a test on seconds refuses.
+    slow_attention = UnitCosts(
+        tuple([1.0] + [40.0, 2.0] * layers + [0.5]), tuple([0.3] + [12.0, 0.6] * layers + [0.2])
+    )
+    on_sizes = AutoPipePlanner(slow_attention, 4, sizes=sizes)
+    on_seconds = AutoPipePlanner(slow_attention, 4)
+    frozen = 4
+    packed = on_sizes.plan(frozen, 4)
+    assert packed.pipe_len < 4
+    assert max(stage_sizes(sizes, packed)) <= on_sizes.initial_max_size * (1 + 1e-9)
+    assert packed.max_stage_cost > on_sizes.initial.max_stage_cost  # slower, still packed
+    assert on_seconds.plan(frozen, 4).pipe_len == 4
+    # The other way: a slow embedding alone on stage 0 makes every packed layout faster than
+    # the start's slowest stage, but the sizes of the active layers do not fit its largest.
+    units = 2 * layers + 2
+    slow_embedding = UnitCosts(tuple([1000.0] + [1.0] * (units - 1)), (1.0,) + (0.3,) * (units - 1))
+    uniform = UnitCosts.from_param_counts([10] * units, 1 / 6)
+    assert AutoPipePlanner(slow_embedding, 4).plan(1, 4).pipe_len == 1
+    planner = AutoPipePlanner(slow_embedding, 4, sizes=uniform)
+    assert planner.plan(1, 4).pipe_len == 4
+    fast = uniform
+    with pytest.raises(ValueError, match="one size per unit"):
+        AutoPipePlanner(fast, 2, sizes=UnitCosts.from_param_counts([1, 2], 1 / 6))

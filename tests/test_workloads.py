@@ -28,15 +28,30 @@ def test_each_config_builds_its_model_on_meta(path):
 
 
 def test_paper_hyper_parameters():
+    """Table 3 and section 4.1; configs/README.md says why a value differs."""
     imagenet = load_config(ROOT / "configs" / "vit_imagenet.yaml")
     cifar = load_config(ROOT / "configs" / "vit_cifar100.yaml")
     squad = load_config(ROOT / "configs" / "bert_squad.yaml")
-    assert imagenet.trainer.global_batch_size == 400 and cifar.trainer.global_batch_size == 320
+    # Per pipeline, so the global batch grows with the replicas (section 4.1).
+    assert imagenet.trainer.batch_per_replica == 400 and cifar.trainer.batch_per_replica == 320
     for vit in (imagenet, cifar):
         assert vit.optimizer.name == "sgd" and vit.optimizer.lr_schedule == "cosine"
-        assert vit.optimizer.warmup_steps > 0 and vit.trainer.epochs == 10
-    assert squad.trainer.global_batch_size == 64 and 1e-5 <= squad.optimizer.lr <= 5e-5
-    assert squad.trainer.epochs == 3
+        assert vit.optimizer.lr in (0.1, 0.3, 0.01, 0.03)
+        assert vit.optimizer.warmup_steps == 2 and vit.trainer.epochs == 10
+        # ImageNet-21k weights, not timm's default (fine-tuned on ImageNet-1k).
+        assert vit.model.name.endswith(".orig_in21k") and vit.model.pretrained
+    assert squad.trainer.batch_per_replica == 64 and squad.optimizer.lr in (
+        1e-5,
+        2e-5,
+        3e-5,
+        4e-5,
+        5e-5,
+    )
+    assert squad.trainer.epochs == 3 and squad.data.max_seq_length == 512
+    assert describe_model(squad).num_layers == 24  # BERT-large-uncased
+    for config in (imagenet, cifar, squad):  # Eq. 1 at epoch ends
+        assert config.freeze.strategy == "gradient_norm" and config.freeze.interval_steps is None
+        assert config.pipeline.initial_pipe_len == 8
 
 
 def dry_run(script, *args, **env):
@@ -142,7 +157,7 @@ def test_bert_sst2_local_elastic_run_reaches_a_transition(tmp_path, shared_data)
     metrics = run_cli(
         "bert_sst2_local.yaml",
         tmp_path,
-        "freeze.strategy=gradient_norm",  # a transition for sure: the paper's rule is eager
+        "freeze.strategy=alpha_schedule",  # a transition for sure: the closed form needs no signal
         "trainer.epochs=2",
         "data.train_subset=512",
         "data.max_seq_length=32",
@@ -160,7 +175,7 @@ def test_squad_mini_elastic_run_reaches_a_transition(tmp_path, shared_data):
     metrics = run_cli(
         "bert_squad_local.yaml",
         tmp_path,
-        "freeze.strategy=gradient_norm",  # a transition for sure: the paper's rule is eager
+        "freeze.strategy=alpha_schedule",  # a transition for sure: the closed form needs no signal
         f"data.root={squad / 'train-mini-v1.1.json'}",
         f"data.eval_root={squad / 'eval-mini-v1.1.json'}",
     )

@@ -1,11 +1,23 @@
 """Which samples each replica trains on at each step. Pure: no processes, no tensors.
 
 Paper App. D: each node keeps a fixed subset of the training set for the whole run (so a
-node-local activation cache stays useful), reshuffled every epoch. At step t the node
-takes the next `global_batch / num_nodes` samples of its epoch order and splits them into
-contiguous per-replica chunks. The node's chunk does not depend on the number of
-replicas, so a transition in the middle of an epoch re-splits the remaining steps and every
-sample is still trained exactly once per epoch.
+node-local activation cache stays useful), reshuffled every epoch. A step takes the node's
+next `node_batch_size` samples of its epoch order and splits them into contiguous
+per-replica chunks. Where a step starts is counted in samples (its offset in the node's
+epoch order), so a change of layout in the middle of an epoch re-splits the samples that
+remain and every sample is still trained exactly once per epoch.
+
+Two batch semantics (`trainer.batch_per_replica`):
+- a fixed global batch (the default): every step trains `global_batch_size` samples, split
+  over however many replicas there are; a node's batch does not depend on the layout.
+- a fixed replica batch (the paper's: its per-pipeline batch of 400 images or 64 sequences,
+  the released code's per-process loader batch): every replica trains
+  `batch_per_replica` samples a step, so a node's batch is that times its replicas and the
+  global batch grows as AutoDP adds replicas; an epoch then has fewer steps.
+
+Which batch applies from which step is a `Segment`: the trainer tells the sampler where
+the run is each time the layout changes (`continue_at`); steps of a later epoch start from
+offset 0 with the newest segment's batch.
 
 Batches keep a fixed shape (the pipeline's buffers are sized once): the last step of an
 epoch is topped up with repeats marked invalid, which the loss weights to zero.
@@ -36,16 +48,32 @@ def _split(batch: Batch, parts: int, index: int) -> Batch:
     return Batch(batch.ids[window], batch.valid[window])
 
 
+@dataclass(frozen=True)
+class Segment:
+    """From step `step` of `epoch` on, whose first sample is number `offset` of each node's
+    epoch order, a node's batch is that of `replicas_per_node` replicas."""
+
+    epoch: int
+    step: int
+    offset: int
+    replicas_per_node: int
+
+
 @dataclass
 class TrainSampler:
     num_samples: int
     num_nodes: int
-    global_batch_size: int
+    global_batch_size: int | None  # the fixed global batch; None with batch_per_replica
     seed: int
+    batch_per_replica: int | None = None  # set: the paper's semantics (module docstring)
+    replicas_per_node: int = 1  # of the layout the run starts in
     _orders: dict[tuple[int, int], list[int]] = field(default_factory=dict, repr=False)
+    segment: Segment = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.global_batch_size % self.num_nodes:
+        if (self.global_batch_size is None) == (self.batch_per_replica is None):
+            raise ValueError("give a global batch or a batch per replica, not both")
+        if self.batch_per_replica is None and self.global_batch_size % self.num_nodes:
             raise ValueError("the global batch must split evenly over the nodes")
         if self.num_samples < self.num_nodes:
             raise ValueError(
@@ -60,14 +88,63 @@ class TrainSampler:
             size = base + (1 if node < extra else 0)
             self.node_subsets.append(sorted(everything[start : start + size]))
             start += size
+        self.segment = Segment(0, 0, 0, self.replicas_per_node)
+
+    # ------------------------------------------------------------------ sizes
 
     @property
-    def node_batch_size(self) -> int:
+    def epoch_samples(self) -> int:
+        """Samples a node trains an epoch (the largest subset; smaller ones are padded)."""
+        return max(len(s) for s in self.node_subsets)
+
+    def node_batch_size(self, replicas_per_node: int) -> int:
+        if self.batch_per_replica is not None:
+            return self.batch_per_replica * replicas_per_node
         return self.global_batch_size // self.num_nodes
+
+    def steps_per_epoch_at(self, replicas_per_node: int) -> int:
+        """Steps of a whole epoch in a layout of `replicas_per_node` replicas a node."""
+        return math.ceil(self.epoch_samples / self.node_batch_size(replicas_per_node))
+
+    @property
+    def node_batch_size_now(self) -> int:
+        return self.node_batch_size(self.segment.replicas_per_node)
+
+    # ------------------------------------------------------------------ position
+
+    def continue_at(self, epoch: int, step: int, offset: int, replicas_per_node: int) -> None:
+        """The layout from step `step` of `epoch` (the node's `offset`-th sample) on."""
+        if not 0 <= offset <= self.epoch_samples:
+            raise ValueError(f"offset {offset} outside an epoch of {self.epoch_samples} samples")
+        self.segment = Segment(epoch, step, offset, replicas_per_node)
+
+    def enter_epoch(self, epoch: int) -> None:
+        """A new epoch starts at offset 0 with the newest segment's batch."""
+        if epoch != self.segment.epoch:
+            self.continue_at(epoch, 0, 0, self.segment.replicas_per_node)
+
+    def offset(self, epoch: int, step: int) -> int:
+        """The node's first sample of step `step` of `epoch` (in its epoch order)."""
+        segment, size = self.segment, self.node_batch_size_now
+        if epoch != segment.epoch:  # a later epoch: from its start, in today's layout
+            return step * size
+        if step < segment.step:
+            raise ValueError(f"step {step} of epoch {epoch} precedes the layout's first")
+        return segment.offset + (step - segment.step) * size
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        segment = self.segment
+        if epoch != segment.epoch:
+            return self.steps_per_epoch_at(segment.replicas_per_node)
+        left = max(0, self.epoch_samples - segment.offset)
+        return segment.step + math.ceil(left / self.node_batch_size_now)
 
     @property
     def steps_per_epoch(self) -> int:
-        return math.ceil(max(len(s) for s in self.node_subsets) / self.node_batch_size)
+        """Steps of the epoch the current segment belongs to."""
+        return self.steps_in_epoch(self.segment.epoch)
+
+    # ------------------------------------------------------------------ batches
 
     def epoch_order(self, node: int, epoch: int) -> list[int]:
         key = (node, epoch)
@@ -80,8 +157,8 @@ class TrainSampler:
 
     def node_batch(self, node: int, epoch: int, step: int) -> Batch:
         order = self.epoch_order(node, epoch)
-        size = self.node_batch_size
-        ids = order[step * size : (step + 1) * size]
+        size, start = self.node_batch_size_now, self.offset(epoch, step)
+        ids = order[start : start + size]
         valid = [True] * len(ids)
         fill = size - len(ids)
         # Shape padding repeats the epoch's first samples (a real sample, weight 0).
@@ -92,6 +169,11 @@ class TrainSampler:
     def replica_batch(
         self, node: int, local_replica: int, replicas_per_node: int, epoch: int, step: int
     ) -> Batch:
+        if self.node_batch_size(replicas_per_node) != self.node_batch_size_now:
+            raise ValueError(
+                f"a layout of {replicas_per_node} replicas a node is not the sampler's "
+                f"({self.segment.replicas_per_node}): call continue_at first"
+            )
         return _split(self.node_batch(node, epoch, step), replicas_per_node, local_replica)
 
     def global_num_valid(self, epoch: int, step: int) -> int:

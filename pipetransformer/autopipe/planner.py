@@ -8,14 +8,22 @@ cuts a residual connection. With F layers frozen, units [0, prefix_end) are the 
 prefix: they run on the first stage's device as input preprocessing (no backward), and
 count on stage 0 at their forward-only cost.
 
-Balancing: `greedy` follows the paper's Algorithm 1 (fill each stage up to the average
-cost of the stages still to fill, keeping a unit only when that lands closer to the
-average); `optimal` minimises the largest stage exactly (dynamic programming).
+Balancing: `greedy` fills each stage towards the average cost of the stages still to fill,
+keeping a unit only when that lands closer to the average: the idea of the paper's
+Algorithm 1 (`load_balance`), whose test is `stage + unit < mean + variance`; this one has no
+variance term. `optimal` minimises the largest stage exactly (dynamic programming). Costs
+are measured seconds (`pipeline.balance: time`) or parameter counts (`params`, the
+paper's), the frozen prefix counted on stage 0.
 
-Compression: from the current K, try K/2 while the largest stage of the packed plan is no
-larger than the largest stage of the initial plan (F = 0, K = initial_pipe_len), and, when
-memory is limited, every stage of the packed plan fits the device (autopipe/memory.py). K
-only halves; it always divides the devices of a node because the initial K does.
+Compression (the paper's Eq. 2, section 3.2.2): from the current K, try K/2 while the
+largest stage of the packed plan, in *parameter size* with the frozen prefix at
+`lambda_frozen` of its size on stage 0 (Algorithm 1, line 28), is no larger than the largest
+stage of the initial plan (F = 0, K = initial_pipe_len), and, when memory is limited, every
+stage of the packed plan fits the device (autopipe/memory.py). Parameter size is the
+paper's proxy for a stage's memory; it is compared whatever the stages were balanced on,
+because packing is a question of memory: a packed layout does the same work per sample on
+half the stages with a smaller bubble. K only halves; it always divides the devices of a
+node because the initial K does.
 """
 
 from __future__ import annotations
@@ -217,21 +225,44 @@ def fixed_plan(costs: UnitCosts, initial: PipelinePlan, num_frozen_layers: int) 
     )
 
 
+def stage_sizes(sizes: UnitCosts, plan: PipelinePlan) -> list[float]:
+    """Each stage's size under `sizes` (parameter counts; frozen units at their frozen size),
+    the frozen prefix on stage 0: Eq. 2's S_{p_k}."""
+    frozen_end = plan.frozen_end
+    prefix = _stage_cost(sizes, 0, plan.prefix_end, frozen_end)
+    return [
+        _stage_cost(sizes, a, b, frozen_end) + (prefix if stage == 0 else 0.0)
+        for stage, (a, b) in enumerate(plan.stage_ranges)
+    ]
+
+
 @dataclass
 class AutoPipePlanner:
     """Chooses the plan for each frozen boundary. Holds only the run's fixed inputs."""
 
-    costs: UnitCosts
+    costs: UnitCosts  # what stages are balanced on
     initial_pipe_len: int
     method: str = "greedy"
     # Whether a plan's stages fit the device (autopipe/memory.py); None: memory is not limited.
     fits: Callable[[PipelinePlan], bool] | None = None
+    # What the compression criterion compares (Eq. 2): parameter sizes, frozen units at
+    # lambda_frozen. None: `costs` themselves (when they are parameter counts already).
+    sizes: UnitCosts | None = None
     initial: PipelinePlan = field(init=False)
 
     def __post_init__(self) -> None:
         if self.method not in PARTITIONERS:
             raise ValueError(f"unknown partition method '{self.method}'")
+        if self.sizes is None:
+            self.sizes = self.costs
+        if self.sizes.num_units != self.costs.num_units:
+            raise ValueError("one size per unit")
         self.initial = balance(self.costs, 0, self.initial_pipe_len, self.method)
+
+    @property
+    def initial_max_size(self) -> float:
+        """M_GPU(0): the largest stage of the initial plan, in size."""
+        return max(stage_sizes(self.sizes, self.initial))
 
     def plan(
         self,
@@ -243,7 +274,7 @@ class AutoPipePlanner:
         """The plan at `num_frozen_layers`: compressed as far as the criterion allows.
         `fits`: instead of the planner's own (PlanContext adds the move's memory)."""
         fits = fits or self.fits
-        budget = self.initial.max_stage_cost * (1 + _TOLERANCE)
+        budget = self.initial_max_size * (1 + _TOLERANCE)
         active_units = self.costs.num_units - prefix_end(num_frozen_layers)
         pipe_len = current_pipe_len
         while pipe_len > active_units:  # never more stages than units
@@ -253,7 +284,7 @@ class AutoPipePlanner:
             packed = balance(
                 self.costs, num_frozen_layers, plan.pipe_len // 2, self.method, prefix_cost
             )
-            if packed.max_stage_cost > budget:
+            if max(stage_sizes(self.sizes, packed)) > budget:
                 break
             if fits is not None and not fits(packed):
                 break

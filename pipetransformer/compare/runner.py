@@ -50,9 +50,19 @@ def variant_overrides(config: Config, ablations: bool, peers: bool = False) -> d
     freezing (and so every elastic component) off, as a fixed pipeline: the configured
     length, or with 'auto' the whole node (the paper's Pipe+DDP). Peers are what a user
     would run instead when the model fits one device: plain DDP, and DDP with the same
-    freeze algorithm and AutoCache but no pipeline."""
+    freeze algorithm and AutoCache but no pipeline. Under trainer.batch_per_replica the peers
+    train the baseline's global batch (its replicas never change), as `plan --predict`'s
+    peers do."""
     pipe_len = config.pipeline.initial_pipe_len
     fixed = pipe_len if isinstance(pipe_len, int) else config.nproc_per_node
+    per_replica = config.trainer.batch_per_replica
+    peer_batch = []
+    if per_replica is not None:
+        baseline_global = per_replica * (config.nproc_per_node // fixed)
+        peer_batch = [
+            "trainer.batch_per_replica=null",
+            f"trainer.global_batch_size={baseline_global}",
+        ]
     variants = {
         BASELINE: [
             "freeze.strategy=none",
@@ -65,8 +75,9 @@ def variant_overrides(config: Config, ablations: bool, peers: bool = False) -> d
             "freeze.strategy=none",
             "cache.enabled=false",
             "pipeline.initial_pipe_len=1",
+            *peer_batch,
         ]
-        variants[FREEZE_DDP] = ["pipeline.initial_pipe_len=1"]
+        variants[FREEZE_DDP] = ["pipeline.initial_pipe_len=1", *peer_batch]
     if ablations:
         variants["freeze_only"] = ["autopipe.enabled=false", "cache.enabled=false"]
         variants["no_autodp"] = ["autodp.enabled=false", "cache.enabled=false"]
@@ -91,7 +102,12 @@ def machine_description(config: Config) -> str:
 
 def measured_unit_costs(config: Config) -> dict[str, list[float]] | None:
     """Per-unit forward+backward and forward-only seconds at the run's micro-batch size,
-    measured in this process (the ideal speedup needs times, not parameter counts)."""
+    measured in this process (the ideal speedup needs times, not parameter counts). None
+    under trainer.batch_per_replica: the ideal model (compare/ideal.py) counts a fixed number
+    of steps an epoch, which a growing global batch does not have."""
+    if config.trainer.batch_per_replica is not None:
+        logger.info("no ideal speedup: trainer.batch_per_replica changes the steps an epoch")
+        return None
     try:
         return measure_model_costs(config)
     except Exception as exc:  # the report stays useful without the ideal figure

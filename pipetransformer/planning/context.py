@@ -88,6 +88,12 @@ def describe_model(config: Config, **overrides: Any) -> ModelSpec:
     return spec
 
 
+def parameter_sizes(config: Config, spec: ModelSpec) -> UnitCosts:
+    """What the compression criterion compares (Eq. 2): each unit's parameter count, a
+    frozen one at autopipe.lambda_frozen of it."""
+    return UnitCosts.from_param_counts(spec.unit_param_counts, config.autopipe.lambda_frozen)
+
+
 # ----------------------------------------------------------------------------- memory
 
 
@@ -154,7 +160,7 @@ def profiling_micro_batch_size(config: Config, world_size: int | None = None) ->
     if pipe_len == "auto":  # before the start is chosen: the shortest pipeline's (the costs
         pipe_len = min(initial_pipe_lens(config, world))  # of other sizes scale from it)
     dp_degree = dp_degree_for(pipe_len, world, world // pipe_len, config.autodp.enabled)
-    replica_batch = config.trainer.global_batch_size // dp_degree
+    replica_batch = config.trainer.replica_batch_size(dp_degree)
     return replica_batch // choose_num_micro_batches(
         config.pipeline.num_micro_batches, pipe_len, replica_batch
     )
@@ -166,7 +172,7 @@ def _layout_shape(
     """Micro-batch size, micro-batch count (the measurement-free rule: for GPipe the total
     activation bytes do not depend on it), replicas and schedule of a layout with `pipe_len`."""
     dp = dp_degree_for(pipe_len, world_size, world_size // initial_pipe_len, config.autodp.enabled)
-    replica_batch = config.trainer.global_batch_size // dp
+    replica_batch = config.trainer.replica_batch_size(dp)
     m = choose_num_micro_batches(config.pipeline.num_micro_batches, pipe_len, replica_batch)
     return LayoutShape(replica_batch // m, m, dp, config.pipeline.schedule)
 
@@ -240,7 +246,9 @@ class PlanContext:
                 shape = _layout_shape(config, plan.pipe_len, world.world_size, initial)
                 return memory.fits(plan, shape, budget_bytes)
 
-        planner = AutoPipePlanner(costs, initial, config.autopipe.partition_method, fits)
+        planner = AutoPipePlanner(
+            costs, initial, config.autopipe.partition_method, fits, parameter_sizes(config, spec)
+        )
         source = "profile" if profile is not None else "params"
         return cls(config, spec, world, costs, memory, source, budget_bytes, planner)
 
@@ -271,7 +279,7 @@ class PlanContext:
         else:
             plan = fixed_plan(self.costs, self.planner.initial, num_frozen_layers)
         layout = self._layout(plan)
-        replica_batch = config.trainer.global_batch_size // layout.dp_degree
+        replica_batch = config.trainer.replica_batch_size(layout.dp_degree)
         if micro_batches is None:
             m = choose_num_micro_batches(
                 config.pipeline.num_micro_batches, plan.pipe_len, replica_batch
@@ -328,5 +336,10 @@ class PlanContext:
         compression: what Pipe+DDP and DDP baselines plan."""
         pipeline = dataclasses.replace(self.config.pipeline, initial_pipe_len=initial_pipe_len)
         config = dataclasses.replace(self.config, pipeline=pipeline)
-        planner = AutoPipePlanner(self.costs, initial_pipe_len, config.autopipe.partition_method)
+        planner = AutoPipePlanner(
+            self.costs,
+            initial_pipe_len,
+            config.autopipe.partition_method,
+            sizes=parameter_sizes(config, self.spec),
+        )
         return dataclasses.replace(self, config=config, planner=planner)

@@ -1,20 +1,30 @@
 """`pipetransformer plan --predict`: what a run of a config would take on a cluster, before
 it spends GPU hours: per frozen boundary, the layout the planner would pick, its predicted
-step time and the bytes of its largest stage; along a freeze trajectory, the whole run
+step time and the bytes of its largest stage; along the run, replayed as the trainer would
+take it (run_model.py: its decisions, layouts, batch semantics and cache), the whole run
 against what users run instead (`compare --peers`' variants): Pipe+DDP, plain DDP and
 freeze + DDP, each with whether it fits a device's memory.
 
 Inputs: a unit profile (measured by a run of this model, or roofline times from its
 analytical profile: prediction_inputs.py), the cluster (nodes x devices per node, link
-bandwidths, optionally a named device whose memory is the budget). The arithmetic is
-step_model.py's; this module only turns a config into its inputs. Evaluation, transitions
-and start-up are left out of every side. prediction_report.py prints the result.
+bandwidths, optionally a named device whose memory is the budget) and the training-set size.
+The arithmetic is step_model.py's; this module only turns a config into its inputs.
+Evaluation, transitions and start-up are left out of every side. prediction_report.py
+prints the result.
+
+The trajectory: `auto` replays the config's own rule at its own decision points (gradient
+rules at the fastest pace their bound allows, run_model.py says how); `paper` replays Eq. 1's
+bound, rounded as freeze.py rounds it, at every epoch end; a list gives F per epoch.
+
+The peers keep the baseline's global batch: with `trainer.batch_per_replica` that is the
+replica batch times the starting layout's replicas (the full system's own batch grows as it
+adds replicas; DDP and freeze + DDP train the batch Pipe+DDP trains).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +37,6 @@ from pipetransformer.autopipe.profiles import (
     unit_costs_from_profile,
 )
 from pipetransformer.config import Config, ConfigError, World, initial_pipe_lens, resolve
-from pipetransformer.freeze import DecisionSchedule
 from pipetransformer.models import ModelSpec
 from pipetransformer.planning.context import (
     PlanContext,
@@ -37,14 +46,20 @@ from pipetransformer.planning.context import (
 )
 from pipetransformer.planning.hardware import Device
 from pipetransformer.planning.profile_keys import model_signature_for
+from pipetransformer.planning.run_model import (
+    RunShape,
+    Segment,
+    prefix_cost_to_balance,
+    simulate_run,
+)
 from pipetransformer.planning.step_model import (
     Links,
     StepPrediction,
     UnitTimes,
     calibrate_overhead,
-    paper_trajectory,
     predict_step,
 )
+from pipetransformer.utils.units import prefix_end
 
 # Stated defaults of a GPU cluster: NVLink-class links inside a node, one 200 Gb/s
 # InfiniBand / RoCE port per GPU between nodes.
@@ -133,13 +148,17 @@ class Prediction:
     intra_node_gbps: float
     inter_node_gbps: float
     profile_micro_batch_size: int
-    steps_per_epoch: int
+    steps_per_epoch: int  # in the layout the run starts in
     rows: list[PredictedLayout]
     trajectory: list[int]  # F in effect at the start of each epoch
     baseline: PeerPrediction  # Pipe+DDP
     baseline_s: float
     elastic_s: float
     peers: list[PeerPrediction]  # DDP and freeze + DDP
+    epochs: list[EpochPrediction] = dataclasses.field(default_factory=list)  # the full system's
+    batch_per_replica: int | None = None  # the paper's batch semantics; None: a fixed global batch
+    global_batch_size: int = 0  # at the start
+    train_samples: int = 0
     device: str | None = None
     device_memory_bytes: float | None = None  # the stage budget, None: no limit
     intra_node_link: str | None = None
@@ -232,7 +251,10 @@ def calibrated_times(
         ) or key.num_frozen_layers is not None:
             continue
         plan = balance(costs, 0, key.pipe_len)
-        replicas = max(1, config.trainer.global_batch_size // key.replica_batch)
+        if config.trainer.batch_per_replica is None:
+            replicas = max(1, config.trainer.global_batch_size // key.replica_batch)
+        else:  # the timed layout's replicas, on the run's one node
+            replicas = max(1, config.nproc_per_node // key.pipe_len)
         for m, seconds in store.micro_batch_timings(key).items():
             step = predict_step(
                 times,
@@ -249,57 +271,181 @@ def calibrated_times(
     return dataclasses.replace(times, step_overhead_s=per_step, slot_overhead_s=per_slot)
 
 
-def frozen_per_step(
-    config: Config, trajectory: str, num_layers: int, steps_per_epoch: int
-) -> list[int]:
-    """F during each step of the run. `trajectory`: 'auto' (the config's own: a manual
-    schedule, or the paper's closed form with the config's alpha for gradient_norm and
-    alpha_schedule — the fastest pace Eq. 1 allows — at the config's decision points; for
-    convergence the same, one decision later: its first decision only measures),
-    'paper' (the closed form at every epoch end, as the paper ran it) or F per epoch as a
-    comma-separated list (the last value repeats)."""
-    epochs = config.trainer.epochs
-    total = epochs * steps_per_epoch
+def freeze_for(config: Config, trajectory: str) -> tuple[Config, list[int] | None]:
+    """The config whose decisions the run replays, and F per epoch for a list trajectory.
+    `paper`: Eq. 1's bound (gradient_norm, replayed at its fastest) at every epoch end."""
     freeze = config.freeze
-    if trajectory not in ("auto", "paper"):
-        try:
-            values = [int(v) for v in trajectory.split(",")]
-        except ValueError:
-            raise ConfigError(
-                f"--trajectory: 'auto', 'paper' or F per epoch such as 0,0,2,4; got {trajectory!r}"
-            ) from None
-        per_epoch = [values[min(e, len(values) - 1)] for e in range(epochs)]
-        return [min(per_epoch[s // steps_per_epoch], num_layers - 1) for s in range(total)]
-    fastest = paper_trajectory(num_layers, freeze.alpha, total, freeze.max_frozen_layers)
-    if trajectory == "paper" or freeze.strategy in ("gradient_norm", "alpha_schedule"):
-        decisions = fastest
-    elif freeze.strategy == "convergence":
-        decisions = [0, *fastest]
-    elif freeze.strategy == "manual":
-        decisions = freeze.manual_schedule
-    else:
-        return [0] * total
-    cadence = (
-        freeze
-        if trajectory == "auto"
-        else dataclasses.replace(freeze, interval_steps=None, warmup_epochs=0)
-    )
-    schedule = DecisionSchedule.for_config(cadence, epochs, steps_per_epoch)
-    frozen, current, taken, since = [], 0, 0, 0
-    for step in range(1, total + 1):
-        frozen.append(current)
-        since += 1
-        if schedule.due(step, step % steps_per_epoch == 0, since):
-            current = max(current, decisions[min(taken, len(decisions) - 1)])
-            taken, since = taken + 1, 0
-    return frozen
+    if trajectory == "auto":
+        return config, None
+    if trajectory == "paper":
+        paper = dataclasses.replace(
+            freeze, strategy="gradient_norm", interval_steps=None, warmup_epochs=0
+        )
+        return dataclasses.replace(config, freeze=paper), None
+    try:
+        values = [int(v) for v in trajectory.split(",")]
+    except ValueError:
+        raise ConfigError(
+            f"--trajectory: 'auto', 'paper' or F per epoch such as 0,0,2,4; got {trajectory!r}"
+        ) from None
+    if any(v < 0 for v in values):
+        raise ConfigError(f"--trajectory: frozen layers must be >= 0, got {trajectory!r}")
+    return config, values
+
+
+@dataclass(frozen=True)
+class EpochPrediction:
+    """One epoch of a predicted run: its frozen boundaries and layouts (at its start and
+    end), steps, seconds, and what the frozen prefix cost stage 0."""
+
+    epoch: int  # 1-based, as metrics.jsonl counts
+    num_frozen_layers: int  # at the epoch's start
+    pipe_len: int
+    dp_degree: int
+    steps: int
+    seconds: float
+    prefix: str  # 'none', 'computed', 'filled', 'upgraded', 'read' or 'mixed'
+    final_num_frozen_layers: int
+    final_pipe_len: int
+    final_dp_degree: int
+
+
+@dataclass(frozen=True)
+class _RunPrediction:
+    seconds: float
+    segments: list[Segment]
+    epochs: list[EpochPrediction]
+
+
+def _prefix_kind(segment: Segment) -> str:
+    """What stage 0 does with the frozen prefix in `segment` (EpochPrediction.prefix)."""
+    if segment.num_frozen_layers == 0:
+        return "none"
+    if not segment.cache_active:
+        return "computed"
+    cached = dict(segment.cached)
+    covered = sum(cached.values())
+    if covered < 1e-9:
+        return "filled"
+    if cached.get(segment.num_frozen_layers, 0.0) > 1 - 1e-9:
+        return "read"
+    if covered > 1 - 1e-9 and segment.num_frozen_layers not in cached:
+        return "upgraded"
+    return "mixed"
+
+
+class _Variant:
+    """One way to run the model (the full system or a peer) replayed and priced."""
+
+    def __init__(
+        self,
+        config: Config,
+        context: PlanContext,
+        cluster: Cluster,
+        times: UnitTimes,
+        node_samples: int,
+    ) -> None:
+        self.config = context.config
+        self.context = context
+        self.cluster = cluster
+        self.times = times
+        trainer = self.config.trainer
+        self.shape = RunShape(
+            trainer.epochs,
+            node_samples,
+            cluster.nodes,
+            None if trainer.batch_per_replica else trainer.global_batch_size,
+            trainer.batch_per_replica,
+        )
+        cache = config.cache
+        self.caching = (
+            cache.enabled and config.freeze.strategy != "none" and config.autopipe.enabled
+        )
+        self._step_s: dict[tuple, float] = {}
+
+    def serves(self, num_frozen_layers: int) -> bool:
+        """The trainer's test (trainer/caching.py): the cache serves a boundary whose prefix
+        takes longer to compute than to read."""
+        if not self.caching or num_frozen_layers == 0:
+            return False
+        if not self.config.cache.profile:
+            return True
+        times = self.times
+        compute = sum(times.frozen_s[: prefix_end(num_frozen_layers)]) / times.micro_batch_size
+        return times.cache_read_s_per_sample < compute
+
+    def prefix_s(self, num_frozen_layers: int, cached: dict[int, float], serves: bool) -> float:
+        """Stage 0's frozen-prefix seconds per micro-batch of the profile's size (the same
+        rule the trainer balances a boundary by)."""
+        times = self.times
+        read = times.cache_read_s_per_sample * times.micro_batch_size
+        return prefix_cost_to_balance(times.frozen_s, read, num_frozen_layers, cached, serves)
+
+    def balance_cost(self, prefix_s: float) -> float | None:
+        """The prefix's cost in the planner's units: seconds under `balance: time`;
+        parameter counts (`balance: params`) have none for a read, so the frozen prefix
+        counts at lambda_frozen of its size there."""
+        return prefix_s if self.context.costs.source == "time" else None
+
+    def layout_for(self, num_frozen_layers: int, current: Layout, prefix_s: float) -> Layout:
+        return self.context.layout_for(
+            num_frozen_layers, current.pipe_len, prefix_cost=self.balance_cost(prefix_s)
+        )
+
+    def step(self, layout: Layout, prefix_s: float | None) -> StepPrediction:
+        return _step(self.times, layout, self.config, self.cluster, prefix_s)
+
+    def step_s(self, layout: Layout, prefix_s: float) -> float:
+        key = (layout, round(prefix_s, 15))
+        if key not in self._step_s:
+            self._step_s[key] = self.step(layout, prefix_s).step_s
+        return self._step_s[key]
+
+    def run(self, per_epoch: list[int] | None) -> _RunPrediction:
+        context = self.context
+        start = context.layout_for(0, context.initial_pipe_len)
+        spec = context.spec
+        segments = simulate_run(
+            self.shape,
+            self.config.freeze,
+            spec.num_layers,
+            start,
+            self.layout_for,
+            self.prefix_s,
+            self.serves,
+            per_epoch,
+        )
+        priced = [
+            (segment, segment.steps * self.step_s(segment.layout, segment.prefix_s))
+            for segment in segments
+        ]
+        epochs = []
+        for epoch in range(self.shape.epochs):
+            mine = [(seg, secs) for seg, secs in priced if seg.epoch == epoch]
+            first, last = mine[0][0], mine[-1][0]
+            kinds = {_prefix_kind(seg) for seg, _ in mine}
+            epochs.append(
+                EpochPrediction(
+                    epoch + 1,
+                    first.num_frozen_layers,
+                    first.layout.pipe_len,
+                    first.layout.dp_degree,
+                    sum(seg.steps for seg, _ in mine),
+                    sum(secs for _, secs in mine),
+                    kinds.pop() if len(kinds) == 1 else "mixed",
+                    last.num_frozen_layers,
+                    last.layout.pipe_len,
+                    last.layout.dp_degree,
+                )
+            )
+        return _RunPrediction(sum(secs for _, secs in priced), segments, epochs)
 
 
 def predict(
     config: Config,
     profile: UnitProfile,
     cluster: Cluster,
-    steps_per_epoch: int,
+    train_samples: int,
     trajectory: str = "auto",
     times: UnitTimes | None = None,
     *,
@@ -307,57 +453,81 @@ def predict(
     steps_per_epoch_source: str = "",
 ) -> Prediction:
     """Layouts per frozen boundary and the run's predicted time against Pipe+DDP, DDP and
-    freeze + DDP. `times`: the profile's unit times with the device's memory bandwidth and
-    step overhead (default: a GPU's bandwidth, no overhead). The stage budget is
-    `cluster.memory_budget`: the planner compresses only into layouts that fit it, and a run
-    that fits no pipeline at 0 frozen layers is a ConfigError naming the device."""
+    freeze + DDP, over `train_samples` training samples an epoch. `times`: the profile's
+    unit times with the device's memory bandwidth and step overhead (default: a GPU's
+    bandwidth, no overhead). The stage budget is `cluster.memory_budget`: the planner
+    compresses only into layouts that fit it, and a run that fits no pipeline at 0 frozen
+    layers is a ConfigError naming the device."""
     spec = describe_model(config)
     times = times or unit_times(profile)
     world = cluster.world()
     budget = cluster.memory_budget(config)
     if budget is not None:
         _require_a_start_that_fits(config, spec, world, profile, budget, cluster)
-    context = PlanContext.build(config, spec, world, profile, budget)
+    replayed, per_epoch = freeze_for(config, trajectory)
+    context = PlanContext.build(replayed, spec, world, profile, budget)
+    node_samples = math.ceil(train_samples / cluster.nodes)
+    elastic = _Variant(replayed, context, cluster, times, node_samples)
 
     def peak(ctx: PlanContext, layout: Layout) -> float:
         return max(ctx.stage_bytes(layout.plan))
 
-    rows, layouts = [], {}
-    pipe_len = context.initial_pipe_len
+    # Each boundary's steady state: the planner's layout from the one before, the prefix
+    # read wherever the cache serves it.
+    rows, pipe_len = [], context.initial_pipe_len
     for frozen in range(spec.num_layers):
-        layout = context.layout_for(frozen, pipe_len)
+        serves = elastic.serves(frozen)
+        read = elastic.prefix_s(frozen, {frozen: 1.0}, serves)
+        layout = context.layout_for(frozen, pipe_len, prefix_cost=elastic.balance_cost(read))
         pipe_len = layout.pipe_len
-        layouts[frozen] = layout
-        step = _step(times, layout, context.config, cluster, cached=frozen > 0)
-        rows.append(_predicted(frozen, layout, step, peak(context, layout)))
-    frozen = frozen_per_step(config, trajectory, spec.num_layers, steps_per_epoch)
-    no_freezing = [0] * len(frozen)
+        rows.append(_predicted(frozen, layout, elastic.step(layout, read), peak(context, layout)))
+    run = elastic.run(per_epoch)
+    start = run.segments[0].layout
+    start_global = context.config.trainer.global_batch_size_at(start.dp_degree)
 
-    def elastic_step(value: int, cached: bool) -> float:
-        if cached:
-            return rows[value].step_s
-        return _step(times, layouts[value], context.config, cluster, cached=False).step_s
-
-    elastic_s = _run_s(frozen, steps_per_epoch, elastic_step)
-    # The baseline: Pipe+DDP at the configured pipeline length, or a whole node's.
+    # Pipe+DDP: the configured pipeline length (or a whole node's), no freezing.
     setting = config.pipeline.initial_pipe_len
     fixed = setting if isinstance(setting, int) else cluster.devices_per_node
-    base_context = context.with_pipeline(fixed)
-    base_layout = base_context.layout_for(0, fixed)
-    base_step = _step(times, base_layout, context.config, cluster, cached=False).step_s
+    base_config = _without_freezing(replayed)
+    base_context = PlanContext.build(base_config, spec, world, profile).with_pipeline(fixed)
+    base = _Variant(base_config, base_context, cluster, times, node_samples)
+    base_run = base.run(None)
+    base_layout = base_run.segments[0].layout
     baseline = PeerPrediction(
         "baseline",
         base_layout.pipe_len,
         base_layout.dp_degree,
         base_layout.plan.num_micro_batches,
-        base_step,
-        base_step * len(frozen),
+        base.step(base_layout, None).step_s,
+        base_run.seconds,
         peak(base_context, base_layout),
         budget is None or peak(base_context, base_layout) <= budget,
     )
     peers = [
-        _ddp_peer("ddp", no_freezing, config, context, cluster, times, steps_per_epoch, budget),
-        _ddp_peer("freeze_ddp", frozen, config, context, cluster, times, steps_per_epoch, budget),
+        _ddp_peer(
+            "ddp",
+            _without_freezing(replayed),
+            None,
+            spec,
+            profile,
+            cluster,
+            times,
+            node_samples,
+            start_global,
+            budget,
+        ),
+        _ddp_peer(
+            "freeze_ddp",
+            replayed,
+            per_epoch,
+            spec,
+            profile,
+            cluster,
+            times,
+            node_samples,
+            start_global,
+            budget,
+        ),
     ]
     links = cluster.links
     return Prediction(
@@ -366,13 +536,17 @@ def predict(
         intra_node_gbps=links.intra_node_bytes_per_s / 1e9,
         inter_node_gbps=links.inter_node_bytes_per_s / 1e9,
         profile_micro_batch_size=profile.micro_batch_size,
-        steps_per_epoch=steps_per_epoch,
+        steps_per_epoch=elastic.shape.steps_per_epoch(start.replicas_per_node),
         rows=rows,
-        trajectory=[frozen[e * steps_per_epoch] for e in range(config.trainer.epochs)],
+        trajectory=[e.num_frozen_layers for e in run.epochs],
         baseline=baseline,
         baseline_s=baseline.run_s,
-        elastic_s=elastic_s,
+        elastic_s=run.seconds,
         peers=peers,
+        epochs=run.epochs,
+        batch_per_replica=config.trainer.batch_per_replica,
+        global_batch_size=start_global,
+        train_samples=train_samples,
         device=cluster.device.name if cluster.device else None,
         device_memory_bytes=budget,
         intra_node_link=cluster.intra_node_link,
@@ -382,42 +556,38 @@ def predict(
     )
 
 
-def _run_s(frozen: list[int], steps_per_epoch: int, step_s: Callable[[int, bool], float]) -> float:
-    """Seconds of a run with F = frozen[step] at each step; `step_s(F, cached)`. A boundary's
-    first epoch computes the frozen prefix (filling the cache); later epochs read it."""
-    seconds: dict[tuple[int, bool], float] = {}
-    total = 0.0
-    for step, value in enumerate(frozen):
-        first_epoch = step < steps_per_epoch or frozen[step - steps_per_epoch] != value
-        key = (value, value > 0 and not first_epoch)
-        if key not in seconds:
-            seconds[key] = step_s(*key)
-        total += seconds[key]
-    return total
+def _without_freezing(config: Config) -> Config:
+    return dataclasses.replace(config, freeze=dataclasses.replace(config.freeze, strategy="none"))
 
 
 def _ddp_peer(
     name: str,
-    frozen: list[int],
     config: Config,
-    context: PlanContext,
+    per_epoch: list[int] | None,
+    spec: ModelSpec,
+    profile: UnitProfile,
     cluster: Cluster,
     times: UnitTimes,
-    steps_per_epoch: int,
+    node_samples: int,
+    global_batch_size: int,
     budget: float | None,
 ) -> PeerPrediction:
-    """DDP over every device (pipe_len 1) along `frozen` (all 0: plain DDP; the run's
-    trajectory: freeze + DDP, the frozen prefix cached as the full system caches it)."""
+    """DDP over every device (pipe_len 1) at the baseline's global batch; with freezing
+    (`config`'s rule, or `per_epoch`): freeze + DDP, the frozen prefix cached as the full
+    system caches it."""
     world = cluster.world()
-    peer = dataclasses.replace(
-        config, pipeline=dataclasses.replace(config.pipeline, initial_pipe_len=1)
+    trainer = dataclasses.replace(
+        config.trainer, batch_per_replica=None, global_batch_size=global_batch_size
     )
-    if not any(frozen):
-        peer = dataclasses.replace(peer, freeze=dataclasses.replace(peer.freeze, strategy="none"))
+    # Plain DDP: one stage, the replica's batch in one piece.
+    pipeline = dataclasses.replace(
+        config.pipeline, initial_pipe_len=1, num_micro_batches=1, schedule="gpipe"
+    )
+    peer = dataclasses.replace(config, trainer=trainer, pipeline=pipeline)
+    m = 1
     try:
         resolve(peer, world)  # the checks a run of it would meet (a batch that must split)
     except ConfigError as exc:
-        m = config.pipeline.num_micro_batches
         return PeerPrediction(
             name,
             pipe_len=1,
@@ -429,20 +599,18 @@ def _ddp_peer(
             fits=False,
             problem=str(exc),
         )
-    ddp = context.with_pipeline(1)
-    layout = ddp.layout_for(0, 1)
-    peak_bytes = max(ddp.stage_bytes(layout.plan))
-
-    def step_s(value: int, cached: bool) -> float:
-        return _step(times, ddp.layout_for(value, 1), ddp.config, cluster, cached).step_s
-
+    context = PlanContext.build(peer, spec, world, profile)
+    variant = _Variant(peer, context, cluster, times, node_samples)
+    run = variant.run(per_epoch)
+    layout = run.segments[0].layout
+    peak_bytes = max(context.stage_bytes(layout.plan))
     return PeerPrediction(
         name,
         layout.pipe_len,
         layout.dp_degree,
         layout.plan.num_micro_batches,
-        step_s(0, False),
-        _run_s(frozen, steps_per_epoch, step_s),
+        variant.step(layout, None).step_s,
+        run.seconds,
         peak_bytes,
         budget is None or peak_bytes <= budget,
     )
@@ -500,9 +668,16 @@ def _predicted(
 
 
 def _step(
-    times: UnitTimes, layout: Layout, config: Config, cluster: Cluster, cached: bool
+    times: UnitTimes,
+    layout: Layout,
+    config: Config,
+    cluster: Cluster,
+    prefix_s: float | None = None,
+    cached: bool = False,
 ) -> StepPrediction:
-    replica_batch = config.trainer.global_batch_size // layout.dp_degree
+    """`prefix_s`: stage 0's frozen-prefix work (step_model.prefix_work_s); None: all read
+    (`cached`) or all computed."""
+    replica_batch = config.trainer.replica_batch_size(layout.dp_degree)
     m = layout.plan.num_micro_batches
     return predict_step(
         times,
@@ -513,6 +688,7 @@ def _step(
         replicas_per_node=layout.replicas_per_node,
         links=cluster.links,
         cached_prefix=cached,
+        prefix_s=prefix_s,
     )
 
 
@@ -535,4 +711,5 @@ def layout_epoch_s(
     world = config.nproc_per_node
     context = PlanContext.build(config, spec, World(world, world, "cpu"), profile)
     layout = context.layout_for(num_frozen_layers, pipe_len, lambda k, b: num_micro_batches)
-    return steps * _step(times, layout, context.config, Cluster(1, world, links), cached).step_s
+    cluster = Cluster(1, world, links)
+    return steps * _step(times, layout, context.config, cluster, cached=cached).step_s

@@ -1,21 +1,20 @@
 """`plan --predict`'s flags turned into predict()'s inputs: the cluster (named hardware from
 hardware.yaml or stated bandwidths), the unit profile and its unit times (a measured profile,
 or the model's analytical profile through a roofline on the named device), and the number of
-steps an epoch, each with a line saying where it came from.
+training samples an epoch, each with a line saying where it came from.
 
 Which unit profile: a measured one wins when the profile file has one for this model (the
 file `--profile` names, else the runs' default), unless `--device` names a device of another
 type than the one it was measured on; then, or when there is none, the analytical profile on
 the named device. Without `--device` a measured profile is needed, as before.
 
-Owns: `cluster_from_flags`, `prediction_unit_times`, `measured_on`, `steps_per_epoch_for`.
+Owns: `cluster_from_flags`, `prediction_unit_times`, `measured_on`, `train_samples_for`.
 Must not: predict (predict.py), measure anything, or download data or weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -225,9 +224,10 @@ def _data_on_disk(data: DataConfig) -> bool:
     return (root / "train").is_dir() if data.name == "imagefolder" else root.exists()
 
 
-def steps_per_epoch_for(config: Config, nodes: int) -> tuple[int, str]:
-    """Steps an epoch and where the sample count came from: the training data when it is on
-    disk, else the dataset's published training-split size (at most data.train_subset)."""
+def train_samples_for(config: Config) -> tuple[int, str]:
+    """Training samples an epoch and where the count came from: the training data when it
+    is on disk, else the dataset's published training-split size (at most
+    data.train_subset)."""
     data = config.data
     samples = None
     if _data_on_disk(data):
@@ -249,5 +249,4 @@ def steps_per_epoch_for(config: Config, nodes: int) -> tuple[int, str]:
         source = f"{source}; the data is not on disk"
         if data.train_subset is not None and data.train_subset < samples:
             samples, source = data.train_subset, f"data.train_subset of {source}"
-    per_node = config.trainer.global_batch_size // nodes
-    return math.ceil(math.ceil(samples / nodes) / per_node), source
+    return samples, source

@@ -8,7 +8,7 @@ Owns: `format_prediction`. Must not: compute anything predict.py has not.
 from __future__ import annotations
 
 from pipetransformer.planning.context import format_bytes
-from pipetransformer.planning.predict import PeerPrediction, Prediction
+from pipetransformer.planning.predict import EpochPrediction, PeerPrediction, Prediction
 
 # compare's variant names (compare/report.py) -> how the table names them.
 PEER_LABELS = {"baseline": "Pipe+DDP", "ddp": "DDP", "freeze_ddp": "freeze+DDP"}
@@ -38,6 +38,19 @@ def _peer_text(result: Prediction, peer: PeerPrediction) -> str:
     )
 
 
+def _change(start, end) -> str:
+    return f"{start}" if start == end else f"{start}->{end}"
+
+
+def _epoch_line(e: EpochPrediction) -> str:
+    layouts = _change(f"{e.pipe_len}x{e.dp_degree}", f"{e.final_pipe_len}x{e.final_dp_degree}")
+    frozen = _change(e.num_frozen_layers, e.final_num_frozen_layers)
+    return (
+        f"{e.epoch:>6} {frozen:>9} {layouts:>11} {e.steps:>7} {_duration(e.seconds):>11}  "
+        f"{e.prefix}"
+    )
+
+
 def format_prediction(result: Prediction) -> str:
     devices = result.device or "devices"
     budget = (
@@ -45,14 +58,23 @@ def format_prediction(result: Prediction) -> str:
         if result.device_memory_bytes is not None
         else ""
     )
-    steps_source = f" ({result.steps_per_epoch_source})" if result.steps_per_epoch_source else ""
+    samples_source = f" ({result.steps_per_epoch_source})" if result.steps_per_epoch_source else ""
+    if result.batch_per_replica is not None:
+        batch = (
+            f"{result.batch_per_replica} samples a replica, a global batch of "
+            f"{result.global_batch_size} at the start that grows with the replicas"
+        )
+    else:
+        batch = f"a global batch of {result.global_batch_size}"
     lines = [
         f"predicted for {result.nodes} node(s) x {result.devices_per_node} {devices}, links "
         f"{_link_text(result.intra_node_link, result.intra_node_gbps)} in a node, "
         f"{_link_text(result.inter_node_link, result.inter_node_gbps)} between nodes{budget}",
         f"unit profile {result.unit_profile_source} (micro-batch "
-        f"{result.profile_micro_batch_size}); {result.steps_per_epoch} steps an epoch"
-        f"{steps_source}",
+        f"{result.profile_micro_batch_size})",
+        f"{result.train_samples} training samples an epoch{samples_source}; {batch}: "
+        f"{result.steps_per_epoch} steps an epoch at the start",
+        "steady state per frozen boundary (the prefix read from AutoCache where it serves):",
         f"{'frozen':>6} {'K':>3} {'R':>3} {'M':>3} {'bubble':>7} {'compute':>10} {'p2p':>9} "
         f"{'all-reduce':>10} {'optimizer':>10} {'overhead':>9} {'step':>10} {'memory':>10}",
     ]
@@ -66,6 +88,10 @@ def format_prediction(result: Prediction) -> str:
         )
     lines += [
         f"trajectory (frozen layers per epoch): {result.trajectory}",
+        "the run, epoch by epoch (frozen prefix: computed, filled into the cache, upgraded "
+        "from an older entry, read):",
+        f"{'epoch':>6} {'frozen':>9} {'K x R':>11} {'steps':>7} {'time':>11}  prefix",
+        *(_epoch_line(e) for e in result.epochs),
         f"PipeTransformer: {_duration(result.elastic_s)} of training; against what users "
         "run instead:",
         *(f"  {_peer_text(result, peer)}" for peer in [result.baseline, *result.peers]),

@@ -5,8 +5,10 @@ config and a cluster into its inputs).
 One optimizer step of a layout (K stages, M micro-batches of m samples, R replicas):
 
     compute   GPipe: (M + K - 1) x the slowest stage's time for one micro-batch (forward +
-              backward of its trained units; on stage 0 also the frozen prefix's forward,
-              or reading it from AutoCache), the fill and drain of the pipeline included
+              backward of its trained units; on stage 0 also the frozen prefix's work: its
+              forward, a read from AutoCache, or a read and the forward of the layers
+              frozen since the entry was written: `prefix_work_s`), the fill and drain of
+              the pipeline included
     stage p2p the hidden state (and its gradient) sent between stages, per micro-batch,
               over the intra-node link
     all-reduce DDP's ring all-reduce of the slowest stage's trained gradients:
@@ -27,7 +29,6 @@ Checked against measured epoch times on this project's machine in tests/test_pre
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -74,6 +75,29 @@ class StepPrediction:
         return self.compute_s + self.p2p_s + self.allreduce_s + self.optimizer_s + self.overhead_s
 
 
+def prefix_work(
+    frozen_s: Sequence[float], read_s: float, prefix_end: int, cached: dict[int, float]
+) -> float:
+    """Seconds the frozen prefix, units [0, prefix_end), costs stage 0 per micro-batch, when
+    a share `cached[e]` of the samples have an AutoCache entry taken at unit `e`
+    (0 < e <= prefix_end) and the rest none: a sample cached at prefix_end is read (`read_s`
+    a micro-batch), one cached lower is read and taken through units [e, prefix_end) (an
+    upgrade), one without an entry runs the whole prefix (AutoCache's hits, upgrades and
+    misses, pipe/prefix.py). `frozen_s`: each unit's forward without autograd."""
+    work = sum(frozen_s[:prefix_end]) * max(0.0, 1 - sum(cached.values()))
+    for end, share in cached.items():
+        if not 0 < end <= prefix_end:
+            raise ValueError(f"an entry at unit {end} cannot serve a prefix of {prefix_end}")
+        work += share * (read_s + sum(frozen_s[end:prefix_end]))
+    return work
+
+
+def prefix_work_s(times: UnitTimes, prefix_end: int, cached: dict[int, float]) -> float:
+    """`prefix_work` per micro-batch of the profile's size, from `times`."""
+    read = times.cache_read_s_per_sample * times.micro_batch_size
+    return prefix_work(times.frozen_s, read, prefix_end, cached)
+
+
 def predict_step(
     times: UnitTimes,
     plan: PipelinePlan,
@@ -83,21 +107,24 @@ def predict_step(
     dp_degree: int,
     replicas_per_node: int,
     links: Links,
-    cached_prefix: bool,
+    cached_prefix: bool = False,
+    prefix_s: float | None = None,
 ) -> StepPrediction:
+    """`prefix_s`: the frozen prefix's seconds per micro-batch of the profile's size
+    (`prefix_work_s`); None: read from the cache (`cached_prefix`) or computed in full."""
     scale = micro_batch_size / times.micro_batch_size
     frozen_end = plan.frozen_end
+    if prefix_s is None:
+        prefix_s = prefix_work_s(
+            times, plan.prefix_end, {plan.prefix_end: 1.0} if cached_prefix else {}
+        )
     stage_s = []
     for stage, (start, end) in enumerate(plan.stage_ranges):
         seconds = sum(
             times.frozen_s[u] if u < frozen_end else times.trained_s[u] for u in range(start, end)
         )
         if stage == 0 and plan.prefix_end > 0:
-            seconds += (
-                times.cache_read_s_per_sample * times.micro_batch_size
-                if cached_prefix
-                else sum(times.frozen_s[: plan.prefix_end])
-            )
+            seconds += prefix_s
         stage_s.append(seconds * scale)
     k, m = plan.pipe_len, num_micro_batches
     compute = (m + k - 1) * max(stage_s)
@@ -142,14 +169,3 @@ def calibrate_overhead(gaps: Sequence[tuple[int, float]]) -> tuple[float, float]
     if intercept < 0:  # through the origin instead
         return 0.0, max(0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs))
     return intercept, slope
-
-
-def paper_trajectory(
-    num_layers: int, alpha: float, decisions: int, max_frozen: int | None = None
-) -> list[int]:
-    """F after each decision under the paper's closed form ceil(L (1 - (1 - alpha)^T))."""
-    cap = num_layers - 1 if max_frozen is None else max_frozen
-    return [
-        min(cap, math.ceil(num_layers * (1 - (1 - alpha) ** t) - 1e-6))
-        for t in range(1, decisions + 1)
-    ]

@@ -99,8 +99,9 @@ class RunCache:
         self.daemons = [
             {k: v for k, v in e.items() if k != "address"} for e in gathered if e is not None
         ]
-        # cache.prefetch_batches of the largest batch a replica of this node can read.
-        window = config.cache.prefetch_batches * config.trainer.global_batch_size // world.num_nodes
+        # cache.prefetch_batches of the largest batch a replica of this node can read (one
+        # replica a node: the fewest replicas any layout has).
+        window = config.cache.prefetch_batches * config.trainer.replica_batch_size(world.num_nodes)
         self.client = CacheClient.attach(
             gathered[node_ranks[0]]["address"], prefetch_window_rows=window
         )

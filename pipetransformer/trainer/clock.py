@@ -3,15 +3,32 @@
 A tick names the step being taken (its epoch and its place in the epoch, 0-based) and
 the global step count once it is done; every periodic component answers `due(tick)` from
 it, and no component moves the run's position but the clock. The position itself lives in
-the run state (`RunState.epoch`, `.step_in_epoch`, `.global_step`: where the next step
-starts), so a checkpoint written after a step resumes at the step after it.
+the run state (`RunState.epoch`, `.step_in_epoch`, `.samples_in_epoch`, `.global_step`:
+where the next step starts), so a checkpoint written after a step resumes at the step after
+it. How many steps an epoch has is the sampler's answer for the current layout: with
+`trainer.batch_per_replica` it falls as replicas are added (autodp/sampler.py).
+
+The clock also counts what AutoCache holds for the samples (`CachedShares`, kept in the run
+state): each step's share of the epoch is recorded at the boundary the cache serves it at,
+so that a boundary's stage 0 can be balanced for the prefix work its steps will do
+(planning/run_model.py).
+
+The learning-rate schedule runs on the samples trained, not on the step count, so that a
+growing global batch does not stretch it: a step's place in the schedule is
+`epoch x S + samples_in_epoch / B`, over `epochs x S` in all, where B is a node's batch in
+the layout the run started in (kept in the run state, so a resume at another world size
+keeps the schedule) and S = ceil(a node's epoch / B). With a fixed global batch B never
+changes and the place is the step count, exactly as before.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from pipetransformer.autodp.sampler import TrainSampler
+from pipetransformer.planning.run_model import CachedShares
 from pipetransformer.trainer.state import RunState
 
 
@@ -20,8 +37,11 @@ class Tick:
     epoch: int  # 0-based epoch this step belongs to
     step_in_epoch: int  # 0-based place of this step in its epoch
     global_step: int  # steps taken in the whole run once this one is done (1-based)
-    steps_per_epoch: int
+    steps_per_epoch: int  # of this step's epoch, in the current layout
     epochs: int
+    schedule_step: float = -1.0  # this step's place in the learning-rate schedule (0-based)
+    schedule_steps: int = 0  # the schedule's length
+    samples: int = 0  # of its node's epoch order this step trains (shape padding aside)
 
     @property
     def epoch_start(self) -> bool:
@@ -50,32 +70,71 @@ class Tick:
 
 class StepClock:
     """Yields the ticks from the run state's position to the end of the last epoch and
-    moves that position as it goes."""
+    moves that position as it goes. `replicas_per_node`: of the layout the run starts in
+    (a new run's learning-rate schedule is counted in its node batches)."""
 
-    def __init__(self, state: RunState, steps_per_epoch: int, epochs: int) -> None:
+    def __init__(
+        self, state: RunState, sampler: TrainSampler, epochs: int, replicas_per_node: int
+    ) -> None:
         self.state = state
-        self.steps_per_epoch = steps_per_epoch
+        self.sampler = sampler
         self.epochs = epochs
         self.last: Tick | None = None  # the tick of the newest step
+        self.cached = CachedShares.from_dict(state.cache_shares)
+        self.cache_serves_at: int | None = None  # the boundary AutoCache serves; None: off
+        if state.lr_reference_node_batch <= 0:
+            state.lr_reference_node_batch = sampler.node_batch_size(replicas_per_node)
+        if state.step_in_epoch > 0 and state.samples_in_epoch <= 0:
+            # A checkpoint older than the field: every step of its epoch had this batch.
+            state.samples_in_epoch = state.step_in_epoch * sampler.node_batch_size(
+                replicas_per_node
+            )
+        sampler.continue_at(
+            state.epoch, state.step_in_epoch, state.samples_in_epoch, replicas_per_node
+        )
+
+    def use_layout(self, replicas_per_node: int, cache_serves_at: int | None = None) -> None:
+        """The layout from the run state's position on (at the start and every transition),
+        and the frozen boundary AutoCache serves its prefix at (None: it does not)."""
+        self.cache_serves_at = cache_serves_at
+        state = self.state
+        self.sampler.continue_at(
+            state.epoch, state.step_in_epoch, state.samples_in_epoch, replicas_per_node
+        )
 
     @property
-    def total_steps(self) -> int:
-        return self.epochs * self.steps_per_epoch
+    def schedule_steps(self) -> int:
+        """The learning-rate schedule's length (module docstring)."""
+        per_epoch = math.ceil(self.sampler.epoch_samples / self.state.lr_reference_node_batch)
+        return self.epochs * per_epoch
 
     def ticks(self) -> Iterator[Tick]:
-        state = self.state
+        state, sampler = self.state, self.sampler
+        reference = state.lr_reference_node_batch
+        schedule_steps = self.schedule_steps
+        per_epoch = schedule_steps // self.epochs
         while state.epoch < self.epochs:
+            sampler.enter_epoch(state.epoch)
+            offset = sampler.offset(state.epoch, state.step_in_epoch)
             tick = Tick(
                 state.epoch,
                 state.step_in_epoch,
                 state.global_step + 1,
-                self.steps_per_epoch,
+                sampler.steps_in_epoch(state.epoch),
                 self.epochs,
+                state.epoch * per_epoch + offset / reference,
+                schedule_steps,
+                min(sampler.node_batch_size_now, sampler.epoch_samples - offset),
             )
+            self.cached.record(self.cache_serves_at, tick.samples / sampler.epoch_samples)
+            if tick.epoch_end:
+                self.cached.end_epoch()
+            state.cache_shares = self.cached.to_dict()
             state.global_step = tick.global_step
             if tick.epoch_end:
-                state.epoch, state.step_in_epoch = tick.epoch + 1, 0
+                state.epoch, state.step_in_epoch, state.samples_in_epoch = tick.epoch + 1, 0, 0
             else:
                 state.step_in_epoch = tick.step_in_epoch + 1
+                state.samples_in_epoch = offset + sampler.node_batch_size_now
             self.last = tick
             yield tick

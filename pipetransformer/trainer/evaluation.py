@@ -43,7 +43,6 @@ class Evaluator:
         self.control = control
         self.cache = cache
         self.state = state  # holds the last and best metric
-        self.sampler = EvalSampler(len(data.eval), config.trainer.global_batch_size)
         self._loader = BatchLoader(
             data.eval, config.data.num_workers, pin_memory=world.device.type == "cuda"
         )
@@ -72,9 +71,12 @@ class Evaluator:
         role = layout.role(self.world.rank)
         accumulator = self.task.new_accumulator(self.data.eval_extras)
         if role is not None:
+            # The training batch of this layout (it grows with R under batch_per_replica).
+            replica_batch = self.config.trainer.replica_batch_size(layout.dp_degree)
+            sampler = EvalSampler(len(self.data.eval), replica_batch * layout.dp_degree)
             batches = [
-                self.sampler.replica_batch(role.replica, layout.dp_degree, s)
-                for s in range(self.sampler.steps)
+                sampler.replica_batch(role.replica, layout.dp_degree, s)
+                for s in range(sampler.steps)
             ]
             loader = None
             if role.is_first:

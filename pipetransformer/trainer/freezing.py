@@ -58,9 +58,7 @@ class FreezeControl:
         self.schedule = self._schedule(state.min_decision_interval)
 
     def _schedule(self, min_interval: int) -> DecisionSchedule:
-        return DecisionSchedule.for_config(
-            self.config.freeze, self.config.trainer.epochs, self.steps_per_epoch, min_interval
-        )
+        return DecisionSchedule.for_config(self.config.freeze, self.steps_per_epoch, min_interval)
 
     @property
     def needs_grad_norms(self) -> bool:
@@ -68,7 +66,7 @@ class FreezeControl:
 
     def due(self, tick: Tick) -> bool:
         return self.schedule.due(
-            tick.global_step, tick.epoch_end, self.metrics.steps_since_decision
+            tick.epoch, tick.epoch_end, tick.last, self.metrics.steps_since_decision
         )
 
     def decide(self, num_frozen_layers: int, dp_degree: int) -> Decision:
@@ -86,17 +84,26 @@ class FreezeControl:
             self.state.previous_layer_grad_norms = list(signal.layer_grad_norms)
         return Decision(decided, signal.layer_grad_norms, signal.step_s)
 
+    def count_decisions(self, after_step: int = 0) -> int:
+        """Decision points the schedule holds after `after_step` (a decision there, or the
+        start), counting epochs of the starting layout's steps (with
+        `trainer.batch_per_replica` later epochs are shorter: an estimate then)."""
+        per_epoch = self.steps_per_epoch
+        total = self.config.trainer.epochs * per_epoch
+        count = since = 0
+        for global_step in range(after_step + 1, total + 1):
+            since += 1
+            epoch, epoch_end = (global_step - 1) // per_epoch, global_step % per_epoch == 0
+            if self.schedule.due(epoch, epoch_end, global_step == total, since):
+                count, since = count + 1, 0
+        return count
+
     def warn_if_nothing_can_freeze(self) -> None:
         """A freezing strategy whose schedule holds no decision point (a warm-up as long as
         the run, say) trains exactly as the baseline: said once, at the start."""
         freeze = self.config.freeze
-        if freeze.strategy == "none":
+        if freeze.strategy == "none" or self.count_decisions() > 0:
             return
-        schedule, since = self.schedule, 0
-        for global_step in range(1, schedule.total_steps + 1):
-            since += 1
-            if schedule.due(global_step, global_step % self.steps_per_epoch == 0, since):
-                return
         logger.warning(
             "nothing will freeze: freeze.strategy %s, but with freeze.warmup_epochs %d and "
             "trainer.epochs %d no decision point falls before the run ends",
@@ -104,13 +111,6 @@ class FreezeControl:
             freeze.warmup_epochs,
             self.config.trainer.epochs,
         )
-
-    def decisions_left(self, global_step: int) -> int:
-        """Decision points after `global_step` at the current schedule (without warm-up)."""
-        schedule = self.schedule
-        if schedule.interval_steps is None:
-            return max(0, schedule.epochs - 1 - (global_step // self.steps_per_epoch))
-        return max(0, (schedule.total_steps - 1 - global_step) // schedule.interval_steps)
 
     def space(self, transition_s: float, step_s: float, global_step: int) -> CadenceEvent | None:
         """freeze.interval_steps 'auto', at the run's first transition: space decisions so
@@ -131,7 +131,7 @@ class FreezeControl:
             transition_s=transition_s,
             step_s=step_s,
             time_share=TRANSITION_TIME_SHARE,
-            decisions_left=self.decisions_left(global_step),
+            decisions_left=self.count_decisions(global_step),
         )
         if event.interval_steps > default:
             logger.info(

@@ -19,8 +19,9 @@ from torch import nn
 from pipetransformer.config import OptimizerConfig
 
 
-def learning_rate(config: OptimizerConfig, step: int, total_steps: int) -> float:
-    """Linear warm-up, then constant / cosine / linear decay to `min_lr_ratio * lr`."""
+def learning_rate(config: OptimizerConfig, step: float, total_steps: int) -> float:
+    """Linear warm-up, then constant / cosine / linear decay to `min_lr_ratio * lr`. `step`:
+    the 0-based place in the schedule, fractional when the batch changed (clock.py)."""
     if config.warmup_steps and step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
     if config.lr_schedule == "constant":

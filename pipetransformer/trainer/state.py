@@ -50,7 +50,13 @@ class Stateful(Protocol):
 class RunState:
     epoch: int = 0  # the epoch in progress (0-based); epochs before it are complete
     step_in_epoch: int = 0  # steps of `epoch` already taken
+    # Samples of each node's epoch order those steps took (the steps' sizes change with the
+    # layout under trainer.batch_per_replica; 0 in checkpoints older than the field).
+    samples_in_epoch: int = 0
     global_step: int = 0  # optimizer steps taken in the whole run
+    # A node's batch in the layout the run started in: the learning-rate schedule's unit
+    # (trainer/clock.py); 0 until the clock sets it.
+    lr_reference_node_batch: int = 0
     num_frozen_layers: int = 0
     pipe_len: int = 0  # the layout at the checkpoint (a hint for a resume at the same world)
     dp_degree: int = 0
@@ -84,6 +90,9 @@ class RunState:
     # Attempts of this run (1 = never resumed) and the wall time of the earlier ones.
     attempt: int = 1
     previous_attempts_wall_s: float = 0.0
+    # Shares of the training samples by the frozen boundary of their AutoCache entry
+    # (planning/run_model.py CachedShares.to_dict; empty: none cached).
+    cache_shares: dict[str, Any] = field(default_factory=dict)
     # What the profilers measured that is not in the profile file.
     cache_read_s_per_sample: float | None = None
 

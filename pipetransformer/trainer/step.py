@@ -170,20 +170,18 @@ class StepRunner:
         batches: Batches,
         world: WorldInfo,
         num_units: int,
-        total_steps: int,
         grad_norms: bool,
     ) -> None:
         self.config = config
         self.batches = batches
         self.world = world
         self.num_units = num_units
-        self.total_steps = total_steps
         self.grad_norms = grad_norms  # the freeze signal needs each unit's gradient norm
         self.clock = IntervalTimer(world.device)  # marks a step's start and end on the device
 
-    def learning_rate(self, global_step: int) -> float:
-        """The learning rate of the step that made the count `global_step` (1-based)."""
-        return optim.learning_rate(self.config.optimizer, max(0, global_step - 1), self.total_steps)
+    def learning_rate(self, tick: Tick) -> float:
+        """The learning rate of the step of `tick` (its place in the schedule: clock.py)."""
+        return optim.learning_rate(self.config.optimizer, tick.schedule_step, tick.schedule_steps)
 
     def run(self, tick: Tick, stage: Stage) -> StepResult:
         """Forward, backward and update for this rank's part of one global step."""
@@ -201,7 +199,7 @@ class StepRunner:
                 prefetched=True,
                 cache_active=stage.cache_active,
             )
-            optim.set_learning_rate(stage.optimizer, self.learning_rate(tick.global_step))
+            optim.set_learning_rate(stage.optimizer, self.learning_rate(tick))
             losses = runtime.train_step(inputs, target, ids if runtime.is_first else None)
             clip = self.config.optimizer.max_grad_norm
             if clip is not None or self.grad_norms:

@@ -45,6 +45,7 @@ from pipetransformer.planning import (
     format_bytes,
     profiling_micro_batch_size,
 )
+from pipetransformer.planning.run_model import prefix_cost_to_balance
 from pipetransformer.trainer import optim
 from pipetransformer.trainer.caching import RunCache
 from pipetransformer.trainer.checkpoint import PROFILES, Checkpointer
@@ -179,14 +180,18 @@ class Trainer:
                 read_s_per_sample=self.state.cache_read_s_per_sample,
             )
             self.state.cache_read_s_per_sample = self.cache.read_s_per_sample
+        batch_per_replica = config.trainer.batch_per_replica
         self.sampler = TrainSampler(
             len(self.data.train),
             world.num_nodes,
-            config.trainer.global_batch_size,
+            None if batch_per_replica else config.trainer.global_batch_size,
             config.trainer.seed,
+            batch_per_replica,
         )
-        steps = self.sampler.steps_per_epoch
-        self.clock = StepClock(self.state, steps, config.trainer.epochs)
+        # Replicas a node has at the start (R = W / K0 with or without AutoDP).
+        start_replicas = world.devices_per_node // self.plan.initial_pipe_len
+        steps = self.sampler.steps_per_epoch_at(start_replicas)
+        self.clock = StepClock(self.state, self.sampler, config.trainer.epochs, start_replicas)
         self.metrics = MetricsTracker(
             control=control,
             reporter=self.reporter,
@@ -210,7 +215,6 @@ class Trainer:
             self.batches,
             world,
             spec.num_units,
-            self.clock.total_steps,
             self.freezer.needs_grad_norms,
         )
         # All ranks stop after the same step; agreed about every second, not every step.
@@ -349,12 +353,16 @@ class Trainer:
     def layout_for(
         self, num_frozen_layers: int, current_pipe_len: int, moving_from: Layout | None = None
     ) -> Layout:
-        prefix_cost = None
-        if self.cache_serves(num_frozen_layers):
-            # Measured seconds: a read of the prefix's output; parameter counts: next to nothing.
-            time_costs = self.plan.costs.source == "time"
-            prefix_cost = (
-                self.cache.prefix_cost(self.profile_micro_batch_size) if time_costs else 0.0
+        prefix_cost = None  # parameter counts: the frozen prefix at lambda_frozen of its size
+        if self.plan.costs.source == "time" and self.cache is not None:
+            # Measured seconds of the work the coming steps do there: the prefix's forward,
+            # filling or upgrading cache entries, or reading them (planning/run_model.py).
+            prefix_cost = prefix_cost_to_balance(
+                self.measured_costs.frozen,
+                self.cache.prefix_cost(self.profile_micro_batch_size),
+                num_frozen_layers,
+                self.clock.cached.at_start,
+                self.cache_serves(num_frozen_layers),
             )
         return self.plan.layout_for(
             num_frozen_layers, current_pipe_len, prefix_cost=prefix_cost, moving_from=moving_from
@@ -373,6 +381,11 @@ class Trainer:
         (measured for 'auto'), the optimizer over the active parameters with their carried
         state, and the runtime. Collective. `times`: filled with the phases' seconds."""
         times = {} if times is None else times
+        # The batch may change with the layout, and what the cache serves with the boundary.
+        frozen = layout.plan.num_frozen_layers
+        self.clock.use_layout(
+            layout.replicas_per_node, frozen if self.cache_serves(frozen) else None
+        )
         started = time.perf_counter()
         groups = build_training_groups(layout, self.world.rank, self.config.trainer.timeout_s)
         times["groups_s"] = times.get("groups_s", 0.0) + time.perf_counter() - started
@@ -430,7 +443,7 @@ class Trainer:
         return build_stage_runtime(
             plan=layout.plan,
             stage_index=role.stage,
-            replica_batch_size=layout.replica_batch_size(self.config.trainer.global_batch_size),
+            replica_batch_size=self.config.trainer.replica_batch_size(layout.dp_degree),
             units=units,
             spec=self.spec,
             loss_fn=self.task.loss_fn,
@@ -448,7 +461,7 @@ class Trainer:
         """For num_micro_batches 'auto': the measured fastest M of this layout (collective)."""
         if self.config.pipeline.num_micro_batches != "auto":
             return layout
-        replica_batch = layout.replica_batch_size(self.config.trainer.global_batch_size)
+        replica_batch = self.config.trainer.replica_batch_size(layout.dp_degree)
         # A step at the position the run continues from (the last one for a finished run).
         epoch = min(self.state.epoch, self.config.trainer.epochs - 1)
         step = min(self.state.step_in_epoch, self.sampler.steps_per_epoch - 1)
@@ -480,9 +493,7 @@ class Trainer:
         for tick in self.clock.ticks():
             self.metrics.record(tick, self.steps.run(tick, self.stage))
             if self.metrics.due(tick):
-                self.metrics.log_steps(
-                    tick, self.stage.layout, self.steps.learning_rate(tick.global_step)
-                )
+                self.metrics.log_steps(tick, self.stage.layout, self.steps.learning_rate(tick))
             evaluation = self._end_epoch(tick) if tick.epoch_end else None
             if self.freezer.due(tick):
                 self._decision_point(tick)
@@ -511,7 +522,7 @@ class Trainer:
         self.metrics.end_epoch(
             tick,
             self.stage.layout,
-            lr=self.steps.learning_rate(tick.global_step),
+            lr=self.steps.learning_rate(tick),
             evaluation=evaluation,
             eval_s=eval_s,
             cache=self.cache.epoch_counters() if self.cache is not None else None,
@@ -522,7 +533,13 @@ class Trainer:
     def _decision_point(self, tick: Tick) -> None:
         layout = self.stage.layout
         decision = self.freezer.decide(layout.plan.num_frozen_layers, layout.dp_degree)
-        if decision.num_frozen_layers != layout.plan.num_frozen_layers:
+        # A new boundary, or the same one balanced again now that the cache holds what its
+        # stage 0 was balanced to fill (the new plan is the same on every rank).
+        replanned = self.layout_for(decision.num_frozen_layers, layout.pipe_len, layout).plan
+        if (replanned.num_frozen_layers, replanned.stage_ranges) != (
+            layout.plan.num_frozen_layers,
+            layout.plan.stage_ranges,
+        ):
             record = self.transition(decision.num_frozen_layers, decision.layer_grad_norms, tick)
             cadence = self.freezer.space(
                 record.total_s - record.profile_s, decision.step_s, tick.global_step
