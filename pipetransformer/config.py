@@ -162,8 +162,19 @@ class PipelineConfig:
     # run's own RUN_DIR/profiles.json; a path shared by several runs (of the same model on
     # the same kind of machine) lets later runs skip the measurements.
     profile_path: str | None = None
+    # FSDP2 (fsdp/): 'always' trains one stage on every process with the trained layers'
+    # parameters, gradients and optimizer state sharded over them (the fsdp peers of
+    # `compare --peers`); 'never' keeps pipelines and DDP (docs/architecture.md, "Sharded
+    # layouts").
+    sharding: Literal["never", "always"] = "never"
 
     def __post_init__(self) -> None:
+        if self.sharding == "always" and self.initial_pipe_len not in (1, "auto"):
+            _fail(
+                "pipeline.sharding",
+                f"'always' trains one stage: pipeline.initial_pipe_len must be 1 or 'auto', "
+                f"got {self.initial_pipe_len}",
+            )
         if isinstance(self.initial_pipe_len, int) and self.initial_pipe_len < 1:
             _fail(
                 "pipeline.initial_pipe_len", f"must be >= 1 or 'auto', got {self.initial_pipe_len}"
@@ -627,6 +638,8 @@ def initial_pipe_lens(config: Config, world_size: int | None = None) -> list[int
     candidate whose layouts the batch and micro-batch settings allow."""
     world = world_size or config.nproc_per_node
     setting = config.pipeline.initial_pipe_len
+    if config.pipeline.sharding == "always":
+        return [1]
     if isinstance(setting, int):
         return [setting]
     return [
@@ -644,6 +657,8 @@ def check_config(config: Config, world_size: int | None = None) -> None:
         _fail("trainer.nproc_per_node", f"{nproc} does not divide the world size {world}")
     setting = config.pipeline.initial_pipe_len
     candidates = [setting] if isinstance(setting, int) else pipe_len_candidates(nproc)
+    if config.pipeline.sharding == "always":
+        candidates = [1]
     problems = [_layout_problem(config, world, k0) for k0 in candidates]
     if all(problems):  # 'auto' needs one possible start; a configured K must work itself
         _fail(*problems[0])

@@ -1,7 +1,7 @@
-"""Imports go one way: cli -> (compare, export) -> (trainer, launcher) -> planning -> (autodp,
-pipe) -> (freeze, autopipe, autocache, models, data) -> (config, utils). Siblings never import
-each other, and nothing imports a module that imports it back (no cycle, function-local
-imports included)."""
+"""Imports go one way: cli -> (compare, export) -> (trainer, launcher) -> planning -> fsdp ->
+(autodp, pipe) -> (freeze, autopipe, autocache, models, data) -> (config, utils). Siblings
+never import each other, and nothing imports a module that imports it back (no cycle,
+function-local imports included)."""
 
 import ast
 from pathlib import Path
@@ -18,6 +18,7 @@ LAYERS = {
     "data": 1,
     "autodp": 2,
     "pipe": 2,
+    "fsdp": 2.5,  # the sharded layout's runtime: shares the first stage's prefix with pipe/
     "planning": 3,
     "trainer": 4,
     "launcher": 4,

@@ -116,6 +116,8 @@ def env_rank() -> int:
 def gather_state(trainer, include_optimizer: bool = False):
     """The whole model's state (LayeredModel keys) and optimizer state by parameter name,
     assembled on rank 0 from every rank's units (None elsewhere). Collective."""
+    from torch.distributed.tensor import DTensor
+
     from pipetransformer.trainer import optim as optim_module
     from pipetransformer.utils.units import param_key, parse_param_key
 
@@ -126,19 +128,24 @@ def gather_state(trainer, include_optimizer: bool = False):
             r for r in range(trainer.world.world_size) if unit in stage.layout.units_of_rank(r)
         )
 
+    def full(tensor):  # a sharded layout's shard, gathered (every rank takes part)
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
     mine, states = {}, {}
-    for index, unit in stage.units.items():
-        if reporter(index) == trainer.world.rank:
-            for name, tensor in unit.state_dict().items():
-                mine[param_key(index, name)] = tensor.detach().cpu().clone()
+    for index, unit in sorted(stage.units.items()):
+        for name, tensor in unit.state_dict().items():
+            value = full(tensor)
+            if reporter(index) == trainer.world.rank:
+                mine[param_key(index, name)] = value.detach().cpu().clone()
     if include_optimizer:
         for name, state in optim_module.states_by_name(
             stage.optimizer, stage.named_params()
         ).items():
+            values = {k: full(v) for k, v in state.items()}
             if reporter(parse_param_key(name)[0]) == trainer.world.rank:
                 states[name] = {
                     k: v.detach().cpu().clone() if torch.is_tensor(v) else v
-                    for k, v in state.items()
+                    for k, v in values.items()
                 }
     gathered = [None] * trainer.world.world_size if trainer.world.rank == 0 else None
     torch.distributed.gather_object((mine, states), gathered, dst=0, group=trainer.control.group)
@@ -253,6 +260,50 @@ def handoff_snapshots(config_dict: dict, run_dir: str, new_frozen: list[int]):
         return snapshots
     finally:
         trainer_module.execute_transfers = execute
+        trainer.cleanup()
+
+
+def sharded_handoff_snapshots(config_dict: dict, run_dir: str, new_frozen: list[int]):
+    """Train a sharded run, then force transitions to each of `new_frozen`; on rank 0 the
+    whole state before and after each, gathered in full: per parameter name its value and
+    optimizer state, whether it is trained, and the layout's frozen end (None elsewhere)."""
+    from torch.distributed.tensor import DTensor
+
+    from pipetransformer.config import config_from_dict
+    from pipetransformer.trainer import optim as optim_module
+    from pipetransformer.trainer.trainer import Trainer
+
+    def full(tensor):
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+    def snapshot(trainer) -> dict:
+        named = trainer.stage.named_params()
+        states = optim_module.states_by_name(trainer.stage.optimizer, named)
+        state = {
+            name: (
+                full(p.detach()).clone(),
+                {k: full(v).clone() for k, v in states.get(name, {}).items()},
+            )
+            for name, p in sorted(named.items())
+        }
+        layout = trainer.stage.layout
+        return {
+            "state": state,
+            "requires_grad": {name: p.requires_grad for name, p in named.items()},
+            "frozen_end": layout.plan.frozen_end,
+            "sharded": layout.sharded,
+        }
+
+    trainer = Trainer(config_from_dict(config_dict), run_dir)
+    try:
+        trainer.setup()
+        trainer.train()
+        snapshots = [snapshot(trainer)]
+        for frozen in new_frozen:
+            trainer.transition(frozen)
+            snapshots.append(snapshot(trainer))
+        return snapshots if trainer.world.rank == 0 else None
+    finally:
         trainer.cleanup()
 
 

@@ -5,6 +5,10 @@ node, replica j uses local ranks [j*K, (j+1)*K), stage s on local rank j*K + s, 
 pipeline never spans nodes. Halving K turns the later half of each old pipeline into the
 stages of a new replica. With AutoDP off the number of replicas stays at its initial value
 and the ranks past them idle.
+
+A *sharded* layout is one stage replicated over every rank of the world whose trained units
+FSDP2 shards over those replicas (fsdp/): the same roles as K = 1, every rank a first and a
+last stage holding every unit (the trained ones as shards).
 """
 
 from __future__ import annotations
@@ -36,9 +40,12 @@ class Layout:
     world_size: int
     devices_per_node: int
     dp_degree: int  # R: number of pipeline replicas
+    sharded: bool = False  # FSDP2 over the replicas instead of DDP (one stage, every rank)
 
     def __post_init__(self) -> None:
         k = self.plan.pipe_len
+        if self.sharded and (k != 1 or self.dp_degree != self.world_size):
+            raise ValueError("a sharded layout is one stage replicated over every rank")
         if self.world_size % self.devices_per_node:
             raise ValueError("devices_per_node must divide the world size")
         if self.devices_per_node % k:
@@ -100,7 +107,8 @@ class Layout:
     def describe(self) -> str:
         ranges = ", ".join(f"{a}-{b - 1}" for a, b in self.plan.stage_ranges)
         return (
-            f"pipe_len={self.pipe_len} dp_degree={self.dp_degree} "
+            f"pipe_len={self.pipe_len} dp_degree={self.dp_degree}"
+            f"{' sharded' if self.sharded else ''} "
             f"frozen_layers={self.plan.num_frozen_layers} stage_units=[{ranges}] "
             f"micro_batches={self.plan.num_micro_batches}"
         )

@@ -19,6 +19,23 @@ For one rank of a layout (stage s of K, M micro-batches of m samples, R replicas
                     gradients (M, all but the last stage) and the outputs kept for backward;
                     stage 0 also holds the frozen prefix's output for the replica batch
 
+A sharded layout (FSDP2: one stage, its trained units' parameters, gradients and optimizer
+state sharded over the R replicas; `sharded_memory`) holds on each rank:
+
+    parameters      the frozen prefix in full (gathered once at the transition that froze it,
+                    then computed locally or served from AutoCache), the trained units' shard
+                    (1/R of their bytes)
+    gradients       the sharded gradients (1/R), made by the reduce-scatters
+    optimizer       state of the shard (1/R)
+    gathered        FSDP2's unsharded buffers in flight, one shard group (a layer: both its
+                    sublayers; the embedding and the head alone) at a time: in backward the
+                    group's all-gathered parameters, their unsharded gradients, the
+                    reduce-scatter's input copy of them and the next group's prefetched
+                    parameters: four times the largest group's bytes
+    activations     saved for backward for the whole replica batch (one micro-batch)
+    boundary        the prefix's output and the logits, for the replica batch
+    overlap         as GPipe's with one micro-batch: the smaller of gradients and activations
+
 A transition (`move_bytes`) holds something else: no activations, but for a while both
 layouts' weights. Walking the transfer list in the order every rank runs it
 (autodp/handoff.py), a rank holds its old units with their optimizer state, less each unit
@@ -38,6 +55,7 @@ from dataclasses import asdict, dataclass
 from typing import Protocol
 
 from pipetransformer.autopipe.planner import PipelinePlan
+from pipetransformer.utils.units import layer_of_unit
 
 # Optimizer state per parameter, in multiples of the parameter's own bytes.
 _OPTIMIZER_STATE_FACTOR = {"adam": 2.0, "adamw": 2.0}
@@ -51,6 +69,18 @@ def optimizer_state_factor(optimizer_name: str, momentum: float = 0.9) -> float:
     if name == "sgd":
         return 1.0 if momentum > 0 else 0.0
     raise ValueError(f"unknown optimizer '{optimizer_name}' (expected adam, adamw or sgd)")
+
+
+def shard_groups(frozen_end: int, num_units: int) -> list[list[int]]:
+    """The units FSDP2 gathers together in a sharded layout, in forward order: the embedding
+    and the head alone, each layer's two sublayers as one group (a transformer block, the
+    unit torchtitan shards and the freeze algorithm freezes); only trained units."""
+    num_layers = (num_units - 2) // 2
+    groups: dict[object, list[int]] = {}
+    for unit in range(frozen_end, num_units):
+        layer = layer_of_unit(unit, num_layers)
+        groups.setdefault(("unit", unit) if layer is None else ("layer", layer), []).append(unit)
+    return list(groups.values())
 
 
 class Move(Protocol):
@@ -81,6 +111,7 @@ class StageMemory:
     activations: float
     boundary: float
     overlap: float = 0.0  # subtracted: gradients made while activations are freed
+    gathered: float = 0.0  # FSDP2's unsharded parameters and gradients in flight
 
     @property
     def total(self) -> float:
@@ -89,6 +120,7 @@ class StageMemory:
             + self.gradients
             + self.optimizer
             + self.ddp_buckets
+            + self.gathered
             + self.activations
             + self.boundary
             - self.overlap
@@ -146,6 +178,44 @@ class MemoryModel:
             boundary=scale * boundary,
             overlap=activations + grads - with_gradients,
         )
+
+    def sharded_memory(self, plan: PipelinePlan, shape: LayoutShape) -> StageMemory:
+        """One rank of a sharded layout (FSDP2 over `shape.dp_degree` ranks, `plan` a single
+        stage, the replica batch in one micro-batch of `shape.micro_batch_size`): see the
+        module docstring."""
+        if plan.pipe_len != 1:
+            raise ValueError("a sharded layout is one stage")
+        shards = shape.dp_degree
+        frozen_end, num_units = plan.frozen_end, len(self.param_bytes)
+        trained = range(frozen_end, num_units)
+        scale = shape.micro_batch_size / self.profile_micro_batch_size
+        shard = sum(self.param_bytes[u] for u in trained) / shards
+        activations = scale * sum(self.saved_bytes[u] for u in trained)
+        largest = max(
+            sum(self.param_bytes[u] for u in group) for group in shard_groups(frozen_end, num_units)
+        )
+        boundary = self.output_bytes[num_units - 1]
+        if plan.prefix_end > 0:
+            boundary += self.output_bytes[plan.prefix_end - 1]
+        return StageMemory(
+            parameters=float(sum(self.param_bytes[: plan.prefix_end])) + shard,
+            gradients=shard,
+            optimizer=shard * self.optimizer_state_factor,
+            ddp_buckets=0.0,
+            activations=activations,
+            boundary=scale * boundary,
+            overlap=min(activations, shard),
+            gathered=4.0 * largest if shards > 1 else 0.0,
+        )
+
+    def sharded_move_bytes(self, plan: PipelinePlan, shards: int) -> float:
+        """The most a rank holds while it leaves a sharded layout whose plan is `plan`: every
+        trained unit gathered in full with its optimizer state, on top of the shards (the
+        handoff of autodp/handoff.py then runs as from a one-stage layout, whose every rank
+        already holds every unit)."""
+        opt = self.optimizer_state_factor
+        trained = sum(self.param_bytes[plan.frozen_end :]) * (1 + opt)
+        return sum(self.param_bytes[: plan.frozen_end]) + trained * (1 + 1 / shards)
 
     def peak_bytes(self, plan: PipelinePlan, shape: LayoutShape) -> list[float]:
         return [self.stage_memory(plan, s, shape).total for s in range(plan.pipe_len)]

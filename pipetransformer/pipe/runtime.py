@@ -184,16 +184,33 @@ class StageRuntime:
     ) -> tuple[torch.Tensor, ...]:
         """The frozen prefix's output (computed, or served by AutoCache), in float32: what
         stage 0 takes in."""
-        if self.preprocess is None:
-            return tuple(inputs)
-        with self._autocast():
-            if self.cached_prefix is not None and ids is not None:
-                out = self.cached_prefix(split, ids, inputs)
-            else:
-                with torch.no_grad():
-                    out = self.preprocess(*inputs)
-        out = out if isinstance(out, tuple) else (out,)
-        return tuple(t.float() if t.is_floating_point() else t for t in out)
+        return prefix_output(
+            self.preprocess, self.cached_prefix, self._autocast(), inputs, ids, split
+        )
+
+
+def prefix_output(
+    preprocess: UnitSequence | None,
+    cached_prefix: Callable | None,
+    autocast,
+    inputs: Sequence[torch.Tensor],
+    ids: Sequence[int] | None,
+    split: str,
+) -> tuple[torch.Tensor, ...]:
+    """The frozen prefix's output for `inputs` (samples `ids` of `split`): read from AutoCache
+    when `cached_prefix` serves, computed without autograd otherwise (under `autocast`, the
+    step's region), in float32; the inputs themselves when nothing is frozen. Shared by the
+    pipeline's first stage and the sharded layout's every rank (fsdp/runtime.py)."""
+    if preprocess is None:
+        return tuple(inputs)
+    with autocast:
+        if cached_prefix is not None and ids is not None:
+            out = cached_prefix(split, ids, inputs)
+        else:
+            with torch.no_grad():
+                out = preprocess(*inputs)
+    out = out if isinstance(out, tuple) else (out,)
+    return tuple(t.float() if t.is_floating_point() else t for t in out)
 
 
 def build_stage_runtime(

@@ -10,6 +10,10 @@ autopipe/memory.py's MemoryModel over the measured unit profile; without one (a 
 before any run measured this model) only parameters, gradients and optimizer state are
 known, and `memory_source` says so.
 
+With `pipeline.sharding: always` every layout is sharded (FSDP2, fsdp/): one stage on every
+process, the trained units sharded over them, the replica batch in one micro-batch; a run
+whose sharded layout does not fit the budget at 0 frozen layers is refused (`DoesNotFit`).
+
 Owns: that set-up and the layout for a frozen boundary. Must not: measure anything, start
 processes or mutate the config it is given (`config.resolve` makes the resolved copy).
 """
@@ -53,6 +57,12 @@ NCCL_COMMUNICATORS_HELD = 6
 #   and allocates another's, reserved memory exceeds allocated memory (init_distributed
 #   sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which keeps this small).
 FRAGMENTATION_ALLOWANCE = 0.05
+
+
+class DoesNotFit(ConfigError):
+    """A run refused at start because its first layout cannot fit the device budget, even
+    sharded (compare reports such a peer as refused and goes on)."""
+
 
 # (pipe_len, replica batch) -> the number of micro-batches of that layout.
 MicroBatchChooser = Callable[[int, int], int]
@@ -177,6 +187,25 @@ def _layout_shape(
     return LayoutShape(replica_batch // m, m, dp, config.pipeline.schedule)
 
 
+def sharded_shape(config: Config, world_size: int) -> LayoutShape:
+    """A sharded layout's shape: every process a replica, the replica batch in one piece."""
+    replica_batch = config.trainer.replica_batch_size(world_size)
+    return LayoutShape(replica_batch, 1, world_size, config.pipeline.schedule)
+
+
+def _require_sharded_fit(
+    config: Config, costs: UnitCosts, memory: MemoryModel, budget: float, world_size: int
+) -> None:
+    plan = balance(costs, 0, 1, config.autopipe.partition_method)
+    need = memory.sharded_memory(plan, sharded_shape(config, world_size)).total
+    if need > budget:
+        raise DoesNotFit(
+            f"pipeline.sharding: always: does not fit even sharded over {world_size} "
+            f"processes: {format_bytes(need)} a process at 0 frozen layers, "
+            f"pipeline.device_memory_bytes allows {format_bytes(budget)}"
+        )
+
+
 def choose_initial_pipe_len(
     config: Config, costs: UnitCosts, memory: MemoryModel, budget: float | None, world_size: int
 ) -> int:
@@ -239,6 +268,8 @@ class PlanContext:
         memory = memory_model(config, spec, profile)
         initial = choose_initial_pipe_len(config, costs, memory, budget_bytes, world.world_size)
         config = resolve(config, world, initial_pipe_len=initial)
+        if config.pipeline.sharding == "always" and budget_bytes is not None:
+            _require_sharded_fit(config, costs, memory, budget_bytes, world.world_size)
         fits = None
         if budget_bytes is not None:
 
@@ -271,6 +302,8 @@ class PlanContext:
         the run is in, whose units move (with a memory budget, a compression is taken only
         when the move fits too)."""
         config = self.config
+        if config.pipeline.sharding == "always":
+            return self._sharded_layout(num_frozen_layers, prefix_cost)
         if config.autopipe.enabled:
             fits = self.planner.fits
             if fits is not None and moving_from is not None:
@@ -287,6 +320,15 @@ class PlanContext:
         else:
             m = micro_batches(plan.pipe_len, replica_batch)
         return layout.with_micro_batches(m)
+
+    def _sharded_layout(self, num_frozen_layers: int, prefix_cost: float | None) -> Layout:
+        """One stage over every process (FSDP2), the replica batch in one micro-batch."""
+        plan = balance(
+            self.costs, num_frozen_layers, 1, self.config.autopipe.partition_method, prefix_cost
+        )
+        world = self.world
+        layout = Layout(plan, world.world_size, world.devices_per_node, world.world_size, True)
+        return layout.with_micro_batches(1)
 
     def _fits_with_move(
         self, steady: Callable[[PipelinePlan], bool], current: Layout
@@ -314,6 +356,9 @@ class PlanContext:
         """The memory model's peak bytes of each rank while units move from `old` to `new`
         (MemoryModel.move_bytes: no activations, both layouts' weights for a while).
         `transfers`: plan_transfers(old, new) when the caller has it already."""
+        if old.sharded:  # every unit gathered in full; the handoff then receives nothing
+            shards = old.dp_degree
+            return [self.memory.sharded_move_bytes(old.plan, shards)] * old.world_size
         if transfers is None:
             transfers = plan_transfers(old, new)
         peaks = []
@@ -330,6 +375,13 @@ class PlanContext:
             self.config, plan.pipe_len, self.world.world_size, self.initial_pipe_len
         )
         return self.memory.peak_bytes(plan, shape)
+
+    def layout_bytes(self, layout: Layout) -> list[float]:
+        """The memory model's peak bytes of each stage of `layout` (sharded or not)."""
+        if layout.sharded:
+            shape = sharded_shape(self.config, self.world.world_size)
+            return [self.memory.sharded_memory(layout.plan, shape).total]
+        return self.stage_bytes(layout.plan)
 
     def with_pipeline(self, initial_pipe_len: int) -> PlanContext:
         """The same run started at another fixed pipeline length, with no memory limit on

@@ -232,6 +232,7 @@ class MetricsTracker:
                 num_micro_batches=plan.num_micro_batches,
                 lr=lr,
                 cache_active=cache_active,
+                sharded=layout.sharded,
                 **dataclasses.asdict(cache),
             )
         )

@@ -138,6 +138,7 @@ class EpochMetrics(Record):
     cache_bytes_on_disk: int = 0
     cache_read_mb_per_s: float = 0.0
     cache_hits_by_rank: list[int] = field(default_factory=list)
+    sharded: bool = False  # FSDP2 over the replicas (a sharded layout, fsdp/)
 
 
 @dataclass
@@ -188,6 +189,8 @@ class TransitionEvent(Event):
     profile_s: float = 0.0
     rebuild_s: float = 0.0
     total_s: float = 0.0
+    old_sharded: bool = False
+    new_sharded: bool = False
 
 
 @dataclass
@@ -220,6 +223,7 @@ class StartEvent(Event):
     predicted_stage_bytes: list[int] = field(default_factory=list)
     device_memory_bytes: float | None = None
     memory_source: str = "params"
+    sharded: bool = False
 
 
 @dataclass

@@ -29,6 +29,7 @@ from pipetransformer.autodp.topology import Layout, Role
 from pipetransformer.config import Config
 from pipetransformer.data import DataBundle
 from pipetransformer.data.loader import BatchLoader
+from pipetransformer.fsdp import local
 from pipetransformer.models import unit_param_names
 from pipetransformer.pipe import StageRuntime
 from pipetransformer.pipe.timing import IntervalTimer
@@ -223,18 +224,21 @@ class StepRunner:
     def _unit_grad_squares(self, stage: Stage) -> torch.Tensor:
         """Squared gradient norm of each unit this rank trains, float64 on the device: one
         multi-tensor norm kernel over every gradient (float32 norms of float32 gradients),
-        then a scatter-add of their squares by unit."""
+        then a scatter-add of their squares by unit. In a sharded layout each rank holds a
+        shard of every gradient: the squares of the shards are summed over the replicas."""
         grads, owners = [], []
         for index, unit in stage.units.items():
             for p in unit.parameters():
                 if p.requires_grad and p.grad is not None:
-                    grads.append(p.grad.detach())
+                    grads.append(local(p.grad.detach()))
                     owners.append(index)
         squares = torch.zeros(self.num_units, dtype=torch.float64, device=self.world.device)
         if grads:
             norms = torch.stack(torch._foreach_norm(grads)).double()
             index = to_device(torch.tensor(owners, dtype=torch.long), self.world.device)
             squares.index_add_(0, index, norms.square())
+        if stage.layout.sharded:
+            dist.all_reduce(squares, group=stage.groups.data)
         return squares
 
     def _clip(self, stage: Stage, unit_squares: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -244,7 +248,7 @@ class StepRunner:
         if stage.layout.pipe_len > 1:  # the replica's stages together hold the whole model
             dist.all_reduce(total_sq, group=stage.groups.pipeline)
         scale = (max_norm / (total_sq.sqrt() + 1e-6)).clamp(max=1.0)
-        grads = [p.grad for p in stage.runtime.trainable_parameters() if p.grad is not None]
+        grads = [local(p.grad) for p in stage.runtime.trainable_parameters() if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, scale.to(grads[0].dtype))
         return scale

@@ -35,6 +35,7 @@ from pipetransformer.autodp.topology import Layout
 from pipetransformer.autopipe.profiles import unit_costs_from_profile
 from pipetransformer.config import Config, config_changes, resolve
 from pipetransformer.data import build_data
+from pipetransformer.fsdp import build_sharded_runtime, gather_units, shard_optimizer_states
 from pipetransformer.models import build_model
 from pipetransformer.pipe import StageRuntime, build_stage_runtime
 from pipetransformer.pipe.prefix import CachedPrefix
@@ -401,6 +402,8 @@ class Trainer:
         runtime = self._runtime(layout, units, groups, comm_timer=self.metrics.comm_timer)
         stage = Stage(layout, groups, units, None, runtime, False)
         named = stage.named_params()
+        if layout.sharded:  # the carried state, cut like the parameters it belongs to
+            optimizer_states = shard_optimizer_states(optimizer_states, named)
         stage.optimizer = optim.build_optimizer(self.config.optimizer, named)
         optim.load_states_by_name(stage.optimizer, named, optimizer_states)
         frozen = layout.plan.num_frozen_layers
@@ -440,6 +443,16 @@ class Trainer:
         if role is None:
             return None
         name = self.config.trainer.autocast_dtype
+        if layout.sharded:
+            return build_sharded_runtime(
+                plan=layout.plan,
+                replica_batch_size=self.config.trainer.replica_batch_size(layout.dp_degree),
+                units=units,
+                loss_fn=self.task.loss_fn,
+                data_group=groups.data,
+                device=self.world.device,
+                autocast_dtype=getattr(torch, name) if name else None,
+            )
         return build_stage_runtime(
             plan=layout.plan,
             stage_index=role.stage,
@@ -459,8 +472,8 @@ class Trainer:
         self, layout: Layout, units: dict[int, nn.Module], groups: TrainingGroups
     ) -> Layout:
         """For num_micro_batches 'auto': the measured fastest M of this layout (collective)."""
-        if self.config.pipeline.num_micro_batches != "auto":
-            return layout
+        if self.config.pipeline.num_micro_batches != "auto" or layout.sharded:
+            return layout  # a sharded layout runs its replica batch in one piece
         replica_batch = self.config.trainer.replica_batch_size(layout.dp_degree)
         # A step at the position the run continues from (the last one for a finished run).
         epoch = min(self.state.epoch, self.config.trainer.epochs - 1)
@@ -579,6 +592,8 @@ class Trainer:
         old.runtime = old.optimizer = None
         release_s = time.perf_counter() - started
         skeletons = {u: self.skeleton.units[u] for u in range(self.spec.num_units)}
+        if old.layout.sharded:  # every unit in full again, as in a one-stage layout
+            old.units, states = gather_units(old.units, states, skeletons, self.world.device)
         keep = set(new.units_of_rank(rank))
         received, received_states = execute_transfers(
             transfers,
@@ -626,6 +641,8 @@ class Trainer:
             **times,
             release_s=release_s,
             total_s=sum(times.values()),
+            old_sharded=old.layout.sharded,
+            new_sharded=new.sharded,
         )
         self.state.num_transitions += 1
         self.metrics.add_transition(record.total_s)
@@ -716,9 +733,10 @@ class Trainer:
             processes_per_node=self.world.devices_per_node,
             processes_per_node_from=self.world.devices_per_node_from,
             cache_daemons=self.cache.daemons if self.cache is not None else [],
-            predicted_stage_bytes=[int(b) for b in self.plan.stage_bytes(layout.plan)],
+            predicted_stage_bytes=[int(b) for b in self.plan.layout_bytes(layout)],
             device_memory_bytes=self.plan.budget_bytes,
             memory_source=self.plan.memory_source,
+            sharded=layout.sharded,
         )
 
     # ------------------------------------------------------------------ teardown

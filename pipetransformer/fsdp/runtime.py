@@ -1,0 +1,180 @@
+"""A sharded layout's step for one rank: FSDP2 (`torch.distributed.fsdp.fully_shard`) over
+the trained units, the frozen prefix in front of it as input preprocessing.
+
+Every rank of the world runs the whole model on its replica's batch (one stage, the same
+roles as a one-stage pipeline layout, so data, targets and evaluation are unchanged). The
+trained units are sharded over the data group (every rank): each layer's two sublayers form
+one FSDP2 group, as do the embedding and the head alone (`shard_groups`), with a root over
+them all. A layer is what torchtitan shards and what the freeze algorithm freezes, so a
+group is always wholly trained or wholly frozen, and one all-gather and one reduce-scatter
+per layer keep the collectives few (a group per sublayer would double them for half the
+buffer). Groups reshard after forward (their parameters are gathered again in backward),
+except the head's, whose backward follows at once.
+
+The frozen prefix is not sharded: the transition that froze it gathered it once
+(fsdp/state.py), every rank holds it in full without gradients or optimizer state and runs
+it, or reads its output from AutoCache, exactly as a pipeline's first stage does
+(pipe/runtime.py `prefix_output`). Its parameters are never gathered again.
+
+Precision: under `trainer.precision: bf16` FSDP2 gathers bfloat16 copies of the parameters
+and reduces gradients in float32 (`MixedPrecisionPolicy`, what torchtitan does), inside the
+step's one autocast region as the pipeline's stages run, so operators autocast keeps in
+float32 (layer norm, softmax) still run in float32.
+
+Owns: `ShardedRuntime`, `build_sharded_runtime`. Must not: create process groups, choose
+layouts, or move state between ranks (fsdp/state.py converts it; the trainer moves it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from pipetransformer.autopipe.memory import shard_groups
+from pipetransformer.autopipe.planner import PipelinePlan
+from pipetransformer.models.layered import UnitSequence
+from pipetransformer.pipe.runtime import prefix_output
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class ShardedRuntime:
+    """StageRuntime's interface for a sharded layout: every rank is stage 0 and the last."""
+
+    module: nn.Module  # the FSDP2 root over the trained units
+    preprocess: UnitSequence | None
+    loss_fn: LossFn
+    data_group: dist.ProcessGroup
+    micro_batch_size: int
+    autocast_dtype: torch.dtype | None = None
+    # (split, sample ids, inputs) -> the frozen prefix's output, served from AutoCache.
+    cached_prefix: (
+        Callable[[str, Sequence[int], Sequence[torch.Tensor]], tuple[torch.Tensor, ...]] | None
+    ) = None
+    stage_index: int = 0
+    pipe_len: int = 1
+    num_micro_batches: int = 1
+    comm_timer: None = None  # FSDP2's collectives are not timed (DDP's all-reduce is)
+
+    is_first = True
+    is_last = True
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def _autocast(self):
+        device_type = next(self.module.parameters()).device.type
+        return torch.autocast(
+            device_type,
+            dtype=self.autocast_dtype or torch.float32,
+            enabled=self.autocast_dtype is not None,
+        )
+
+    def run_prefix(
+        self, inputs: Sequence[torch.Tensor], ids: Sequence[int] | None = None, split: str = "train"
+    ) -> tuple[torch.Tensor, ...]:
+        return prefix_output(
+            self.preprocess, self.cached_prefix, self._autocast(), inputs, ids, split
+        )
+
+    def train_step(
+        self,
+        inputs: Sequence[torch.Tensor] | None,
+        target: torch.Tensor | None,
+        ids: Sequence[int] | None = None,
+    ) -> list[torch.Tensor]:
+        """Forward and backward of the replica batch; gradients end sharded (reduce-scattered,
+        averaged over the replicas as DDP averages them). Returns the batch's loss."""
+        self.module.train()
+        activations = self.run_prefix(inputs, ids, "train")
+        with self._autocast():
+            logits = self.module(*activations)
+        loss = self.loss_fn(logits.float(), target)
+        loss.backward()
+        return [loss.detach()]
+
+    def eval_step(
+        self,
+        inputs: Sequence[torch.Tensor] | None,
+        target: torch.Tensor | None,
+        ids: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Forward only (collective: every rank gathers every trained group). Every group is
+        resharded after it: between steps a unit's parameters are its shards, the objects
+        the optimizer and the checkpoint know (the head's group keeps its gathered
+        parameters after a forward otherwise)."""
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                activations = self.run_prefix(inputs, ids, "eval")
+                with self._autocast():
+                    return self.module(*activations).float()
+        finally:
+            self.module.train()
+            for module in self.module.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+
+def build_sharded_runtime(
+    *,
+    plan: PipelinePlan,
+    replica_batch_size: int,
+    units: dict[int, nn.Module],
+    loss_fn: LossFn,
+    data_group: dist.ProcessGroup,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None = None,
+) -> ShardedRuntime:
+    """Shards this rank's trained units in place (their parameters become DTensor shards)
+    and returns the runtime. Collective over `data_group`. The units must be plain (never
+    sharded before): a transition gathers them first (fsdp/state.py)."""
+    if plan.pipe_len != 1:
+        raise ValueError("a sharded layout is one stage")
+    num_units = len(units)
+    if sorted(units) != list(range(num_units)):
+        raise ValueError("a sharded layout's rank holds every unit")
+    frozen_end = plan.frozen_end
+    # Named after the group: DeviceMesh equality ignores the process group, and a DTensor
+    # spec cached for an equal mesh of an earlier layout (whose group is destroyed) would
+    # otherwise be reused ("Could not resolve the process group", measured on torch 2.14).
+    mesh = DeviceMesh.from_group(
+        data_group, device.type, mesh_dim_names=(f"data_{data_group.group_name}",)
+    )
+    policy = MixedPrecisionPolicy()
+    if autocast_dtype is not None:
+        # Inputs stay float32: the residual stream is float32 as in the pipeline's stages.
+        policy = MixedPrecisionPolicy(
+            param_dtype=autocast_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+    head = num_units - 1
+    for group in shard_groups(frozen_end, num_units):
+        modules = [units[u] for u in group]
+        fully_shard(
+            modules if len(modules) > 1 else modules[0],
+            mesh=mesh,
+            mp_policy=policy,
+            reshard_after_forward=head not in group,
+        )
+    trained = [units[u] for u in range(frozen_end, num_units)]
+    root = UnitSequence(trained, [False] * len(trained))
+    fully_shard(root, mesh=mesh, mp_policy=policy)
+    preprocess = None
+    if plan.prefix_end > 0:
+        prefix = [units[u] for u in range(plan.prefix_end)]
+        preprocess = UnitSequence(prefix, [True] * len(prefix))
+    return ShardedRuntime(
+        module=root,
+        preprocess=preprocess,
+        loss_fn=loss_fn,
+        data_group=data_group,
+        micro_batch_size=replica_batch_size,
+        autocast_dtype=autocast_dtype,
+    )

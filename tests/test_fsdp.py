@@ -1,0 +1,177 @@
+"""Sharded layouts (FSDP2, `pipeline.sharding: always`): what DDP and single-process training
+compute, across freeze transitions, and through checkpoints at other layouts.
+
+- FSDP2 against DDP: 2 gloo ranks, the same seed, config and batches, AdamW, nothing
+  frozen: the same loss at every step (1e-5) and the same final parameters (rtol 1e-4 /
+  atol 1e-5: the reduce-scatter sums in another order than the all-reduce; Adam amplifies
+  that, PYTORCH_NOTES.md).
+- With freezing (the elastic tests' config on 2 ranks: SGD with momentum, F 0 -> 3 -> 5 at
+  epoch ends, AutoCache serving the frozen prefix): the losses and final parameters of
+  single-process training with the same freeze points (the elastic tests' tolerances). Each
+  transition gathers the units in full and shards the trained ones again.
+- A transition keeps every weight and optimizer entry bit for bit (two forced transitions
+  after the FSDP2 run above, the state gathered in full before and after).
+- Checkpoints: the sharded run resumed after its first transition at the same world
+  continues exactly; resumed as a 2-stage pipeline on 2 ranks, and a pipeline checkpoint
+  resumed sharded, both match single-process training (DCP reshards DTensor shards into
+  whole tensors and back).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from helpers import run_workers
+from reference import elastic_config, reference_run, step_losses
+from workers import elastic_run, sharded_handoff_snapshots
+
+from pipetransformer.config import config_from_dict
+from pipetransformer.trainer.checkpoint import complete_checkpoints
+from pipetransformer.trainer.rundir import RunOptions
+
+pytestmark = pytest.mark.distributed
+
+RESUME = RunOptions(resume="required")
+
+
+def sharded_config(**changes) -> dict:
+    settings = dict(
+        pipeline__initial_pipe_len=1,
+        pipeline__sharding="always",
+        pipeline__num_micro_batches=1,
+        cache__enabled=True,
+        cache__profile=False,  # always served, so the cached prefix path runs
+        checkpoint__interval_steps=5,
+        checkpoint__keep_last=20,
+    )
+    return elastic_config(**{**settings, **changes})
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def continue_from(run_dir, into, step: int) -> None:
+    """A copy of `run_dir` as a run interrupted after its checkpoint at `step` leaves it."""
+    shutil.copytree(run_dir, into)
+    for path in complete_checkpoints(into):
+        if int(path.name.split("-")[1]) > step:
+            shutil.rmtree(path)
+    (into / "checkpoints" / "latest").write_text(f"step-{step:08d}\n")
+
+
+def assert_state_close(state: dict, reference: dict, rtol: float, atol: float) -> None:
+    assert set(state) == set(reference)
+    for name, value in reference.items():
+        torch.testing.assert_close(
+            state[name], value, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    """2 ranks sharded from the start, F 0 -> 3 -> 5, checkpoints every 5 steps."""
+    config_dict = sharded_config(trainer__nproc_per_node=2)
+    run_dir = tmp_path_factory.mktemp("sharded")
+    return config_dict, run_dir, run_workers(elastic_run, 2, config_dict, str(run_dir))
+
+
+def test_fsdp_computes_what_ddp_computes_and_its_transitions_keep_every_bit(tmp_path):
+    """2 ranks, one epoch of each, AdamW, clipped; then the FSDP2 run is taken through two
+    forced transitions (F 0 -> 3 -> 5) with its whole state gathered before and after."""
+    common = dict(
+        trainer__nproc_per_node=2,
+        trainer__epochs=1,
+        optimizer__name="adamw",
+        optimizer__lr=0.003,
+        optimizer__weight_decay=0.01,
+        optimizer__max_grad_norm=0.5,  # clipped by the norm over the shards
+        freeze__strategy="none",
+        freeze__manual_schedule=[],
+        pipeline__initial_pipe_len=1,
+        pipeline__num_micro_batches=1,
+    )
+    ddp_dict = elastic_config(**common)
+    fsdp_dict = elastic_config(**common, pipeline__sharding="always")
+    ddp = run_workers(elastic_run, 2, ddp_dict, str(tmp_path / "ddp"))
+    fsdp = run_workers(sharded_handoff_snapshots, 2, fsdp_dict, str(tmp_path / "fsdp"), [3, 5])
+    assert [m["sharded"] for m in metrics(tmp_path / "fsdp")] == [True]
+    assert not any(m["sharded"] for m in metrics(tmp_path / "ddp"))
+    want, got = step_losses(tmp_path / "ddp"), step_losses(tmp_path / "fsdp")
+    assert len(got) == len(want) == 7
+    assert got == pytest.approx(want, abs=1e-5)
+    snapshots = fsdp[0]  # rank 0 gathered every unit in full
+    trained = {name: value for name, (value, _) in snapshots[0]["state"].items()}
+    ddp_state = ddp[0]["state"][0]
+    assert_state_close(trained, {k: v for k, v in ddp_state.items() if k in trained}, 1e-4, 1e-5)
+
+    for before, after in zip(snapshots, snapshots[1:]):
+        frozen_units = after["frozen_end"]
+        assert after["sharded"] and set(after["state"]) == set(before["state"])
+        for name, (param, opt_state) in after["state"].items():
+            old_param, old_state = before["state"][name]
+            assert torch.equal(param, old_param), name
+            if int(name.split(".")[1]) >= frozen_units:
+                assert opt_state.keys() == old_state.keys() and opt_state, name
+                for key in opt_state:
+                    assert torch.equal(opt_state[key], old_state[key]), f"{name}/{key}"
+            else:
+                assert not opt_state and not after["requires_grad"][name], name
+        assert any(not g for g in after["requires_grad"].values())
+
+
+def test_fsdp_with_freezing_matches_single_process(sharded_run):
+    config_dict, run_dir, results = sharded_run
+    got = metrics(run_dir)
+    assert [(m["pipe_len"], m["dp_degree"], m["sharded"]) for m in got] == [(1, 2, True)] * 3
+    assert [m["num_frozen_layers"] for m in got] == [0, 3, 5]
+    assert got[2]["cache_hits"] > 0  # the frozen prefix was read from AutoCache
+    ref_losses, ref_state, _ = reference_run(config_from_dict(config_dict))
+    assert step_losses(run_dir) == pytest.approx(ref_losses, abs=1e-5)
+    assert_state_close(results[0]["state"][0], ref_state, rtol=1e-4, atol=1e-5)
+    assert results[0]["summary"]["final_num_frozen_layers"] == 5
+
+
+def test_a_sharded_run_resumed_after_a_transition_continues_exactly(tmp_path, sharded_run):
+    config_dict, run_dir, results = sharded_run
+    resumed_dir = tmp_path / "resumed"
+    continue_from(run_dir, resumed_dir, 15)  # epoch 3 (F = 5), 1 of 7 steps taken
+    resumed = run_workers(elastic_run, 2, config_dict, str(resumed_dir), False, RESUME)
+    assert step_losses(resumed_dir) == pytest.approx(step_losses(run_dir), abs=1e-6)
+    assert_state_close(resumed[0]["state"][0], results[0]["state"][0], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("direction", ["sharded_to_pipeline", "pipeline_to_sharded"])
+def test_a_checkpoint_resumes_across_sharded_and_pipeline_layouts(
+    tmp_path, sharded_run, elastic_full_run, direction
+):
+    """After the first transition (step 7, F = 3): the sharded checkpoint (2 ranks) resumed
+    by a 2-stage pipeline on 2 ranks, or the 4-rank pipeline checkpoint (the full system's
+    run, tests/conftest.py) resumed sharded on 2 ranks."""
+    if direction == "sharded_to_pipeline":
+        first_dict, first_dir = sharded_run[0], sharded_run[1]
+        second_dict = elastic_config(
+            trainer__nproc_per_node=2,
+            pipeline__initial_pipe_len=2,
+            cache__enabled=True,
+            cache__profile=False,
+            checkpoint__interval_steps=5,
+            checkpoint__keep_last=20,
+        )
+        sharded = False
+    else:
+        first_dict, first_dir = elastic_full_run.config_dict, elastic_full_run.run_dir
+        second_dict = sharded_config(trainer__nproc_per_node=2)
+        sharded = True
+    resumed_dir = tmp_path / "resumed"
+    continue_from(first_dir, resumed_dir, 7)
+    results = run_workers(elastic_run, 2, second_dict, str(resumed_dir), False, RESUME)
+    got = metrics(resumed_dir)
+    assert [m["sharded"] for m in got[1:]] == [sharded] * 2
+    assert [m["num_frozen_layers"] for m in got] == [0, 3, 5]
+    ref_losses, ref_state, _ = reference_run(config_from_dict(first_dict))
+    assert step_losses(resumed_dir) == pytest.approx(ref_losses, abs=1e-5)
+    assert_state_close(results[0]["state"][0], ref_state, rtol=1e-4, atol=1e-5)
