@@ -223,7 +223,8 @@ def test_plots_are_pngs_with_the_expected_series(tmp_path):
 
 @pytest.mark.slow
 def test_compare_command_end_to_end(tmp_path):
-    """Slow: ~67 s on 2 cores (`compare` runs the baseline and the full system)."""
+    """Slow: ~130 s on 2 cores (`compare --peers` runs six variants: the baseline, DDP,
+    freeze + DDP, FSDP2, freeze + FSDP2 and the full system)."""
     out = tmp_path / "cmp"
     result = subprocess.run(
         [
@@ -253,7 +254,14 @@ def test_compare_command_end_to_end(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
-    assert list(results["variants"]) == ["baseline", "ddp", "freeze_ddp", "elastic"]
+    assert list(results["variants"]) == [
+        "baseline",
+        "ddp",
+        "freeze_ddp",
+        "fsdp",
+        "freeze_fsdp",
+        "elastic",
+    ]
     layouts = {
         name: [
             (p["pipe_len"], p["dp_degree"], p["num_frozen_layers"])
@@ -265,8 +273,12 @@ def test_compare_command_end_to_end(tmp_path):
         "baseline": [(2, 1, 0), (2, 1, 0)],
         "ddp": [(1, 2, 0), (1, 2, 0)],
         "freeze_ddp": [(1, 2, 0), (1, 2, 5)],
+        "fsdp": [(1, 2, 0), (1, 2, 0)],
+        "freeze_fsdp": [(1, 2, 0), (1, 2, 5)],
         "elastic": [(2, 1, 0), (1, 2, 5)],
     }
+    assert results["variants"]["fsdp"]["sharded"] and results["variants"]["freeze_fsdp"]["sharded"]
+    assert not results["variants"]["elastic"]["sharded"]
     matrix = results["speedup_matrix"]
     for a, run_a in results["variants"].items():
         for b, run_b in results["variants"].items():
@@ -330,3 +342,51 @@ def test_compare_command_end_to_end(tmp_path):
         timeout=300,
     )
     assert empty.returncode != 0 and "has no finished baseline/ and elastic/ runs" in empty.stderr
+
+
+def test_the_fsdp_peers_and_a_refusal_in_one_line(tmp_path, monkeypatch, capsys):
+    """--peers adds FSDP2 without and with freezing (sharded from the start, the baseline's
+    global batch); a peer that cannot fit even sharded is refused with its reason and the
+    comparison goes on, and the report says so."""
+    from pipetransformer.compare import runner
+    from pipetransformer.compare.report import refusal
+    from pipetransformer.config import load_config
+    from pipetransformer.launcher import WorkerFailed
+
+    config = load_config(str(ROOT / "configs" / "quickstart.yaml"))
+    variants = runner.variant_overrides(config, ablations=False, peers=True)
+    assert list(variants) == ["baseline", "ddp", "freeze_ddp", "fsdp", "freeze_fsdp", "elastic"]
+    assert "pipeline.sharding=always" in variants["fsdp"]
+    assert "freeze.strategy=none" in variants["fsdp"]
+    assert "pipeline.sharding=always" in variants["freeze_fsdp"]
+    assert not any(o.startswith("freeze.strategy") for o in variants["freeze_fsdp"])
+    for name in ("fsdp", "freeze_fsdp"):  # each is a config a run accepts
+        load_config(str(ROOT / "configs" / "quickstart.yaml"), variants[name])
+
+    reason = "pipeline.sharding: always: does not fit even sharded over 2 processes: ..."
+
+    def refused(*args, **kwargs):
+        raise WorkerFailed(f"rank0: DoesNotFit: {reason}")
+
+    monkeypatch.setattr(runner, "launch_local", refused)
+    run_dir = tmp_path / "fsdp"
+    assert runner._run_variant(config, "fsdp", run_dir, "[4/6] FSDP2")
+    assert refusal(run_dir) == reason
+    assert f"fsdp refused: {reason}" in capsys.readouterr().err
+    assert runner._run_variant(config, "fsdp", run_dir, "[4/6] FSDP2")  # not run again
+    assert "refused earlier, kept" in capsys.readouterr().err
+
+    def failed(*args, **kwargs):
+        raise WorkerFailed("rank1: RuntimeError: something else")
+
+    monkeypatch.setattr(runner, "launch_local", failed)
+    assert not runner._run_variant(config, "freeze_fsdp", tmp_path / "other", "[5/6]")
+    assert refusal(tmp_path / "other") is None
+
+    base = tmp_path / "runs"
+    fake_run(base / "baseline", 10.0, [(0.5, 0, 2, 1, 100.0)])
+    fake_run(base / "elastic", 8.0, [(0.5, 0, 2, 1, 100.0)])
+    runs = {name: read_run(base / name) for name in ("baseline", "elastic")}
+    results = build_results(runs, None, False, {"refused": {"fsdp": reason}})
+    report = write_report(results, base, [])
+    assert f"| FSDP2 (sharded over every process, no freezing) | refused: {reason} |" in report

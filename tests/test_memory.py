@@ -8,16 +8,18 @@ uses torch.cuda.max_memory_allocated (docs/profiling.md)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from helpers import TINY_VIT, run_workers, tiny_vit
 from memory_check import eval_retained_bytes, measure_stage_memory
 
 from pipetransformer.autodp.handoff import Transfer, plan_transfers
 from pipetransformer.autodp.topology import Layout
-from pipetransformer.autopipe.memory import LayoutShape, MemoryModel
+from pipetransformer.autopipe.memory import LayoutShape, MemoryModel, shard_groups
 from pipetransformer.autopipe.planner import UnitCosts, balance
-from pipetransformer.config import ConfigError, World, config_from_dict
-from pipetransformer.planning.context import PlanContext, choose_initial_pipe_len
+from pipetransformer.config import ConfigError, PipelineConfig, World, config_from_dict
+from pipetransformer.planning.context import DoesNotFit, PlanContext, choose_initial_pipe_len
 
 # Six units: embedding, two layers (attention, MLP), head. Parameters 100 bytes each, 10
 # bytes saved for backward and 4 bytes of output per unit and micro-batch of 2 samples.
@@ -178,3 +180,58 @@ def test_evaluation_leaves_no_activations_behind():
     for result in run_workers(eval_retained_bytes, 2, config):
         assert not result["with_graph"]
         assert result["retained"] < 8 * 2**20, result
+
+
+def test_sharded_memory_by_hand():
+    """FSDP2 over R = 2 ranks, one micro-batch of the replica batch (4 samples: twice the
+    profile's), then with layer 0 frozen (its units [0, 3) gathered once, held in full)."""
+    plan = balance(UnitCosts.from_param_counts([1] * 6, 1 / 6), 0, 1)
+    assert shard_groups(0, 6) == [[0], [1, 2], [3, 4], [5]]  # embedding, layers, head
+    whole = TOY.sharded_memory(plan, LayoutShape(4, 1, dp_degree=2))
+    assert (whole.parameters, whole.gradients, whole.optimizer) == (300, 300, 600)
+    assert whole.activations == 2 * 60 and whole.ddp_buckets == 0
+    assert whole.gathered == 4 * 200  # a layer's two sublayers, four copies in flight
+    assert whole.boundary == 2 * 4  # the logits
+    assert whole.overlap == 120  # the gradients come as the activations go: the larger held
+    frozen = balance(UnitCosts.from_param_counts([1] * 6, 1 / 6), 1, 1)
+    one = TOY.sharded_memory(frozen, LayoutShape(4, 1, dp_degree=2))
+    assert (one.parameters, one.gradients) == (300 + 150, 150)  # prefix in full, shards of 3
+    assert one.gathered == 4 * 200 and one.activations == 2 * 30
+    assert one.boundary == 2 * (4 + 4)  # the prefix's output and the logits
+    with pytest.raises(ValueError, match="one stage"):
+        TOY.sharded_memory(
+            balance(UnitCosts.from_param_counts([1] * 6, 1 / 6), 0, 2), whole_shape()
+        )
+    # Leaving it: every trained unit gathered with its two moments, on top of the shards.
+    assert TOY.sharded_move_bytes(frozen, 2) == 300 + 900 * 1.5
+
+
+def whole_shape() -> LayoutShape:
+    return LayoutShape(4, 1, dp_degree=2)
+
+
+def test_a_sharded_run_that_cannot_fit_is_refused_in_one_line():
+    config = config_from_dict(
+        {
+            "trainer": {"global_batch_size": 8, "nproc_per_node": 2},
+            "optimizer": {"name": "adamw"},
+            "pipeline": {"sharding": "always", "balance": "params"},
+            "model": {"name": TINY_VIT.name, "kwargs": TINY_VIT.kwargs},
+        }
+    )
+    spec = tiny_vit().spec
+    unlimited = PlanContext.build(config, spec, World(2, 2))
+    layout = unlimited.layout_for(0, 1)
+    assert (layout.sharded, layout.pipe_len, layout.dp_degree) == (True, 1, 2)
+    assert layout.plan.num_micro_batches == 1
+    need = max(unlimited.layout_bytes(layout))
+    # Half the trained bytes of plain DDP's replica, and more than nothing.
+    ddp = PlanContext.build(
+        dataclasses.replace(config, pipeline=PipelineConfig()), spec, World(2, 2)
+    )
+    assert 0 < need < max(ddp.layout_bytes(ddp.layout_for(0, 1)))
+    assert PlanContext.build(config, spec, World(2, 2), budget_bytes=need).layout_for(3, 1).sharded
+    with pytest.raises(DoesNotFit, match="pipeline.sharding: always: does not fit even sharded"):
+        PlanContext.build(config, spec, World(2, 2), budget_bytes=need - 1)
+    with pytest.raises(ConfigError, match="pipeline.sharding"):
+        config_from_dict({"pipeline": {"sharding": "always", "initial_pipe_len": 2}})

@@ -32,11 +32,16 @@ from pipetransformer.utils.files import read_jsonl, write_json_atomic
 BASELINE = "baseline"
 DDP = "ddp"
 FREEZE_DDP = "freeze_ddp"
+FSDP = "fsdp"
+FREEZE_FSDP = "freeze_fsdp"
 ELASTIC = "elastic"
+REFUSED = "refused.json"  # in a variant's directory: it was refused (does not fit), and why
 TITLES = {
     BASELINE: "baseline (Pipe + DDP, no freezing)",
     DDP: "DDP (K = 1, no freezing)",
     FREEZE_DDP: "freeze + DDP (K = 1, freeze algorithm and AutoCache)",
+    FSDP: "FSDP2 (sharded over every process, no freezing)",
+    FREEZE_FSDP: "freeze + FSDP2 (sharded, freeze algorithm and AutoCache)",
     "freeze_only": "freeze only (no AutoPipe)",
     "no_autodp": "freeze + AutoPipe (no AutoDP)",
     "no_cache": "freeze + AutoPipe + AutoDP (no cache)",
@@ -52,6 +57,12 @@ def seed_dir(out: Path, seed: int) -> Path:
 def is_finished(run_dir: Path) -> bool:
     """A run that ended writes summary.json last: without it the run is to be done (again)."""
     return (run_dir / "summary.json").is_file()
+
+
+def refusal(run_dir: Path) -> str | None:
+    """Why a variant was refused at start (it does not fit even sharded), or None."""
+    path = run_dir / REFUSED
+    return json.loads(path.read_text())["reason"] if path.is_file() else None
 
 
 def finished_seed_runs(out: Path) -> dict[int, list[str]]:
@@ -95,6 +106,7 @@ def read_run(run_dir: Path) -> dict[str, Any]:
                 "pipe_len": m.pipe_len,
                 "dp_degree": m.dp_degree,
                 "num_micro_batches": m.num_micro_batches,
+                "sharded": m.sharded,
             }
             for m in metrics
         ],
@@ -106,6 +118,9 @@ def read_run(run_dir: Path) -> dict[str, Any]:
         "device_memory_bytes": starts[0].device_memory_bytes if starts else None,
         "ddp_comm_share": comm / epoch_time if epoch_time > 0 else 0.0,
         "steps_per_epoch": metrics[0].global_step if metrics else 0,
+        "sharded": bool(metrics and metrics[-1].sharded),
+        "peak_rss_bytes": summary.peak_rss_bytes,
+        "peak_allocated_bytes": summary.peak_allocated_bytes,
     }
 
 
@@ -177,6 +192,8 @@ def _fmt_layout(run: dict[str, Any]) -> str:
     path = []
     for point in run["freeze_trajectory"]:
         label = f"{point['pipe_len']}x{point['dp_degree']}"
+        if point.get("sharded"):
+            label += " sharded"
         if not path or path[-1] != label:
             path.append(label)
     return " → ".join(path)
@@ -221,6 +238,8 @@ def write_report(
             f"{run['freeze_trajectory'][-1]['num_frozen_layers']} | {_fmt_layout(run)} | "
             f"{100 * run['ddp_comm_share']:.1f}% |"
         )
+    for name, reason in results.get("refused", {}).items():
+        lines.append(f"| {TITLES.get(name, name)} | refused: {reason} | | | | | | |")
     if len(runs) > 2:
         names = list(runs)
         lines += [
@@ -318,6 +337,18 @@ def seeded_section(stats: SeededStats, metric: str) -> list[str]:
             "| distinguishable |",
             "| --- | ---: | ---: | ---: | ---: | --- | --- |",
             *_pair_rows(stats.peer_pairs),
+        ]
+    if stats.subject_pairs:
+        lines += [
+            "",
+            f"{TITLES.get(stats.subject, stats.subject)} against each variant (speedup: the "
+            f"variant's wall time / its own; difference: its final {metric} - the variant's).",
+            "",
+            f"| {stats.subject} against | seeds | speedup mean (min - max) "
+            f"| final {metric} difference (points) | 95% interval (points) | verdict "
+            "| distinguishable |",
+            "| --- | ---: | ---: | ---: | ---: | --- | --- |",
+            *_pair_rows(stats.subject_pairs),
         ]
     lines += [
         "",

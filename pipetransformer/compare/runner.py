@@ -26,12 +26,16 @@ from pipetransformer.compare.report import (
     DDP,
     ELASTIC,
     FREEZE_DDP,
+    FREEZE_FSDP,
+    FSDP,
+    REFUSED,
     TITLES,
     build_results,
     finished_seed_runs,
     is_finished,
     read_run,
     read_seed_run,
+    refusal,
     save_results,
     seed_dir,
     write_report,
@@ -41,6 +45,7 @@ from pipetransformer.config import Config, ConfigError, load_config
 from pipetransformer.launcher import WorkerFailed, launch_local
 from pipetransformer.trainer import RunOptions, run_worker
 from pipetransformer.trainer.rundir import RunLock, ensure_directory, prepare_run_dir
+from pipetransformer.utils.files import write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +54,14 @@ def variant_overrides(config: Config, ablations: bool, peers: bool = False) -> d
     """Overrides per variant, in the order they run. The baseline is the same config with
     freezing (and so every elastic component) off, as a fixed pipeline: the configured
     length, or with 'auto' the whole node (the paper's Pipe+DDP). Peers are what a user
-    would run instead when the model fits one device: plain DDP, and DDP with the same
-    freeze algorithm and AutoCache but no pipeline. Under trainer.batch_per_replica the peers
-    train the baseline's global batch (its replicas never change), as `plan --predict`'s
-    peers do."""
+    would run instead: when the model fits one device, plain DDP, and DDP with the same
+    freeze algorithm and AutoCache but no pipeline; when it does not, FSDP2 over every
+    process (fully_shard per layer and at the root), without freezing and with the same
+    freeze algorithm (its frozen prefix gathered once at the transition that froze it, then
+    served from AutoCache where that is faster than recomputing it, as the full system
+    serves it; with cache.enabled=false recomputed). Under trainer.batch_per_replica the
+    peers train the baseline's global batch (its replicas never change), as `plan
+    --predict`'s peers do."""
     pipe_len = config.pipeline.initial_pipe_len
     fixed = pipe_len if isinstance(pipe_len, int) else config.nproc_per_node
     per_replica = config.trainer.batch_per_replica
@@ -78,6 +87,9 @@ def variant_overrides(config: Config, ablations: bool, peers: bool = False) -> d
             *peer_batch,
         ]
         variants[FREEZE_DDP] = ["pipeline.initial_pipe_len=1", *peer_batch]
+        sharded = ["pipeline.initial_pipe_len=1", "pipeline.sharding=always", *peer_batch]
+        variants[FSDP] = ["freeze.strategy=none", "cache.enabled=false", *sharded]
+        variants[FREEZE_FSDP] = sharded
     if ablations:
         variants["freeze_only"] = ["autopipe.enabled=false", "cache.enabled=false"]
         variants["no_autodp"] = ["autodp.enabled=false", "cache.enabled=false"]
@@ -173,7 +185,9 @@ def run_compare(
     margin = DEFAULT_MARGIN_POINTS if margin_points is None else margin_points
     context = _context(config, config_path, overrides, ablations, peers, seeds, margin_points)
     if seeds is None:
-        runs = {name: read_run(out / name) for name in variants}
+        runs = {name: read_run(out / name) for name in variants if is_finished(out / name)}
+        refused = {name: refusal(out / name) for name in variants if refusal(out / name)}
+        context["refused"] = refused
         return _write_outputs(runs, costs, context, config, out)
     return _write_seeded_outputs(costs, context, config, out, margin, seeds)
 
@@ -182,6 +196,9 @@ def _run_variant(variant_config: Config, name: str, run_dir: Path, label: str) -
     """One variant's run in `run_dir`, unless it finished there earlier; False if it failed."""
     if is_finished(run_dir):
         print(f"pipetransformer compare: {label}: finished in {run_dir}, kept", file=sys.stderr)
+        return True
+    if refusal(run_dir) is not None:
+        print(f"pipetransformer compare: {label}: refused earlier, kept", file=sys.stderr)
         return True
     print(f"pipetransformer compare: {label} -> {run_dir}", file=sys.stderr)
     started = time.perf_counter()
@@ -193,6 +210,13 @@ def _run_variant(variant_config: Config, name: str, run_dir: Path, label: str) -
         options = RunOptions(prepared_checkpoint="")
         launch_local(variant_config.nproc_per_node, run_worker, (variant_config, run_dir, options))
     except WorkerFailed as exc:
+        # A peer that cannot fit even sharded is refused in one line, and the comparison goes
+        # on without it (planning/context.py's DoesNotFit, the first line of a rank's error).
+        reason = str(exc).partition("DoesNotFit: ")[2]
+        if reason:
+            write_json_atomic(run_dir / REFUSED, {"reason": reason})
+            print(f"pipetransformer compare: {name} refused: {reason}", file=sys.stderr)
+            return True
         print(
             f"pipetransformer compare: {name} failed: {exc} (the same command again resumes the "
             "comparison: finished runs are kept)",
@@ -266,6 +290,7 @@ def rebuild_compare(
         margin = DEFAULT_MARGIN_POINTS if margin_points is None else margin_points
         return _write_seeded_outputs(costs, context, config, out, margin)
     runs = {name: read_run(out / name) for name in names}
+    context["refused"] = {name: r for name in TITLES if (r := refusal(out / name))}
     return _write_outputs(runs, costs, context, config, out)
 
 
@@ -330,7 +355,13 @@ def _write_seeded_outputs(
         for seed, runs in runs_by_seed.items()
         for name in runs
     ]
-    stats = seeded_stats(seed_runs, BASELINE, margin_points, peer=DDP)
+    stats = seeded_stats(seed_runs, BASELINE, margin_points, peer=DDP, subject=ELASTIC)
+    context["refused"] = {
+        name: reason
+        for seed in runs_by_seed
+        for name in TITLES
+        if (reason := refusal(seed_dir(out, seed) / name))
+    }
     results = build_results(runs_by_seed[detail], costs, config.cache.enabled, context)
     results.update(detail_seed=detail, margin_points=margin_points, seeded=stats.to_dict())
     plots = write_seeded_plots(runs_by_seed, stats, detail, out)

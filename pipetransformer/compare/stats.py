@@ -128,6 +128,10 @@ class SeededStats:
     # the baseline nor the peer: is the full system distinguishable from what a user runs?
     peer: str | None = None
     peer_pairs: tuple[PairStats, ...] = ()
+    # One variant (the full system) against every other: speedup = the other's wall time /
+    # its own, difference = its metric - the other's; `variant` names the other.
+    subject: str | None = None
+    subject_pairs: tuple[PairStats, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -210,10 +214,12 @@ def seeded_stats(
     baseline: str,
     margin_points: float = DEFAULT_MARGIN_POINTS,
     peer: str | None = None,
+    subject: str | None = None,
 ) -> SeededStats:
     """Everything the seeded report shows. Variants keep the order of their first run;
     a pair uses the seeds both it and the baseline finished. With `peer` (a variant name)
-    that finished, every other variant but the baseline is also paired with it."""
+    that finished, every other variant but the baseline is also paired with it. With
+    `subject` (the full system) that finished, it is paired with every other variant."""
     if margin_points < 0:
         raise ValueError(f"--margin: {margin_points} is negative (it is in metric points, >= 0)")
     by_variant: dict[str, dict[int, SeedRun]] = {}
@@ -239,6 +245,16 @@ def seeded_stats(
         if reference
         else ()
     )
+    mine = by_variant.get(subject) if subject is not None else None
+    subject_pairs = (
+        tuple(
+            dataclasses.replace(_pair_stats(subject, seeded, mine, margin_points), variant=name)
+            for name, seeded in by_variant.items()
+            if name != subject and set(seeded) & set(mine)
+        )
+        if mine
+        else ()
+    )
     return SeededStats(
         baseline=baseline,
         margin_points=margin_points,
@@ -249,6 +265,8 @@ def seeded_stats(
         target_stats=tuple(_target_stats(name, targets) for name in by_variant),
         peer=peer if reference else None,
         peer_pairs=peer_pairs,
+        subject=subject if mine else None,
+        subject_pairs=subject_pairs,
     )
 
 

@@ -212,8 +212,8 @@ def choose_initial_pipe_len(
     """The configured K, or for 'auto' the shortest candidate whose stages fit `budget`.
     Raises ConfigError naming the key when none fits."""
     candidates = initial_pipe_lens(config, world_size)
-    if isinstance(config.pipeline.initial_pipe_len, int):
-        return candidates[0]
+    if isinstance(config.pipeline.initial_pipe_len, int) or config.pipeline.sharding == "always":
+        return candidates[0]  # a sharded start's fit is checked sharded (DoesNotFit)
     peaks = {}
     for pipe_len in candidates:
         plan = balance(costs, 0, pipe_len, config.autopipe.partition_method)

@@ -79,6 +79,10 @@ class RunSummary(Record):
     freeze_decisions: int = 0  # decision points the freeze algorithm was asked at
     decision_interval_steps: int | None = None  # steps between them (None: epoch ends)
     num_layers: int = 0  # the model's layers (0: a summary of an older run)
+    # The largest resident set of any process (interpreter and libraries included), and on
+    # CUDA the largest torch.cuda.max_memory_allocated; None in older summaries.
+    peak_rss_bytes: int | None = None
+    peak_allocated_bytes: int | None = None
 
     def closing_line(self, run_dir: str, total_s: float | None = None) -> str:
         """One line for a person: how long (`total_s`: this command's whole time, start-up

@@ -17,6 +17,7 @@ trainer/state.py, which the checkpointer saves and loads the same way.
 from __future__ import annotations
 
 import logging
+import resource
 import signal
 import time
 from pathlib import Path
@@ -695,9 +696,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ records
 
+    def _peak_memory(self) -> tuple[int, int | None]:
+        """(largest resident set, largest CUDA allocation) over the ranks (collective)."""
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        device = self.world.device
+        allocated = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+        peak_rss, peak_allocated = self.control.all_max([rss, allocated]).tolist()
+        return int(peak_rss), int(peak_allocated) if device.type == "cuda" else None
+
     def _finish(self, wall_s: float) -> RunSummary:
         state, layout = self.state, self.stage.layout
         last = self.checkpointer.last_path
+        peak_rss, peak_allocated = self._peak_memory()
         summary = RunSummary(
             wall_time_s=state.previous_attempts_wall_s + wall_s,
             attempts=state.attempt,
@@ -716,6 +726,8 @@ class Trainer:
             freeze_decisions=state.decision_index,
             decision_interval_steps=self.freezer.schedule.interval_steps,
             num_layers=self.spec.num_layers,
+            peak_rss_bytes=peak_rss,
+            peak_allocated_bytes=peak_allocated,
         )
         self.reporter.summary(summary)
         return summary
