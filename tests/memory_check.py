@@ -158,3 +158,74 @@ def eval_retained_bytes(config_dict: dict, image_size: int = 32) -> dict:
     retained = bytes_in_use() - before
     torch.distributed.destroy_process_group()
     return {"stage": role.stage, "retained": retained, "with_graph": with_graph}
+
+
+def measure_sharded_memory(
+    config_dict: dict, num_frozen_layers: int = 0, image_size: int = 32
+) -> dict:
+    """One rank of a sharded layout over every process (FSDP2, fsdp/runtime.py), with
+    `num_frozen_layers` frozen (their units held in full in front of it): the predicted
+    peak (MemoryModel.sharded_memory over a unit profile measured here) and the measured
+    one, as `measure_stage_memory` measures it."""
+    from pipetransformer.fsdp import build_sharded_runtime
+    from pipetransformer.utils.units import prefix_end
+
+    config = config_from_dict(config_dict)
+    world = init_distributed("cpu", 120)
+    batch = config.trainer.global_batch_size
+    replica_batch = batch // world.world_size
+    torch.manual_seed(0)
+    model = build_model(
+        config.model, task="classification", num_classes=10, in_chans=1, image_size=image_size
+    )
+    profile = UnitProfile.from_measurements(
+        measure_unit_costs(dict(enumerate(model.units)), model.spec, replica_batch, "cpu"),
+        replica_batch,
+    )
+    del model
+    gc.collect()
+    baseline = bytes_in_use()
+    model = build_model(
+        config.model, task="classification", num_classes=10, in_chans=1, image_size=image_size
+    )
+    costs = UnitCosts.from_param_counts(model.spec.unit_param_counts, 1 / 6)
+    plan = balance(costs, num_frozen_layers, 1)
+    layout = Layout(plan, world.world_size, world.world_size, world.world_size, True)
+    groups = build_training_groups(layout, world.rank, 120)
+    units = dict(enumerate(model.units))
+    del model
+    for index in range(prefix_end(num_frozen_layers)):
+        units[index].requires_grad_(False)
+    runtime = build_sharded_runtime(
+        plan=plan,
+        replica_batch_size=replica_batch,
+        units=units,
+        loss_fn=ClassificationTask.loss_fn,
+        data_group=groups.data,
+        device=world.device,
+    )
+    named = {
+        name: p
+        for index, unit in units.items()
+        for name, p in unit_param_names(unit, index).items()
+    }
+    optimizer = optim_module.build_optimizer(config.optimizer, named)
+    g = torch.Generator().manual_seed(1 + world.rank)
+    images = torch.randn(replica_batch, 1, image_size, image_size, generator=g)
+    target = ClassificationTask.make_target(
+        torch.randint(0, 10, (replica_batch,), generator=g),
+        loss_weights([True] * replica_batch, world.world_size, batch),
+    )
+
+    def step():
+        runtime.train_step([images], target)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # the optimizer state exists from here on, as in training
+    gc.collect()
+    peak = peak_bytes(step)
+    memory = MemoryModel.from_profile(profile, config.optimizer.name, config.optimizer.momentum)
+    predicted = memory.sharded_memory(plan, LayoutShape(replica_batch, 1, world.world_size))
+    torch.distributed.destroy_process_group()
+    return {"predicted": predicted.to_dict(), "measured": peak - baseline}

