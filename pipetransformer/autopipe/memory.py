@@ -32,9 +32,12 @@ state sharded over the R replicas; `sharded_memory`) holds on each rank:
                     group's all-gathered parameters, their unsharded gradients, the
                     reduce-scatter's input copy of them and the next group's prefetched
                     parameters: four times the largest group's bytes
-    activations     saved for backward for the whole replica batch (one micro-batch)
-    boundary        the prefix's output and the logits, for the replica batch
-    overlap         as GPipe's with one micro-batch: the smaller of gradients and activations
+    activations     saved for backward for one micro-batch (the replica batch in M pieces one
+                    after the other, each reduce-scattered into the sharded gradients:
+                    gradient accumulation that keeps them sharded)
+    boundary        the prefix's output for the replica batch, the logits of a micro-batch
+    overlap         with one micro-batch, as GPipe's: the smaller of gradients and activations;
+                    with more, the sharded gradients are held while later ones run: none
 
 A transition (`move_bytes`) holds something else: no activations, but for a while both
 layouts' weights. Walking the transfer list in the order every rank runs it
@@ -181,8 +184,8 @@ class MemoryModel:
 
     def sharded_memory(self, plan: PipelinePlan, shape: LayoutShape) -> StageMemory:
         """One rank of a sharded layout (FSDP2 over `shape.dp_degree` ranks, `plan` a single
-        stage, the replica batch in one micro-batch of `shape.micro_batch_size`): see the
-        module docstring."""
+        stage, the replica batch in `shape.num_micro_batches` micro-batches of
+        `shape.micro_batch_size`, one after the other): see the module docstring."""
         if plan.pipe_len != 1:
             raise ValueError("a sharded layout is one stage")
         shards = shape.dp_degree
@@ -195,8 +198,8 @@ class MemoryModel:
             sum(self.param_bytes[u] for u in group) for group in shard_groups(frozen_end, num_units)
         )
         boundary = self.output_bytes[num_units - 1]
-        if plan.prefix_end > 0:
-            boundary += self.output_bytes[plan.prefix_end - 1]
+        if plan.prefix_end > 0:  # computed or read for the whole replica batch up front
+            boundary += shape.num_micro_batches * self.output_bytes[plan.prefix_end - 1]
         return StageMemory(
             parameters=float(sum(self.param_bytes[: plan.prefix_end])) + shard,
             gradients=shard,
@@ -204,7 +207,7 @@ class MemoryModel:
             ddp_buckets=0.0,
             activations=activations,
             boundary=scale * boundary,
-            overlap=min(activations, shard),
+            overlap=min(activations, shard) if shape.num_micro_batches == 1 else 0.0,
             gathered=4.0 * largest if shards > 1 else 0.0,
         )
 

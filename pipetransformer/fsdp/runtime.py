@@ -53,6 +53,7 @@ class ShardedRuntime:
     loss_fn: LossFn
     data_group: dist.ProcessGroup
     micro_batch_size: int
+    num_micro_batches: int = 1
     autocast_dtype: torch.dtype | None = None
     # (split, sample ids, inputs) -> the frozen prefix's output, served from AutoCache.
     cached_prefix: (
@@ -60,7 +61,6 @@ class ShardedRuntime:
     ) = None
     stage_index: int = 0
     pipe_len: int = 1
-    num_micro_batches: int = 1
     comm_timer: None = None  # FSDP2's collectives are not timed (DDP's all-reduce is)
 
     is_first = True
@@ -90,15 +90,23 @@ class ShardedRuntime:
         target: torch.Tensor | None,
         ids: Sequence[int] | None = None,
     ) -> list[torch.Tensor]:
-        """Forward and backward of the replica batch; gradients end sharded (reduce-scattered,
-        averaged over the replicas as DDP averages them). Returns the batch's loss."""
+        """Forward and backward of the replica batch, micro-batch after micro-batch; each
+        backward reduce-scatters into the sharded gradients, which sum them (averaged over
+        the replicas as DDP averages them). Returns each micro-batch's loss."""
         self.module.train()
         activations = self.run_prefix(inputs, ids, "train")
-        with self._autocast():
-            logits = self.module(*activations)
-        loss = self.loss_fn(logits.float(), target)
-        loss.backward()
-        return [loss.detach()]
+        pieces = zip(
+            *(t.split(self.micro_batch_size) for t in activations),
+            target.split(self.micro_batch_size),
+        )
+        losses = []
+        for *micro, micro_target in pieces:
+            with self._autocast():
+                logits = self.module(*micro)
+            loss = self.loss_fn(logits.float(), micro_target)
+            loss.backward()
+            losses.append(loss.detach())
+        return losses
 
     def eval_step(
         self,
@@ -138,6 +146,11 @@ def build_sharded_runtime(
     sharded before): a transition gathers them first (fsdp/state.py)."""
     if plan.pipe_len != 1:
         raise ValueError("a sharded layout is one stage")
+    if replica_batch_size % plan.num_micro_batches:
+        raise ValueError(
+            f"{plan.num_micro_batches} micro-batches do not divide the replica batch "
+            f"{replica_batch_size}"
+        )
     num_units = len(units)
     if sorted(units) != list(range(num_units)):
         raise ValueError("a sharded layout's rank holds every unit")
@@ -175,6 +188,7 @@ def build_sharded_runtime(
         preprocess=preprocess,
         loss_fn=loss_fn,
         data_group=data_group,
-        micro_batch_size=replica_batch_size,
+        micro_batch_size=replica_batch_size // plan.num_micro_batches,
+        num_micro_batches=plan.num_micro_batches,
         autocast_dtype=autocast_dtype,
     )

@@ -11,8 +11,9 @@ before any run measured this model) only parameters, gradients and optimizer sta
 known, and `memory_source` says so.
 
 With `pipeline.sharding: always` every layout is sharded (FSDP2, fsdp/): one stage on every
-process, the trained units sharded over them, the replica batch in one micro-batch; a run
-whose sharded layout does not fit the budget at 0 frozen layers is refused (`DoesNotFit`).
+process, the trained units sharded over them, the replica batch in the fewest micro-batches
+that fit the budget; a run whose sharded layout does not fit it even at one sample a
+micro-batch, at 0 frozen layers, is refused (`DoesNotFit`).
 
 Owns: that set-up and the layout for a frozen boundary. Must not: measure anything, start
 processes or mutate the config it is given (`config.resolve` makes the resolved copy).
@@ -187,22 +188,40 @@ def _layout_shape(
     return LayoutShape(replica_batch // m, m, dp, config.pipeline.schedule)
 
 
-def sharded_shape(config: Config, world_size: int) -> LayoutShape:
-    """A sharded layout's shape: every process a replica, the replica batch in one piece."""
+def sharded_shape(config: Config, world_size: int, num_micro_batches: int = 1) -> LayoutShape:
+    """A sharded layout's shape: every process a replica, its batch in micro-batches."""
     replica_batch = config.trainer.replica_batch_size(world_size)
-    return LayoutShape(replica_batch, 1, world_size, config.pipeline.schedule)
+    micro = replica_batch // num_micro_batches
+    return LayoutShape(micro, num_micro_batches, world_size, config.pipeline.schedule)
+
+
+def sharded_micro_batches(
+    config: Config, memory: MemoryModel, plan: PipelinePlan, budget: float | None, world_size: int
+) -> int | None:
+    """The fewest micro-batches (dividing the replica batch) a sharded layout of `plan`
+    fits `budget` with: gradient accumulation is how an FSDP2 user fits a batch, and more
+    micro-batches only cost time there (every one gathers and reduce-scatters the trained
+    layers again). None: not even one sample a micro-batch fits."""
+    replica_batch = config.trainer.replica_batch_size(world_size)
+    for m in (d for d in range(1, replica_batch + 1) if replica_batch % d == 0):
+        shape = sharded_shape(config, world_size, m)
+        if budget is None or memory.sharded_memory(plan, shape).total <= budget:
+            return m
+    return None
 
 
 def _require_sharded_fit(
     config: Config, costs: UnitCosts, memory: MemoryModel, budget: float, world_size: int
 ) -> None:
     plan = balance(costs, 0, 1, config.autopipe.partition_method)
-    need = memory.sharded_memory(plan, sharded_shape(config, world_size)).total
-    if need > budget:
+    if sharded_micro_batches(config, memory, plan, budget, world_size) is None:
+        replica_batch = config.trainer.replica_batch_size(world_size)
+        shape = sharded_shape(config, world_size, replica_batch)
+        need = memory.sharded_memory(plan, shape).total
         raise DoesNotFit(
             f"pipeline.sharding: always: does not fit even sharded over {world_size} "
-            f"processes: {format_bytes(need)} a process at 0 frozen layers, "
-            f"pipeline.device_memory_bytes allows {format_bytes(budget)}"
+            f"processes: {format_bytes(need)} a process at 0 frozen layers with one sample a "
+            f"micro-batch, pipeline.device_memory_bytes allows {format_bytes(budget)}"
         )
 
 
@@ -322,13 +341,19 @@ class PlanContext:
         return layout.with_micro_batches(m)
 
     def _sharded_layout(self, num_frozen_layers: int, prefix_cost: float | None) -> Layout:
-        """One stage over every process (FSDP2), the replica batch in one micro-batch."""
+        """One stage over every process (FSDP2), the replica batch in the fewest
+        micro-batches that fit the budget (`sharded_micro_batches`)."""
         plan = balance(
             self.costs, num_frozen_layers, 1, self.config.autopipe.partition_method, prefix_cost
         )
         world = self.world
         layout = Layout(plan, world.world_size, world.devices_per_node, world.world_size, True)
-        return layout.with_micro_batches(1)
+        m = sharded_micro_batches(
+            self.config, self.memory, plan, self.budget_bytes, world.world_size
+        )
+        if m is None:  # the frozen prefix held in full does not fit: the most there are (the
+            m = self.config.trainer.replica_batch_size(world.world_size)  # bytes say so)
+        return layout.with_micro_batches(m)
 
     def _fits_with_move(
         self, steady: Callable[[PipelinePlan], bool], current: Layout
@@ -379,7 +404,8 @@ class PlanContext:
     def layout_bytes(self, layout: Layout) -> list[float]:
         """The memory model's peak bytes of each stage of `layout` (sharded or not)."""
         if layout.sharded:
-            shape = sharded_shape(self.config, self.world.world_size)
+            m = layout.plan.num_micro_batches
+            shape = sharded_shape(self.config, self.world.world_size, m)
             return [self.memory.sharded_memory(layout.plan, shape).total]
         return self.stage_bytes(layout.plan)
 

@@ -2,8 +2,9 @@
 it spends GPU hours: per frozen boundary, the layout the planner would pick, its predicted
 step time and the bytes of its largest stage; along the run, replayed as the trainer would
 take it (run_model.py: its decisions, layouts, batch semantics and cache), the whole run
-against what users run instead (`compare --peers`' variants): Pipe+DDP, plain DDP and
-freeze + DDP, each with whether it fits a device's memory.
+against what users run instead (`compare --peers`' variants): Pipe+DDP, plain DDP,
+freeze + DDP, FSDP2 and freeze + FSDP2 (sharded over every device), each with whether it fits
+a device's memory.
 
 Inputs: a unit profile (measured by a run of this model, or roofline times from its
 analytical profile: prediction_inputs.py), the cluster (nodes x devices per node, link
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipetransformer.autodp.topology import Layout
+from pipetransformer.autopipe.memory import shard_groups
 from pipetransformer.autopipe.planner import balance
 from pipetransformer.autopipe.profiles import (
     ProfileStore,
@@ -39,6 +41,7 @@ from pipetransformer.autopipe.profiles import (
 from pipetransformer.config import Config, ConfigError, World, initial_pipe_lens, resolve
 from pipetransformer.models import ModelSpec
 from pipetransformer.planning.context import (
+    DoesNotFit,
     PlanContext,
     describe_model,
     format_bytes,
@@ -57,7 +60,9 @@ from pipetransformer.planning.step_model import (
     StepPrediction,
     UnitTimes,
     calibrate_overhead,
+    predict_sharded_step,
     predict_step,
+    prefix_work_s,
 )
 from pipetransformer.utils.units import prefix_end
 
@@ -80,6 +85,8 @@ class Cluster:
     device: Device | None = None
     intra_node_link: str | None = None  # names of hardware.yaml links, None when stated
     inter_node_link: str | None = None
+    # FSDP2 hides collectives behind compute on a GPU (its own stream); gloo on a CPU does not.
+    overlaps_collectives: bool = True
 
     @property
     def world_size(self) -> int:
@@ -128,7 +135,7 @@ class PeerPrediction:
     it: its layout at 0 frozen layers, its run time along its own trajectory (None when it
     cannot run) and whether its largest stage fits the budget."""
 
-    name: str  # 'baseline' (Pipe+DDP), 'ddp' or 'freeze_ddp', as compare names them
+    name: str  # 'baseline' (Pipe+DDP), 'ddp', 'freeze_ddp', 'fsdp', 'freeze_fsdp' (compare's)
     pipe_len: int
     dp_degree: int
     num_micro_batches: int
@@ -154,7 +161,7 @@ class Prediction:
     baseline: PeerPrediction  # Pipe+DDP
     baseline_s: float
     elastic_s: float
-    peers: list[PeerPrediction]  # DDP and freeze + DDP
+    peers: list[PeerPrediction]  # DDP, freeze + DDP, FSDP2, freeze + FSDP2
     epochs: list[EpochPrediction] = dataclasses.field(default_factory=list)  # the full system's
     batch_per_replica: int | None = None  # the paper's batch semantics; None: a fixed global batch
     global_batch_size: int = 0  # at the start
@@ -470,7 +477,7 @@ def predict(
     elastic = _Variant(replayed, context, cluster, times, node_samples)
 
     def peak(ctx: PlanContext, layout: Layout) -> float:
-        return max(ctx.stage_bytes(layout.plan))
+        return max(ctx.layout_bytes(layout))
 
     # Each boundary's steady state: the planner's layout from the one before, the prefix
     # read wherever the cache serves it.
@@ -503,6 +510,7 @@ def predict(
         peak(base_context, base_layout),
         budget is None or peak(base_context, base_layout) <= budget,
     )
+    peer_args = (spec, profile, cluster, times, node_samples, start_global, budget)
     peers = [
         _ddp_peer(
             "ddp",
@@ -528,6 +536,8 @@ def predict(
             start_global,
             budget,
         ),
+        _ddp_peer("fsdp", _without_freezing(replayed), None, *peer_args, sharded=True),
+        _ddp_peer("freeze_fsdp", replayed, per_epoch, *peer_args, sharded=True),
     ]
     links = cluster.links
     return Prediction(
@@ -571,17 +581,24 @@ def _ddp_peer(
     node_samples: int,
     global_batch_size: int,
     budget: float | None,
+    sharded: bool = False,
 ) -> PeerPrediction:
     """DDP over every device (pipe_len 1) at the baseline's global batch; with freezing
     (`config`'s rule, or `per_epoch`): freeze + DDP, the frozen prefix cached as the full
-    system caches it."""
+    system caches it. `sharded`: FSDP2 over every device instead of DDP, the replica batch in
+    the fewest micro-batches that fit the budget (gradient accumulation, as an FSDP2 user
+    fits a batch); DDP runs it in one piece."""
     world = cluster.world()
     trainer = dataclasses.replace(
         config.trainer, batch_per_replica=None, global_batch_size=global_batch_size
     )
     # Plain DDP: one stage, the replica's batch in one piece.
     pipeline = dataclasses.replace(
-        config.pipeline, initial_pipe_len=1, num_micro_batches=1, schedule="gpipe"
+        config.pipeline,
+        initial_pipe_len=1,
+        num_micro_batches=1,
+        schedule="gpipe",
+        sharding="always" if sharded else "never",
     )
     peer = dataclasses.replace(config, trainer=trainer, pipeline=pipeline)
     m = 1
@@ -599,11 +616,14 @@ def _ddp_peer(
             fits=False,
             problem=str(exc),
         )
-    context = PlanContext.build(peer, spec, world, profile)
+    try:
+        context = PlanContext.build(peer, spec, world, profile, budget if sharded else None)
+    except DoesNotFit as exc:
+        return PeerPrediction(name, 1, world.world_size, 1, None, None, None, False, str(exc))
     variant = _Variant(peer, context, cluster, times, node_samples)
     run = variant.run(per_epoch)
     layout = run.segments[0].layout
-    peak_bytes = max(context.stage_bytes(layout.plan))
+    peak_bytes = max(context.layout_bytes(layout))
     return PeerPrediction(
         name,
         layout.pipe_len,
@@ -678,6 +698,25 @@ def _step(
     """`prefix_s`: stage 0's frozen-prefix work (step_model.prefix_work_s); None: all read
     (`cached`) or all computed."""
     replica_batch = config.trainer.replica_batch_size(layout.dp_degree)
+    if layout.sharded:
+        plan = layout.plan
+        if prefix_s is None:
+            prefix_s = prefix_work_s(
+                times, plan.prefix_end, {plan.prefix_end: 1.0} if cached else {}
+            )
+        return predict_sharded_step(
+            times,
+            plan,
+            shard_groups(plan.frozen_end, len(times.param_bytes)),
+            micro_batch_size=replica_batch // layout.plan.num_micro_batches,
+            num_micro_batches=layout.plan.num_micro_batches,
+            shards=layout.dp_degree,
+            spans_nodes=layout.dp_degree > cluster.devices_per_node,
+            links=cluster.links,
+            prefix_s=prefix_s,
+            overlap=cluster.overlaps_collectives,
+            gather_bytes_factor=0.5 if config.trainer.autocast_dtype else 1.0,
+        )
     m = layout.plan.num_micro_batches
     return predict_step(
         times,
@@ -703,13 +742,18 @@ def layout_epoch_s(
     num_micro_batches: int,
     steps: int,
     cached: bool,
+    sharded: bool = False,
 ) -> float:
     """Predicted training seconds of an epoch of `steps` steps in one layout of a run of
     `config` on its own processes (its initial_pipe_len resolved), stages planned as the run
-    plans them from `profile`; `times`: that profile's unit times with the overheads."""
+    plans them from `profile`; `times`: that profile's unit times with the overheads.
+    `sharded`: the run's layout was sharded (FSDP2, pipeline.sharding: always). On this
+    CPU's gloo no collective overlaps compute."""
     spec = describe_model(config)
     world = config.nproc_per_node
+    if sharded != (config.pipeline.sharding == "always"):
+        raise ValueError("sharded layouts come from pipeline.sharding: always")
     context = PlanContext.build(config, spec, World(world, world, "cpu"), profile)
     layout = context.layout_for(num_frozen_layers, pipe_len, lambda k, b: num_micro_batches)
-    cluster = Cluster(1, world, links)
+    cluster = Cluster(1, world, links, overlaps_collectives=False)
     return steps * _step(times, layout, context.config, cluster, cached=cached).step_s

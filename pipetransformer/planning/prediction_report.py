@@ -1,6 +1,6 @@
 """The text form of `plan --predict` (`--json` prints `Prediction.to_dict()` instead): the
 cluster and where the unit times came from, a row per frozen boundary, the trajectory, and
-the run against Pipe+DDP, DDP and freeze + DDP.
+the run against Pipe+DDP, DDP, freeze + DDP, FSDP2 and freeze + FSDP2.
 
 Owns: `format_prediction`. Must not: compute anything predict.py has not.
 """
@@ -11,7 +11,13 @@ from pipetransformer.planning.context import format_bytes
 from pipetransformer.planning.predict import EpochPrediction, PeerPrediction, Prediction
 
 # compare's variant names (compare/report.py) -> how the table names them.
-PEER_LABELS = {"baseline": "Pipe+DDP", "ddp": "DDP", "freeze_ddp": "freeze+DDP"}
+PEER_LABELS = {
+    "baseline": "Pipe+DDP",
+    "ddp": "DDP",
+    "freeze_ddp": "freeze+DDP",
+    "fsdp": "FSDP2",
+    "freeze_fsdp": "freeze+FSDP2",
+}
 
 
 def _link_text(name: str | None, gbps: float) -> str:

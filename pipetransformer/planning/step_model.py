@@ -22,6 +22,28 @@ One optimizer step of a layout (K stages, M micro-batches of m samples, R replic
               the model grows linearly with the slots (about 7 ms a slot for the
               quickstart's ViT on this CPU), so a per-step constant would not do
 
+A sharded layout (FSDP2 over R replicas, one stage, the replica batch in M micro-batches
+one after the other; `predict_sharded_step`):
+
+    compute   the frozen prefix's work for the replica batch (as stage 0's), then per
+              micro-batch every trained unit's forward and backward (forward: the unit's
+              time without autograd; backward: the rest)
+    gathers   per shard group (a layer, the embedding, the head: autopipe/memory.py's
+              `shard_groups`), a ring all-gather of its parameters before its forward, and
+              again before its backward (groups reshard after forward, all but the head):
+              (R - 1) / R x bytes / bandwidth + (R - 1) latencies; bfloat16 parameters under
+              bf16 (`gather_bytes_factor` 0.5)
+    reduce-scatter per group after its backward, the same volume in float32 (gathers and
+              reduce-scatters once per micro-batch: the gradients stay sharded)
+    overlap   on GPUs FSDP2 runs collectives on their own stream and prefetches the next
+              group's all-gather while a group computes: the step is replayed on two
+              resources, compute and the link, each in FSDP2's order (forward: gather g+1
+              during g; backward: gather g-1 during g, then g's reduce-scatter), and only
+              what the compute does not hide counts. On a CPU (gloo) nothing overlaps: the
+              collectives' whole time adds (`overlap=False`; measured here, docs/profiling.md)
+    optimizer the shard's bytes (1/R of the trained ones), as above
+    overhead  a + b M (a slot per micro-batch)
+
 Unit times scale linearly with the micro-batch size from the profile's. An epoch is
 `steps_per_epoch` such steps. Evaluation, transitions and start-up are not included.
 Checked against measured epoch times on this project's machine in tests/test_predict.py.
@@ -66,9 +88,10 @@ class UnitTimes:
 class StepPrediction:
     compute_s: float
     p2p_s: float
-    allreduce_s: float
+    allreduce_s: float  # DDP's all-reduce; a sharded layout's collectives not hidden by compute
     optimizer_s: float = 0.0
     overhead_s: float = 0.0
+    hidden_s: float = 0.0  # a sharded layout's collective time that compute hides (not added)
 
     @property
     def step_s(self) -> float:
@@ -169,3 +192,95 @@ def calibrate_overhead(gaps: Sequence[tuple[int, float]]) -> tuple[float, float]
     if intercept < 0:  # through the origin instead
         return 0.0, max(0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs))
     return intercept, slope
+
+
+def _ring_s(num_bytes: float, ranks: int, bandwidth: float, latency: float) -> float:
+    """A ring all-gather or reduce-scatter of `num_bytes` (the whole tensor) over `ranks`."""
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) / ranks * num_bytes / bandwidth + (ranks - 1) * latency
+
+
+def predict_sharded_step(
+    times: UnitTimes,
+    plan: PipelinePlan,
+    groups: Sequence[Sequence[int]],
+    *,
+    micro_batch_size: int,
+    num_micro_batches: int,
+    shards: int,
+    spans_nodes: bool,
+    links: Links,
+    prefix_s: float = 0.0,
+    overlap: bool = True,
+    gather_bytes_factor: float = 1.0,
+) -> StepPrediction:
+    """One step of a sharded layout (see the module docstring). `groups`: the trained units
+    of each shard group in forward order (the last, the head's, does not reshard after
+    forward); `prefix_s`: the frozen prefix's work per micro-batch of the profile's size."""
+    if plan.pipe_len != 1:
+        raise ValueError("a sharded layout is one stage")
+    m = num_micro_batches
+    scale = micro_batch_size / times.micro_batch_size
+    bandwidth = links.inter_node_bytes_per_s if spans_nodes else links.intra_node_bytes_per_s
+    latency = links.latency_s
+    if spans_nodes and links.inter_node_latency_s is not None:
+        latency = links.inter_node_latency_s
+    forward = [scale * sum(times.frozen_s[u] for u in g) for g in groups]
+    backward = [scale * sum(times.trained_s[u] - times.frozen_s[u] for u in g) for g in groups]
+    param_bytes = [sum(times.param_bytes[u] for u in g) for g in groups]
+    gather = [_ring_s(b * gather_bytes_factor, shards, bandwidth, latency) for b in param_bytes]
+    scatter = [_ring_s(b, shards, bandwidth, latency) for b in param_bytes]
+    regathered = [i != len(groups) - 1 for i in range(len(groups))]
+    prefix = prefix_s * scale * m  # the whole replica batch's, before the first micro-batch
+    compute = prefix + m * (sum(forward) + sum(backward))
+    collectives = sum(gather) + sum(g for g, again in zip(gather, regathered) if again)
+    collectives = m * (collectives + sum(scatter))
+    step = prefix + m * _replay(0.0, forward, backward, gather, scatter, regathered)
+    exposed = step - compute if overlap else collectives
+    trained = sum(param_bytes) / max(1, shards)
+    return StepPrediction(
+        compute_s=compute,
+        p2p_s=0.0,
+        allreduce_s=exposed,
+        optimizer_s=times.optimizer_passes * trained / times.memory_bytes_per_s,
+        overhead_s=times.step_overhead_s + m * times.slot_overhead_s,
+        hidden_s=collectives - exposed,
+    )
+
+
+def _replay(
+    prefix: float,
+    forward: Sequence[float],
+    backward: Sequence[float],
+    gather: Sequence[float],
+    scatter: Sequence[float],
+    regathered: Sequence[bool],
+) -> float:
+    """The step's end on two resources, compute and the link, each busy with one thing at a
+    time in FSDP2's order: forward gathers group g + 1 while g computes (issued once g's
+    gather is done and g has started), backward gathers g - 1 while g computes, then
+    reduce-scatters g."""
+    count = len(forward)
+    if count == 0:
+        return prefix
+    compute, link = prefix, gather[0]
+    ready = {0: link}
+    for g in range(count):
+        start = max(compute, ready[g])
+        if g + 1 < count:
+            link = max(link, start) + gather[g + 1]
+            ready[g + 1] = link
+        compute = start + forward[g]
+    ready = {count - 1: compute}  # the head keeps its parameters for its backward
+    for g in reversed(range(count)):
+        if g not in ready:  # a group that reshards: gathered when its turn comes
+            link = max(link, compute) + gather[g]
+            ready[g] = link
+        start = max(compute, ready[g])
+        if g > 0 and regathered[g - 1]:
+            link = max(link, start) + gather[g - 1]
+            ready[g - 1] = link
+        compute = start + backward[g]
+        link = max(link, compute) + scatter[g]
+    return max(compute, link)

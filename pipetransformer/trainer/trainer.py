@@ -474,7 +474,7 @@ class Trainer:
     ) -> Layout:
         """For num_micro_batches 'auto': the measured fastest M of this layout (collective)."""
         if self.config.pipeline.num_micro_batches != "auto" or layout.sharded:
-            return layout  # a sharded layout runs its replica batch in one piece
+            return layout  # a sharded layout's M is the fewest that fit (planning/context.py)
         replica_batch = self.config.trainer.replica_batch_size(layout.dp_degree)
         # A step at the position the run continues from (the last one for a finished run).
         epoch = min(self.state.epoch, self.config.trainer.epochs - 1)
