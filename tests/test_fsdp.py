@@ -80,8 +80,9 @@ def sharded_run(tmp_path_factory):
 
 
 def test_fsdp_computes_what_ddp_computes_and_its_transitions_keep_every_bit(tmp_path):
-    """2 ranks, one epoch of each, AdamW, clipped; then the FSDP2 run is taken through two
-    forced transitions (F 0 -> 3 -> 5) with its whole state gathered before and after."""
+    """2 ranks, one epoch of each, two micro-batches a step, AdamW, clipped; then the FSDP2
+    run is taken through two forced transitions (F 0 -> 3 -> 5) with its whole state
+    gathered before and after."""
     common = dict(
         trainer__nproc_per_node=2,
         trainer__epochs=1,
@@ -92,7 +93,7 @@ def test_fsdp_computes_what_ddp_computes_and_its_transitions_keep_every_bit(tmp_
         freeze__strategy="none",
         freeze__manual_schedule=[],
         pipeline__initial_pipe_len=1,
-        pipeline__num_micro_batches=1,
+        pipeline__num_micro_batches=2,  # gradient accumulation, reduce-scattered each time
     )
     ddp_dict = elastic_config(**common)
     fsdp_dict = elastic_config(**common, pipeline__sharding="always")

@@ -87,7 +87,14 @@ def variant_overrides(config: Config, ablations: bool, peers: bool = False) -> d
             *peer_batch,
         ]
         variants[FREEZE_DDP] = ["pipeline.initial_pipe_len=1", *peer_batch]
-        sharded = ["pipeline.initial_pipe_len=1", "pipeline.sharding=always", *peer_batch]
+        # The fewest micro-batches that fit (gradient accumulation, how FSDP2 users fit a
+        # batch), not the pipeline's M.
+        sharded = [
+            "pipeline.initial_pipe_len=1",
+            "pipeline.sharding=always",
+            "pipeline.num_micro_batches=auto",
+            *peer_batch,
+        ]
         variants[FSDP] = ["freeze.strategy=none", "cache.enabled=false", *sharded]
         variants[FREEZE_FSDP] = sharded
     if ablations:

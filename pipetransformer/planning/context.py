@@ -341,15 +341,21 @@ class PlanContext:
         return layout.with_micro_batches(m)
 
     def _sharded_layout(self, num_frozen_layers: int, prefix_cost: float | None) -> Layout:
-        """One stage over every process (FSDP2), the replica batch in the fewest
-        micro-batches that fit the budget (`sharded_micro_batches`)."""
+        """One stage over every process (FSDP2), the replica batch in the configured number
+        of micro-batches, or for 'auto' the fewest that fit the budget
+        (`sharded_micro_batches`)."""
         plan = balance(
             self.costs, num_frozen_layers, 1, self.config.autopipe.partition_method, prefix_cost
         )
         world = self.world
         layout = Layout(plan, world.world_size, world.devices_per_node, world.world_size, True)
-        m = sharded_micro_batches(
-            self.config, self.memory, plan, self.budget_bytes, world.world_size
+        setting = self.config.pipeline.num_micro_batches
+        m = (
+            setting
+            if isinstance(setting, int)
+            else sharded_micro_batches(
+                self.config, self.memory, plan, self.budget_bytes, world.world_size
+            )
         )
         if m is None:  # the frozen prefix held in full does not fit: the most there are (the
             m = self.config.trainer.replica_batch_size(world.world_size)  # bytes say so)
