@@ -376,6 +376,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         peers=args.peers,
         seeds=seeds,
         margin_points=args.margin,
+        only=args.variants,
     )
 
 
@@ -533,8 +534,17 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument(
         "--peers",
         action="store_true",
-        help="also run what users run instead: ddp (K=1, no freezing) "
-        "and freeze-ddp (K=1, freezing and AutoCache)",
+        help="also run what users run instead: ddp (K=1, no freezing), "
+        "freeze-ddp (K=1, freezing and AutoCache), fsdp (FSDP2 over every process, no "
+        "freezing) and freeze-fsdp (FSDP2, freezing and AutoCache)",
+    )
+    compare.add_argument(
+        "--variants",
+        type=lambda text: [w.strip() for w in text.split(",") if w.strip()],
+        default=None,
+        metavar="NAME,...",
+        help="run only these of the variants (baseline and elastic always run), e.g. "
+        "--peers --variants fsdp,freeze_fsdp where DDP's replica does not fit a device",
     )
     seeding = compare.add_mutually_exclusive_group()
     seeding.add_argument(

@@ -166,9 +166,11 @@ def run_compare(
     peers: bool = False,
     seeds: list[int] | None = None,
     margin_points: float | None = None,
+    only: list[str] | None = None,
 ) -> int:
     """Run every variant (once per seed with `seeds`), then write the outputs. A variant whose
-    run directory holds a finished run (summary.json) is not run again."""
+    run directory holds a finished run (summary.json) is not run again. `only`: of the
+    variants, these (and the baseline and the full system, which the report needs)."""
     if config.freeze.strategy == "none":
         raise ConfigError(
             "freeze.strategy: compare needs a freeze strategy (the baseline turns it off)"
@@ -179,6 +181,13 @@ def run_compare(
         )
     out.mkdir(parents=True, exist_ok=True)
     variants = variant_overrides(config, ablations, peers)
+    if only is not None:
+        unknown = sorted(set(only) - set(variants))
+        if unknown:
+            raise ConfigError(
+                f"--variants: {', '.join(unknown)} is not one of {', '.join(variants)}"
+            )
+        variants = {k: v for k, v in variants.items() if k in {*only, BASELINE, ELASTIC}}
     # Seed by seed, so that an interrupted comparison leaves whole seeds behind.
     plan = [(seed, name, extra) for seed in seeds or [None] for name, extra in variants.items()]
     for index, (seed, name, extra) in enumerate(plan, start=1):
@@ -190,7 +199,7 @@ def run_compare(
             return 1
     costs = measured_unit_costs(config)
     margin = DEFAULT_MARGIN_POINTS if margin_points is None else margin_points
-    context = _context(config, config_path, overrides, ablations, peers, seeds, margin_points)
+    context = _context(config, config_path, overrides, ablations, peers, seeds, margin_points, only)
     if seeds is None:
         runs = {name: read_run(out / name) for name in variants if is_finished(out / name)}
         refused = {name: refusal(out / name) for name in variants if refusal(out / name)}
@@ -309,8 +318,11 @@ def _context(
     peers: bool = False,
     seeds: list[int] | None = None,
     margin_points: float | None = None,
+    only: list[str] | None = None,
 ) -> dict[str, Any]:
     options = [*(["--peers"] if peers else []), *(["--ablations"] if ablations else [])]
+    if only is not None:
+        options += ["--variants", ",".join(only)]
     if seeds is not None:
         options += ["--seeds", ",".join(map(str, seeds))]
     if margin_points is not None:
