@@ -25,7 +25,7 @@ import pytest
 from pipetransformer.autopipe.profiles import UnitProfile
 from pipetransformer.config import config_from_dict
 from pipetransformer.planning.predict import layout_epoch_s, unit_times
-from pipetransformer.planning.step_model import Links
+from pipetransformer.planning.step_model import CollectiveCost, Links
 
 RECORDS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "predict_validation.json"
 TOLERANCE = 0.40
@@ -73,7 +73,12 @@ def test_predicted_epoch_time_within_tolerance_of_measured(index):
     record = json.loads(RECORDS.read_text())
     entry = record["epochs"][index]
     config = _config(entry["config"])
-    links = Links(record["link_bytes_per_s"], record["link_bytes_per_s"])
+    measured = {
+        name: CollectiveCost(*record[name])
+        for name in ("all_gather", "reduce_scatter")
+        if name in record
+    }
+    links = Links(record["link_bytes_per_s"], record["link_bytes_per_s"], **measured)
     profile = UnitProfile.from_dict(entry["profile"])
     times = dataclasses.replace(
         unit_times(profile, record["memory_bytes_per_s"]),
@@ -90,6 +95,7 @@ def test_predicted_epoch_time_within_tolerance_of_measured(index):
         num_micro_batches=entry["num_micro_batches"],
         steps=entry["steps"],
         cached=entry["cached"],
+        sharded=entry.get("sharded", False),
     )
     # Today's code gives what the benchmark wrote (the step model did not move under it) ...
     assert predicted == pytest.approx(entry["predicted_s"], rel=1e-6)

@@ -58,14 +58,30 @@ from pipetransformer.autopipe.planner import PipelinePlan
 
 
 @dataclass(frozen=True)
+class CollectiveCost:
+    """A collective's measured seconds on some processes: `latency_s + bytes / bytes_per_s`,
+    bytes the whole (gathered, or to be scattered) tensor's."""
+
+    latency_s: float
+    bytes_per_s: float
+
+    def seconds(self, num_bytes: float) -> float:
+        return self.latency_s + num_bytes / self.bytes_per_s
+
+
+@dataclass(frozen=True)
 class Links:
     """Bandwidths in bytes per second and a fixed latency per message: `latency_s` inside a
-    node, `inter_node_latency_s` between nodes (None: the same)."""
+    node, `inter_node_latency_s` between nodes (None: the same). `all_gather` and
+    `reduce_scatter`: what those collectives measured on the processes a prediction is for
+    (gloo on a CPU runs them far from a ring's (R - 1) / R of the bytes); None: the ring."""
 
     intra_node_bytes_per_s: float
     inter_node_bytes_per_s: float
     latency_s: float = 20e-6
     inter_node_latency_s: float | None = None
+    all_gather: CollectiveCost | None = None
+    reduce_scatter: CollectiveCost | None = None
 
 
 @dataclass(frozen=True)
@@ -229,8 +245,16 @@ def predict_sharded_step(
     forward = [scale * sum(times.frozen_s[u] for u in g) for g in groups]
     backward = [scale * sum(times.trained_s[u] - times.frozen_s[u] for u in g) for g in groups]
     param_bytes = [sum(times.param_bytes[u] for u in g) for g in groups]
-    gather = [_ring_s(b * gather_bytes_factor, shards, bandwidth, latency) for b in param_bytes]
-    scatter = [_ring_s(b, shards, bandwidth, latency) for b in param_bytes]
+
+    def cost(measured: CollectiveCost | None, num_bytes: float) -> float:
+        if shards <= 1:
+            return 0.0
+        if measured is not None:
+            return measured.seconds(num_bytes)
+        return _ring_s(num_bytes, shards, bandwidth, latency)
+
+    gather = [cost(links.all_gather, b * gather_bytes_factor) for b in param_bytes]
+    scatter = [cost(links.reduce_scatter, b) for b in param_bytes]
     regathered = [i != len(groups) - 1 for i in range(len(groups))]
     prefix = prefix_s * scale * m  # the whole replica batch's, before the first micro-batch
     compute = prefix + m * (sum(forward) + sum(backward))
