@@ -263,33 +263,54 @@ def handoff_snapshots(config_dict: dict, run_dir: str, new_frozen: list[int]):
         trainer.cleanup()
 
 
-def sharded_handoff_snapshots(config_dict: dict, run_dir: str, new_frozen: list[int]):
-    """Train a sharded run, then force transitions to each of `new_frozen`; on rank 0 the
-    whole state before and after each, gathered in full: per parameter name its value and
-    optimizer state, whether it is trained, and the layout's frozen end (None elsewhere)."""
-    from torch.distributed.tensor import DTensor
+def prefer_sharded_at(frozen: list[int]):
+    """A step pricer for pipeline.sharding 'auto' under which a sharded layout is the faster
+    exactly at the frozen boundaries in `frozen` (what a run on a cluster would measure)."""
 
+    def pricer(times, config, cluster):
+        def price(layout, prefix_s):
+            wanted = layout.plan.num_frozen_layers in frozen
+            return 1.0 if layout.sharded == wanted else 2.0
+
+        return price
+
+    return pricer
+
+
+def sharded_handoff_snapshots(
+    config_dict: dict, run_dir: str, new_frozen: list[int], sharded_at: list[int] | None = None
+):
+    """Train a run (sharded, or under pipeline.sharding 'auto' with a sharded layout the
+    faster exactly at the boundaries `sharded_at`), then force transitions to each of
+    `new_frozen`; on rank 0 the whole state before and after each, gathered in full: per
+    parameter name its value and optimizer state, whether it is trained, and the layout's
+    frozen end (None elsewhere). Per-step losses are in RUN_DIR/steps.jsonl."""
+    import pipetransformer.trainer.trainer as trainer_module
     from pipetransformer.config import config_from_dict
-    from pipetransformer.trainer import optim as optim_module
     from pipetransformer.trainer.trainer import Trainer
+    from pipetransformer.utils.units import param_key
 
-    def full(tensor):
-        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    if sharded_at is not None:
+        trainer_module.step_pricer = prefer_sharded_at(sharded_at)
 
-    def snapshot(trainer) -> dict:
-        named = trainer.stage.named_params()
-        states = optim_module.states_by_name(trainer.stage.optimizer, named)
-        state = {
-            name: (
-                full(p.detach()).clone(),
-                {k: full(v).clone() for k, v in states.get(name, {}).items()},
-            )
-            for name, p in sorted(named.items())
+    def snapshot(trainer) -> dict | None:
+        gathered = gather_state(trainer, include_optimizer=True)  # collective
+        if gathered is None:
+            return None
+        model_state, optimizer_state = gathered
+        parameters = {
+            param_key(index, name)
+            for index, unit in enumerate(trainer.skeleton.units)
+            for name, _ in unit.named_parameters()
         }
         layout = trainer.stage.layout
         return {
-            "state": state,
-            "requires_grad": {name: p.requires_grad for name, p in named.items()},
+            "layout": (layout.pipe_len, layout.dp_degree, layout.sharded),
+            "state": {
+                name: (value, optimizer_state.get(name, {}))
+                for name, value in model_state.items()
+                if name in parameters
+            },
             "frozen_end": layout.plan.frozen_end,
             "sharded": layout.sharded,
         }

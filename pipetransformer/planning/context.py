@@ -67,6 +67,9 @@ class DoesNotFit(ConfigError):
 
 # (pipe_len, replica batch) -> the number of micro-batches of that layout.
 MicroBatchChooser = Callable[[int, int], int]
+# (layout, the frozen prefix's seconds a micro-batch of the profile's size, None: computed
+# in full) -> predicted seconds of one step of it (planning/predict.py `step_pricer`).
+StepPricer = Callable[[Layout, float | None], float]
 
 
 # ----------------------------------------------------------------------------- the model
@@ -263,6 +266,8 @@ class PlanContext:
     memory_source: str  # 'profile' (measured activations) or 'params' (none known)
     budget_bytes: float | None  # one device's memory for stages; None: unlimited
     planner: AutoPipePlanner
+    # Prices layouts for pipeline.sharding 'auto'; None: no sharded layout is taken.
+    pricer: StepPricer | None = None
 
     @classmethod
     def build(
@@ -323,6 +328,57 @@ class PlanContext:
         config = self.config
         if config.pipeline.sharding == "always":
             return self._sharded_layout(num_frozen_layers, prefix_cost)
+        if moving_from is not None and moving_from.sharded:
+            # Out of a sharded layout: the pipeline AutoPipe would hold at this boundary.
+            current_pipe_len = self.initial_pipe_len
+        layout = self._pipeline_layout(
+            num_frozen_layers, current_pipe_len, micro_batches, prefix_cost, moving_from
+        )
+        if config.pipeline.sharding == "auto" and self.pricer is not None:
+            sharded = self._sharded_layout(num_frozen_layers, prefix_cost)
+            if self._faster_and_fits(sharded, layout, prefix_cost, moving_from):
+                return sharded
+        return layout
+
+    def _faster_and_fits(
+        self,
+        sharded: Layout,
+        pipeline: Layout,
+        prefix_cost: float | None,
+        moving_from: Layout | None,
+    ) -> bool:
+        """Whether `sharded` fits the budget (and the move to it does) and is predicted
+        faster than `pipeline` at its best micro-batch count (of the [K, 6K] AutoPipe
+        measures: the pipeline is given the benefit of the doubt), in seconds a sample: under
+        trainer.batch_per_replica a step's batch grows with the replicas."""
+        budget = self.budget_bytes
+        if budget is not None:
+            if max(self.layout_bytes(sharded)) > budget:
+                return False
+            if moving_from is not None and max(self.move_bytes(moving_from, sharded)) > budget:
+                return False
+        prefix_s = prefix_cost if self.costs.source == "time" else None
+        trainer = self.config.trainer
+        replica_batch = trainer.replica_batch_size(pipeline.dp_degree)
+        k, setting = pipeline.pipe_len, self.config.pipeline.num_micro_batches
+        counts = [m for m in range(k, 6 * k + 1) if replica_batch % m == 0]
+        if isinstance(setting, int) or not counts:
+            counts = [pipeline.plan.num_micro_batches]
+        pipeline_s = min(self.pricer(pipeline.with_micro_batches(m), prefix_s) for m in counts)
+        sharded_s = self.pricer(sharded, prefix_s)
+        return sharded_s / trainer.global_batch_size_at(sharded.dp_degree) < (
+            pipeline_s / trainer.global_batch_size_at(pipeline.dp_degree)
+        )
+
+    def _pipeline_layout(
+        self,
+        num_frozen_layers: int,
+        current_pipe_len: int,
+        micro_batches: MicroBatchChooser | None,
+        prefix_cost: float | None,
+        moving_from: Layout | None,
+    ) -> Layout:
+        config = self.config
         if config.autopipe.enabled:
             fits = self.planner.fits
             if fits is not None and moving_from is not None:
@@ -351,8 +407,8 @@ class PlanContext:
         layout = Layout(plan, world.world_size, world.devices_per_node, world.world_size, True)
         setting = self.config.pipeline.num_micro_batches
         m = (
-            setting
-            if isinstance(setting, int)
+            setting  # 'auto' sharding takes the fewest that fit, not the pipeline's M
+            if isinstance(setting, int) and self.config.pipeline.sharding == "always"
             else sharded_micro_batches(
                 self.config, self.memory, plan, self.budget_bytes, world.world_size
             )
@@ -406,6 +462,10 @@ class PlanContext:
             self.config, plan.pipe_len, self.world.world_size, self.initial_pipe_len
         )
         return self.memory.peak_bytes(plan, shape)
+
+    def with_pricer(self, pricer: StepPricer | None) -> PlanContext:
+        """The same context pricing layouts with `pricer` (pipeline.sharding 'auto')."""
+        return dataclasses.replace(self, pricer=pricer)
 
     def layout_bytes(self, layout: Layout) -> list[float]:
         """The memory model's peak bytes of each stage of `layout` (sharded or not)."""

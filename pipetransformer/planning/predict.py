@@ -43,6 +43,7 @@ from pipetransformer.models import ModelSpec
 from pipetransformer.planning.context import (
     DoesNotFit,
     PlanContext,
+    StepPricer,
     describe_model,
     format_bytes,
     usable_device_bytes,
@@ -56,6 +57,7 @@ from pipetransformer.planning.run_model import (
     simulate_run,
 )
 from pipetransformer.planning.step_model import (
+    CollectiveCost,
     Links,
     StepPrediction,
     UnitTimes,
@@ -127,6 +129,7 @@ class PredictedLayout:
     step_s: float
     bubble: float
     peak_bytes: float  # the memory model's largest stage
+    sharded: bool = False  # FSDP2 over every device (pipeline.sharding)
 
 
 @dataclass(frozen=True)
@@ -315,6 +318,8 @@ class EpochPrediction:
     final_num_frozen_layers: int
     final_pipe_len: int
     final_dp_degree: int
+    sharded: bool = False  # at the epoch's start, and at its end
+    final_sharded: bool = False
 
 
 @dataclass(frozen=True)
@@ -396,7 +401,9 @@ class _Variant:
 
     def layout_for(self, num_frozen_layers: int, current: Layout, prefix_s: float) -> Layout:
         return self.context.layout_for(
-            num_frozen_layers, current.pipe_len, prefix_cost=self.balance_cost(prefix_s)
+            num_frozen_layers,
+            _pipe_len_from(self.context, current),
+            prefix_cost=self.balance_cost(prefix_s),
         )
 
     def step(self, layout: Layout, prefix_s: float | None) -> StepPrediction:
@@ -443,6 +450,8 @@ class _Variant:
                     last.num_frozen_layers,
                     last.layout.pipe_len,
                     last.layout.dp_degree,
+                    first.layout.sharded,
+                    last.layout.sharded,
                 )
             )
         return _RunPrediction(sum(secs for _, secs in priced), segments, epochs)
@@ -473,6 +482,8 @@ def predict(
         _require_a_start_that_fits(config, spec, world, profile, budget, cluster)
     replayed, per_epoch = freeze_for(config, trajectory)
     context = PlanContext.build(replayed, spec, world, profile, budget)
+    if replayed.pipeline.sharding == "auto":  # sharded where predicted faster
+        context = context.with_pricer(step_pricer(times, context.config, cluster))
     node_samples = math.ceil(train_samples / cluster.nodes)
     elastic = _Variant(replayed, context, cluster, times, node_samples)
 
@@ -486,7 +497,7 @@ def predict(
         serves = elastic.serves(frozen)
         read = elastic.prefix_s(frozen, {frozen: 1.0}, serves)
         layout = context.layout_for(frozen, pipe_len, prefix_cost=elastic.balance_cost(read))
-        pipe_len = layout.pipe_len
+        pipe_len = _pipe_len_from(context, layout)
         rows.append(_predicted(frozen, layout, elastic.step(layout, read), peak(context, layout)))
     run = elastic.run(per_epoch)
     start = run.segments[0].layout
@@ -566,6 +577,12 @@ def predict(
     )
 
 
+def _pipe_len_from(context: PlanContext, layout: Layout) -> int:
+    """The pipeline length the planner halves from after `layout`: its own, or out of a
+    sharded layout the initial one (what the trainer passes, planning/context.py)."""
+    return context.initial_pipe_len if layout.sharded else layout.pipe_len
+
+
 def _without_freezing(config: Config) -> Config:
     return dataclasses.replace(config, freeze=dataclasses.replace(config.freeze, strategy="none"))
 
@@ -596,7 +613,7 @@ def _ddp_peer(
     pipeline = dataclasses.replace(
         config.pipeline,
         initial_pipe_len=1,
-        num_micro_batches=1,
+        num_micro_batches="auto" if sharded else 1,  # sharded: the fewest that fit
         schedule="gpipe",
         sharding="always" if sharded else "never",
     )
@@ -682,8 +699,9 @@ def _predicted(
         optimizer_s=step.optimizer_s,
         overhead_s=step.overhead_s,
         step_s=step.step_s,
-        bubble=(m + k - 1) / m,
+        bubble=1.0 if layout.sharded else (m + k - 1) / m,
         peak_bytes=peak_bytes,
+        sharded=layout.sharded,
     )
 
 
@@ -729,6 +747,33 @@ def _step(
         cached_prefix=cached,
         prefix_s=prefix_s,
     )
+
+
+def step_pricer(times: UnitTimes, config: Config, cluster: Cluster) -> StepPricer:
+    """Predicted seconds of a step of any layout of a run of `config` on `cluster` (what
+    PlanContext compares a sharded layout with a pipeline by, pipeline.sharding 'auto')."""
+
+    def price(layout: Layout, prefix_s: float | None) -> float:
+        return _step(times, layout, config, cluster, prefix_s).step_s
+
+    return price
+
+
+def measured_cluster(costs: dict, nodes: int, devices_per_node: int, device_type: str) -> Cluster:
+    """The cluster a run measured at start (trainer/profiler.py `RunProfiler.links`): its
+    all-reduce's line as the ring's link (2 (R - 1) / R of the bytes a rank sends), its
+    all-gather and reduce-scatter as measured; collectives overlap compute on GPUs only."""
+    world = nodes * devices_per_node
+    latency, bytes_per_s = costs["all_reduce"]
+    ring = 2 * (world - 1) / world if world > 1 else 1.0
+    links = Links(
+        bytes_per_s * ring,
+        bytes_per_s * ring,
+        latency_s=latency / max(1, 2 * (world - 1)),
+        all_gather=CollectiveCost(*costs["all_gather"]),
+        reduce_scatter=CollectiveCost(*costs["reduce_scatter"]),
+    )
+    return Cluster(nodes, devices_per_node, links, overlaps_collectives=device_type == "cuda")
 
 
 def layout_epoch_s(

@@ -49,7 +49,9 @@ def _change(start, end) -> str:
 
 
 def _epoch_line(e: EpochPrediction) -> str:
-    layouts = _change(f"{e.pipe_len}x{e.dp_degree}", f"{e.final_pipe_len}x{e.final_dp_degree}")
+    start = f"{e.pipe_len}x{e.dp_degree}{'s' if e.sharded else ''}"
+    end = f"{e.final_pipe_len}x{e.final_dp_degree}{'s' if e.final_sharded else ''}"
+    layouts = _change(start, end)
     frozen = _change(e.num_frozen_layers, e.final_num_frozen_layers)
     return (
         f"{e.epoch:>6} {frozen:>9} {layouts:>11} {e.steps:>7} {_duration(e.seconds):>11}  "
@@ -80,13 +82,15 @@ def format_prediction(result: Prediction) -> str:
         f"{result.profile_micro_batch_size})",
         f"{result.train_samples} training samples an epoch{samples_source}; {batch}: "
         f"{result.steps_per_epoch} steps an epoch at the start",
-        "steady state per frozen boundary (the prefix read from AutoCache where it serves):",
+        "steady state per frozen boundary (the prefix read from AutoCache where it serves; "
+        "s: sharded, FSDP2 over every device):",
         f"{'frozen':>6} {'K':>3} {'R':>3} {'M':>3} {'bubble':>7} {'compute':>10} {'p2p':>9} "
         f"{'all-reduce':>10} {'optimizer':>10} {'overhead':>9} {'step':>10} {'memory':>10}",
     ]
     for r in result.rows:
         lines.append(
-            f"{r.num_frozen_layers:>6} {r.pipe_len:>3} {r.dp_degree:>3} {r.num_micro_batches:>3} "
+            f"{r.num_frozen_layers:>6} {r.pipe_len:>3} {r.dp_degree:>3}{'s' if r.sharded else ' '}"
+            f"{r.num_micro_batches:>3} "
             f"{r.bubble:>7.2f} {1e3 * r.compute_s:>8.2f}ms {1e3 * r.p2p_s:>7.2f}ms "
             f"{1e3 * r.allreduce_s:>8.2f}ms {1e3 * r.optimizer_s:>8.2f}ms "
             f"{1e3 * r.overhead_s:>7.2f}ms {1e3 * r.step_s:>8.2f}ms "

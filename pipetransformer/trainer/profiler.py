@@ -124,6 +124,61 @@ class RunProfiler:
             logger.info("unit costs from %s", self.store.path)
         return profile
 
+    # ------------------------------------------------------------------ links
+
+    def links(self) -> dict[str, list[float] | float]:
+        """What the planner prices a sharded layout against a pipeline with
+        (pipeline.sharding 'auto'), measured on the default group (NCCL on GPUs): FSDP2's
+        all-gather and reduce-scatter and DDP's all-reduce, each a line (latency s, bytes/s of
+        the whole tensor) through the medians of 3 calls at 4 and 16 MiB, and the device's
+        memory bandwidth (a copy; the optimizer's step). The slowest rank's figures,
+        identical on every rank (collective)."""
+        import torch.distributed as dist
+
+        start = time.perf_counter()
+        world = dist.get_world_size()
+        sizes = (4 * 2**20, 16 * 2**20)  # bytes of the whole tensor
+        medians: dict[str, list[float]] = {}
+        for size in sizes:
+            numel = size // 4 // world * world
+            full = torch.ones(numel, device=self.device)
+            shard = torch.ones(numel // world, device=self.device)
+            calls = {
+                "all_gather": lambda f=full, s=shard: dist.all_gather_into_tensor(f, s),
+                "reduce_scatter": lambda f=full, s=shard: dist.reduce_scatter_tensor(s, f),
+                "all_reduce": lambda f=full: dist.all_reduce(f),
+                "copy": lambda f=full, s=shard: f.copy_(torch.cat([s] * world)),
+            }
+            for name, call in calls.items():
+                seconds = []
+                for _ in range(4):  # the first call of each warms up
+                    self.control.barrier()
+                    began = time.perf_counter()
+                    call()
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    seconds.append(time.perf_counter() - began)
+                medians.setdefault(name, []).append(statistics.median(seconds[1:]))
+        names = list(medians)
+        slowest = self.control.all_max([t for name in names for t in medians[name]]).tolist()
+        costs: dict[str, list[float] | float] = {}
+        for i, name in enumerate(names):
+            small, large = slowest[2 * i], slowest[2 * i + 1]
+            per_byte = max(1e-15, (large - small) / (sizes[1] - sizes[0]))
+            costs[name] = [max(0.0, small - per_byte * sizes[0]), 1.0 / per_byte]
+        # The copy reads and writes its bytes (and the cat made them once more).
+        costs["memory_bytes_per_s"] = 3 * costs.pop("copy")[1]
+        self.seconds += time.perf_counter() - start
+        logger.info(
+            "collectives for sharded layouts: all-gather %.2f GB/s, reduce-scatter %.2f GB/s, "
+            "all-reduce %.2f GB/s (of the whole tensor), memory %.1f GB/s",
+            costs["all_gather"][1] / 1e9,
+            costs["reduce_scatter"][1] / 1e9,
+            costs["all_reduce"][1] / 1e9,
+            costs["memory_bytes_per_s"] / 1e9,
+        )
+        return costs
+
     # ------------------------------------------------------------------ micro-batches
 
     def _time_steps(self, step: Callable[[], None], steps: int) -> tuple[float, float]:

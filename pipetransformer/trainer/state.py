@@ -60,6 +60,7 @@ class RunState:
     num_frozen_layers: int = 0
     pipe_len: int = 0  # the layout at the checkpoint (a hint for a resume at the same world)
     dp_degree: int = 0
+    sharded: bool = False
     num_micro_batches: int = 0
     world_size: int = 0
     devices_per_node: int = 0
@@ -93,8 +94,11 @@ class RunState:
     # Shares of the training samples by the frozen boundary of their AutoCache entry
     # (planning/run_model.py CachedShares.to_dict; empty: none cached).
     cache_shares: dict[str, Any] = field(default_factory=dict)
-    # What the profilers measured that is not in the profile file.
+    # What the profilers measured that is not in the profile file: a cache read, and for
+    # pipeline.sharding 'auto' the collectives and memory bandwidth that price layouts
+    # (RunProfiler.links; kept so that a resumed run decides as the first attempt did).
     cache_read_s_per_sample: float | None = None
+    link_costs: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"state_version": STATE_VERSION, **dataclasses.asdict(self)}

@@ -47,6 +47,7 @@ from pipetransformer.planning import (
     format_bytes,
     profiling_micro_batch_size,
 )
+from pipetransformer.planning.predict import measured_cluster, step_pricer, unit_times
 from pipetransformer.planning.run_model import prefix_cost_to_balance
 from pipetransformer.trainer import optim
 from pipetransformer.trainer.caching import RunCache
@@ -284,11 +285,22 @@ class Trainer:
         # Measured at the initial layout's micro-batch size, 'auto' K as the shortest start.
         self.profile_micro_batch_size = profiling_micro_batch_size(config, world.world_size)
         profile = None
-        if config.pipeline.balance == "time" or config.cache.enabled or budget is not None:
+        pricing = config.pipeline.sharding == "auto"
+        if config.pipeline.balance == "time" or config.cache.enabled or pricing:
+            profile = self.profiler.unit_profile(list(full.units), self.profile_micro_batch_size)
+        elif budget is not None:
             profile = self.profiler.unit_profile(list(full.units), self.profile_micro_batch_size)
         self.measured_costs = unit_costs_from_profile(profile) if profile is not None else None
         self.plan = PlanContext.build(config, self.spec, world.shape, profile, budget)
         self.config = self.plan.config
+        if pricing:  # sharded layouts where predicted faster (planning/context.py)
+            costs = self.state.link_costs or self.profiler.links()
+            self.state.link_costs = costs
+            cluster = measured_cluster(
+                costs, world.num_nodes, world.devices_per_node, world.device.type
+            )
+            times = unit_times(profile, costs["memory_bytes_per_s"])
+            self.plan = self.plan.with_pricer(step_pricer(times, self.config, cluster))
         if self.config.pipeline.initial_pipe_len != config.pipeline.initial_pipe_len:
             logger.info(
                 "initial_pipe_len auto: %d (device memory %s)",
@@ -342,6 +354,8 @@ class Trainer:
             world.world_size,
             world.devices_per_node,
         )
+        if state.sharded:  # the pipeline AutoPipe would hold there (planning/context.py)
+            return initial
         return min(state.pipe_len, initial) if same_world and state.pipe_len > 0 else initial
 
     def cache_serves(self, num_frozen_layers: int) -> bool:
@@ -424,6 +438,7 @@ class Trainer:
             layout.pipe_len,
             layout.dp_degree,
         )
+        state.sharded = layout.sharded
         state.num_micro_batches = layout.plan.num_micro_batches
         state.world_size, state.devices_per_node = (
             self.world.world_size,
@@ -549,10 +564,12 @@ class Trainer:
         decision = self.freezer.decide(layout.plan.num_frozen_layers, layout.dp_degree)
         # A new boundary, or the same one balanced again now that the cache holds what its
         # stage 0 was balanced to fill (the new plan is the same on every rank).
-        replanned = self.layout_for(decision.num_frozen_layers, layout.pipe_len, layout).plan
-        if (replanned.num_frozen_layers, replanned.stage_ranges) != (
+        new = self.layout_for(decision.num_frozen_layers, layout.pipe_len, layout)
+        replanned = new.plan
+        if (replanned.num_frozen_layers, replanned.stage_ranges, new.sharded) != (
             layout.plan.num_frozen_layers,
             layout.plan.stage_ranges,
+            layout.sharded,
         ):
             record = self.transition(decision.num_frozen_layers, decision.layer_grad_norms, tick)
             cadence = self.freezer.space(
