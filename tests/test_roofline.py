@@ -190,19 +190,21 @@ def test_paper_cluster_prediction_without_a_profile(config, tmp_path):
     assert data["cluster"]["inter_node_gbps"] == pytest.approx(5.0)
     assert data["unit_profile_source"].startswith("analytical, roofline on quadro-rtx-5000")
     assert data["baseline"]["name"] == "baseline" and data["baseline"]["fits"]
-    ddp, freeze_ddp = data["peers"]
-    assert (ddp["name"], freeze_ddp["name"]) == ("ddp", "freeze_ddp")
-    for peer in (ddp, freeze_ddp):
+    ddp, freeze_ddp, fsdp, freeze_fsdp = data["peers"]
+    assert [p["name"] for p in data["peers"]] == ["ddp", "freeze_ddp", "fsdp", "freeze_fsdp"]
+    for peer in data["peers"]:
         assert peer["pipe_len"] == 1 and peer["dp_degree"] == 16 and peer["fits"]
         assert peer["run_s"] > 0 and peer["speedup"] == pytest.approx(
             peer["run_s"] / data["elastic_s"]
         )
     assert freeze_ddp["run_s"] <= ddp["run_s"]  # the same layout, less to train
+    assert freeze_fsdp["run_s"] <= fsdp["run_s"]
     text = _plan(config, tmp_path)
     assert text.returncode == 0, text.stderr
     lines = text.stdout.splitlines()
     assert "2 node(s) x 8 quadro-rtx-5000" in lines[0] and "pcie3-x16" in lines[0]
-    for label in ("Pipe+DDP (K=", "DDP (K=1, R=16", "freeze+DDP (K=1, R=16"):
+    labels = ("Pipe+DDP (K=", "DDP (K=1, R=16", "freeze+DDP (K=1, R=16", "FSDP2 (K=1, R=16")
+    for label in (*labels, "freeze+FSDP2 (K=1, R=16"):
         assert any(line.strip().startswith(label) for line in lines), (label, text.stdout)
 
 
@@ -223,7 +225,8 @@ def test_ddp_does_not_fit_when_the_whole_model_exceeds_a_device(tmp_path):
     """BERT-large on SQuAD at 512 tokens as bert_squad.yaml runs it: its 8-stage 1F1B
     pipelines of 64 sequences fit a Quadro RTX 5000's 16 GiB less the CUDA reserve, and so
     does every layout the planner packs them into; DDP at the baseline's global batch (128
-    over 16 devices: 8 sequences a replica, the whole model on each) does not."""
+    over 16 devices: 8 sequences a replica, the whole model on each) does not; FSDP2 over
+    the 16 does, its 8 sequences in micro-batches (gradient accumulation)."""
     result = _plan(BERT_SQUAD, tmp_path, "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
@@ -231,8 +234,10 @@ def test_ddp_does_not_fit_when_the_whole_model_exceeds_a_device(tmp_path):
     assert budget == pytest.approx(usable_device_bytes(16 * 2**30))
     assert data["baseline"]["fits"] and data["baseline"]["peak_bytes"] <= budget
     assert all(row["peak_bytes"] <= budget for row in data["rows"])
-    for peer in data["peers"]:
+    for peer in data["peers"][:2]:  # DDP and freeze + DDP
         assert not peer["fits"] and peer["peak_bytes"] > budget and peer["speedup"] is None
+    for peer in data["peers"][2:]:  # FSDP2 and freeze + FSDP2
+        assert peer["fits"] and peer["peak_bytes"] <= budget and peer["num_micro_batches"] > 1
     text = _plan(BERT_SQUAD, tmp_path)
     ddp_line = next(line for line in text.stdout.splitlines() if "  DDP (K=1" in line)
     assert "does not fit (needs" in ddp_line and f"has {format_bytes(budget)})" in ddp_line

@@ -746,6 +746,7 @@ def _step(
         links=cluster.links,
         cached_prefix=cached,
         prefix_s=prefix_s,
+        overlap=cluster.overlaps_collectives,
     )
 
 

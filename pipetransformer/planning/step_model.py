@@ -12,7 +12,11 @@ One optimizer step of a layout (K stages, M micro-batches of m samples, R replic
     stage p2p the hidden state (and its gradient) sent between stages, per micro-batch,
               over the intra-node link
     all-reduce DDP's ring all-reduce of the slowest stage's trained gradients:
-              2 (R - 1) / R x bytes / bandwidth (the inter-node link once replicas span nodes)
+              2 (R - 1) / R x bytes / bandwidth (the inter-node link once replicas span nodes).
+              With `overlap` (GPUs: DDP reduces each 25 MB bucket while the backward goes
+              on, and the schedule lets it sync on the last micro-batch only) what that
+              micro-batch's backward of the stage hides is not added, never the last
+              bucket's share: the same treatment as a sharded layout's collectives below
     optimizer AdamW / SGD touch each trained parameter's bytes about 7 / 4 times (parameter,
               gradient, state read and written): bytes / the device's memory bandwidth
     overhead  what a step costs beyond its units' kernels (Python, the schedule, the loss,
@@ -55,6 +59,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipetransformer.autopipe.planner import PipelinePlan
+
+# DDP's default bucket_cap_mb: the last bucket's all-reduce starts after the backward ends.
+DDP_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True)
@@ -148,9 +155,11 @@ def predict_step(
     links: Links,
     cached_prefix: bool = False,
     prefix_s: float | None = None,
+    overlap: bool = False,
 ) -> StepPrediction:
     """`prefix_s`: the frozen prefix's seconds per micro-batch of the profile's size
-    (`prefix_work_s`); None: read from the cache (`cached_prefix`) or computed in full."""
+    (`prefix_work_s`); None: read from the cache (`cached_prefix`) or computed in full.
+    `overlap`: DDP's all-reduce overlaps the last micro-batch's backward (GPUs)."""
     scale = micro_batch_size / times.micro_batch_size
     frozen_end = plan.frozen_end
     if prefix_s is None:
@@ -187,9 +196,20 @@ def predict_step(
         allreduce = (
             2 * (dp_degree - 1) / dp_degree * grads / bandwidth + 2 * (dp_degree - 1) * latency
         )
+    hidden = 0.0
+    if overlap and allreduce > 0:
+        backward = max(
+            scale
+            * sum(
+                times.trained_s[u] - times.frozen_s[u] for u in range(start, end) if u >= frozen_end
+            )
+            for start, end in plan.stage_ranges
+        )
+        last_bucket = min(1.0, DDP_BUCKET_BYTES / grads) * allreduce
+        hidden = min(backward, allreduce - last_bucket)
     optimizer = times.optimizer_passes * grads / times.memory_bytes_per_s
     overhead = times.step_overhead_s + (m + k - 1) * times.slot_overhead_s
-    return StepPrediction(compute, p2p, allreduce, optimizer, overhead)
+    return StepPrediction(compute, p2p, allreduce - hidden, optimizer, overhead, hidden)
 
 
 def calibrate_overhead(gaps: Sequence[tuple[int, float]]) -> tuple[float, float]:
