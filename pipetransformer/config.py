@@ -164,11 +164,12 @@ class PipelineConfig:
     profile_path: str | None = None
     # FSDP2 (fsdp/): 'always' trains one stage on every process with the trained layers'
     # parameters, gradients and optimizer state sharded over them (the fsdp peers of
-    # `compare --peers`); 'auto' takes that sharded layout at a frozen boundary where it is
-    # predicted faster than the pipeline layout AutoPipe plans (from the measured unit times
-    # and the collectives timed at start); 'never' keeps pipelines and DDP
+    # `compare --peers`); 'auto' takes that sharded layout at a frozen boundary where it
+    # fits and is predicted faster than the pipeline layout AutoPipe plans (from the measured
+    # unit times and the collectives timed at start; under trainer.batch_per_replica never:
+    # every process a replica would multiply the batch); 'never' keeps pipelines and DDP
     # (docs/architecture.md, "Sharded layouts").
-    sharding: Literal["never", "always", "auto"] = "never"
+    sharding: Literal["never", "always", "auto"] = "auto"
 
     def __post_init__(self) -> None:
         if self.sharding == "always" and self.initial_pipe_len not in (1, "auto"):
@@ -657,13 +658,6 @@ def check_config(config: Config, world_size: int | None = None) -> None:
     world = world_size or nproc
     if world % nproc != 0:
         _fail("trainer.nproc_per_node", f"{nproc} does not divide the world size {world}")
-    if config.pipeline.sharding == "auto" and config.trainer.batch_per_replica is not None:
-        _fail(
-            "pipeline.sharding",
-            "'auto' needs a fixed global batch (trainer.global_batch_size): under "
-            "trainer.batch_per_replica a sharded layout, every process a replica, would "
-            "multiply the batch a step trains",
-        )
     setting = config.pipeline.initial_pipe_len
     candidates = [setting] if isinstance(setting, int) else pipe_len_candidates(nproc)
     if config.pipeline.sharding == "always":

@@ -134,12 +134,14 @@ def assert_handoffs_bit_exact(snapshots: list[dict]) -> None:
 
 
 def auto_config(**changes) -> dict:
-    """pipeline.sharding 'auto' on 2 ranks from a 2-stage pipeline (the pricer is the test's:
-    tests/workers.py `prefer_sharded_at`)."""
+    """pipeline.sharding 'auto' on 2 ranks from a 2-stage pipeline, with a device budget
+    (layouts are priced only then); a replica never fits and the pricer is the test's
+    (tests/workers.py `prefer_sharded_at`)."""
     settings = dict(
         trainer__nproc_per_node=2,
         pipeline__initial_pipe_len=2,
         pipeline__sharding="auto",
+        pipeline__device_memory_bytes=2**34,
         cache__enabled=True,
         cache__profile=False,
     )

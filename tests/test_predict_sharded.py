@@ -10,7 +10,7 @@ import pytest
 
 from pipetransformer.autopipe.memory import shard_groups
 from pipetransformer.autopipe.planner import UnitCosts, balance
-from pipetransformer.config import load_config
+from pipetransformer.config import config_from_dict, load_config
 from pipetransformer.planning.predict import predict
 from pipetransformer.planning.prediction_inputs import cluster_from_flags, prediction_unit_times
 from pipetransformer.planning.step_model import Links, UnitTimes, predict_sharded_step
@@ -103,3 +103,61 @@ def test_plan_predict_prices_the_fsdp_peers(tmp_path):
     # The baseline's global batch: 128 sequences, 8 a device; 87,599 / 2 a node.
     steps = math.ceil(math.ceil(87_599 / 2) / 64)
     assert fsdp.run_s == pytest.approx(3 * steps * fsdp.step_s)
+
+
+def _tiny(**pipeline) -> tuple:
+    from helpers import TINY_VIT, tiny_vit
+
+    from pipetransformer.config import config_from_dict
+
+    config = config_from_dict(
+        {
+            "trainer": {"global_batch_size": 8, "nproc_per_node": 2},
+            "optimizer": {"name": "adamw"},
+            "pipeline": {
+                "initial_pipe_len": 2,
+                "num_micro_batches": 2,
+                "balance": "params",
+                **pipeline,
+            },
+            "model": {"name": TINY_VIT.name, "kwargs": TINY_VIT.kwargs},
+        }
+    )
+    return config, tiny_vit().spec
+
+
+def test_auto_shards_only_where_a_replica_does_not_fit_and_sharding_is_faster():
+    """The tiny ViT on 2 devices: a whole replica needs 706 KB at F = 0 and 558 KB at F = 1,
+    the 2-stage pipeline 285 KB, the sharded layout 419 KB and 382 KB."""
+    from pipetransformer.config import World
+    from pipetransformer.planning.context import PlanContext
+
+    config, spec = _tiny()
+    world = World(2, 2)
+
+    def prefer(sharded: bool):
+        return lambda layout, prefix_s: 1.0 if layout.sharded == sharded else 2.0
+
+    def layouts(budget, pricer):
+        context = PlanContext.build(config, spec, world, budget_bytes=budget).with_pricer(pricer)
+        return [context.layout_for(f, 2) for f in (0, 1)], context
+
+    unlimited, _ = layouts(None, prefer(True))
+    assert not any(layout.sharded for layout in unlimited)  # a replica fits: DDP does it
+    (first, second), context = layouts(500_000, prefer(True))
+    assert not context.replica_fits(0) and not context.replica_fits(1)
+    assert first.sharded and second.sharded and first.dp_degree == 2
+    slower, _ = layouts(500_000, prefer(False))
+    assert [(s.pipe_len, s.sharded) for s in slower] == [(2, False), (2, False)]
+    tight, context = layouts(400_000, prefer(True))  # sharded fits at F = 1 only
+    assert [s.sharded for s in tight] == [False, True]
+    # Out of a sharded layout the pipeline is AutoPipe's from the initial length again.
+    back = context.with_pricer(prefer(False)).layout_for(1, 1, moving_from=tight[1])
+    assert (back.pipe_len, back.sharded) == (2, False)
+    # Under the paper's batch semantics every process a replica would grow the batch: never.
+    per_replica = config_from_dict(
+        {"trainer": {"batch_per_replica": 4, "nproc_per_node": 2}, "pipeline": {"sharding": "auto"}}
+    )
+    assert not PlanContext.prices(per_replica) and PlanContext.prices(config)
+    never, _ = _tiny(sharding="never")
+    assert not PlanContext.prices(never)

@@ -290,8 +290,11 @@ def sharded_handoff_snapshots(
     from pipetransformer.trainer.trainer import Trainer
     from pipetransformer.utils.units import param_key
 
-    if sharded_at is not None:
+    if sharded_at is not None:  # as on a cluster whose device a replica does not fit
+        from pipetransformer.planning.context import PlanContext
+
         trainer_module.step_pricer = prefer_sharded_at(sharded_at)
+        PlanContext.replica_fits = lambda self, num_frozen_layers: False
 
     def snapshot(trainer) -> dict | None:
         gathered = gather_state(trainer, include_optimizer=True)  # collective

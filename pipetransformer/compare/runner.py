@@ -77,6 +77,7 @@ def variant_overrides(config: Config, ablations: bool, peers: bool = False) -> d
             "freeze.strategy=none",
             "cache.enabled=false",
             f"pipeline.initial_pipe_len={fixed}",
+            "pipeline.sharding=never",
         ]
     }
     if peers:
@@ -84,9 +85,14 @@ def variant_overrides(config: Config, ablations: bool, peers: bool = False) -> d
             "freeze.strategy=none",
             "cache.enabled=false",
             "pipeline.initial_pipe_len=1",
+            "pipeline.sharding=never",
             *peer_batch,
         ]
-        variants[FREEZE_DDP] = ["pipeline.initial_pipe_len=1", *peer_batch]
+        variants[FREEZE_DDP] = [
+            "pipeline.initial_pipe_len=1",
+            "pipeline.sharding=never",
+            *peer_batch,
+        ]
         # The fewest micro-batches that fit (gradient accumulation, how FSDP2 users fit a
         # batch), not the pipeline's M.
         sharded = [
@@ -98,8 +104,9 @@ def variant_overrides(config: Config, ablations: bool, peers: bool = False) -> d
         variants[FSDP] = ["freeze.strategy=none", "cache.enabled=false", *sharded]
         variants[FREEZE_FSDP] = sharded
     if ablations:
-        variants["freeze_only"] = ["autopipe.enabled=false", "cache.enabled=false"]
-        variants["no_autodp"] = ["autodp.enabled=false", "cache.enabled=false"]
+        never = "pipeline.sharding=never"  # a sharded layout is AutoPipe's and AutoDP's
+        variants["freeze_only"] = ["autopipe.enabled=false", "cache.enabled=false", never]
+        variants["no_autodp"] = ["autodp.enabled=false", "cache.enabled=false", never]
         if config.cache.enabled:
             variants["no_cache"] = ["cache.enabled=false"]
     variants[ELASTIC] = []

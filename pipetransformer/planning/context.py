@@ -13,7 +13,10 @@ known, and `memory_source` says so.
 With `pipeline.sharding: always` every layout is sharded (FSDP2, fsdp/): one stage on every
 process, the trained units sharded over them, the replica batch in the fewest micro-batches
 that fit the budget; a run whose sharded layout does not fit it even at one sample a
-micro-batch, at 0 frozen layers, is refused (`DoesNotFit`).
+micro-batch, at 0 frozen layers, is refused (`DoesNotFit`). With `auto` (the default) a
+boundary where a whole replica does not fit the device gets the sharded layout instead of
+AutoPipe's pipeline when it fits too and a `pricer` (planning/predict.py's step model over
+the run's measured unit times and collectives) predicts it faster a sample.
 
 Owns: that set-up and the layout for a frozen boundary. Must not: measure anything, start
 processes or mutate the config it is given (`config.resolve` makes the resolved copy).
@@ -334,11 +337,26 @@ class PlanContext:
         layout = self._pipeline_layout(
             num_frozen_layers, current_pipe_len, micro_batches, prefix_cost, moving_from
         )
-        if config.pipeline.sharding == "auto" and self.pricer is not None:
+        if (
+            self.prices_sharded_layouts
+            and self.pricer is not None
+            and not self.replica_fits(num_frozen_layers)
+        ):
             sharded = self._sharded_layout(num_frozen_layers, prefix_cost)
             if self._faster_and_fits(sharded, layout, prefix_cost, moving_from):
                 return sharded
         return layout
+
+    def replica_fits(self, num_frozen_layers: int) -> bool:
+        """Whether a whole replica (one stage, DDP over every device) fits the budget at
+        this boundary: where it does, DDP does what FSDP2 does with less communication, and
+        no sharded layout is considered (the issue FSDP2 answers is a replica that does not
+        fit)."""
+        if self.budget_bytes is None:
+            return True
+        plan = balance(self.costs, num_frozen_layers, 1, self.config.autopipe.partition_method)
+        shape = _layout_shape(self.config, 1, self.world.world_size, self.initial_pipe_len)
+        return max(self.memory.peak_bytes(plan, shape)) <= self.budget_bytes
 
     def _faster_and_fits(
         self,
@@ -462,6 +480,23 @@ class PlanContext:
             self.config, plan.pipe_len, self.world.world_size, self.initial_pipe_len
         )
         return self.memory.peak_bytes(plan, shape)
+
+    @property
+    def prices_sharded_layouts(self) -> bool:
+        return self.prices(self.config)
+
+    @staticmethod
+    def prices(config: Config) -> bool:
+        """pipeline.sharding 'auto' with a fixed global batch, AutoPipe and AutoDP (under
+        trainer.batch_per_replica a sharded layout, every process a replica, would multiply
+        the batch a step trains); a sharded layout is then considered at a boundary where a
+        whole replica does not fit the device (`replica_fits`)."""
+        return (
+            config.pipeline.sharding == "auto"
+            and config.trainer.batch_per_replica is None
+            and config.autopipe.enabled  # the layout is AutoPipe's choice, with AutoDP's
+            and config.autodp.enabled  # replicas
+        )
 
     def with_pricer(self, pricer: StepPricer | None) -> PlanContext:
         """The same context pricing layouts with `pricer` (pipeline.sharding 'auto')."""

@@ -482,7 +482,7 @@ def predict(
         _require_a_start_that_fits(config, spec, world, profile, budget, cluster)
     replayed, per_epoch = freeze_for(config, trajectory)
     context = PlanContext.build(replayed, spec, world, profile, budget)
-    if replayed.pipeline.sharding == "auto":  # sharded where predicted faster
+    if context.prices_sharded_layouts:  # sharded where predicted faster
         context = context.with_pricer(step_pricer(times, context.config, cluster))
     node_samples = math.ceil(train_samples / cluster.nodes)
     elastic = _Variant(replayed, context, cluster, times, node_samples)

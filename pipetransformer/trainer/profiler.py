@@ -144,8 +144,8 @@ class RunProfiler:
             full = torch.ones(numel, device=self.device)
             shard = torch.ones(numel // world, device=self.device)
             calls = {
-                "all_gather": lambda f=full, s=shard: dist.all_gather_into_tensor(f, s),
-                "reduce_scatter": lambda f=full, s=shard: dist.reduce_scatter_tensor(s, f),
+                "all_gather": lambda f=full, s=shard: dist.all_gather_single(f, s),
+                "reduce_scatter": lambda f=full, s=shard: dist.reduce_scatter_single(s, f),
                 "all_reduce": lambda f=full: dist.all_reduce(f),
                 "copy": lambda f=full, s=shard: f.copy_(torch.cat([s] * world)),
             }

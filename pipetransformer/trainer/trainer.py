@@ -285,7 +285,8 @@ class Trainer:
         # Measured at the initial layout's micro-batch size, 'auto' K as the shortest start.
         self.profile_micro_batch_size = profiling_micro_batch_size(config, world.world_size)
         profile = None
-        pricing = config.pipeline.sharding == "auto"
+        # Layouts are priced where a replica may not fit: with a memory budget.
+        pricing = PlanContext.prices(config) and budget is not None
         if config.pipeline.balance == "time" or config.cache.enabled or pricing:
             profile = self.profiler.unit_profile(list(full.units), self.profile_micro_batch_size)
         elif budget is not None:
