@@ -295,6 +295,7 @@ def sharded_handoff_snapshots(
 
         trainer_module.step_pricer = prefer_sharded_at(sharded_at)
         PlanContext.replica_fits = lambda self, num_frozen_layers: False
+        Trainer._prices_layouts = lambda self, config, budget: True  # as on a GPU
 
     def snapshot(trainer) -> dict | None:
         gathered = gather_state(trainer, include_optimizer=True)  # collective

@@ -285,8 +285,7 @@ class Trainer:
         # Measured at the initial layout's micro-batch size, 'auto' K as the shortest start.
         self.profile_micro_batch_size = profiling_micro_batch_size(config, world.world_size)
         profile = None
-        # Layouts are priced where a replica may not fit: with a memory budget.
-        pricing = PlanContext.prices(config) and budget is not None
+        pricing = self._prices_layouts(config, budget)
         if config.pipeline.balance == "time" or config.cache.enabled or pricing:
             profile = self.profiler.unit_profile(list(full.units), self.profile_micro_batch_size)
         elif budget is not None:
@@ -312,6 +311,15 @@ class Trainer:
             self._note_config_changes(resumption)
         if world.rank == 0:  # the resolved config says where the run started
             write_resolved_config(self.run_dir, self.config)
+
+    def _prices_layouts(self, config: Config, budget: float | None) -> bool:
+        """Whether sharded layouts are priced against pipelines (pipeline.sharding 'auto'):
+        where a replica may not fit (a memory budget), on GPUs. Over gloo on a CPU FSDP2's
+        step costs what the step model cannot price (measured: 1.4x DDP's for MiniLM,
+        docs/benchmarks.md section 13), so a CPU run keeps pipelines."""
+        return (
+            PlanContext.prices(config) and budget is not None and self.world.device.type == "cuda"
+        )
 
     def _note_config_changes(self, resumption: Resumption) -> None:
         """A resume with other settings than the checkpoint's is said and recorded (an
