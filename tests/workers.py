@@ -290,11 +290,8 @@ def sharded_handoff_snapshots(
     from pipetransformer.trainer.trainer import Trainer
     from pipetransformer.utils.units import param_key
 
-    if sharded_at is not None:  # as on a cluster whose device a replica does not fit
-        from pipetransformer.planning.context import PlanContext
-
+    if sharded_at is not None:  # priced as on a GPU cluster
         trainer_module.step_pricer = prefer_sharded_at(sharded_at)
-        PlanContext.replica_fits = lambda self, num_frozen_layers: False
         Trainer._prices_layouts = lambda self, config, budget: True  # as on a GPU
 
     def snapshot(trainer) -> dict | None:

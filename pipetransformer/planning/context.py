@@ -14,9 +14,10 @@ With `pipeline.sharding: always` every layout is sharded (FSDP2, fsdp/): one sta
 process, the trained units sharded over them, the replica batch in the fewest micro-batches
 that fit the budget; a run whose sharded layout does not fit it even at one sample a
 micro-batch, at 0 frozen layers, is refused (`DoesNotFit`). With `auto` (the default) a
-boundary where a whole replica does not fit the device gets the sharded layout instead of
-AutoPipe's pipeline when it fits too and a `pricer` (planning/predict.py's step model over
-the run's measured unit times and collectives) predicts it faster a sample.
+boundary gets the sharded layout instead of AutoPipe's pipeline where only it fits the
+device, or where it fits too and a `pricer` (planning/predict.py's step model over the
+run's measured unit times and collectives; the trainer has one on GPUs) predicts it faster
+a sample.
 
 Owns: that set-up and the layout for a frozen boundary. Must not: measure anything, start
 processes or mutate the config it is given (`config.resolve` makes the resolved copy).
@@ -235,7 +236,9 @@ def choose_initial_pipe_len(
     config: Config, costs: UnitCosts, memory: MemoryModel, budget: float | None, world_size: int
 ) -> int:
     """The configured K, or for 'auto' the shortest candidate whose stages fit `budget`.
-    Raises ConfigError naming the key when none fits."""
+    Raises ConfigError naming the key when none fits, unless a sharded layout may be taken
+    (pipeline.sharding 'auto') and fits: then the longest candidate, the pipeline the run
+    would pack from once freezing shrinks it."""
     candidates = initial_pipe_lens(config, world_size)
     if isinstance(config.pipeline.initial_pipe_len, int) or config.pipeline.sharding == "always":
         return candidates[0]  # a sharded start's fit is checked sharded (DoesNotFit)
@@ -246,6 +249,10 @@ def choose_initial_pipe_len(
         peaks[pipe_len] = max(memory.peak_bytes(plan, shape))
         if budget is None or peaks[pipe_len] <= budget:
             return pipe_len
+    if PlanContext.prices(config):
+        plan = balance(costs, 0, 1, config.autopipe.partition_method)
+        if sharded_micro_batches(config, memory, plan, budget, world_size) is not None:
+            return candidates[-1]
     described = ", ".join(f"K={k}: {format_bytes(v)}" for k, v in peaks.items())
     raise ConfigError(
         f"pipeline.initial_pipe_len: auto: no pipeline fits pipeline.device_memory_bytes "
@@ -337,26 +344,24 @@ class PlanContext:
         layout = self._pipeline_layout(
             num_frozen_layers, current_pipe_len, micro_batches, prefix_cost, moving_from
         )
-        if (
-            self.prices_sharded_layouts
-            and self.pricer is not None
-            and not self.replica_fits(num_frozen_layers)
-        ):
+        if self.prices_sharded_layouts:
             sharded = self._sharded_layout(num_frozen_layers, prefix_cost)
-            if self._faster_and_fits(sharded, layout, prefix_cost, moving_from):
+            if not self._fits(layout, moving_from) and self._fits(sharded, moving_from):
+                return sharded  # only the sharded layout fits: no price needed
+            if self.pricer is not None and self._faster_and_fits(
+                sharded, layout, prefix_cost, moving_from
+            ):
                 return sharded
         return layout
 
-    def replica_fits(self, num_frozen_layers: int) -> bool:
-        """Whether a whole replica (one stage, DDP over every device) fits the budget at
-        this boundary: where it does, DDP does what FSDP2 does with less communication, and
-        no sharded layout is considered (the issue FSDP2 answers is a replica that does not
-        fit)."""
-        if self.budget_bytes is None:
+    def _fits(self, layout: Layout, moving_from: Layout | None) -> bool:
+        """`layout` fits the budget, and so does the move to it from `moving_from`."""
+        budget = self.budget_bytes
+        if budget is None:
             return True
-        plan = balance(self.costs, num_frozen_layers, 1, self.config.autopipe.partition_method)
-        shape = _layout_shape(self.config, 1, self.world.world_size, self.initial_pipe_len)
-        return max(self.memory.peak_bytes(plan, shape)) <= self.budget_bytes
+        if max(self.layout_bytes(layout)) > budget:
+            return False
+        return moving_from is None or max(self.move_bytes(moving_from, layout)) <= budget
 
     def _faster_and_fits(
         self,
@@ -369,12 +374,8 @@ class PlanContext:
         faster than `pipeline` at its best micro-batch count (of the [K, 6K] AutoPipe
         measures: the pipeline is given the benefit of the doubt), in seconds a sample: under
         trainer.batch_per_replica a step's batch grows with the replicas."""
-        budget = self.budget_bytes
-        if budget is not None:
-            if max(self.layout_bytes(sharded)) > budget:
-                return False
-            if moving_from is not None and max(self.move_bytes(moving_from, sharded)) > budget:
-                return False
+        if not self._fits(sharded, moving_from):
+            return False
         prefix_s = prefix_cost if self.costs.source == "time" else None
         trainer = self.config.trainer
         replica_batch = trainer.replica_batch_size(pipeline.dp_degree)
@@ -489,8 +490,8 @@ class PlanContext:
     def prices(config: Config) -> bool:
         """pipeline.sharding 'auto' with a fixed global batch, AutoPipe and AutoDP (under
         trainer.batch_per_replica a sharded layout, every process a replica, would multiply
-        the batch a step trains); a sharded layout is then considered at a boundary where a
-        whole replica does not fit the device (`replica_fits`)."""
+        the batch a step trains): a sharded layout is then taken at a boundary where only it
+        fits, or where a pricer predicts it faster than AutoPipe's pipeline."""
         return (
             config.pipeline.sharding == "auto"
             and config.trainer.batch_per_replica is None

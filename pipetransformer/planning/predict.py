@@ -662,7 +662,17 @@ def _require_a_start_that_fits(
     cluster: Cluster,
 ) -> None:
     """A ConfigError naming the device and the need when no pipeline length the run may
-    start at fits `budget` with nothing frozen."""
+    start at fits `budget` with nothing frozen (and, under pipeline.sharding 'auto', no
+    sharded layout either)."""
+    if PlanContext.prices(config):
+        try:
+            sharded = dataclasses.replace(
+                config, pipeline=dataclasses.replace(config.pipeline, sharding="always")
+            )
+            PlanContext.build(sharded, spec, world, profile, budget)
+            return
+        except ConfigError:
+            pass
     unlimited = PlanContext.build(config, spec, world, profile)
     needs = {}
     for pipe_len in initial_pipe_lens(resolve(config, world), world.world_size):
