@@ -211,14 +211,19 @@ class MemoryModel:
             gathered=4.0 * largest if shards > 1 else 0.0,
         )
 
-    def sharded_move_bytes(self, plan: PipelinePlan, shards: int) -> float:
-        """The most a rank holds while it leaves a sharded layout whose plan is `plan`: every
-        trained unit gathered in full with its optimizer state, on top of the shards (the
+    def sharded_move_bytes(
+        self, plan: PipelinePlan, shards: int, stays_sharded_from: int | None = None
+    ) -> float:
+        """The most a rank holds while it leaves a sharded layout whose plan is `plan`: the
+        trained units gathered in full with their optimizer state, on top of the shards (the
         handoff of autodp/handoff.py then runs as from a one-stage layout, whose every rank
-        already holds every unit)."""
+        already holds every unit). `stays_sharded_from`: into another sharded layout, the
+        units from there on stay shards and only those frozen between are gathered."""
         opt = self.optimizer_state_factor
+        end = len(self.param_bytes) if stays_sharded_from is None else stays_sharded_from
         trained = sum(self.param_bytes[plan.frozen_end :]) * (1 + opt)
-        return sum(self.param_bytes[: plan.frozen_end]) + trained * (1 + 1 / shards)
+        gathered = sum(self.param_bytes[plan.frozen_end : end]) * (1 + opt)
+        return sum(self.param_bytes[: plan.frozen_end]) + trained / shards + gathered
 
     def peak_bytes(self, plan: PipelinePlan, shape: LayoutShape) -> list[float]:
         return [self.stage_memory(plan, s, shape).total for s in range(plan.pipe_len)]

@@ -38,6 +38,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from pipetransformer.autopipe.memory import shard_groups
 from pipetransformer.autopipe.planner import PipelinePlan
+from pipetransformer.fsdp.state import CARRIED, carried_shards, local
 from pipetransformer.models.layered import UnitSequence
 from pipetransformer.pipe.runtime import prefix_output
 
@@ -131,6 +132,18 @@ class ShardedRuntime:
                     module.reshard()
 
 
+def _fill(unit: nn.Module, shards: dict[str, torch.Tensor], device: torch.device) -> None:
+    """A unit sharded on the meta device, materialised and given the local shards (and
+    buffers) it carried from the previous sharded layout: the same cut of the same world."""
+    delattr(unit, CARRIED)
+    unit.to_empty(device=device)
+    with torch.no_grad():
+        for name, param in unit.named_parameters():
+            local(param).copy_(shards[name])
+        for name, buffer in unit.named_buffers():
+            buffer.copy_(shards[name])
+
+
 def build_sharded_runtime(
     *,
     plan: PipelinePlan,
@@ -168,6 +181,7 @@ def build_sharded_runtime(
             param_dtype=autocast_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
         )
     head = num_units - 1
+    carried = {u: carried_shards(units[u]) for u in range(frozen_end, num_units)}
     for group in shard_groups(frozen_end, num_units):
         modules = [units[u] for u in group]
         fully_shard(
@@ -176,6 +190,9 @@ def build_sharded_runtime(
             mp_policy=policy,
             reshard_after_forward=head not in group,
         )
+    for index, shards in carried.items():  # sharded before: its shards, copied in place
+        if shards is not None:
+            _fill(units[index], shards, device)
     trained = [units[u] for u in range(frozen_end, num_units)]
     root = UnitSequence(trained, [False] * len(trained))
     fully_shard(root, mesh=mesh, mp_policy=policy)

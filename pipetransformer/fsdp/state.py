@@ -6,9 +6,13 @@ state the transition carried in full is cut the same way (`shard_optimizer_state
 without communication. Leaving one, `gather_units` all-gathers every sharded parameter and
 optimizer state entry into fresh plain units built from the meta-device skeletons: every
 rank then holds every unit in full, as every rank of a one-stage layout does, and the
-ordinary handoff (autodp/handoff.py) takes over. FSDP2 modules are not reused across
-layouts: a root that has run once cannot adopt its groups under another root, and the
-process groups of a layout are destroyed at the next transition.
+ordinary handoff (autodp/handoff.py) takes over. A unit that stays trained in a next sharded
+layout is not gathered: its shard is the same cut of the same world, so the fresh unit
+stays on the meta device carrying its local shards (`carried_shards`), which the new
+layout's runtime copies in once it has sharded the unit again, and its optimizer state keeps
+its local shards under the new mesh. FSDP2 modules are not reused across layouts: a root
+that has run once cannot adopt its groups under another root, and the process groups of a
+layout are destroyed at the next transition.
 
 Owns: those conversions and `local` (the shard of a possibly sharded tensor).
 Must not: create or destroy process groups, or decide anything about layouts.
@@ -45,15 +49,27 @@ def unit_is_sharded(unit: nn.Module) -> bool:
     return isinstance(unit, FSDPModule)
 
 
+CARRIED = "_pipetransformer_carried_shards"  # attribute of a meta unit: its local shards
+
+
+def carried_shards(unit: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The local shards (parameters by name, buffers in full) a meta-device unit carries
+    into the next sharded layout, or None for an ordinary unit."""
+    return getattr(unit, CARRIED, None)
+
+
 def gather_units(
     units: Mapping[int, nn.Module],
     states: OptimizerStates,
     skeletons: Mapping[int, nn.Module],
     device: torch.device,
+    keep_sharded: frozenset[int] | set[int] = frozenset(),
 ) -> tuple[dict[int, nn.Module], OptimizerStates]:
-    """Every unit in full and plain (no FSDP2 hooks), with its optimizer state in full.
-    Collective over the sharded units' mesh: every rank, the same units in the same order.
-    Units that hold no shard (the frozen prefix) are kept as they are."""
+    """Every unit in full and plain (no FSDP2 hooks), with its optimizer state in full,
+    except the units of `keep_sharded` (trained in a next sharded layout): those come back
+    as meta-device units carrying their local shards, their state as it is. Collective over
+    the sharded units' mesh: every rank, the same units in the same order. Units that hold
+    no shard (the frozen prefix) are kept as they are."""
     gathered: dict[int, nn.Module] = {}
     full_states: OptimizerStates = {}
     for index in sorted(units):
@@ -62,6 +78,14 @@ def gather_units(
             gathered[index] = unit
             continue
         unit.reshard()  # its parameters as shards, whatever the last forward left
+        if index in keep_sharded:
+            carried = copy.deepcopy(skeletons[index])
+            shards = {name: local(p.detach()) for name, p in unit.named_parameters()}
+            shards.update(dict(unit.named_buffers()))
+            setattr(carried, CARRIED, shards)
+            carried.train(unit.training)
+            gathered[index] = carried
+            continue
         fresh = copy.deepcopy(skeletons[index]).to_empty(device=device)
         params = dict(fresh.named_parameters())
         for name, param in unit.named_parameters():
@@ -108,8 +132,15 @@ def shard_optimizer_states(
 
 
 def _like(param: DTensor, value: torch.Tensor) -> torch.Tensor:
-    if isinstance(value, DTensor):
-        return value
+    if isinstance(value, DTensor):  # the same shard, carried from the previous layout's mesh
+        return DTensor.from_local(
+            value.to_local(),
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
     return distribute_tensor(
         value.to(param.device), param.device_mesh, param.placements, src_data_rank=None
     )

@@ -619,8 +619,10 @@ class Trainer:
         old.runtime = old.optimizer = None
         release_s = time.perf_counter() - started
         skeletons = {u: self.skeleton.units[u] for u in range(self.spec.num_units)}
-        if old.layout.sharded:  # every unit in full again, as in a one-stage layout
-            old.units, states = gather_units(old.units, states, skeletons, self.world.device)
+        if old.layout.sharded:  # every unit in full again, as in a one-stage layout, but
+            # those that stay trained in a sharded layout: their shards are cut alike there
+            keep = set(range(new.plan.frozen_end, self.spec.num_units)) if new.sharded else set()
+            old.units, states = gather_units(old.units, states, skeletons, self.world.device, keep)
         keep = set(new.units_of_rank(rank))
         received, received_states = execute_transfers(
             transfers,
