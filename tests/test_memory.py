@@ -220,8 +220,10 @@ def test_sharded_memory_by_hand():
         TOY.sharded_memory(
             balance(UnitCosts.from_param_counts([1] * 6, 1 / 6), 0, 2), whole_shape()
         )
-    # Leaving it: every trained unit gathered with its two moments, on top of the shards.
+    # Leaving it: every trained unit gathered with its two moments, on top of the shards;
+    # into another sharded layout at F = 2 (units [3, 5) frozen): only those two.
     assert TOY.sharded_move_bytes(frozen, 2) == 300 + 900 * 1.5
+    assert TOY.sharded_move_bytes(frozen, 2, stays_sharded_from=5) == 300 + 450 + 600
 
 
 def whole_shape() -> LayoutShape:

@@ -462,9 +462,10 @@ class PlanContext:
         """The memory model's peak bytes of each rank while units move from `old` to `new`
         (MemoryModel.move_bytes: no activations, both layouts' weights for a while).
         `transfers`: plan_transfers(old, new) when the caller has it already."""
-        if old.sharded:  # every unit gathered in full; the handoff then receives nothing
-            shards = old.dp_degree
-            return [self.memory.sharded_move_bytes(old.plan, shards)] * old.world_size
+        if old.sharded:  # every unit in full again but those staying sharded (fsdp/state.py)
+            stays = new.plan.frozen_end if new.sharded else None
+            peak = self.memory.sharded_move_bytes(old.plan, old.dp_degree, stays)
+            return [peak] * old.world_size
         if transfers is None:
             transfers = plan_transfers(old, new)
         peaks = []
