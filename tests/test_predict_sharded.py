@@ -150,9 +150,12 @@ def test_auto_shards_where_only_it_fits_or_it_is_faster_and_fits():
     assert [(s.pipe_len, s.sharded) for s in slower] == [(2, False), (2, False)]
     tight, context = layouts(400_000, prefer(True))  # sharded fits at F = 1 only
     assert [s.sharded for s in tight] == [False, True]
-    # Out of a sharded layout the pipeline is AutoPipe's from the initial length again.
-    back = context.with_pricer(prefer(False)).layout_for(1, 1, moving_from=tight[1])
+    # Out of a sharded layout the pipeline is AutoPipe's from the initial length again
+    # (no budget here: at 400 KB the move back, every unit gathered, would not fit).
+    free = PlanContext.build(config, spec, world).with_pricer(prefer(False))
+    back = free.layout_for(1, 1, moving_from=tight[1])
     assert (back.pipe_len, back.sharded) == (2, False)
+    assert context.with_pricer(prefer(False)).layout_for(1, 1, moving_from=tight[1]).sharded
     # Where only the sharded layout fits, it is taken without a price. With 1,000 bytes
     # saved a sample and unit, 64 samples a step: AutoPipe's 2 stages of 2 micro-batches
     # need 547 KB, the sharded layout fits 500 KB in more micro-batches.
