@@ -83,17 +83,22 @@ class BlockingTransfers(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         moving = name in MOVES and _names_a_device(name, args, kwargs)
-        kept = (
-            args
-            and isinstance(args[0], torch.Tensor)
-            and args[0].untyped_storage().data_ptr() in self.host_kept
+        copying = name in HOST_COPY_METHODS and not (
+            args and isinstance(args[0], torch.Tensor) and _pointer(args[0]) in self.host_kept
         )
-        copying = name in HOST_COPY_METHODS and not kept
         if copying or (moving and not kwargs.get("non_blocking", False)):
             where = _caller(package_only=True)
             if where is not None:
                 self.found.append((name, where))
         return func(*args, **kwargs)
+
+
+def _pointer(tensor: torch.Tensor) -> int | None:
+    """The data pointer of a tensor's storage; None for a wrapper subclass (a DTensor)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
 
 
 def _names_a_device(name: str, args, kwargs) -> bool:
@@ -124,7 +129,9 @@ TENSOR_OPS = [
     "broadcast",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_single",  # FSDP2's
     "reduce_scatter_tensor",
+    "reduce_scatter_single",
     "all_to_all_single",
     "send",
     "recv",
@@ -212,14 +219,18 @@ class CollectiveAudit:
             setattr(self.dist, name, fn)
 
     def _tensor_op(self, name, fn):
-        def op(tensor, *args, **kwargs):
+        def op(*args, **kwargs):  # FSDP2 passes everything by keyword
             group = kwargs.get("group")
             if group is None:
                 group = next((a for a in args if isinstance(a, self.dist.ProcessGroup)), None)
-            tensors = tensor if isinstance(tensor, (list, tuple)) else [tensor]
-            extra = [a for a in args if isinstance(a, torch.Tensor)]
-            self._check(name, group, [*tensors, *extra])
-            return fn(tensor, *args, **kwargs)
+            tensors = []
+            for value in (*args, *kwargs.values()):
+                if isinstance(value, torch.Tensor):
+                    tensors.append(value)
+                elif isinstance(value, (list, tuple)):
+                    tensors += [t for t in value if isinstance(t, torch.Tensor)]
+            self._check(name, group, tensors)
+            return fn(*args, **kwargs)
 
         return op
 

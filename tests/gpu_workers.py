@@ -27,8 +27,10 @@ def _host_kept(trainer) -> set[int]:
 
 
 def _trained(trainer) -> set[int]:
+    from pipetransformer.fsdp import local  # a sharded layout's parameter: its shard
+
     return {
-        p.untyped_storage().data_ptr()
+        local(p).untyped_storage().data_ptr()
         for p in trainer.stage.named_params().values()
         if p.requires_grad
     }

@@ -378,6 +378,42 @@ def test_collectives_are_what_nccl_takes_and_every_rank_makes_the_same_groups(au
     assert results[0]["groups"] == results[1]["groups"] and results[0]["groups"]
 
 
+@pytest.fixture(scope="module")
+def audited_sharded(tmp_path_factory):
+    """The BERT audit run (bf16) sharded from the start (FSDP2 over both ranks), then 3
+    layers frozen: sharded again, the trained layers' shards carried, AutoCache serving."""
+    from conftest import SHARED_DATA
+    from gpu_workers import audited_run
+    from helpers import run_workers
+
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"{SHARED_DATA} is not present")
+    config = _audit_config("bert", SHARED_DATA)
+    config["pipeline"].update(initial_pipe_len=1, sharding="always")
+    run_dir = tmp_path_factory.mktemp("audited-sharded")
+    return run_workers(audited_run, 2, config, str(run_dir), 3)
+
+
+@pytest.mark.distributed
+def test_an_fsdp2_step_reads_nothing_on_the_host_and_gathers_in_nccl_dtypes(audited_sharded):
+    """FSDP2's all-gathers and reduce-scatters on the training (data) group, in bfloat16 and
+    float32, the shards' squared gradient norms summed over it in float64; no host read or
+    blocking copy in a step, before and after a transition between sharded layouts."""
+    for rank, result in enumerate(audited_sharded):
+        layouts = [p["layout"] for p in result["phases"]]
+        assert all("sharded" in layout for layout in layouts), layouts
+        assert "frozen_layers=3" in layouts[1] and result["phases"][1]["cache_active"]
+        for phase in result["phases"]:
+            assert phase["host_reads"] == [], (rank, phase["layout"], phase["host_reads"])
+            assert phase["blocking"] == [], (rank, phase["layout"], phase["blocking"])
+        assert result["violations"] == [], result["violations"]
+        counts = result["counts"]
+        assert counts.get("training:all_gather_single", 0) > 0, counts
+        assert counts.get("training:reduce_scatter_single", 0) > 0, counts
+        assert counts.get("training:all_reduce", 0) > 0, counts  # the gradient norms
+    assert audited_sharded[0]["groups"] == audited_sharded[1]["groups"]
+
+
 @pytest.mark.distributed
 def test_micro_batch_trials_are_released_once_m_is_chosen(audited):
     """Each candidate M built a DDP + PipelineStage: none may outlive the choice (with the

@@ -16,10 +16,12 @@ The frozen prefix is not sharded: the transition that froze it gathered it once
 it, or reads its output from AutoCache, exactly as a pipeline's first stage does
 (pipe/runtime.py `prefix_output`). Its parameters are never gathered again.
 
-Precision: under `trainer.precision: bf16` FSDP2 gathers bfloat16 copies of the parameters
-and reduces gradients in float32 (`MixedPrecisionPolicy`, what torchtitan does), inside the
-step's one autocast region as the pipeline's stages run, so operators autocast keeps in
-float32 (layer norm, softmax) still run in float32.
+Precision: under `trainer.precision: bf16` the step runs in one autocast region, as the
+pipeline's stages do, over float32 parameters: FSDP2 gathers and reduces float32, and the
+numerics are the other layouts'. (torchtitan gathers bfloat16 copies instead,
+`MixedPrecisionPolicy(param_dtype=bfloat16)`: half the bytes; with the float32 residual
+stream the stages keep, CPU autocast's layer norm refuses bfloat16 weights, "mixed dtype
+(CPU): expect parameter to have scalar type of Float", measured on torch 2.14.)
 
 Owns: `ShardedRuntime`, `build_sharded_runtime`. Must not: create process groups, choose
 layouts, or move state between ranks (fsdp/state.py converts it; the trainer moves it).
@@ -53,6 +55,7 @@ class ShardedRuntime:
     preprocess: UnitSequence | None
     loss_fn: LossFn
     data_group: dist.ProcessGroup
+    device: torch.device
     micro_batch_size: int
     num_micro_batches: int = 1
     autocast_dtype: torch.dtype | None = None
@@ -71,9 +74,8 @@ class ShardedRuntime:
         return [p for p in self.module.parameters() if p.requires_grad]
 
     def _autocast(self):
-        device_type = next(self.module.parameters()).device.type
         return torch.autocast(
-            device_type,
+            self.device.type,
             dtype=self.autocast_dtype or torch.float32,
             enabled=self.autocast_dtype is not None,
         )
@@ -174,12 +176,7 @@ def build_sharded_runtime(
     mesh = DeviceMesh.from_group(
         data_group, device.type, mesh_dim_names=(f"data_{data_group.group_name}",)
     )
-    policy = MixedPrecisionPolicy()
-    if autocast_dtype is not None:
-        # Inputs stay float32: the residual stream is float32 as in the pipeline's stages.
-        policy = MixedPrecisionPolicy(
-            param_dtype=autocast_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
-        )
+    policy = MixedPrecisionPolicy()  # float32 gathers and reductions (module docstring)
     head = num_units - 1
     carried = {u: carried_shards(units[u]) for u in range(frozen_end, num_units)}
     for group in shard_groups(frozen_end, num_units):
@@ -205,6 +202,7 @@ def build_sharded_runtime(
         preprocess=preprocess,
         loss_fn=loss_fn,
         data_group=data_group,
+        device=device,
         micro_batch_size=replica_batch_size // plan.num_micro_batches,
         num_micro_batches=plan.num_micro_batches,
         autocast_dtype=autocast_dtype,

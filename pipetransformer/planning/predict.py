@@ -743,7 +743,6 @@ def _step(
             links=cluster.links,
             prefix_s=prefix_s,
             overlap=cluster.overlaps_collectives,
-            gather_bytes_factor=0.5 if config.trainer.autocast_dtype else 1.0,
         )
     m = layout.plan.num_micro_batches
     return predict_step(

@@ -35,8 +35,8 @@ one after the other; `predict_sharded_step`):
     gathers   per shard group (a layer, the embedding, the head: autopipe/memory.py's
               `shard_groups`), a ring all-gather of its parameters before its forward, and
               again before its backward (groups reshard after forward, all but the head):
-              (R - 1) / R x bytes / bandwidth + (R - 1) latencies; bfloat16 parameters under
-              bf16 (`gather_bytes_factor` 0.5)
+              (R - 1) / R x bytes / bandwidth + (R - 1) latencies (float32: fsdp/runtime.py
+              gathers what it trains; `gather_bytes_factor` 0.5 prices bfloat16 gathers)
     reduce-scatter per group after its backward, the same volume in float32 (gathers and
               reduce-scatters once per micro-batch: the gradients stay sharded)
     overlap   on GPUs FSDP2 runs collectives on their own stream and prefetches the next
