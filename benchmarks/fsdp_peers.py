@@ -25,6 +25,20 @@ set a process reached (interpreter and libraries included).
     python benchmarks/fsdp_peers.py --out runs/fsdp_peers --seeds 0,1,2
     python benchmarks/fsdp_peers.py --out runs/fsdp_peers --quick      # minutes: smaller runs
     python benchmarks/fsdp_peers.py --out runs/fsdp_peers --table-only # print it again
+    python benchmarks/fsdp_peers.py --predict                          # the predicted table
+
+`--predict` runs `plan --predict --json` (no process, no profile file: unit times from the
+analytical profile and a roofline) for BERT-large at 512 tokens (configs/bert_squad.yaml)
+and ViT-L/16 (configs/vit_imagenet.yaml with vit_large_patch16_224, 1F1B over 16
+micro-batches as bert_squad.yaml runs its pipelines) on 2 x 8 Quadro RTX 5000 (the paper's
+PCIe 3.0 and 5 GB/s InfiniBand) and 2 x 8 H100 SXM (NVLink 4, InfiniBand NDR), in two
+settings of the full system: the config as shipped (the paper's per-pipeline batch, which
+grows with the replicas: no sharded layout), and at the peers' fixed global batch (the
+baseline's), the start chosen by memory (`pipeline.initial_pipe_len=auto`), micro-batches
+by the measurement-free rule and `pipeline.sharding=auto`, where it may take a sharded
+layout. The peers (Pipe+DDP, DDP, freeze + DDP, FSDP2, freeze + FSDP2) train the baseline's
+global batch in both; their times are the shipped config's (1F1B over 16 micro-batches for
+Pipe+DDP; the fewest micro-batches that fit for FSDP2). Minutes of training.
 """
 
 from __future__ import annotations
@@ -168,16 +182,108 @@ def table(name: str, out: Path) -> list[str]:
     return rows
 
 
+PREDICTED = {
+    "BERT-large 512": ("bert_squad.yaml", [], 128),
+    "ViT-L/16": (
+        "vit_imagenet.yaml",
+        [
+            "model.name=vit_large_patch16_224",
+            "pipeline.schedule=1f1b",
+            "pipeline.num_micro_batches=16",
+        ],
+        800,
+    ),
+}
+CLUSTERS = {
+    "2 x 8 Quadro RTX 5000": ["quadro-rtx-5000", "pcie3-x16", "infiniband-cx353a"],
+    "2 x 8 H100 SXM": ["h100-sxm", "nvlink4", "infiniband-ndr"],
+}
+
+
+def _minutes(peer: dict) -> str:
+    if peer.get("problem"):
+        return "cannot run"
+    if not peer["fits"]:
+        return f"no fit ({peer['peak_bytes'] / 2**30:.1f} GiB)"
+    return f"{peer['run_s'] / 60:.1f}"
+
+
+def _predict(config: str, overrides: list[str], device: str, intra: str, inter: str) -> dict:
+    args = [sys.executable, "-m", "pipetransformer", "plan", str(ROOT / "configs" / config)]
+    args += [*overrides, "--predict", "--nodes", "2", "--devices-per-node", "8"]
+    args += ["--device", device, "--intra-node", intra, "--inter-node", inter, "--json"]
+    done = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, check=True)
+    return json.loads(done.stdout)
+
+
+def _full_system(data: dict) -> str:
+    path = " -> ".join(
+        dict.fromkeys(
+            f"{e['pipe_len']}x{e['dp_degree']}{'s' if e['sharded'] else ''}" for e in data["epochs"]
+        )
+    )
+    return f"{data['elastic_s'] / 60:.1f} ({path})"
+
+
+def predicted_rows(no_profile: str) -> list[str]:
+    """Per workload and cluster: the peers (at the baseline's global batch, from the config
+    as shipped), the full system as shipped (the paper's growing batch, pipelines) and at the
+    peers' fixed batch with pipeline.sharding 'auto'."""
+    rows = []
+    for workload, (config, extra, global_batch) in PREDICTED.items():
+        for cluster, (device, intra, inter) in CLUSTERS.items():
+            base = [*extra, f"pipeline.profile_path={no_profile}"]
+            paper = _predict(config, base, device, intra, inter)
+            fixed = _predict(
+                config,
+                [
+                    *base,
+                    "trainer.batch_per_replica=null",
+                    f"trainer.global_batch_size={global_batch}",
+                    "pipeline.initial_pipe_len=auto",
+                    "pipeline.num_micro_batches=auto",
+                    "pipeline.sharding=auto",
+                ],
+                device,
+                intra,
+                inter,
+            )
+            peers = {p["name"]: p for p in paper["peers"]}
+            cells = [_minutes(paper["baseline"])]
+            cells += [_minutes(peers[n]) for n in ("ddp", "freeze_ddp", "fsdp", "freeze_fsdp")]
+            rows.append(
+                f"| {workload} | {cluster} | {paper['global_batch_size']} | "
+                + " | ".join(cells)
+                + f" | {_full_system(paper)} | {_full_system(fixed)} |"
+            )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", required=True, help="one directory per workload inside")
+    parser.add_argument("--out", help="one directory per workload inside")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--quick", action="store_true", help="smaller runs, for a first look")
     parser.add_argument("--only", choices=["minilm", "vit_b16"], default=None)
     parser.add_argument("--table-only", action="store_true", help="run nothing, print the table")
+    parser.add_argument("--predict", action="store_true", help="print the predicted table only")
     args = parser.parse_args()
+    if args.predict:
+        import tempfile
+
+        print(
+            "| workload | cluster | global batch | Pipe+DDP | DDP | freeze + DDP | FSDP2 "
+            "| freeze + FSDP2 | PipeTransformer as shipped (batch grows; layouts) "
+            "| PipeTransformer, fixed batch, sharding auto (layouts) |"
+        )
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+        with tempfile.TemporaryDirectory() as tmp:
+            print("\n".join(predicted_rows(str(Path(tmp) / "no-profile.json"))))
+        return
+    if not args.out:
+        parser.error("--out is needed (except with --predict)")
     out = Path(args.out)
     chosen = {k: v for k, v in workloads(args.quick).items() if args.only in (None, k)}
     if not args.table_only:
