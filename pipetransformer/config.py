@@ -189,6 +189,7 @@ class FreezeConfig:
         "gradient_norm",
         "gradient_norm_inclusive",
         "convergence",
+        "signal_to_noise",
         "alpha_schedule",
         "manual",
     ] = "none"
@@ -197,6 +198,9 @@ class FreezeConfig:
     # less than this share between two decision points (AutoFreeze's test; still at most
     # alpha of the active layers per decision).
     convergence_threshold: float = 0.05
+    # For strategy 'signal_to_noise': a bottom layer freezes once the share of its gradient
+    # that is signal (the rest being minibatch noise) has fallen below this (freeze.py).
+    signal_threshold: float = 0.1
     # Decision every N optimizer steps; null: at the end of every epoch; 'auto': three per
     # epoch, spaced further apart when a transition would cost more than 5% of the time
     # between decisions (docs/architecture.md, "Decision cadence").
@@ -213,6 +217,8 @@ class FreezeConfig:
             _fail("freeze.alpha", f"must be in (0, 1), got {self.alpha}")
         if not self.convergence_threshold >= 0:  # NaN fails too
             _fail("freeze.convergence_threshold", f"must be >= 0, got {self.convergence_threshold}")
+        if not 0 <= self.signal_threshold <= 1:  # NaN fails too
+            _fail("freeze.signal_threshold", f"must be in [0, 1], got {self.signal_threshold}")
         if isinstance(self.interval_steps, int) and self.interval_steps < 1:
             _fail("freeze.interval_steps", "must be >= 1, 'auto' or null")
         if self.warmup_epochs < 0:
@@ -654,6 +660,15 @@ def check_config(config: Config, world_size: int | None = None) -> None:
             "data.augment makes each epoch's inputs differ, so cached frozen-layer outputs "
             "would be stale; set cache.allow_augmented=true to cache each sample's first view "
             "(the paper's behaviour), data.augment=false, or cache.enabled=false",
+        )
+    optimizer = config.optimizer
+    if config.freeze.strategy == "signal_to_noise" and not (
+        optimizer.name in ("adam", "adamw") or optimizer.momentum > 0
+    ):
+        _fail(
+            "freeze.strategy",
+            "signal_to_noise reads the optimizer's moving average of gradients: use "
+            "optimizer.name adam or adamw, or sgd with optimizer.momentum > 0",
         )
     family = config.model.resolved_family()
     image_sets = ("digits", "cifar10", "cifar100", "imagefolder", "synthetic")
