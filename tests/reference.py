@@ -62,12 +62,19 @@ def step_losses(run_dir) -> list[float]:
 
 
 def reference_run(config, num_nodes: int = 1):
-    """Single process, whole model, same batches, same freeze points. With several nodes a
-    global batch is every node's batch of the step (each node samples its own subset)."""
+    """Single process, whole model, same batches, same freeze points (a classification
+    task: images or text). With several nodes a global batch is every node's batch of the
+    step (each node samples its own subset)."""
     data = build_data(config.data, seed=config.trainer.seed)
     torch.manual_seed(config.trainer.seed)
     model = build_model(
-        config.model, task="classification", num_classes=10, in_chans=1, image_size=8
+        config.model,
+        task=data.task,
+        num_classes=data.num_classes,
+        in_chans=data.in_chans,
+        image_size=data.image_size,
+        vocab_size=data.vocab_size,
+        max_seq_length=data.max_seq_length,
     )
     named = {
         f"units.{i}.{n}": p for i, u in enumerate(model.units) for n, p in u.named_parameters()
@@ -81,9 +88,9 @@ def reference_run(config, num_nodes: int = 1):
     for epoch in range(config.trainer.epochs):
         for s in range(sampler.steps_per_epoch):
             batches = [sampler.node_batch(node, epoch, s) for node in range(num_nodes)]
-            (images,), labels = data.train.fetch([i for b in batches for i in b.ids])
+            inputs, labels = data.train.fetch([i for b in batches for i in b.ids])
             valid = torch.tensor([v for b in batches for v in b.valid])
-            per_sample = torch.nn.functional.cross_entropy(model(images), labels, reduction="none")
+            per_sample = torch.nn.functional.cross_entropy(model(*inputs), labels, reduction="none")
             loss = (per_sample * valid).sum() / valid.sum()
             optim.set_learning_rate(optimizer, optim.learning_rate(config.optimizer, step, total))
             loss.backward()

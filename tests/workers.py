@@ -368,3 +368,38 @@ def start_in_run_dir(run_dir: str, restarting_ranks: list[int], run_id: str):
         return str(exc)
     finally:
         torch.distributed.destroy_process_group()
+
+
+def _fresh_rendezvous(port_file) -> None:
+    """A new process group after the previous one was destroyed: rank 0 picks a free port
+    and publishes it in `port_file`; every rank points MASTER_PORT at it."""
+    import time
+    from pathlib import Path
+
+    from pipetransformer.launcher import free_port
+
+    path = Path(port_file)
+    if env_rank() == 0:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(str(free_port()))
+        tmp.rename(path)
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 published no port in {path}")
+        time.sleep(0.01)
+    os.environ["MASTER_PORT"] = path.read_text()
+
+
+def elastic_runs(runs: list[tuple[str, dict]], root: str):
+    """Whole Trainer runs one after the other in the same workers (one process start for
+    all of them), each in a process group of its own, in ROOT/<name>: {name: elastic_run's
+    result}."""
+    from pathlib import Path
+
+    results = {}
+    for index, (name, config_dict) in enumerate(runs):
+        if index:
+            _fresh_rendezvous(Path(root) / f"port-{index}")
+        results[name] = elastic_run(config_dict, str(Path(root) / name))
+    return results
