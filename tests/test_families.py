@@ -150,3 +150,49 @@ def test_unsupported_models_fail_with_a_message_naming_the_key():
             num_classes=2,
             device="meta",
         )
+
+
+# Published sizes (millions of parameters, sequence classification with 2 labels).
+HUB_SIZES = {
+    "bert-base-uncased": 109.5,
+    "roberta-base": 124.6,
+    "FacebookAI/xlm-roberta-base": 278.0,
+    "google/electra-base-discriminator": 109.5,
+    "microsoft/deberta-v3-base": 184.4,
+    "microsoft/deberta-v3-large": 435.1,
+    "distilbert-base-uncased": 67.0,
+    "answerdotai/ModernBERT-base": 149.6,
+    "answerdotai/ModernBERT-large": 395.8,
+}
+
+
+@pytest.mark.parametrize("hub_id", list(HUB_SIZES))
+def test_known_hub_checkpoints_plan_offline_with_their_published_sizes(hub_id):
+    from pipetransformer.models.text_models import KNOWN_HUB_CONFIGS
+
+    model_type, _ = KNOWN_HUB_CONFIGS[hub_id]
+    spec = build_model(
+        ModelConfig(name="bert", model_name_or_path=hub_id),
+        task="classification",
+        num_classes=2,
+        device="meta",
+    ).spec
+    assert spec.family == model_type
+    assert sum(spec.unit_param_counts) / 1e6 == pytest.approx(HUB_SIZES[hub_id], rel=0.005)
+
+
+def test_plan_predict_runs_offline_for_deberta():
+    """`plan --predict` from the meta device for the family with the widest activations
+    (DeBERTa-v3-base's hidden state carries its 512-row relative-position table)."""
+    from helpers import run_cli
+
+    result = run_cli(
+        "plan",
+        "configs/bert_sst2.yaml",
+        "model.model_name_or_path=microsoft/deberta-v3-base",
+        "--predict",
+        "--device",
+        "h100-sxm",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "PipeTransformer:" in result.stdout and "trajectory" in result.stdout
