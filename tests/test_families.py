@@ -196,3 +196,40 @@ def test_plan_predict_runs_offline_for_deberta():
     )
     assert result.returncode == 0, result.stderr
     assert "PipeTransformer:" in result.stdout and "trajectory" in result.stdout
+
+
+def test_the_documented_user_adapter_runs_as_written(tmp_path, monkeypatch):
+    """docs/models.md's CamemBERT adapter, copied from the page into a module named by
+    `model.adapters`: build_model imports it and cuts CamemBERT exactly."""
+    import re
+    import sys
+    from pathlib import Path
+
+    from pipetransformer.models import registry
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "models.md").read_text()
+    (source,) = re.findall(r"```python\n(# my_adapters\.py\n.*?)```", page, flags=re.S)
+    (tmp_path / "my_adapters.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = ModelConfig(
+        name="camembert", family="bert", adapters=["my_adapters"], kwargs=FAMILIES["roberta"].kwargs
+    )
+    try:
+        for task in ("classification", "question_answering"):
+            torch.manual_seed(0)
+            model = build_model(config, task=task, num_classes=2, vocab_size=50, max_seq_length=16)
+            assert model.spec.family == "camembert"
+            assert type(model.source).__name__.startswith("Camembert")
+            model.eval()
+            inputs = text_batch()
+            assert torch.equal(model(*inputs), library_forward(FAMILIES["roberta"], model, inputs))
+    finally:
+        registry._ADAPTERS.pop("camembert", None)
+        sys.modules.pop("my_adapters", None)
+    with pytest.raises(ValueError, match="model.adapters: cannot import 'no_such_module'"):
+        build_model(
+            ModelConfig(name="bert", adapters=["no_such_module"]),
+            task="classification",
+            num_classes=2,
+            device="meta",
+        )

@@ -108,22 +108,27 @@ class SequenceHead(nn.Module):
         return self.head(hidden)
 
 
-def cut_bert_like(model: nn.Module, max_seq_length: int | None, family: str) -> LayeredModel:
+def cut_bert_like(
+    model: nn.Module,
+    max_seq_length: int | None,
+    *,
+    family: str,
+    token_types: bool = True,
+    position_offset: int = 0,
+) -> LayeredModel:
+    """Cut a model whose base has `embeddings` (+ ELECTRA's `embeddings_project`) and
+    `encoder.layer[i]` with `attention`, `intermediate`, `output` (BERT's layout, which
+    RoBERTa, XLM-RoBERTa, ELECTRA, CamemBERT, ... share). The head: `qa_outputs`, or BERT's
+    pooler + dropout + `classifier` when the classifier is a Linear, else the `classifier`
+    module on the whole hidden state. `token_types`: whether the embedding reads
+    token_type_ids (False where the family's tokenizer gives none); `position_offset`: the
+    first position id (RoBERTa's: padding index + 1)."""
     task = text_task(model)
     base = model.base_model
     config = base.config
-    roberta_like = family in ("roberta", "xlm-roberta")
-    # RoBERTa numbers positions from padding_idx + 1.
-    check_fits(
-        max_seq_length,
-        config.max_position_embeddings,
-        config.pad_token_id + 1 if roberta_like else 0,
-    )
-    units: list[nn.Module] = [
-        BertEmbeddingUnit(
-            base.embeddings, getattr(base, "embeddings_project", None), token_types=not roberta_like
-        )
-    ]
+    check_fits(max_seq_length, config.max_position_embeddings, position_offset)
+    project = getattr(base, "embeddings_project", None)
+    units: list[nn.Module] = [BertEmbeddingUnit(base.embeddings, project, token_types)]
     for layer in base.encoder.layer:
         if getattr(layer, "add_cross_attention", False) or config.is_decoder:
             raise ValueError(f"{family}: decoder layers (cross-attention, causal) are not cut")
@@ -133,7 +138,7 @@ def cut_bert_like(model: nn.Module, max_seq_length: int | None, family: str) -> 
         ]
     if task == "question_answering":
         units.append(SequenceHead(model.qa_outputs))
-    elif family == "bert":
+    elif isinstance(model.classifier, nn.Linear):
         units.append(BertClassificationHead(base.pooler, model.dropout, model.classifier))
     else:
         units.append(SequenceHead(model.classifier))
@@ -148,23 +153,52 @@ def cut_bert_like(model: nn.Module, max_seq_length: int | None, family: str) -> 
     return LayeredModel(units, spec, source=model)
 
 
-def _adapter(family: str, model_types: tuple[str, ...], **random_config) -> ModelAdapter:
-    return register_adapter(
-        ModelAdapter(
-            family=family,
-            library="transformers",
-            model_types=model_types,
-            cut=lambda model, max_seq_length: cut_bert_like(model, max_seq_length, family),
-            random_config=random_config,
+def _roberta_like(family: str):
+    def cut(model: nn.Module, max_seq_length: int | None) -> LayeredModel:
+        # RoBERTa numbers positions from the padding index + 1; its tokenizers give no
+        # token types.
+        offset = model.config.pad_token_id + 1
+        return cut_bert_like(
+            model, max_seq_length, family=family, token_types=False, position_offset=offset
         )
+
+    return cut
+
+
+BERT = register_adapter(
+    ModelAdapter(
+        family="bert",
+        library="transformers",
+        model_types=("bert",),
+        cut=lambda model, max_seq_length: cut_bert_like(model, max_seq_length, family="bert"),
     )
-
-
-BERT = _adapter("bert", ("bert",))
-# A random RoBERTa has the pretrained checkpoints' single token type; its positions start
-# after the padding index, hence two more position embeddings.
-ROBERTA = _adapter("roberta", ("roberta",), type_vocab_size=1, max_position_embeddings=514)
-XLM_ROBERTA = _adapter(
-    "xlm-roberta", ("xlm-roberta",), type_vocab_size=1, max_position_embeddings=514
 )
-ELECTRA = _adapter("electra", ("electra",), embedding_size=32)
+ELECTRA = register_adapter(
+    ModelAdapter(
+        family="electra",
+        library="transformers",
+        model_types=("electra",),
+        cut=lambda model, max_seq_length: cut_bert_like(model, max_seq_length, family="electra"),
+        random_config={"embedding_size": 32},
+    )
+)
+# A random RoBERTa has the pretrained checkpoints' single token type, and two more
+# position embeddings for its positions' offset.
+ROBERTA = register_adapter(
+    ModelAdapter(
+        family="roberta",
+        library="transformers",
+        model_types=("roberta",),
+        cut=_roberta_like("roberta"),
+        random_config={"type_vocab_size": 1, "max_position_embeddings": 514},
+    )
+)
+XLM_ROBERTA = register_adapter(
+    ModelAdapter(
+        family="xlm-roberta",
+        library="transformers",
+        model_types=("xlm-roberta",),
+        cut=_roberta_like("xlm-roberta"),
+        random_config={"type_vocab_size": 1, "max_position_embeddings": 514},
+    )
+)
