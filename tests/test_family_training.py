@@ -2,8 +2,9 @@
 into one stage (AutoPipe) whose freed process becomes a second replica (AutoDP), moving
 units and momentum between ranks, equals single-process training with the same freeze
 schedule (losses at every step 1e-5, final weights rtol 1e-4 / atol 1e-5: float32
-summation order only, as tests/test_elastic.py); its checkpoint exports in the library's
-own format, which the library loads with the trained model's logits (atol 1e-5).
+summation order only, as tests/test_elastic.py); resumed from its checkpoint after the
+transition it ends the same; its checkpoint exports in the library's own format, which the
+library loads with the trained model's logits (atol 1e-5).
 
 One launch of 2 gloo workers runs every family one after the other (the suite must stay
 fast): text families on SST-2 sentences, image families on the digits."""
@@ -66,7 +67,9 @@ def family_runs(tmp_path_factory):
         pytest.skip(f"{SHARED_DATA} is not present")
     root = tmp_path_factory.mktemp("families")
     runs = [(name, family_config(family)) for name, family in FAMILIES.items()]
-    results = run_workers(elastic_runs, 2, runs, str(root))
+    # Each run is also resumed from its checkpoint at the end of epoch 1 (step 2: after the
+    # transition), at the new frozen boundary and layout.
+    results = run_workers(elastic_runs, 2, runs, str(root), 2)
     return root, dict(runs), results[0]
 
 
@@ -86,6 +89,18 @@ def _trained_model(config_dict: dict, state: dict):
     return model.eval(), data
 
 
+def _events(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def _assert_state_equal(state: dict, ref_state: dict) -> None:
+    assert set(state) == set(ref_state)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(
+            state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}"
+        )
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_a_transition_trains_every_family_as_one_process_does(family_runs, name):
     root, configs, results = family_runs
@@ -93,7 +108,7 @@ def test_a_transition_trains_every_family_as_one_process_does(family_runs, name)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(m["pipe_len"], m["dp_degree"]) for m in metrics] == [(2, 1), (1, 2)]
     assert [m["num_frozen_layers"] for m in metrics] == [0, 3]
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    events = _events(run_dir)
     assert sum(e["units_moved"] > 0 for e in events if e["kind"] == "transition") == 1
 
     ref_losses, ref_state, _ = reference_run(config_from_dict(configs[name]))
@@ -101,12 +116,17 @@ def test_a_transition_trains_every_family_as_one_process_does(family_runs, name)
     assert len(got) == len(ref_losses) == 4
     for step, (a, b) in enumerate(zip(got, ref_losses)):
         assert a == pytest.approx(b, abs=1e-5), f"step {step}"
-    state, _ = results[name]["state"]
-    assert set(state) == set(ref_state)
-    for key, value in ref_state.items():
-        torch.testing.assert_close(
-            state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}"
-        )
+    _assert_state_equal(results[name]["state"][0], ref_state)
+
+    # Resumed from the checkpoint after the transition: the same steps, the same weights.
+    resumed = root / f"{name}-resumed"
+    (event,) = [e for e in _events(resumed) if e["kind"] == "resume"]
+    assert (event["global_step"], event["num_frozen_layers"]) == (2, 3)
+    assert (event["pipe_len"], event["dp_degree"]) == (1, 2)
+    resumed_losses = step_losses(resumed)
+    for step, (a, b) in enumerate(zip(resumed_losses, ref_losses, strict=True)):
+        assert a == pytest.approx(b, abs=1e-5), f"resumed, step {step}"
+    _assert_state_equal(results[f"{name}-resumed"]["state"][0], ref_state)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
