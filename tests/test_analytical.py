@@ -132,19 +132,13 @@ def test_bytes_equal_measured_on_cpu(tiny, dtype):
         warmup=0,
         autocast_dtype=torch.bfloat16 if dtype == "bfloat16" else None,
     )
-    seq = meta_model.spec.activation_specs[0].shape[0]
     for unit, work in enumerate(profile.units):
         assert work.output_bytes == measured[unit].output_bytes, unit
         assert work.param_bytes == measured[unit].param_bytes, unit
-        expected_saved = measured[unit].saved_bytes
-        is_attention = unit % 2 == 1 and unit < meta_model.spec.head_unit
-        if meta_model.spec.family == "bert" and is_attention:
-            # transformers drops an all-ones padding mask it can see (the measurement's
-            # inputs); on fake tensors it cannot look, so the attention bias (batch, 1, seq,
-            # seq) is built and saved: the profile is that of a padded batch.
-            element_bytes = 2 if dtype == "bfloat16" else 4
-            expected_saved += MICRO_BATCH * seq * seq * element_bytes
-        assert work.saved_bytes == expected_saved, unit
+        # BERT's attention units always build the attention bias (batch, 1, seq, seq), on
+        # real tensors as on fake ones (models/bert.py: no host read of the mask), so the
+        # measurement saves it too.
+        assert work.saved_bytes == measured[unit].saved_bytes, unit
 
 
 def test_bfloat16_autocast_keeps_flops_and_float32_weights():
