@@ -233,3 +233,18 @@ def test_the_documented_user_adapter_runs_as_written(tmp_path, monkeypatch):
             num_classes=2,
             device="meta",
         )
+
+
+def test_random_text_models_use_the_word_vocabularys_special_tokens():
+    """A random model is trained on the word vocabulary data/text.py builds: padding,
+    [CLS] and [SEP] must be the ids that vocabulary gives them (RoBERTa's positions and
+    every embedding's padding row depend on the padding id)."""
+    from pipetransformer.data.text import WordVocabTokenizer
+    from pipetransformer.models.text_models import WORD_VOCAB_SPECIAL_TOKENS
+
+    vocab = WordVocabTokenizer(["a b c"])
+    assert WORD_VOCAB_SPECIAL_TOKENS["pad_token_id"] == vocab.pad_id == vocab.vocab["[PAD]"]
+    assert WORD_VOCAB_SPECIAL_TOKENS["cls_token_id"] == vocab.cls_id == vocab.vocab["[CLS]"]
+    assert WORD_VOCAB_SPECIAL_TOKENS["sep_token_id"] == vocab.sep_id == vocab.vocab["[SEP]"]
+    for name in TEXT_FAMILIES:
+        assert FAMILIES[name].build(device="meta").source.config.pad_token_id == vocab.pad_id

@@ -322,6 +322,15 @@ def export_text_model(model: LayeredModel, out_dir: Path, info: ExportInfo) -> l
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(info.tokenizer)
+        config = model.source.config
+        if tokenizer.pad_token_id is not None and tokenizer.pad_token_id != config.pad_token_id:
+            logger.warning(
+                "the tokenizer pads with id %d, the model's config says %s: a random model "
+                "trained with data.tokenizer takes that tokenizer's special token ids in "
+                "model.kwargs (pad_token_id, ...)",
+                tokenizer.pad_token_id,
+                config.pad_token_id,
+            )
         # The run truncated (and padded) every text to max_seq_length tokens: the saved
         # tokenizer truncates there too (`truncation=True`), and says so in its config.
         tokenizer.model_max_length = model.spec.input_specs[0].shape[0]
