@@ -248,3 +248,34 @@ def test_random_text_models_use_the_word_vocabularys_special_tokens():
     assert WORD_VOCAB_SPECIAL_TOKENS["sep_token_id"] == vocab.sep_id == vocab.vocab["[SEP]"]
     for name in TEXT_FAMILIES:
         assert FAMILIES[name].build(device="meta").source.config.pad_token_id == vocab.pad_id
+
+
+def test_timm_export_keeps_a_pretrained_tag_and_licence_only_for_pretrained_weights(tmp_path):
+    """A model trained from scratch claims no hub checkpoint's provenance; one fine-tuned
+    from hub weights keeps its source's tag and licence. Both carry the run's
+    normalisation and read back through timm without channel warnings."""
+    import json
+
+    import timm
+
+    from pipetransformer.models import ExportInfo, export_model
+
+    model = FAMILIES["vit"].build()
+    assert model.source.pretrained_cfg.get("tag")  # timm names the default weights' tag
+    args = {**FAMILIES["vit"].kwargs, "num_classes": 10, "in_chans": 1, "img_size": 8}
+    for pretrained in (False, True):
+        out = tmp_path / str(pretrained)
+        info = ExportInfo(
+            model_args=args, image_mean=(0.3,), image_std=(0.2,), pretrained=pretrained
+        )
+        export_model(model, out, info)
+        cfg = json.loads((out / "config.json").read_text())["pretrained_cfg"]
+        assert ("tag" in cfg and "license" in cfg) == pretrained
+        assert (cfg["mean"], cfg["std"], cfg["input_size"]) == ([0.3], [0.2], [1, 8, 8])
+        loaded = timm.create_model(f"local-dir:{out}", pretrained=True)
+        resolved = timm.data.resolve_data_config({}, model=loaded)
+        assert (list(resolved["mean"]), list(resolved["std"]), resolved["crop_pct"]) == (
+            [0.3],
+            [0.2],
+            1.0,
+        )
