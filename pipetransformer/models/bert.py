@@ -79,9 +79,8 @@ class BertMlpUnit(nn.Module):
         return self.output(self.intermediate(hidden), hidden)
 
     def forward(self, hidden, attention_mask):
-        return apply_chunking_to_forward(self._feed_forward, self.chunk_size, 1, hidden), (
-            attention_mask
-        )
+        output = apply_chunking_to_forward(self._feed_forward, self.chunk_size, 1, hidden)
+        return output, attention_mask
 
 
 class BertClassificationHead(nn.Module):
