@@ -9,6 +9,7 @@ Must not: know any family's internals (the adapters do), pipelines, freezing or 
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 from collections.abc import Sequence
@@ -123,7 +124,6 @@ def export_timm_model(model: LayeredModel, out_dir: Path, info: ExportInfo) -> l
     files written."""
     from timm.models import save_for_hf
 
-    source = model.source
     in_chans, height, width = model.spec.input_specs[0].shape
     data_config: dict[str, Any] = {
         "input_size": (in_chans, height, width),
@@ -133,12 +133,18 @@ def export_timm_model(model: LayeredModel, out_dir: Path, info: ExportInfo) -> l
     if info.image_mean is not None:
         data_config["mean"] = tuple(info.image_mean)
         data_config["std"] = tuple(info.image_std)
+    # Newer timm resolves the preprocessing it writes (and warns about a mean whose channels
+    # do not match the model's, unless given the run's); older timm copies the source
+    # checkpoint's. Either way the run's values are written below.
+    options = {}
+    if "data_config" in inspect.signature(save_for_hf).parameters:
+        options["data_config"] = data_config
     save_for_hf(
-        source,
+        model.source,
         str(out_dir),
         model_args=dict(info.model_args),
         safe_serialization=True,
-        data_config=data_config,
+        **options,
     )
     config_path = out_dir / "config.json"
     config = json.loads(config_path.read_text())
@@ -146,7 +152,11 @@ def export_timm_model(model: LayeredModel, out_dir: Path, info: ExportInfo) -> l
     if not info.pretrained:
         for key in _PROVENANCE:
             pretrained_cfg.pop(key, None)
-    pretrained_cfg.pop("test_input_size", None)  # a recommendation for the source weights
-    pretrained_cfg.pop("test_crop_pct", None)
+    for key in ("test_input_size", "test_crop_pct"):  # recommendations for the source weights
+        pretrained_cfg.pop(key, None)
+    pretrained_cfg.update(
+        {k: list(v) if isinstance(v, tuple) else v for k, v in data_config.items()}
+    )
+    pretrained_cfg["num_classes"] = model.spec.output_spec.shape[0]
     config_path.write_text(json.dumps(config, indent=2))
     return sorted(p.name for p in out_dir.iterdir())

@@ -105,7 +105,9 @@ class VitHead(nn.Module):
 
 class DistilledHead(nn.Module):
     """Final norm, then the class token through `head` and the distillation token through
-    `head_dist`, averaged (VisionTransformerDistilled.forward_head outside distillation)."""
+    `head_dist`, averaged: VisionTransformerDistilled.forward_head outside distillation
+    training, timm's own method run on this unit (it reads the attributes set here; its
+    dropout differs between timm releases)."""
 
     def __init__(self, vit: VisionTransformerDistilled) -> None:
         super().__init__()
@@ -113,11 +115,11 @@ class DistilledHead(nn.Module):
         self.head_drop = vit.head_drop
         self.head = vit.head
         self.head_dist = vit.head_dist
+        self.distilled_training = False
+        self._forward_head = type(vit).forward_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.norm(x)
-        cls, dist = self.head_drop(x[:, 0]), self.head_drop(x[:, 1])
-        return (self.head(cls) + self.head_dist(dist)) / 2
+        return self._forward_head(self, self.norm(x))
 
 
 def _cut(model: VisionTransformer, head: nn.Module, family: str) -> LayeredModel:
