@@ -1,7 +1,8 @@
 # pipetransformer on CUDA. Build: docker build -t pipetransformer .
 # Run one node: docker run --gpus all --ipc=host -v $PWD/runs:/app/runs pipetransformer \
 #   launch/run_single_node.sh configs/vit_cifar100.yaml
-# --ipc=host (or a large --shm-size) matters: AutoCache keeps frozen-layer outputs in /dev/shm.
+# --ipc=host (or a large --shm-size) matters: AutoCache keeps frozen-layer outputs in /dev/shm,
+# and NCCL's intra-node transport needs it too (docs/gpus.md: the cache budget + 256 MiB a GPU).
 # PyPI's Linux x86_64 torch wheels carry their own CUDA 13 runtime (the nvidia-* packages), so
 # a plain Python image is enough; the host needs an NVIDIA driver that supports CUDA 13.
 # torch is pinned to the release the test suite last passed on (see docs/versions.md); it must

@@ -9,6 +9,7 @@
 # Rendezvous is torchrun's c10d store on MASTER_ADDR:MASTER_PORT. Pipelines never span
 # nodes; the run directory must be on a file system every node shares (each rank writes its
 # share of every checkpoint there). Without --run-dir it is runs/<config>-<RDZV_ID>.
+# GLOO_SOCKET_IFNAME (the control group's interface; default below), NCCL_SOCKET_IFNAME.
 # DRY_RUN=1 prints the command instead of running it.
 set -euo pipefail
 if [ $# -lt 1 ]; then
@@ -29,6 +30,18 @@ if [ -z "${NPROC_PER_NODE:-}" ]; then
     exit 2
   fi
 fi
+# The control group is gloo whatever the training backend: without GLOO_SOCKET_IFNAME gloo
+# binds the interface the host name resolves to, often not the cluster network (or a
+# loopback address on some images). Default: NCCL's interface if set, else the one the
+# route to MASTER_ADDR leaves through.
+if [ -z "${GLOO_SOCKET_IFNAME:-}" ]; then
+  if [ -n "${NCCL_SOCKET_IFNAME:-}" ]; then
+    GLOO_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME#=}
+  elif command -v ip >/dev/null 2>&1; then
+    GLOO_SOCKET_IFNAME=$( (ip -o route get "$MASTER_ADDR" 2>/dev/null || true) | sed -n 's/.* dev \([^ ]*\).*/\1/p')
+  fi
+  if [ -n "${GLOO_SOCKET_IFNAME:-}" ]; then export GLOO_SOCKET_IFNAME; fi
+fi
 # Each rendezvous round gets a fresh store for the workers. torchrun's default shares one
 # store (on node 0's agent) across rounds, and the agents' restart counts can differ (a node
 # whose own workers did not fail restarts without counting), so a restarted round could find
@@ -39,6 +52,7 @@ cmd=(torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPR
      --max-restarts "$MAX_RESTARTS"
      -m pipetransformer train "$@")
 if [ "${DRY_RUN:-0}" = "1" ]; then
+  echo "GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-}"
   printf '%q ' "${cmd[@]}"; echo
 else
   exec "${cmd[@]}"

@@ -41,10 +41,32 @@ def preflight(config: Config) -> None:
     from pipetransformer.data.validate import validate_data_files
     from pipetransformer.planning import describe_model
 
+    check_devices(config)
     check_data_config(config.data)
     describe_model(config)  # builds the model on the meta device: bad names/kwargs fail here
     fetch_data(config.data)
     validate_data_files(config.data)
+
+
+def check_devices(config: Config) -> None:
+    """More processes on a node than visible GPUs would put two ranks on one GPU, which NCCL
+    refuses (raises ConfigError naming trainer.nproc_per_node)."""
+    import torch
+
+    from pipetransformer.trainer.distributed import (
+        check_visible_gpus,
+        cuda_unusable_reason,
+        uses_cuda,
+    )
+
+    if config.trainer.device == "cuda" and not torch.cuda.is_available():
+        reason = cuda_unusable_reason() or "no GPU is visible"
+        raise ConfigError(
+            f"trainer.device: 'cuda' but CUDA is unusable here ({reason}); set "
+            "trainer.device=cpu to train on CPU processes"
+        )
+    if config.trainer.device != "cpu" and uses_cuda(config.trainer.device):
+        check_visible_gpus(config.nproc_per_node, torch.cuda.device_count())
 
 
 def cmd_train(args: argparse.Namespace) -> int:

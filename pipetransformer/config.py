@@ -53,6 +53,9 @@ class TrainerConfig:
     # bfloat16 autocast with float32 weights, gradients and optimizer state; activations
     # cross stage boundaries in bfloat16.
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # On CUDA, float32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs,
+    # float32 accumulation); false: full float32 (several times slower on A100/H100).
+    tf32: bool = True
     # Audit the data order: every first-stage rank appends the sample ids it trains on
     # (shape padding left out) to RUN_DIR/samples/rank<r>.jsonl, one line per step.
     record_sample_ids: bool = False
@@ -100,6 +103,9 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.0
     # Clip the global gradient norm (over every stage of a replica). None: no clipping.
     max_grad_norm: float | None = None
+    # torch's optimizer implementation. 'auto': fused kernels for Adam/AdamW on CUDA (one
+    # launch for all parameters, the step count kept on the device), foreach elsewhere.
+    implementation: Literal["auto", "foreach", "fused"] = "auto"
 
     def __post_init__(self) -> None:
         if not self.lr > 0:

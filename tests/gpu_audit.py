@@ -13,27 +13,236 @@ from __future__ import annotations
 import traceback
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 HOST_READ_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
 
 
-def _caller() -> str:
+def _caller(package_only: bool = False) -> str | None:
+    """The innermost frame outside torch that led here, as file:line. `package_only`: only
+    when that frame is this package's (a library's own calls, such as transformers moving
+    a mask to the device it is already on, are not this package's to answer for)."""
     frames = traceback.extract_stack()[:-2]
     for frame in reversed(frames):
-        if "/pipetransformer/" in frame.filename or "transformers/" in frame.filename:
-            return f"{frame.filename.rsplit('/', 2)[-1]}:{frame.lineno}"
-    return "torch"
+        if "/torch/" in frame.filename or frame.filename.endswith("gpu_audit.py"):
+            continue
+        where = f"{frame.filename.rsplit('/', 2)[-1]}:{frame.lineno}"
+        if "/pipetransformer/" in frame.filename and "/tests/" not in frame.filename:
+            return where
+        return None if package_only else where
+    return None if package_only else "torch"
 
 
 class HostReads(TorchDispatchMode):
-    """Records (operator, where) for every host read while active."""
+    """Records (operator, where) for every host read while active, except of tensors whose
+    storage is in `host_kept` (data pointers of tensors torch keeps on the host on a GPU
+    too, such as Adam's step count: reading those costs no synchronisation).
 
-    def __init__(self) -> None:
+    `casts_of`: data pointers of trained parameters; each cast of one to a low-precision
+    dtype (autocast's weight copy) is counted in `casts[pointer]`."""
+
+    def __init__(self, host_kept: set[int] = frozenset(), casts_of: set[int] = frozenset()):
         super().__init__()
         self.reads: list[tuple[str, str]] = []
+        self.host_kept = host_kept
+        self.casts_of = casts_of
+        self.casts: dict[int, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in HOST_READ_OPS:
+        kwargs = kwargs or {}
+        if func in HOST_READ_OPS and args[0].untyped_storage().data_ptr() not in self.host_kept:
             self.reads.append((func.__name__, _caller()))
-        return func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") in LOW_PRECISION:
+            pointer = args[0].untyped_storage().data_ptr()
+            if pointer in self.casts_of:
+                self.casts[pointer] = self.casts.get(pointer, 0) + 1
+        return func(*args, **kwargs)
+
+
+LOW_PRECISION = {torch.bfloat16, torch.float16}
+
+# What a host copy of a device tensor is called as (each waits for the device), and the
+# device-moving methods that must not block.
+HOST_COPY_METHODS = {"item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__"}
+MOVES = {"to", "cuda", "copy_"}
+
+
+class BlockingTransfers(TorchFunctionMode):
+    """Records (method, where) for every call from this package that waits for the device:
+    a copy of a tensor's values to the host, or a move between host and device without
+    `non_blocking=True` (from pageable memory on a GPU it waits for the stream; the
+    package's host-to-device copies go through pipe/transfer.py:to_device)."""
+
+    def __init__(self, host_kept: set[int] = frozenset()) -> None:
+        super().__init__()
+        self.found: list[tuple[str, str]] = []
+        self.host_kept = host_kept
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        moving = name in MOVES and _names_a_device(name, args, kwargs)
+        kept = (
+            args
+            and isinstance(args[0], torch.Tensor)
+            and args[0].untyped_storage().data_ptr() in self.host_kept
+        )
+        copying = name in HOST_COPY_METHODS and not kept
+        if copying or (moving and not kwargs.get("non_blocking", False)):
+            where = _caller(package_only=True)
+            if where is not None:
+                self.found.append((name, where))
+        return func(*args, **kwargs)
+
+
+def _names_a_device(name: str, args, kwargs) -> bool:
+    if name == "cuda":
+        return True
+    if name == "copy_":  # between devices (on this CPU there are none)
+        return len(args) > 1 and args[0].device != args[1].device
+    values = [*args[1:], kwargs.get("device")]
+    return any(isinstance(v, (torch.device, str)) and str(v) != "" for v in values if v)
+
+
+# ----------------------------------------------------------------------------- collectives
+
+# Dtypes NCCL reduces and sends (torch maps bool to uint8).
+NCCL_DTYPES = {
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+}
+TENSOR_OPS = [
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+]
+OBJECT_OPS = [
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "send_object_list",
+    "recv_object_list",
+    "barrier",
+]
+
+
+class CollectiveAudit:
+    """Wraps torch.distributed's collectives and point-to-point ops (and the pipeline's
+    batched p2p) to check what NCCL would insist on, and records every group creation.
+
+    - the control group (gloo on a GPU run): CPU tensors only;
+    - the default group and the training groups (NCCL on a GPU run): tensors on the rank's
+      compute device, in a dtype NCCL takes, and no object collectives or barriers (they
+      belong on the control group);
+    - `groups`: every new_group / split_group call as (kind, ranks, backend), to compare
+      between ranks (each must make the same calls in the same order).
+
+    On this CPU the compute device is the CPU, so what fails here is a dtype NCCL refuses, a
+    control message on a training or default group, or ranks creating groups differently;
+    the control group must be its own group for the first to show (the test makes it so)."""
+
+    def __init__(self, device: torch.device, control_group) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.device = device
+        self.control_group = control_group
+        self.violations: list[str] = []
+        self.groups: list[tuple[str, tuple, str]] = []
+        self.counts: dict[str, int] = {}
+        self._saved: dict[str, object] = {}
+
+    def _kind(self, group) -> str:
+        if group is not None and group is self.control_group:
+            return "control"
+        if group is None or group is self.dist.group.WORLD:
+            return "default"
+        return "training"
+
+    def _check(self, op: str, group, tensors) -> None:
+        kind = self._kind(group)
+        self.counts[f"{kind}:{op}"] = self.counts.get(f"{kind}:{op}", 0) + 1
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            if kind == "control" and tensor.device.type != "cpu":
+                self.violations.append(f"{op} on the control group with a {tensor.device} tensor")
+            if kind != "control":
+                if tensor.device != self.device and tensor.device.type != self.device.type:
+                    self.violations.append(
+                        f"{op} on the {kind} group with a {tensor.device} tensor"
+                    )
+                if tensor.dtype not in NCCL_DTYPES:
+                    self.violations.append(f"{op} on the {kind} group with {tensor.dtype}")
+        if kind != "control" and op in OBJECT_OPS:
+            self.violations.append(f"{op} on the {kind} group (a control message)")
+
+    def install(self) -> None:
+        dist = self.dist
+        for name in TENSOR_OPS + OBJECT_OPS + ["batch_isend_irecv", "new_group", "split_group"]:
+            if hasattr(dist, name):
+                self._saved[name] = getattr(dist, name)
+        for name in TENSOR_OPS:
+            if name in self._saved and name not in ("isend", "irecv"):  # P2POp checks these
+                setattr(dist, name, self._tensor_op(name, self._saved[name]))
+        for name in OBJECT_OPS:
+            if name in self._saved:
+                setattr(dist, name, self._object_op(name, self._saved[name]))
+        dist.batch_isend_irecv = self._batched(self._saved["batch_isend_irecv"])
+        dist.new_group = self._creation("new_group", self._saved["new_group"])
+        dist.split_group = self._creation("split_group", self._saved["split_group"])
+
+    def uninstall(self) -> None:
+        for name, fn in self._saved.items():
+            setattr(self.dist, name, fn)
+
+    def _tensor_op(self, name, fn):
+        def op(tensor, *args, **kwargs):
+            group = kwargs.get("group")
+            if group is None:
+                group = next((a for a in args if isinstance(a, self.dist.ProcessGroup)), None)
+            tensors = tensor if isinstance(tensor, (list, tuple)) else [tensor]
+            extra = [a for a in args if isinstance(a, torch.Tensor)]
+            self._check(name, group, [*tensors, *extra])
+            return fn(tensor, *args, **kwargs)
+
+        return op
+
+    def _object_op(self, name, fn):
+        def op(*args, **kwargs):
+            self._check(name, kwargs.get("group"), [])
+            return fn(*args, **kwargs)
+
+        return op
+
+    def _batched(self, fn):
+        def op(p2p_ops):
+            for p2p in p2p_ops:
+                self._check("batch_isend_irecv", p2p.group, [p2p.tensor])
+            return fn(p2p_ops)
+
+        return op
+
+    def _creation(self, name, fn):
+        def create(*args, **kwargs):
+            ranks = kwargs.get("ranks", kwargs.get("split_ranks", args[0] if args else None))
+            ranks = tuple(map(tuple, ranks)) if name == "split_group" else tuple(ranks or ())
+            self.groups.append((name, ranks, str(kwargs.get("backend"))))
+            return fn(*args, **kwargs)
+
+        return create

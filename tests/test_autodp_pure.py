@@ -135,3 +135,19 @@ def test_transfers_with_fixed_layout_move_nothing():
 def test_layout_rejects_pipelines_that_do_not_fit_a_node():
     with pytest.raises(ValueError):
         Layout(balance(COSTS, 0, 4), 6, 6, 1)
+
+
+@pytest.mark.parametrize("pipe_len", [8, 4, 2, 1])
+def test_a_layouts_groups_are_two_partitions_of_the_world(pipe_len):
+    """On NCCL each partition is one communicator split of the world (two per transition,
+    not one per group); each partition covers every active rank once."""
+    from pipetransformer.autodp.groups import group_partitions
+
+    lay = layout(0, pipe_len, world=16, per_node=8)
+    pipelines, data = group_partitions(lay)
+    assert len(pipelines) == lay.dp_degree and all(len(g) == pipe_len for g in pipelines)
+    assert sorted(r for g in pipelines for r in g) == list(range(16))
+    if lay.dp_degree == 1:
+        assert data == []
+    else:
+        assert len(data) == pipe_len and sorted(r for g in data for r in g) == list(range(16))

@@ -53,13 +53,17 @@ def test_hits_upgrades_and_misses_equal_recompute(model_and_batch):
     ids = list(range(12))
     with start_cache(model, 12) as daemon, CacheClient.attach(daemon.address) as client:
         counts = {"hits": 0, "upgrades": 0, "misses": 0}
-        # F = 1: everything misses and is stored.
-        out = CachedPrefix(units, 1, client, torch.device("cpu"), counts)("train", ids, inputs)
+        # F = 1: everything misses and is stored (by the next call or a flush: a step
+        # never waits for its outputs to reach the host).
+        prefix1 = CachedPrefix(units, 1, client, torch.device("cpu"), counts, defer_writes=True)
+        out = prefix1("train", ids, inputs)
         for got, expected in zip(out, recompute(model, 1, inputs)):
             assert torch.equal(got, expected)
         assert counts == {"hits": 0, "upgrades": 0, "misses": 12}
+        assert (client.read("train", ids)[0] == -1).all()
+        prefix1.flush()
         # F = 3, first 6 samples: upgraded from F = 1 by running only layers 1 and 2.
-        prefix3 = CachedPrefix(units, 3, client, torch.device("cpu"), counts)
+        prefix3 = CachedPrefix(units, 3, client, torch.device("cpu"), counts, defer_writes=True)
         half = [t[:6] for t in inputs]
         out = prefix3("train", ids[:6], half)
         for got, expected in zip(out, recompute(model, 3, half)):
@@ -70,6 +74,7 @@ def test_hits_upgrades_and_misses_equal_recompute(model_and_batch):
         for got, expected in zip(out, recompute(model, 3, inputs)):
             torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
         assert counts == {"hits": 6, "upgrades": 12, "misses": 12}
+        prefix3.flush()
         tags, _ = client.read("train", ids)
         assert (tags == 3).all()
 
@@ -97,9 +102,9 @@ def test_disk_tier_serves_the_same_values():
         start_cache(model, 12, budget=3 * slot) as daemon,
         CacheClient.attach(daemon.address) as client,
     ):
-        first = CachedPrefix(units, 2, client, torch.device("cpu"))(
-            "train", list(range(12)), inputs
-        )
+        filling = CachedPrefix(units, 2, client, torch.device("cpu"))
+        first = filling("train", list(range(12)), inputs)
+        filling.flush()
         client.prefetch("train", list(range(12)))
         prefix = CachedPrefix(units, 2, client, torch.device("cpu"))
         again = prefix("train", list(range(12)), inputs)
@@ -116,9 +121,43 @@ def test_reduced_precision_within_tolerance(dtype, tolerance):
         start_cache(model, 12, dtype=dtype) as daemon,
         CacheClient.attach(daemon.address) as client,
     ):
-        CachedPrefix(units, 2, client, torch.device("cpu"))("train", list(range(12)), inputs)
+        filling = CachedPrefix(units, 2, client, torch.device("cpu"))
+        filling("train", list(range(12)), inputs)
+        filling.flush()
         hit = CachedPrefix(units, 2, client, torch.device("cpu"))("train", list(range(12)), inputs)
         expected = recompute(model, 2, inputs)[0]
         relative = ((hit[0] - expected).abs().max() / expected.abs().max()).item()
         assert 0 < relative < tolerance  # rounded, but close
         assert np.isclose(client.layout("train").slot_bytes, 5 * 32 * 2, rtol=0.2)
+
+
+def test_a_batch_the_loader_did_not_decode(model_and_batch):
+    """The loader skips decoding a batch whose every sample is cached at the boundary
+    (CacheClient.serves_all); the prefix serves it without inputs, and loads them itself
+    for a sample that turns out not to be cached."""
+    model, inputs = model_and_batch
+    units = dict(enumerate(model.units))
+    loaded = []
+
+    def load_inputs(split, ids):
+        loaded.append(list(ids))
+        return [t[list(ids)] for t in inputs]
+
+    with start_cache(model, 12) as daemon, CacheClient.attach(daemon.address) as client:
+        prefix = CachedPrefix(
+            units, 2, client, torch.device("cpu"), load_inputs=load_inputs, defer_writes=True
+        )
+        prefix("train", list(range(6)), [t[:6] for t in inputs])
+        prefix.flush()
+        assert client.serves_all("train", range(6), 2)
+        assert not client.serves_all("train", range(7), 2)
+        assert not client.serves_all("train", range(6), 3)
+        out = prefix("train", list(range(6)), None)  # all hits: no inputs needed
+        assert loaded == []
+        expected = recompute(model, 2, [t[:6] for t in inputs])
+        for got, want in zip(out, expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        out = prefix("train", list(range(8)), None)  # 6 and 7 are not cached: loaded
+        assert loaded == [list(range(8))]
+        for got, want in zip(out, recompute(model, 2, [t[:8] for t in inputs])):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -136,6 +136,7 @@ def test_a_dataset_that_cannot_be_fetched_is_one_line(tmp_path, monkeypatch):
     result = run_cli(
         "train",
         str(ROOT / "configs" / "vit_cifar100.yaml"),
+        "trainer.device=cpu",  # a GPU config; the data is what is tested
         f"data.root={tmp_path / 'cifar'}",
         "--run-dir",
         str(tmp_path / "run"),

@@ -18,6 +18,7 @@ from pipetransformer.autopipe.profiles import ProfileStore, UnitProfile
 from pipetransformer.config import load_config
 from pipetransformer.planning import describe_model
 from pipetransformer.planning.analytical import AnalyticalProfile, UnitWork
+from pipetransformer.planning.context import format_bytes, usable_device_bytes
 from pipetransformer.planning.hardware import device
 from pipetransformer.planning.predict import predict
 from pipetransformer.planning.prediction_inputs import (
@@ -225,14 +226,14 @@ def test_ddp_does_not_fit_when_the_whole_model_exceeds_a_device(tmp_path):
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     budget = data["cluster"]["device_memory_bytes"]
-    assert budget == pytest.approx(16 * 2**30 * 0.9 - 2**30)
+    assert budget == pytest.approx(usable_device_bytes(16 * 2**30))
     assert data["baseline"]["fits"] and data["baseline"]["peak_bytes"] <= budget
     assert all(row["peak_bytes"] <= budget for row in data["rows"])
     for peer in data["peers"]:
         assert not peer["fits"] and peer["peak_bytes"] > budget and peer["speedup"] is None
     text = _plan(BERT_SQUAD, tmp_path, *large)
     ddp_line = next(line for line in text.stdout.splitlines() if "  DDP (K=1" in line)
-    assert "does not fit (needs" in ddp_line and "has 13.40 GiB)" in ddp_line
+    assert "does not fit (needs" in ddp_line and f"has {format_bytes(budget)})" in ddp_line
 
 
 def test_no_pipeline_that_fits_at_the_start_is_one_line_naming_the_device(tmp_path):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,28 @@ def test_multi_node_launch_takes_the_scheduler_environment():
     assert words[-4:] == ["train", "configs/vit_imagenet.yaml", "--run-dir", "/shared/run"]
     missing = dry_run("run_multi_node.sh", "configs/vit_imagenet.yaml", NNODES="2")
     assert missing.returncode != 0 and "NODE_RANK" in missing.stderr
+
+
+def test_multi_node_launch_names_the_control_groups_interface():
+    """The control group is gloo even on NCCL runs: it must bind the cluster network."""
+    env = {"NNODES": "2", "NODE_RANK": "0", "NPROC_PER_NODE": "8"}
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    clean = {k: v for k, v in os.environ.items() if not k.endswith("SOCKET_IFNAME")}
+    nccl = subprocess.run(
+        ["bash", str(ROOT / "launch" / "run_multi_node.sh"), "configs/vit_imagenet.yaml"],
+        capture_output=True,
+        text=True,
+        env={**clean, **env, "DRY_RUN": "1", "MASTER_ADDR": "node0", "NCCL_SOCKET_IFNAME": "ib0"},
+    )
+    assert "GLOO_SOCKET_IFNAME=ib0" in nccl.stdout.split()
+    if shutil.which("ip"):  # from the route to the master: loopback here
+        routed = subprocess.run(
+            ["bash", str(ROOT / "launch" / "run_multi_node.sh"), "configs/vit_imagenet.yaml"],
+            capture_output=True,
+            text=True,
+            env={**clean, **env, "DRY_RUN": "1", "MASTER_ADDR": "127.0.0.1"},
+        )
+        assert "GLOO_SOCKET_IFNAME=lo" in routed.stdout.split()
 
 
 def run_cli(config, run_dir, *overrides):

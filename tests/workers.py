@@ -243,7 +243,12 @@ def handoff_snapshots(config_dict: dict, run_dir: str, new_frozen: list[int]):
                 return enter(*args, **kwargs)
 
             trainer._enter = entering
-            trainer.transition(frozen)
+            gc.collect()
+            gc.disable()  # what reference counting alone frees, as in a run
+            try:
+                trainer.transition(frozen)
+            finally:
+                gc.enable()
             snapshots.append((trainer.stage.layout, _snapshot(trainer), alive[0], moves[-1]))
         return snapshots
     finally:
@@ -289,65 +294,6 @@ def checkpoint_killed_half_way(config_dict: dict, run_dir: str, step: int):
 
     checkpoint.write_json_atomic = dying_write
     return elastic_run(config_dict, run_dir)
-
-
-SYNC_METHODS = {"item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy", "__index__"}
-
-
-def host_syncs_of_a_step(config_dict: dict, run_dir: str):
-    """The calls that would make the host wait for the device (GPU) in one training step
-    that logs nothing: (method, where) for each, counted with a TorchFunctionMode."""
-    import traceback
-
-    from torch.overrides import TorchFunctionMode
-
-    from pipetransformer.config import config_from_dict
-    from pipetransformer.trainer.trainer import Trainer
-
-    trainer = Trainer(config_from_dict(config_dict), run_dir)
-    found = []
-
-    class Count(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            name = getattr(func, "__name__", "")
-            # .to(cpu) waits for the device unless it is a non-blocking host-to-device copy
-            # (on this CPU-only machine the two look alike but for that flag).
-            to_cpu = (
-                name == "to"
-                and any(str(a) == "cpu" for a in [*args[1:], *(kwargs or {}).values()])
-                and not (kwargs or {}).get("non_blocking", False)
-            )
-            if name in SYNC_METHODS or to_cpu:
-                frame = next(
-                    (
-                        f
-                        for f in reversed(traceback.extract_stack()[:-1])
-                        if "pipetransformer" in f.filename
-                    ),
-                    None,
-                )
-                found.append(
-                    (
-                        name,
-                        f"{frame.filename.rsplit('/', 2)[-1]}:{frame.lineno}" if frame else "torch",
-                    )
-                )
-            return func(*args, **(kwargs or {}))
-
-    try:
-        trainer.setup()
-        ticks = trainer.clock.ticks()
-
-        def step() -> None:
-            tick = next(ticks)
-            trainer.metrics.record(tick, trainer.steps.run(tick, trainer.stage))
-
-        step()  # warm: first-step work (buffers, DDP) is not per step
-        with Count():
-            step()
-        return found
-    finally:
-        trainer.cleanup()
 
 
 def start_in_run_dir(run_dir: str, restarting_ranks: list[int], run_id: str):

@@ -59,6 +59,10 @@ class CacheStats:
         return {**dataclasses.asdict(self), "read_bytes_per_s": self.read_bytes_per_s}
 
 
+def _read_dtype(field, as_stored: bool) -> torch.dtype:
+    return torch_dtype(field.stored_dtype if as_stored else field.returned_dtype)
+
+
 class CacheClient:
     """Reads and writes the node's store directly in shared memory and the disk tier."""
 
@@ -92,9 +96,15 @@ class CacheClient:
         return self._store(split).layout
 
     def read(
-        self, split: str, ids: Ids, out: Sequence[torch.Tensor] | None = None
+        self,
+        split: str,
+        ids: Ids,
+        out: Sequence[torch.Tensor] | None = None,
+        as_stored: bool = False,
     ) -> tuple[np.ndarray, tuple[torch.Tensor, ...]]:
-        """Tags (int64, -1 = absent) and batch-first tensors of `ids`; floats as float32.
+        """Tags (int64, -1 = absent) and batch-first tensors of `ids`; floats as float32, or
+        in the dtype the store holds them in with `as_stored` (half the bytes of a bfloat16
+        store to copy to a device, which converts them there).
 
         Rows whose tag is -1 hold undefined values. `out`: CPU tensors (e.g. pinned, reused
         every step) to fill instead of allocating; they are returned.
@@ -102,7 +112,7 @@ class CacheClient:
         store = self._store(split)
         ids = store.check_ids(ids)
         if out is not None:
-            self._check_out(store, ids.size, out)
+            self._check_out(store, ids.size, out, as_stored)
         start = time.perf_counter()
         tags = store.read_tags(ids)
         on_disk = ids >= store.layout.memory_rows
@@ -114,10 +124,10 @@ class CacheClient:
             from_buffer = np.fromiter(
                 (i in taken for i in ids.tolist()), dtype=bool, count=ids.size
             )
-            tensors = self._assemble(store, ids, from_buffer, taken, out)
+            tensors = self._assemble(store, ids, from_buffer, taken, out, as_stored)
         else:
             from_buffer = np.zeros(ids.size, dtype=bool)
-            tensors = store.gather(ids, out=out)
+            tensors = store.gather(ids, convert=not as_stored, out=out)
         # A row rewritten while it was copied may be torn: report it as absent.
         tags[store.read_tags(ids) != tags] = ABSENT
         elapsed = time.perf_counter() - start
@@ -139,16 +149,17 @@ class CacheClient:
         from_buffer: np.ndarray,
         taken: dict[int, tuple[list[torch.Tensor], int]],
         out: Sequence[torch.Tensor] | None,
+        as_stored: bool,
     ) -> list[torch.Tensor]:
         """A batch from prefetched rows plus rows read from the store now."""
         if out is None:
             out = [
-                torch.empty((ids.size, *field.shape), dtype=torch_dtype(field.returned_dtype))
+                torch.empty((ids.size, *field.shape), dtype=_read_dtype(field, as_stored))
                 for field in store.fields
             ]
         rest = np.flatnonzero(~from_buffer)
         if rest.size:
-            store.gather(ids[rest], out=out, positions=rest)
+            store.gather(ids[rest], convert=not as_stored, out=out, positions=rest)
         # Row by row: no intermediate batch, and copy_ converts from the stored dtype.
         for position in np.flatnonzero(from_buffer).tolist():
             chunk, row = taken[int(ids[position])]
@@ -157,11 +168,13 @@ class CacheClient:
         return list(out)
 
     @staticmethod
-    def _check_out(store: SplitStore, batch_size: int, out: Sequence[torch.Tensor]) -> None:
+    def _check_out(
+        store: SplitStore, batch_size: int, out: Sequence[torch.Tensor], as_stored: bool
+    ) -> None:
         if len(out) != len(store.fields):
             raise ValueError(f"out: expected {len(store.fields)} tensors, got {len(out)}")
         for index, (tensor, field) in enumerate(zip(out, store.fields)):
-            shape, dtype = (batch_size, *field.shape), torch_dtype(field.returned_dtype)
+            shape, dtype = (batch_size, *field.shape), _read_dtype(field, as_stored)
             if (
                 tuple(tensor.shape) != shape
                 or tensor.dtype != dtype
@@ -172,6 +185,11 @@ class CacheClient:
                     f"out[{index}]: expected a contiguous CPU {dtype} tensor of shape {shape}, "
                     f"got {tensor.device.type} {tensor.dtype} {tuple(tensor.shape)}"
                 )
+
+    def serves_all(self, split: str, ids: Ids, layer: int) -> bool:
+        """Whether every one of `ids` is stored, tagged `layer` (tags only: no values read)."""
+        store = self._store(split)
+        return bool(np.all(store.read_tags(store.check_ids(ids)) == layer))
 
     def write(self, split: str, ids: Ids, layer: int, tensors: Sequence[torch.Tensor]) -> None:
         """Store batch-first `tensors` as rows `ids`, tagged with `layer` (>= 0)."""
@@ -192,7 +210,10 @@ class CacheClient:
                     f"split {split!r} tensor {index}: expected shape {expected}, "
                     f"got {tuple(tensor.shape)}"
                 )
-        store.write(ids, int(layer), [t.detach().to("cpu") for t in tensors])
+        # Host tensors as they are (a step hands over rows already copied to the host).
+        store.write(
+            ids, int(layer), [t.detach() if t.is_cpu else t.detach().cpu() for t in tensors]
+        )
         if split in self._prefetchers:
             self._prefetchers[split].invalidate(ids)
         self._stats.bytes_written += ids.size * store.layout.row_bytes

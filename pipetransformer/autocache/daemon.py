@@ -71,6 +71,12 @@ _BOOT = "from pipetransformer.autocache.daemon import main; main()"
 _SHM_SPARE_FRACTION = 0.1
 
 
+def shm_capacity(free_bytes: int, reserve_bytes: int, tag_bytes: int) -> int:
+    """What the memory tier may take of a tmpfs with `free_bytes` free: all but the spare
+    fraction, the bytes reserved for others (NCCL) and the tags."""
+    return int(free_bytes * (1 - _SHM_SPARE_FRACTION)) - reserve_bytes - tag_bytes
+
+
 def shm_dir() -> Path:
     """/dev/shm where it exists (Linux); elsewhere a temporary directory (not RAM-backed)."""
     path = Path("/dev/shm")
@@ -174,6 +180,7 @@ class CacheDaemon:
         watched_pids: Sequence[int] = (),
         poll_interval_s: float = 0.25,
         start_timeout_s: float = 60.0,
+        shm_reserve_bytes: int = 0,
     ) -> CacheDaemon:
         """Start the node's daemon and wait until its files exist.
 
@@ -183,6 +190,8 @@ class CacheDaemon:
         The store's own private directory `<disk_dir>/ptcache-<uid>-<random>-disk` is
         removed at cleanup unless `keep`. Stale stores of this user, under /dev/shm and
         `disk_dir`, are removed first (private.py says which are stale).
+        `shm_reserve_bytes`: left free in /dev/shm besides the spare fraction (NCCL's
+        intra-node buffers live there, and are built again at every transition).
         """
         shm_parent = shm_dir()
         # Absolute: the owner record and the manifest must mean the same from any directory.
@@ -196,6 +205,7 @@ class CacheDaemon:
             "watched_pids": [int(p) for p in watched_pids],
             "parent_pid": os.getpid(),
             "poll_interval_s": poll_interval_s,
+            "shm_reserve_bytes": int(shm_reserve_bytes),
         }
         # Checks the request here, so that a bad spec fails in the caller, not in the daemon.
         plan_layout(
@@ -308,13 +318,16 @@ def _create_store(request: dict[str, Any], shm_fd: int, disk_fd: int) -> CacheMa
     budget = request["memory_budget_bytes"]
     usage = shutil.disk_usage(shm_store)
     tag_bytes = sum(n * TAG_BYTES for n, _ in splits.values())
-    shm_cap = int(usage.free * (1 - _SHM_SPARE_FRACTION)) - tag_bytes
+    reserve = int(request.get("shm_reserve_bytes", 0))
+    shm_cap = shm_capacity(usage.free, reserve, tag_bytes)
     if budget > shm_cap:
         logger.warning(
-            "memory budget %d bytes exceeds what %s can hold; using %d",
+            "memory budget %d bytes exceeds what %s can hold (less %d bytes kept for NCCL); "
+            "using %d",
             budget,
             shm_store.parent,
-            shm_cap,
+            reserve,
+            max(0, shm_cap),
         )
         budget = max(0, shm_cap)
     layouts = plan_layout(splits, budget, request["storage_dtype"], shm_store, disk_store, "store")

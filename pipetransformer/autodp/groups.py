@@ -42,20 +42,54 @@ class TrainingGroups:
         self.pipeline = self.data = None
 
 
-def build_training_groups(layout: Layout, rank: int, timeout_s: float) -> TrainingGroups:
-    timeout = datetime.timedelta(seconds=timeout_s)
-    groups = TrainingGroups(pipeline=None, data=None)
-    for replica in range(layout.dp_degree):
-        ranks = layout.pipeline_ranks(replica)
+def group_partitions(layout: Layout) -> tuple[list[list[int]], list[list[int]]]:
+    """The ranks of every pipeline group and of every data group of `layout` (pure). A
+    pipeline of one stage still gets its one-rank group: a PipelineStage needs one."""
+    pipelines = [layout.pipeline_ranks(replica) for replica in range(layout.dp_degree)]
+    data = (
+        [layout.data_ranks(stage) for stage in range(layout.pipe_len)]
+        if layout.dp_degree > 1
+        else []
+    )
+    return pipelines, data
+
+
+def _splits_communicators() -> bool:
+    """NCCL with a device bound at init (what init_distributed does) creates a group's
+    communicator eagerly, by a split of the world's that every rank takes part in: one
+    `split_group` per partition costs one such split, a `new_group` per group costs one each.
+    gloo cannot split (no device); its new_group connects only the members."""
+    default = dist.distributed_c10d._get_default_group()
+    return dist.get_backend() == "nccl" and default.bound_device_id is not None
+
+
+def _groups_of(
+    partition: list[list[int]], rank: int, timeout: datetime.timedelta, owned: list
+) -> dist.ProcessGroup | None:
+    """This rank's group of `partition`, made collectively (every rank, same order)."""
+    if not partition:
+        return None
+    if _splits_communicators():
+        group = dist.split_group(split_ranks=partition, timeout=timeout)
+        if isinstance(group, dist.ProcessGroup):
+            owned.append(group)
+            return group
+        return None
+    mine = None
+    for ranks in partition:
         group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
-            groups.pipeline = group
-            groups.owned.append(group)
-    if layout.dp_degree > 1:
-        for stage in range(layout.pipe_len):
-            ranks = layout.data_ranks(stage)
-            group = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                groups.data = group
-                groups.owned.append(group)
-    return groups
+            mine = group
+            owned.append(group)
+    return mine
+
+
+def build_training_groups(layout: Layout, rank: int, timeout_s: float) -> TrainingGroups:
+    """This rank's training groups of `layout` (collective: every rank, same calls, same
+    order; two communicator splits on NCCL, one new_group per group on gloo)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    pipelines, data = group_partitions(layout)
+    owned: list[dist.ProcessGroup] = []
+    pipeline = _groups_of(pipelines, rank, timeout, owned)
+    data_group = _groups_of(data, rank, timeout, owned)
+    return TrainingGroups(pipeline=pipeline, data=data_group, owned=owned)

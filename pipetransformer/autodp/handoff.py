@@ -7,8 +7,10 @@ replica (so traffic stays inside the node). Every rank computes the same list.
 `execute_transfers` runs that list in order, each rank taking part only in its own
 transfers. A global order of blocking point-to-point messages cannot deadlock: the first
 unfinished transfer always has both of its ranks waiting on it. A transfer is a small
-manifest (names, shapes, dtypes, non-tensor optimizer values) over the control group, then
-one flat byte buffer over the default group (NCCL on GPUs), so the copy is bit-exact.
+manifest (names, shapes, dtypes, non-tensor optimizer values, and the few tensors torch keeps
+on the host, such as Adam's step count) over the control group, then one flat byte buffer of
+everything on the device over the default group (NCCL on GPUs), so the copy is bit-exact and
+every entry arrives on the device it left from.
 A receiving rank materialises only the units it receives, from the meta-device skeleton.
 """
 
@@ -85,21 +87,85 @@ def unit_tensors(
     return tensors, scalars
 
 
-def _send_unit(transfer: Transfer, unit: nn.Module, states, control, device) -> None:
-    tensors, scalars = unit_tensors(
-        transfer.unit, unit, states if transfer.with_optimizer_state else None
-    )
+@dataclass(frozen=True)
+class Packed:
+    """A unit ready to send: the manifest (small, over the control group) and one flat byte
+    buffer on the compute device (over the default group: NCCL on GPUs).
+
+    Every tensor on the compute device travels in the buffer. A tensor torch keeps on the
+    host although its parameter lives on the device (Adam's `step` without `capturable` or
+    `fused`: "Deliberately host `step` on CPU") travels in the manifest, so it is never
+    concatenated with device tensors and arrives on the host again."""
+
+    manifest: dict[str, Any]
+    payload: torch.Tensor
+
+
+def pack_unit(
+    unit_index: int,
+    unit: nn.Module,
+    optimizer_states: Mapping[str, dict[str, Any]] | None,
+    device: torch.device,
+) -> Packed:
+    tensors, scalars = unit_tensors(unit_index, unit, optimizer_states)
+    on_device = [(n, t) for n, t in tensors if t.device.type == device.type]
+    host = {n: t.detach().clone() for n, t in tensors if t.device.type != device.type}
     manifest = {
-        "unit": transfer.unit,
-        "entries": [(name, tuple(t.shape), t.dtype, t.device.type) for name, t in tensors],
+        "unit": unit_index,
+        "entries": [(name, tuple(t.shape), t.dtype) for name, t in on_device],
+        "host_tensors": host,
         "scalars": scalars,
     }
-    dist.send_object_list([manifest], dst=transfer.dst, group=control)
-    flat = [t.detach().reshape(-1).contiguous().view(torch.uint8) for _, t in tensors]
-    payload = (
-        torch.cat(flat).to(device) if flat else torch.empty(0, dtype=torch.uint8, device=device)
+    flat = [t.detach().reshape(-1).contiguous().view(torch.uint8) for _, t in on_device]
+    payload = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=device)
+    return Packed(manifest, payload)
+
+
+def payload_bytes(manifest: dict[str, Any]) -> list[int]:
+    """Byte size of each buffer entry of a manifest, in order."""
+    return [
+        torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        for _, shape, dtype in manifest["entries"]
+    ]
+
+
+def unpack_unit(
+    manifest: dict[str, Any], payload: torch.Tensor, skeleton: nn.Module, device: torch.device
+) -> tuple[nn.Module, OptimizerStates]:
+    """The unit materialised on `device` from its meta-device skeleton, and its optimizer
+    state: buffer entries on `device`, host tensors on the host, as the sender held them."""
+    unit_index = manifest["unit"]
+    unit = skeleton.to_empty(device=device)
+    params = dict(unit.named_parameters())
+    buffers = dict(unit.named_buffers())
+    states: OptimizerStates = {}
+    offset = 0
+    for (name, shape, dtype), size in zip(manifest["entries"], payload_bytes(manifest)):
+        value = payload[offset : offset + size].view(dtype).reshape(shape).clone()
+        offset += size
+        kind, _, rest = name.partition(":")
+        if kind == "param":
+            params[rest].data = value
+        elif kind == "buffer":
+            _set_buffer(unit, rest, value)
+            buffers.pop(rest)
+        else:
+            param_name, _, key = rest.rpartition(":")
+            states.setdefault(param_key(unit_index, param_name), {})[key] = value
+    for name, value in (*manifest["host_tensors"].items(), *manifest["scalars"].items()):
+        param_name, _, key = name[len("opt:") :].rpartition(":")
+        states.setdefault(param_key(unit_index, param_name), {})[key] = value
+    if buffers:
+        raise RuntimeError(f"unit {unit_index}: buffers {sorted(buffers)} were not received")
+    return unit, states
+
+
+def _send_unit(transfer: Transfer, unit: nn.Module, states, control, device) -> None:
+    packed = pack_unit(
+        transfer.unit, unit, states if transfer.with_optimizer_state else None, device
     )
-    dist.send(payload, dst=transfer.dst)
+    dist.send_object_list([packed.manifest], dst=transfer.dst, group=control)
+    dist.send(packed.payload, dst=transfer.dst)
 
 
 def _receive_unit(
@@ -112,35 +178,9 @@ def _receive_unit(
         raise RuntimeError(
             f"expected unit {transfer.unit} from rank {transfer.src}, got {manifest['unit']}"
         )
-    sizes = [
-        torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        for _, shape, dtype, _ in manifest["entries"]
-    ]
-    payload = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    payload = torch.empty(sum(payload_bytes(manifest)), dtype=torch.uint8, device=device)
     dist.recv(payload, src=transfer.src)
-    unit = skeleton.to_empty(device=device)
-    params = dict(unit.named_parameters())
-    buffers = dict(unit.named_buffers())
-    states: OptimizerStates = {}
-    offset = 0
-    for (name, shape, dtype, _), size in zip(manifest["entries"], sizes):
-        value = payload[offset : offset + size].view(dtype).reshape(shape).clone()
-        offset += size
-        kind, _, rest = name.partition(":")
-        if kind == "param":
-            params[rest].data = value
-        elif kind == "buffer":
-            _set_buffer(unit, rest, value)
-            buffers.pop(rest)
-        else:
-            param_name, _, key = rest.rpartition(":")
-            states.setdefault(param_key(transfer.unit, param_name), {})[key] = value
-    for name, value in manifest["scalars"].items():
-        param_name, _, key = name[len("opt:") :].rpartition(":")
-        states.setdefault(param_key(transfer.unit, param_name), {})[key] = value
-    if buffers:
-        raise RuntimeError(f"unit {transfer.unit}: buffers {sorted(buffers)} were not received")
-    return unit, states
+    return unpack_unit(manifest, payload, skeleton, device)
 
 
 def _set_buffer(module: nn.Module, dotted: str, value: torch.Tensor) -> None:

@@ -18,13 +18,15 @@ is on (the trainer's profiler does), own the store (the AutoCache daemon does).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
+from pipetransformer.autocache.store import torch_dtype
 from pipetransformer.models.layered import UnitSequence
+from pipetransformer.pipe.transfer import to_device
 from pipetransformer.utils.units import prefix_end
 
 
@@ -39,6 +41,69 @@ def _run(
     return out if isinstance(out, tuple) else (out,)
 
 
+class _Staging:
+    """Host buffers for one split's cached rows, reused every step: pinned on a GPU (so the
+    copy to the device is asynchronous), two of them in turn, each reused only once the
+    device has finished copying out of it."""
+
+    def __init__(self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]], device) -> None:
+        self.specs = specs
+        self.on_cuda = device.type == "cuda"
+        self.rows = 0
+        self.buffers: list[tuple[torch.Tensor, ...]] = []
+        self.copied: list[object | None] = [None, None]  # per buffer: the copy's CUDA event
+        self.turn = 0
+
+    def take(self, rows: int) -> tuple[torch.Tensor, ...]:
+        if rows > self.rows:
+            self.rows = rows
+            self.buffers = [self._allocate(rows) for _ in range(2)]
+            self.copied = [None, None]
+        self.turn = 1 - self.turn
+        if self.copied[self.turn] is not None:
+            self.copied[self.turn].synchronize()  # long done: it was two steps ago
+        return tuple(t[:rows] for t in self.buffers[self.turn])
+
+    def _allocate(self, rows: int) -> tuple[torch.Tensor, ...]:
+        return tuple(
+            torch.empty((rows, *shape), dtype=dtype, pin_memory=self.on_cuda)
+            for shape, dtype in self.specs
+        )
+
+    def sent(self) -> None:
+        """The buffer just taken has been handed to a non-blocking copy."""
+        if self.on_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self.copied[self.turn] = event
+
+
+class _PendingWrite:
+    """Computed rows on their way to the store: cast to the stored dtype on the device,
+    copied to the host without waiting, written once the copy is done (at the next call or
+    a flush), so a step never waits for the device to hand its outputs back."""
+
+    def __init__(self, split: str, ids: np.ndarray, values: tuple[torch.Tensor, ...]) -> None:
+        self.split = split
+        self.ids = ids
+        on_cuda = values[0].device.type == "cuda"
+        self.host = tuple(
+            torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+            if on_cuda
+            else v
+            for v in values
+        )
+        self.done = None
+        if on_cuda:
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def write(self, client, layer: int) -> None:
+        if self.done is not None:
+            self.done.synchronize()
+        client.write(self.split, self.ids, layer, self.host)
+
+
 class CachedPrefix:
     """Computes the frozen prefix's output for a batch, reading and filling the cache."""
 
@@ -49,7 +114,15 @@ class CachedPrefix:
         client,
         device: torch.device,
         counts: dict[str, int] | None = None,
+        load_inputs: Callable[[str, Sequence[int]], Sequence[torch.Tensor]] | None = None,
+        defer_writes: bool | None = None,
     ) -> None:
+        """`load_inputs(split, ids)`: the inputs of a batch on the device, for a batch the
+        loader did not decode (every sample was cached when it was asked) that needs them.
+        `defer_writes` (default: on a GPU) writes a call's computed rows at the next call or
+        `flush()`, once their copy to the host is done, instead of waiting for it: another
+        replica of the node may then compute a sample of the step just before once more
+        (the same value). On the CPU the rows are on the host already: written at once."""
         self.units = units
         self.num_frozen_layers = num_frozen_layers
         self.end = prefix_end(num_frozen_layers)
@@ -57,16 +130,45 @@ class CachedPrefix:
         self.device = device
         # hits / upgrades / misses by sample, shared with whoever reports them.
         self.counts = counts if counts is not None else {"hits": 0, "upgrades": 0, "misses": 0}
+        self.load_inputs = load_inputs
+        self._staging: dict[str, _Staging] = {}
+        self._pending: list[_PendingWrite] = []
+        self.defer_writes = device.type == "cuda" if defer_writes is None else defer_writes
+
+    def flush(self) -> None:
+        """Write every computed row still on its way (before the boundary moves)."""
+        pending, self._pending = self._pending, []
+        for write in pending:
+            write.write(self.client, self.num_frozen_layers)
+
+    def _read_to_device(
+        self, split: str, unique_ids: np.ndarray
+    ) -> tuple[np.ndarray, tuple[torch.Tensor, ...] | None]:
+        """Tags of `unique_ids`, and (when any is cached) their stored rows on the device in
+        float32 (read in the stored dtype, converted on the device)."""
+        staging = self._staging.get(split)
+        if staging is None:
+            layout = self.client.layout(split)
+            specs = [(f.shape, torch_dtype(f.stored_dtype)) for f in layout.fields]
+            staging = self._staging[split] = _Staging(specs, self.device)
+        buffers = staging.take(unique_ids.size)
+        tags, cached = self.client.read(split, unique_ids, out=buffers, as_stored=True)
+        if not (tags >= 1).any():
+            return tags, None
+        on_device = tuple(t.to(self.device, non_blocking=True) for t in cached)
+        staging.sent()
+        return tags, tuple(t.float() if t.is_floating_point() else t for t in on_device)
 
     def __call__(
-        self, split: str, ids: Sequence[int], inputs: Sequence[torch.Tensor]
+        self, split: str, ids: Sequence[int], inputs: Sequence[torch.Tensor] | None
     ) -> tuple[torch.Tensor, ...]:
+        self.flush()  # the previous batch's rows: copied to the host by now
         ids_array = np.asarray(ids, dtype=np.int64)
         # Shape padding repeats samples: look each id up once, then scatter back.
         unique_ids, first_index, inverse = np.unique(
             ids_array, return_index=True, return_inverse=True
         )
-        tags, cached = self.client.read(split, unique_ids)
+        tags, cached = self._read_to_device(split, unique_ids)
         frozen = self.num_frozen_layers
         hit = tags == frozen
         upgrade = (tags >= 1) & (tags < frozen)
@@ -77,17 +179,19 @@ class CachedPrefix:
 
         rows_out: list[tuple[np.ndarray, tuple[torch.Tensor, ...]]] = []
         if hit.any():
-            index = torch.from_numpy(np.flatnonzero(hit))
-            rows_out.append((np.flatnonzero(hit), tuple(t[index].to(self.device) for t in cached)))
+            index = to_device(torch.from_numpy(np.flatnonzero(hit)), self.device)
+            rows_out.append((np.flatnonzero(hit), tuple(t[index] for t in cached)))
         computed: list[tuple[np.ndarray, tuple[torch.Tensor, ...]]] = []
         for tag in np.unique(tags[upgrade]):
             rows = np.flatnonzero(tags == tag)
-            index = torch.from_numpy(rows)
-            start = tuple(t[index].to(self.device) for t in cached)
+            index = to_device(torch.from_numpy(rows), self.device)
+            start = tuple(t[index] for t in cached)
             computed.append((rows, _run(self.units, prefix_end(int(tag)), self.end, start)))
         if miss.any():
+            if inputs is None:
+                inputs = self.load_inputs(split, ids)
             rows = np.flatnonzero(miss)
-            positions = torch.from_numpy(first_index[rows]).to(inputs[0].device)
+            positions = to_device(torch.from_numpy(first_index[rows]), inputs[0].device)
             computed.append(
                 (rows, _run(self.units, 0, self.end, tuple(t[positions] for t in inputs)))
             )
@@ -95,11 +199,14 @@ class CachedPrefix:
 
         if computed:
             written_rows = np.concatenate([rows for rows, _ in computed])
+            stored = [torch_dtype(f.stored_dtype) for f in self.client.layout(split).fields]
             written = tuple(
-                torch.cat([values[i] for _, values in computed]).cpu()
-                for i in range(len(computed[0][1]))
+                torch.cat([values[i] for _, values in computed]).to(dtype)
+                for i, dtype in enumerate(stored)
             )
-            self.client.write(split, unique_ids[written_rows], frozen, written)
+            self._pending.append(_PendingWrite(split, unique_ids[written_rows], written))
+            if not self.defer_writes:
+                self.flush()
 
         # Assemble in unique-id order, then expand to the batch's order (with repeats).
         count = len(unique_ids)
@@ -108,8 +215,8 @@ class CachedPrefix:
             torch.empty((count, *t.shape[1:]), dtype=t.dtype, device=self.device) for t in template
         ]
         for rows, values in rows_out:
-            index = torch.from_numpy(rows).to(self.device)
+            index = to_device(torch.from_numpy(rows), self.device)
             for target, value in zip(assembled, values):
                 target[index] = value.to(target.dtype)
-        order = torch.from_numpy(inverse.reshape(-1)).to(self.device)
+        order = to_device(torch.from_numpy(inverse.reshape(-1)), self.device)
         return tuple(t[order] for t in assembled)

@@ -14,7 +14,6 @@ sees a frozen parameter; a stage with nothing to train is not wrapped in DDP.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pipetransformer.autopipe.planner import PipelinePlan
 from pipetransformer.models.layered import ModelSpec, TensorSpec, UnitSequence
+from pipetransformer.pipe.timing import IntervalTimer
 
 logger = logging.getLogger(__name__)
 
@@ -42,54 +42,45 @@ def _examples(specs, batch_size: int, device, grad_first: bool) -> tuple[torch.T
 
 
 class CommTimer:
-    """A DDP communication hook that times each bucket's all-reduce (the paper's App. B
-    method): from the bucket being ready to its reduced gradients being back."""
+    """A DDP communication hook that times each bucket's all-reduce (the paper's App. F.4
+    method): from the bucket being ready to its reduced gradients being back, marked on the
+    device (CUDA events on CUDA) into `timer`, which is read at log intervals."""
 
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self.buckets = 0
+    def __init__(self, timer: IntervalTimer) -> None:
+        self.timer = timer
 
     # No annotations: DDP inspects them, and postponed ones are strings it rejects.
     def hook(self, group, bucket):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        start = time.perf_counter()
+        start = self.timer.mark()
         future = allreduce_hook(group, bucket)
 
         def record(fut: torch.futures.Future) -> torch.Tensor:
-            self.seconds += time.perf_counter() - start
-            self.buckets += 1
+            # On CUDA the callback's stream waits for the collective: the event marks its end.
+            self.timer.add(start, self.timer.mark())
             return fut.value()
 
         return future.then(record)
 
-    def take(self) -> float:
-        """Seconds since the last call (and reset)."""
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
-
 
 class MixedPrecisionStage(nn.Module):
-    """Runs a stage's units under autocast (float32 weights, gradients and optimizer state).
+    """The dtypes at a mixed-precision stage's edges (float32 weights, gradients and
+    optimizer state; the autocast region itself is entered once per step by StageRuntime).
 
     Activations enter the units in float32, so the residual stream inside a stage is float32
     as in single-process autocast training; the hidden state leaving a stage is cast to the
     autocast dtype (half the bytes on the wire), the last stage's logits to float32 (the
     loss is computed in float32)."""
 
-    def __init__(
-        self, module: nn.Module, dtype: torch.dtype, device_type: str, is_last: bool
-    ) -> None:
+    def __init__(self, module: nn.Module, dtype: torch.dtype, is_last: bool) -> None:
         super().__init__()
         self.module = module
-        self.dtype = dtype
-        self.device_type = device_type
         self.output_dtype = torch.float32 if is_last else dtype
 
     def forward(self, *inputs: torch.Tensor):
         inputs = tuple(t.float() if t.is_floating_point() else t for t in inputs)
-        with torch.autocast(self.device_type, dtype=self.dtype):
-            out = self.module(*inputs)
+        out = self.module(*inputs)
         if isinstance(out, torch.Tensor):
             return out.to(self.output_dtype)
         return tuple(t.to(self.output_dtype) if t.is_floating_point() else t for t in out)
@@ -131,6 +122,17 @@ class StageRuntime:
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
+    def _autocast(self):
+        """One autocast region for a whole step: autocast caches the low-precision copy of
+        each trained weight for the region, so every micro-batch's forward (and the graph
+        it keeps for backward) shares one copy. Entered per micro-batch, each of the M
+        micro-batches in flight held its own copy of the stage's weights."""
+        return torch.autocast(
+            self.stage.device.type,
+            dtype=self.autocast_dtype or torch.float32,
+            enabled=self.autocast_dtype is not None,
+        )
+
     def train_step(
         self,
         inputs: Sequence[torch.Tensor] | None,
@@ -143,11 +145,14 @@ class StageRuntime:
         losses: list[torch.Tensor] = []
         if self.is_first:
             activations = self.run_prefix(inputs, ids, "train")
-            self.schedule.step(*activations, target=target, losses=losses, return_outputs=False)
-        elif self.is_last:
-            self.schedule.step(target=target, losses=losses, return_outputs=False)
-        else:
-            self.schedule.step()
+            with self._autocast():
+                self.schedule.step(*activations, target=target, losses=losses, return_outputs=False)
+            return losses
+        with self._autocast():
+            if self.is_last:
+                self.schedule.step(target=target, losses=losses, return_outputs=False)
+            else:
+                self.schedule.step()
         return losses
 
     def eval_step(
@@ -164,10 +169,12 @@ class StageRuntime:
             with torch.no_grad():
                 if self.is_first:
                     activations = self.run_prefix(inputs, ids, "eval")
-                    return self.schedule.eval(*activations, target=target)
-                if self.is_last:
-                    return self.schedule.eval(target=target)
-                self.schedule.eval()
+                    with self._autocast():
+                        return self.schedule.eval(*activations, target=target)
+                with self._autocast():
+                    if self.is_last:
+                        return self.schedule.eval(target=target)
+                    self.schedule.eval()
                 return None
         finally:
             self.module.train()
@@ -179,12 +186,7 @@ class StageRuntime:
         stage 0 takes in."""
         if self.preprocess is None:
             return tuple(inputs)
-        device_type = inputs[0].device.type
-        with torch.autocast(
-            device_type,
-            dtype=self.autocast_dtype or torch.float32,
-            enabled=self.autocast_dtype is not None,
-        ):
+        with self._autocast():
             if self.cached_prefix is not None and ids is not None:
                 out = self.cached_prefix(split, ids, inputs)
             else:
@@ -207,7 +209,9 @@ def build_stage_runtime(
     data_group: dist.ProcessGroup | None,
     device: torch.device,
     autocast_dtype: torch.dtype | None = None,
+    comm_timer: IntervalTimer | None = None,
 ) -> StageRuntime:
+    """`comm_timer`: where DDP's all-reduce intervals are marked (when the stage runs DDP)."""
     frozen_end = plan.frozen_end
     start, end = plan.stage_ranges[stage_index]
     stage_units = list(range(start, end))
@@ -244,8 +248,8 @@ def build_stage_runtime(
 
     wrapped: nn.Module = module
     if autocast_dtype is not None:
-        wrapped = MixedPrecisionStage(module, autocast_dtype, device.type, is_last)
-    comm_timer = None
+        wrapped = MixedPrecisionStage(module, autocast_dtype, is_last)
+    hook = None
     trainable = any(p.requires_grad for p in module.parameters())
     if data_group is not None and trainable:
         wrapped = DistributedDataParallel(
@@ -254,9 +258,12 @@ def build_stage_runtime(
             process_group=data_group,
             forward_sync_buffers=False,
             init_sync=False,  # replicas already hold identical weights (handoff is bit-exact)
+            # Gradients are views into the all-reduce buckets: no second copy of them.
+            gradient_as_bucket_view=True,
         )
-        comm_timer = CommTimer()
-        wrapped.register_comm_hook(data_group, comm_timer.hook)
+        if comm_timer is not None:
+            hook = CommTimer(comm_timer)
+            wrapped.register_comm_hook(data_group, hook.hook)
     stage = PipelineStage(
         wrapped,
         stage_index,
@@ -279,6 +286,6 @@ def build_stage_runtime(
         preprocess,
         micro,
         num_micro_batches,
-        comm_timer,
+        hook,
         autocast_dtype=autocast_dtype,
     )

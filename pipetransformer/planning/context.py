@@ -39,9 +39,20 @@ from pipetransformer.data.checks import data_facts
 from pipetransformer.freeze import check_freeze_config
 from pipetransformer.models import ModelSpec, build_model
 
-# Kept free on a GPU for the CUDA context, NCCL's buffers and allocator fragmentation.
-CUDA_RESERVE_BYTES = 1 << 30
-CUDA_RESERVE_FRACTION = 0.10
+# What a GPU holds besides the tensors the memory model counts (its predictions are
+# allocated bytes, what torch.cuda.max_memory_allocated reports):
+# - the CUDA context and kernels' modules, and NCCL's default communicator: measured at
+#   start on the device (total - free - what torch reserved); before that, an estimate;
+CUDA_CONTEXT_BYTES = 1 << 30
+# - NCCL's buffers of the communicators a rank builds during the run: its pipeline and data
+#   groups of a layout, and the pair communicators of pipeline send/recv (rebuilt at every
+#   transition, so a layout's are held while the next one's are built);
+NCCL_COMMUNICATOR_BYTES = 128 << 20
+NCCL_COMMUNICATORS_HELD = 6
+# - the caching allocator's fragmentation: after a transition frees one layout's tensors
+#   and allocates another's, reserved memory exceeds allocated memory (init_distributed
+#   sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which keeps this small).
+FRAGMENTATION_ALLOWANCE = 0.05
 
 # (pipe_len, replica batch) -> the number of micro-batches of that layout.
 MicroBatchChooser = Callable[[int, int], int]
@@ -81,20 +92,26 @@ def describe_model(config: Config, **overrides: Any) -> ModelSpec:
 
 
 def device_memory_budget(config: Config, device: torch.device | str) -> float | None:
-    """pipeline.device_memory_bytes; else a CUDA device's total memory less the reserve; on
-    the CPU None (unlimited)."""
+    """pipeline.device_memory_bytes; else what a CUDA device leaves the memory model's
+    tensors (`usable_device_bytes`, with its context measured); on the CPU None
+    (unlimited)."""
     if config.pipeline.device_memory_bytes is not None:
         return float(config.pipeline.device_memory_bytes)
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(device).total_memory
-        return usable_device_bytes(total)
+        free, total = torch.cuda.mem_get_info(device)
+        context = total - free - torch.cuda.memory_reserved(device)
+        return usable_device_bytes(total, context_bytes=context)
     return None
 
 
-def usable_device_bytes(total_bytes: float) -> float:
-    """What a GPU of `total_bytes` leaves a stage, less the CUDA reserve."""
-    return float(total_bytes * (1 - CUDA_RESERVE_FRACTION) - CUDA_RESERVE_BYTES)
+def usable_device_bytes(total_bytes: float, context_bytes: float | None = None) -> float:
+    """What a GPU of `total_bytes` leaves for the tensors the memory model counts (allocated
+    bytes): less the CUDA context (`context_bytes`, measured; else CUDA_CONTEXT_BYTES) and
+    NCCL's communicators, and divided by the allocator's fragmentation allowance."""
+    context = CUDA_CONTEXT_BYTES if context_bytes is None else context_bytes
+    nccl = NCCL_COMMUNICATORS_HELD * NCCL_COMMUNICATOR_BYTES
+    return max(0.0, float(total_bytes - context - nccl) / (1 + FRAGMENTATION_ALLOWANCE))
 
 
 def memory_model(

@@ -39,7 +39,12 @@ from pipetransformer.planning.predict import (
     unit_times,
 )
 from pipetransformer.planning.profile_keys import profile_path_for
-from pipetransformer.planning.roofline import PRECISION_PEAKS, AchievedFractions, roofline_profile
+from pipetransformer.planning.roofline import (
+    PRECISION_PEAKS,
+    AchievedFractions,
+    matmul_peak,
+    roofline_profile,
+)
 from pipetransformer.planning.step_model import Links, UnitTimes
 
 # A GPU's memory bandwidth when neither --memory-gbps nor --device says it.
@@ -157,11 +162,12 @@ def roofline_unit_profile(
     model = build_model(config.model, device="meta", **model_build_args(config))
     micro_batch_size = profiling_micro_batch_size(config, world_size)
     work = analytical_profile(model, micro_batch_size, PRECISION_PEAKS[config.trainer.precision])
-    return roofline_profile(work, named, fractions)
+    peak = matmul_peak(config.trainer.precision, config.trainer.tf32)
+    return roofline_profile(work, named, fractions, peak)
 
 
 def _roofline_source(config: Config, named: Device, fractions: AchievedFractions) -> str:
-    dtype = PRECISION_PEAKS[config.trainer.precision]
+    dtype = matmul_peak(config.trainer.precision, config.trainer.tf32)
     return (
         f"analytical, roofline on {named.name} ({dtype} peak "
         f"{named.peak_flops(dtype) / 1e12:g} TFLOP/s x {fractions.compute:g}, memory "

@@ -7,12 +7,12 @@ For each unit, and for its forward, backward and frozen forward separately:
     seconds = max(FLOPs / (peak FLOP/s x compute fraction),
                   bytes / (memory bandwidth x memory fraction))
 
-The peak is the device's dense matrix peak in the run's compute dtype: `trainer.precision:
-bf16` uses the bfloat16 peak, fp32 the plain FP32 peak. fp32 never uses a TF32 peak: the
-trainer leaves `torch.backends.cuda.matmul.allow_tf32` at PyTorch's default (False since
-1.12), so float32 matmuls run on the FP32 units (cuDNN convolutions may use TF32, which
-touches only a ViT's patch embedding). A dtype the device has no matrix units for falls
-back to its FP32 peak (`Device.peak_flops`).
+The peak is the device's dense matrix peak for the run's matmuls (`matmul_peak`):
+`trainer.precision: bf16` uses the bfloat16 peak; fp32 the TF32 tensor-core peak when
+`trainer.tf32` is on (the default: the trainer sets `torch.backends.cuda.matmul.allow_tf32`
+and cuDNN's), the plain FP32 peak when it is off. A dtype the device has no matrix units
+for falls back to its FP32 peak (`Device.peak_flops`: a Quadro RTX 5000 or a V100 has no
+TF32).
 
 The achieved fractions say how much of a data-sheet peak real kernels get; the defaults are
 published measurements (see each constant). The model takes the larger of the two terms over
@@ -51,8 +51,15 @@ ACHIEVED_COMPUTE_FRACTION = 0.5
 # TU104 chip as the Quadro RTX 5000. 0.75 lies within 10% of both.
 ACHIEVED_MEMORY_FRACTION = 0.75
 
-# trainer.precision -> the peak (planning/hardware.py PEAK_FIELDS) its matmuls run at.
+# trainer.precision -> the compute dtype its activations are counted in.
 PRECISION_PEAKS = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def matmul_peak(precision: str, tf32: bool) -> str:
+    """The peak (planning/hardware.py PEAK_FIELDS) a run's matmuls run at."""
+    if precision == "fp32" and tf32:
+        return "tf32"
+    return PRECISION_PEAKS[precision]
 
 
 @dataclass(frozen=True)
@@ -85,12 +92,16 @@ def roofline_seconds(
 
 
 def roofline_profile(
-    work: AnalyticalProfile, device: Device, fractions: AchievedFractions | None = None
+    work: AnalyticalProfile,
+    device: Device,
+    fractions: AchievedFractions | None = None,
+    peak: str | None = None,
 ) -> UnitProfile:
-    """Per-unit forward, backward and frozen-forward seconds of `work` on `device`, in the
-    work's compute dtype; output, saved and parameter bytes as counted."""
+    """Per-unit forward, backward and frozen-forward seconds of `work` on `device`, at the
+    `peak` its matmuls run at (default: the work's compute dtype's; `matmul_peak`); output,
+    saved and parameter bytes as counted."""
     fractions = fractions or AchievedFractions()
-    peak = device.peak_flops(work.dtype)
+    peak = device.peak_flops(peak or work.dtype)
     bandwidth = device.memory_bytes_per_s
 
     def seconds(flops: str, bytes_moved: str) -> tuple[float, ...]:

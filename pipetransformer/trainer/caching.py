@@ -23,6 +23,7 @@ from pipetransformer.autopipe.planner import UnitCosts
 from pipetransformer.config import Config, ConfigError
 from pipetransformer.data import DataBundle
 from pipetransformer.models import ModelSpec
+from pipetransformer.pipe.transfer import to_device
 from pipetransformer.trainer.control import Control
 from pipetransformer.trainer.records import CacheCounters
 from pipetransformer.utils.units import prefix_end
@@ -30,6 +31,10 @@ from pipetransformer.utils.units import prefix_end
 logger = logging.getLogger(__name__)
 
 READ_REPEATS = 5
+# /dev/shm kept free per GPU process of a node for NCCL's shared-memory transport and proxy
+# buffers, which every transition's new communicators allocate again (a container's
+# default /dev/shm is 64 MiB: docs/gpus.md).
+NCCL_SHM_BYTES_PER_PROCESS = 256 << 20
 
 
 def check_augmentation(config: Config, data: DataBundle) -> None:
@@ -77,6 +82,9 @@ class RunCache:
                 storage_dtype=config.cache_dtype,
                 keep=config.cache.keep,
                 watched_pids=[pids[r] for r in node_ranks],
+                shm_reserve_bytes=NCCL_SHM_BYTES_PER_PROCESS * world.devices_per_node
+                if world.device.type == "cuda"
+                else 0,
             )
             started = {
                 "node": world.node,
@@ -107,13 +115,21 @@ class RunCache:
         )
 
     def _measure_read(self, rows: int) -> float:
-        """Seconds to read one sample from the store, averaged over every rank (collective)."""
+        """Seconds to read one sample from the store and bring it to the device as a step
+        does (stored dtype, then the copy to the device), averaged over every rank
+        (collective)."""
         ids = np.arange(rows)
+        device = self.world.device
         times = []
         for _ in range(READ_REPEATS):
             start = time.perf_counter()
-            self.client.read("train", ids)
+            _, values = self.client.read("train", ids, as_stored=True)
+            on_device = [to_device(v, device) for v in values]
+            on_device = [v.float() if v.is_floating_point() else v for v in on_device]
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
+            del on_device
         self.client.reset_stats()
         return self.control.sum(statistics.median(times) / rows) / self.world.world_size
 

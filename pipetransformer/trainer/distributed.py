@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pipetransformer.config import World
+from pipetransformer.config import ConfigError, World
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,18 @@ class WorldInfo:
     def num_nodes(self) -> int:
         return self.world_size // self.devices_per_node
 
+    def describe(self, tf32: bool = True) -> str:
+        """The start line: where the processes compute and how they talk."""
+        if self.device.type == "cuda":
+            math = "TF32 matmuls" if tf32 else "full float32 matmuls (trainer.tf32=false)"
+            where = f"{torch.cuda.get_device_name(self.device)}, NCCL, {math}"
+        else:
+            where = f"CPU, gloo, {torch.get_num_threads()} thread(s) each"
+        return (
+            f"{self.world_size} process(es) on {self.num_nodes} node(s) ({where}; "
+            "control group gloo)"
+        )
+
     @property
     def shape(self) -> World:
         """What the config's `auto` settings are resolved against."""
@@ -52,17 +64,71 @@ def _env_int(name: str, default: int | None = None) -> int:
     return int(value)
 
 
-def init_distributed(device_kind: str, timeout_s: float) -> WorldInfo:
+class DeviceError(ConfigError):
+    """The processes cannot have the devices they ask for. One line, naming the key."""
+
+
+def check_visible_gpus(processes_per_node: int, visible: int) -> None:
+    """NCCL refuses two ranks on one GPU: a node runs at most one process per visible GPU."""
+    if processes_per_node > visible:
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
+        raise DeviceError(
+            f"trainer.nproc_per_node: {processes_per_node} processes per node but {visible} "
+            f"visible GPU(s){where}; NCCL needs one GPU per process: run at most {visible} "
+            "(torchrun --nproc-per-node, --nproc) or trainer.device=cpu"
+        )
+
+
+def cuda_unusable_reason() -> str | None:
+    """Why CUDA cannot be used on a machine that looks as if it had a GPU (a driver too old
+    for this wheel, a container started without its GPUs), else None."""
+    if torch.cuda.is_available() or torch.version.cuda is None:
+        return None
+    signs = [os.path.exists("/dev/nvidiactl")] + [
+        bool(os.environ.get(name)) for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+    ]
+    if not any(signs):
+        return None
+    try:
+        torch.cuda.init()
+    except Exception as exc:  # noqa: BLE001 - torch's own words are the reason
+        return str(exc).splitlines()[0]
+    return "torch.cuda.is_available() is False"
+
+
+def uses_cuda(device_kind: str) -> bool:
+    """Whether `trainer.device` means CUDA here ('auto': when CUDA is usable)."""
+    return device_kind == "cuda" or (device_kind == "auto" and torch.cuda.is_available())
+
+
+def configure_math(device: torch.device, tf32: bool) -> None:
+    """TF32 tensor cores for float32 matmuls and convolutions on CUDA (trainer.tf32): an
+    A100/H100 runs float32 several times slower without them."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
+def init_distributed(device_kind: str, timeout_s: float, tf32: bool = True) -> WorldInfo:
     rank = _env_int("RANK")
     world_size = _env_int("WORLD_SIZE")
     local_rank = _env_int("LOCAL_RANK", rank)
     devices_per_node = _env_int("LOCAL_WORLD_SIZE", world_size)
-    use_cuda = device_kind == "cuda" or (device_kind == "auto" and torch.cuda.is_available())
+    use_cuda = uses_cuda(device_kind)
     if use_cuda:
         if not torch.cuda.is_available():
-            raise RuntimeError("trainer.device: 'cuda' was asked for but CUDA is not available")
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+            reason = cuda_unusable_reason() or "no GPU is visible"
+            raise DeviceError(
+                f"trainer.device: 'cuda' was asked for but CUDA is unusable: {reason}"
+            )
+        check_visible_gpus(devices_per_node, torch.cuda.device_count())
+        # Layouts free and allocate stages of other sizes at every transition: expandable
+        # segments keep the caching allocator from fragmenting (read at its first use).
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+        configure_math(device, tf32)
         backend = "nccl"
     else:
         device = torch.device("cpu")
@@ -86,7 +152,17 @@ def init_distributed(device_kind: str, timeout_s: float) -> WorldInfo:
             device_id=device if use_cuda else None,
         )
     source = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "local launcher"
-    return WorldInfo(rank, world_size, local_rank, devices_per_node, device, source)
+    world = WorldInfo(rank, world_size, local_rank, devices_per_node, device, source)
+    if rank == 0:
+        logger.info("%s", world.describe(tf32))
+        reason = cuda_unusable_reason() if device_kind == "auto" and not use_cuda else None
+        if reason is not None:
+            logger.warning(
+                "trainer.device auto: this machine looks as if it had a GPU, but CUDA is "
+                "unusable (%s): training on CPU processes; set trainer.device=cuda to fail instead",
+                reason,
+            )
+    return world
 
 
 # Set by the local launcher: every process of the run is on this machine, so nothing it

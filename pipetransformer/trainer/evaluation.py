@@ -13,7 +13,9 @@ import torch
 
 from pipetransformer.autodp.sampler import EvalSampler
 from pipetransformer.config import Config
-from pipetransformer.data import DataBundle, iterate_batches
+from pipetransformer.data import DataBundle
+from pipetransformer.data.loader import BatchLoader
+from pipetransformer.pipe.transfer import to_device
 from pipetransformer.trainer.caching import RunCache
 from pipetransformer.trainer.clock import Tick
 from pipetransformer.trainer.control import Control
@@ -42,6 +44,9 @@ class Evaluator:
         self.cache = cache
         self.state = state  # holds the last and best metric
         self.sampler = EvalSampler(len(data.eval), config.trainer.global_batch_size)
+        self._loader = BatchLoader(
+            data.eval, config.data.num_workers, pin_memory=world.device.type == "cuda"
+        )
 
     def due(self, tick: Tick) -> bool:
         """At the end of every `trainer.eval_interval_epochs`-th epoch and of the last."""
@@ -70,18 +75,17 @@ class Evaluator:
             ]
             loader = None
             if role.is_first:
-                loader = iterate_batches(
-                    self.data.eval, [b.ids for b in batches], self.config.data.num_workers
-                )
+                loader = self._loader.start([b.ids for b in batches])
                 if stage.cache_active:
                     self.cache.client.prefetch("eval", [i for b in batches for i in b.ids])
             for batch in batches:
                 inputs = target = labels = None
                 if role.is_first:
-                    inputs = [t.to(device) for t in next(loader)[0]]
+                    inputs = [to_device(t, device) for t in next(loader)]
                 if role.is_last:
                     labels = self.data.eval.targets(batch.ids)
-                    target = self.task.make_target(labels, torch.zeros(len(batch.ids))).to(device)
+                    target = self.task.make_target(labels, torch.zeros(len(batch.ids)))
+                    target = to_device(target, device)
                 outputs = stage.runtime.eval_step(inputs, target, batch.ids)
                 if role.is_last:
                     accumulator.add(outputs.detach(), batch.ids, batch.valid, labels)

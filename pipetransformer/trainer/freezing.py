@@ -3,8 +3,9 @@ the metrics gathered, the same on every rank.
 
 `freeze.interval_steps: auto` keeps the recurring cost of a transition (not the one-time
 micro-batch profiling of a new layout) within TRANSITION_TIME_SHARE of the time between
-decisions; the slowest rank's figures decide, and the bound only grows (it is part of the
-run state).
+decisions; the slowest rank's figures at the run's first transition decide, once (the
+interval is part of the run state, so a resumed run keeps it), and a cadence event and a
+log line say what was measured and how to pin it.
 
 Owns: `FreezeControl`. Must not: decide anything itself (freeze.py's pure functions do) or
 carry out a transition (the trainer does).
@@ -16,10 +17,16 @@ import logging
 from dataclasses import dataclass
 
 from pipetransformer.config import Config
-from pipetransformer.freeze import DecisionSchedule, FreezeDecider, min_interval_for
+from pipetransformer.freeze import (
+    TRANSITION_TIME_SHARE,
+    DecisionSchedule,
+    FreezeDecider,
+    min_interval_for,
+)
 from pipetransformer.trainer.clock import Tick
 from pipetransformer.trainer.control import Control
 from pipetransformer.trainer.metrics import MetricsTracker
+from pipetransformer.trainer.records import CadenceEvent
 from pipetransformer.trainer.state import RunState
 
 logger = logging.getLogger(__name__)
@@ -79,19 +86,51 @@ class FreezeControl:
             self.state.previous_layer_grad_norms = list(signal.layer_grad_norms)
         return Decision(decided, signal.layer_grad_norms, signal.step_s)
 
-    def space(self, transition_s: float, step_s: float) -> None:
-        """freeze.interval_steps 'auto': space decisions so a transition of `transition_s`
-        stays within the allowed share of the steps between them (collective)."""
-        if self.config.freeze.interval_steps != "auto":
-            return
+    def decisions_left(self, global_step: int) -> int:
+        """Decision points after `global_step` at the current schedule (without warm-up)."""
+        schedule = self.schedule
+        if schedule.interval_steps is None:
+            return max(0, schedule.epochs - 1 - (global_step // self.steps_per_epoch))
+        return max(0, (schedule.total_steps - 1 - global_step) // schedule.interval_steps)
+
+    def space(self, transition_s: float, step_s: float, global_step: int) -> CadenceEvent | None:
+        """freeze.interval_steps 'auto', at the run's first transition: space decisions so
+        that a transition of `transition_s` takes at most TRANSITION_TIME_SHARE of the steps
+        between two (collective). Measured once and kept in the run state: later transitions
+        and resumes keep the interval, so a run decides at the same steps after a resume."""
+        if self.config.freeze.interval_steps != "auto" or self.state.decision_interval_measured:
+            return None
         transition_s, step_s = self.control.all_max([transition_s, step_s]).tolist()
-        bound = min_interval_for(transition_s, step_s)
-        if bound > self.state.min_decision_interval:
-            self.state.min_decision_interval = bound
-            self.schedule = self._schedule(bound)
+        default = self.schedule.interval_steps
+        self.state.min_decision_interval = max(1, min_interval_for(transition_s, step_s))
+        self.state.decision_interval_measured = True
+        self.schedule = self._schedule(self.state.min_decision_interval)
+        event = CadenceEvent(
+            global_step=global_step,
+            interval_steps=self.schedule.interval_steps,
+            default_interval_steps=default,
+            transition_s=transition_s,
+            step_s=step_s,
+            time_share=TRANSITION_TIME_SHARE,
+            decisions_left=self.decisions_left(global_step),
+        )
+        if event.interval_steps > default:
             logger.info(
-                "decision interval: %d steps (a transition took %.3f s, a step %.3f s)",
-                self.schedule.interval_steps,
+                "freeze decisions every %d steps instead of %d: a transition took %.3f s and a "
+                "step %.3f s, and transitions may take %.0f%% of the time between decisions; "
+                "%d decision(s) left in the run (pin it with freeze.interval_steps=N)",
+                event.interval_steps,
+                default,
+                transition_s,
+                step_s,
+                100 * TRANSITION_TIME_SHARE,
+                event.decisions_left,
+            )
+        if event.decisions_left == 0:
+            logger.warning(
+                "no freeze decision is left before the run ends: transitions cost %.3f s against "
+                "%.3f s steps; set freeze.interval_steps to decide more often",
                 transition_s,
                 step_s,
             )
+        return event

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from pipetransformer.autodp.topology import Layout
+from pipetransformer.pipe.timing import IntervalTimer
 from pipetransformer.trainer.clock import Tick
 from pipetransformer.trainer.control import Control
 from pipetransformer.trainer.records import CacheCounters, EpochMetrics, EvalResult, StepMetrics
@@ -39,7 +40,7 @@ class StepResult:
 
     layout: Layout
     started_s: float  # perf_counter at the step's start
-    seconds: float
+    marks: tuple[object, object]  # the step's start and end on the device (IntervalTimer.mark)
     samples: int  # valid samples in the global batch
     replica_loss: (
         torch.Tensor | None
@@ -47,7 +48,6 @@ class StepResult:
     unit_grad_sq: (
         torch.Tensor | None
     )  # per unit, squared norm of the gradients applied, on the device
-    comm_s: float  # this rank's DDP all-reduce seconds in the step
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,10 @@ class MetricsTracker:
         self.num_train_samples = num_train_samples
         self.device = device
         self.log_interval_steps = log_interval_steps
+        # Device time, read only where the counters are (decisions, epoch ends): a step's
+        # interval and DDP's all-reduces (marked by the stage runtime's comm hook).
+        self.step_timer = IntervalTimer(device)
+        self.comm_timer = IntervalTimer(device)
         self._reset_log(time.perf_counter())
         self._reset_epoch()
         self._reset_decision()
@@ -119,6 +123,7 @@ class MetricsTracker:
         self._grad_sq = torch.zeros(self.num_units, dtype=torch.float64, device=self.device)
         self._decision_steps = 0
         self._decision_train_s = 0.0
+        self.step_timer.take()
 
     # ------------------------------------------------------------------ counting
 
@@ -137,13 +142,18 @@ class MetricsTracker:
         if result.unit_grad_sq is not None:
             self._grad_sq += result.unit_grad_sq
         self._log_samples += result.samples
-        self._epoch_comm_s += result.comm_s
         self._decision_steps += 1
-        self._decision_train_s += result.seconds
+        self.step_timer.add(*result.marks)
         layout = result.layout
         self.reporter.step(
             frozen=layout.plan.num_frozen_layers, K=layout.pipe_len, R=layout.dp_degree
         )
+
+    def _drain_timers(self) -> None:
+        """Read the device timers into the interval sums (waits for the device on CUDA: only
+        where a collective reads the counters anyway, never per step)."""
+        self._decision_train_s += self.step_timer.take()
+        self._epoch_comm_s += self.comm_timer.take()
 
     def add_transition(self, seconds: float) -> None:
         self._epoch_transition_s += seconds
@@ -166,8 +176,9 @@ class MetricsTracker:
     def log_steps(self, tick: Tick, layout: Layout, lr: float) -> None:
         """steps.jsonl (and TensorBoard / W&B): the mean loss of the steps since the last
         line. Collective; the one place a step's loss leaves the device."""
-        now = time.perf_counter()
         loss = self.control.sum(self._log_loss) / max(1, self._log_samples)
+        now = time.perf_counter()  # after the loss reached the host: the steps are done
+        self._drain_timers()
         self.reporter.log_step(
             StepMetrics(
                 global_step=tick.global_step,
@@ -229,6 +240,7 @@ class MetricsTracker:
         (collective): loss sum, training seconds (this rank's), transition seconds and DDP
         communication seconds (mean over the ranks that ran DDP)."""
         loss, train, transition, comm = self._carried_epoch
+        self._drain_timers()
         ran_ddp = 1.0 if self._epoch_comm_s > 0 else 0.0
         totals = self.control.all_sum(
             torch.stack(
@@ -258,6 +270,7 @@ class MetricsTracker:
                 if layer is not None:
                     per_layer[layer] += value
             norms = [math.sqrt(v / max(1, steps)) for v in per_layer]
+        self._drain_timers()
         signal = FreezeSignal(norms, steps, self._decision_train_s / max(1, self._decision_steps))
         self._reset_decision()
         return signal

@@ -33,6 +33,14 @@ def learning_rate(config: OptimizerConfig, step: int, total_steps: int) -> float
     return floor + (config.lr - floor) * (1 - progress)
 
 
+def implementation_options(config: OptimizerConfig, device_type: str) -> dict[str, bool]:
+    """The constructor flag that picks torch's implementation (optimizer.implementation)."""
+    choice = config.implementation
+    if choice == "auto":
+        choice = "fused" if device_type == "cuda" and config.name != "sgd" else "foreach"
+    return {choice: True}
+
+
 def build_optimizer(
     config: OptimizerConfig, named_params: Mapping[str, nn.Parameter]
 ) -> torch.optim.Optimizer | None:
@@ -40,6 +48,7 @@ def build_optimizer(
     params = [(n, p) for n, p in named_params.items() if p.requires_grad]
     if not params:
         return None
+    options = implementation_options(config, params[0][1].device.type)
     # Biases and norm weights (1-D) get no weight decay, as is standard for Transformers.
     decay = [p for _, p in params if p.ndim > 1]
     no_decay = [p for _, p in params if p.ndim <= 1]
@@ -49,9 +58,9 @@ def build_optimizer(
     ]
     groups = [g for g in groups if g["params"]]
     if config.name == "sgd":
-        return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum)
+        return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, **options)
     cls = torch.optim.Adam if config.name == "adam" else torch.optim.AdamW
-    return cls(groups, lr=config.lr, betas=tuple(config.betas), eps=config.eps)
+    return cls(groups, lr=config.lr, betas=tuple(config.betas), eps=config.eps, **options)
 
 
 def states_by_name(
@@ -69,12 +78,20 @@ def load_states_by_name(
     named_params: Mapping[str, nn.Parameter],
     states: Mapping[str, dict[str, Any]],
 ) -> None:
+    """Carried state (a handoff's, or another implementation's) put where this optimizer
+    keeps it: every tensor on its parameter's device, except Adam's step count, which torch
+    keeps on the host unless the optimizer is fused or capturable."""
     if optimizer is None:
         return
+    group_of = {p: group for group in optimizer.param_groups for p in group["params"]}
     for name, p in named_params.items():
         if p.requires_grad and name in states:
+            group = group_of[p]
+            step_on_device = bool(group.get("fused") or group.get("capturable"))
             optimizer.state[p] = {
-                k: v.to(p.device) if isinstance(v, torch.Tensor) and k != "step" else v
+                k: v.to(p.device if k != "step" or step_on_device else "cpu")
+                if isinstance(v, torch.Tensor)
+                else v
                 for k, v in states[name].items()
             }
 

@@ -139,6 +139,7 @@ class RunProfiler:
                         step, PROFILE_STEPS, PROFILE_WARMUP_STEPS, self.device
                     )
                 timings[m] = float(self.control.all_max([local])[0])
+                del step  # this trial's runtime goes before the next one is built
             self.store.put_micro_batch_timings(key, {m: timings[m] for m in missing})
             self._save()
             self.seconds += time.perf_counter() - start

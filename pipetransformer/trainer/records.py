@@ -75,6 +75,8 @@ class RunSummary(Record):
     device: str
     checkpoint: str | None
     metric_name: str = "eval_metric"  # what eval_metric measures (summaries of old runs lack it)
+    freeze_decisions: int = 0  # decision points the freeze algorithm was asked at
+    decision_interval_steps: int | None = None  # steps between them (None: epoch ends)
 
 
 @dataclass
@@ -222,9 +224,31 @@ class CheckpointEvent(Event):
     eval_metric: float | None = None
 
 
+@dataclass
+class CadenceEvent(Event):
+    """freeze.interval_steps 'auto' measured the decision interval (at the first transition):
+    a transition may take at most `time_share` of the time between two decisions."""
+
+    kind: ClassVar[str] = "cadence"
+    global_step: int
+    interval_steps: int  # steps between decisions from here on
+    default_interval_steps: int  # what 'auto' decides without a measurement
+    transition_s: float  # the slowest rank's transition, without micro-batch profiling
+    step_s: float  # the slowest rank's mean step in the interval before it
+    time_share: float
+    decisions_left: int  # decision points the rest of the run holds at this interval
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls
-    for cls in (TransitionEvent, ProfileEvent, StartEvent, ResumeEvent, CheckpointEvent)
+    for cls in (
+        TransitionEvent,
+        ProfileEvent,
+        StartEvent,
+        ResumeEvent,
+        CheckpointEvent,
+        CadenceEvent,
+    )
 }
 
 

@@ -61,8 +61,11 @@ class RunState:
     # per unit, summed squared gradient norms reduced over replicas (as the freeze signal
     # reduces them) and the number of steps summed.
     decision_index: int = 0
-    # freeze.interval_steps 'auto': the fewest steps between decisions transition costs allow.
+    # freeze.interval_steps 'auto': the fewest steps between decisions transition costs allow,
+    # measured once, at the first transition (0: not yet), and kept for the rest of the run,
+    # resumes included, so that the same run decides at the same steps.
     min_decision_interval: int = 1
+    decision_interval_measured: bool = False
     interval_grad_sq: list[float] = field(default_factory=list)
     interval_steps: int = 0
     # Per layer, the gradient norms the previous decision saw (the `convergence` rule

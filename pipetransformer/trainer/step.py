@@ -27,9 +27,12 @@ from pipetransformer.autodp.groups import TrainingGroups
 from pipetransformer.autodp.sampler import TrainSampler
 from pipetransformer.autodp.topology import Layout, Role
 from pipetransformer.config import Config
-from pipetransformer.data import DataBundle, iterate_batches
+from pipetransformer.data import DataBundle
+from pipetransformer.data.loader import BatchLoader
 from pipetransformer.models import unit_param_names
 from pipetransformer.pipe import StageRuntime
+from pipetransformer.pipe.timing import IntervalTimer
+from pipetransformer.pipe.transfer import to_device
 from pipetransformer.trainer import optim
 from pipetransformer.trainer.caching import RunCache
 from pipetransformer.trainer.clock import Tick
@@ -75,12 +78,22 @@ class Batches:
         self.world = world
         self.run_dir = run_dir
         self.cache = cache
+        # Workers live for the run; a pass per epoch and per layout (data/loader.py).
+        self._batch_loader = BatchLoader(
+            data.train, config.data.num_workers, pin_memory=world.device.type == "cuda"
+        )
         self._loader = None
         self._position: tuple[int, int] | None = None  # (epoch, step) the loader yields next
 
     def restart(self) -> None:
         """The data split changes with the layout: the loader restarts at the next step."""
         self._loader = None
+
+    def device_inputs(self, split: str, ids: Sequence[int]) -> list[torch.Tensor]:
+        """Inputs of `ids` on the device, loaded now (what a batch the loader skipped needs
+        when the cache turns out not to serve all of it)."""
+        dataset = self.data.train if split == "train" else self.data.eval
+        return [to_device(t, self.world.device) for t in dataset.fetch(ids)[0]]
 
     def step_data(
         self,
@@ -103,7 +116,8 @@ class Batches:
                 raw = self._next_inputs(layout, role, epoch, step, cache_active)
             else:
                 raw = self.data.train.fetch(batch.ids)[0]
-            inputs = [t.to(self.world.device, non_blocking=True) for t in raw]
+            # None: every sample is served by AutoCache, nothing was decoded.
+            inputs = None if raw is None else [to_device(t, self.world.device) for t in raw]
             if prefetched and self.config.trainer.record_sample_ids:
                 trained = [i for i, valid in zip(batch.ids, batch.valid) if valid]
                 append_jsonl(
@@ -115,14 +129,16 @@ class Batches:
                 batch.valid, layout.dp_degree, self.sampler.global_num_valid(epoch, step)
             )
             target = self.task.make_target(self.data.train.targets(batch.ids), weights)
-            target = target.to(self.world.device, non_blocking=True)  # host to device: no sync
+            target = to_device(target, self.world.device)
         return inputs, target, batch.ids
 
     def _next_inputs(
         self, layout: Layout, role: Role, epoch: int, step: int, cache_active: bool
-    ) -> Sequence[torch.Tensor]:
+    ) -> Sequence[torch.Tensor] | None:
         """The rest of the epoch's batches are known in advance for the current layout; a
-        transition changes the split, so the loader restarts at the step after it."""
+        transition changes the split, so the loader restarts at the step after it. With the
+        cache serving, a batch whose every sample is cached at this boundary is not decoded
+        (None): entries at the current boundary stay valid until the next transition."""
         if self._loader is None or self._position != (epoch, step):
             node, local_replica = divmod(role.replica, layout.replicas_per_node)
             id_batches = [
@@ -131,12 +147,14 @@ class Batches:
                 ).ids
                 for s in range(step, self.sampler.steps_per_epoch)
             ]
-            self._loader = iterate_batches(
-                self.data.train, id_batches, self.config.data.num_workers
-            )
+            skip = None
             if cache_active:  # the cache's disk tier reads ahead in the same order
                 self.cache.client.prefetch("train", [i for ids in id_batches for i in ids])
-        inputs, _ = next(self._loader)
+                frozen = layout.plan.num_frozen_layers
+                client = self.cache.client
+                skip = lambda ids: client.serves_all("train", ids, frozen)  # noqa: E731
+            self._loader = self._batch_loader.start(id_batches, skip)
+        inputs = next(self._loader)
         self._position = (epoch, step + 1)
         return inputs
 
@@ -157,6 +175,7 @@ class StepRunner:
         self.num_units = num_units
         self.total_steps = total_steps
         self.grad_norms = grad_norms  # the freeze signal needs each unit's gradient norm
+        self.clock = IntervalTimer(world.device)  # marks a step's start and end on the device
 
     def learning_rate(self, global_step: int) -> float:
         """The learning rate of the step that made the count `global_step` (1-based)."""
@@ -166,9 +185,9 @@ class StepRunner:
         """Forward, backward and update for this rank's part of one global step."""
         layout = stage.layout
         started = time.perf_counter()
+        start_mark = self.clock.mark()
         samples = self.batches.sampler.global_num_valid(tick.epoch, tick.step_in_epoch)
         replica_loss = unit_sq = None
-        comm_s = 0.0
         runtime = stage.runtime
         if runtime is not None:
             inputs, target, ids = self.batches.step_data(
@@ -179,9 +198,7 @@ class StepRunner:
                 cache_active=stage.cache_active,
             )
             optim.set_learning_rate(stage.optimizer, self.learning_rate(tick.global_step))
-            losses = runtime.train_step(inputs, target, ids if inputs is not None else None)
-            if runtime.comm_timer is not None:
-                comm_s = runtime.comm_timer.take()
+            losses = runtime.train_step(inputs, target, ids if runtime.is_first else None)
             clip = self.config.optimizer.max_grad_norm
             if clip is not None or self.grad_norms:
                 squares = self._unit_grad_squares(stage)  # one pass over the gradients serves both
@@ -198,18 +215,24 @@ class StepRunner:
                     samples / layout.dp_degree
                 )
         return StepResult(
-            layout, started, time.perf_counter() - started, samples, replica_loss, unit_sq, comm_s
+            layout, started, (start_mark, self.clock.mark()), samples, replica_loss, unit_sq
         )
 
     def _unit_grad_squares(self, stage: Stage) -> torch.Tensor:
-        """Squared gradient norm of each unit this rank trains, float64 on the device."""
-        squares = torch.zeros(self.num_units, dtype=torch.float64, device=self.world.device)
+        """Squared gradient norm of each unit this rank trains, float64 on the device: one
+        multi-tensor norm kernel over every gradient (float32 norms of float32 gradients),
+        then a scatter-add of their squares by unit."""
+        grads, owners = [], []
         for index, unit in stage.units.items():
-            grads = [
-                p.grad.detach() for p in unit.parameters() if p.requires_grad and p.grad is not None
-            ]
-            if grads:
-                squares[index] = torch.stack([g.double().pow(2).sum() for g in grads]).sum()
+            for p in unit.parameters():
+                if p.requires_grad and p.grad is not None:
+                    grads.append(p.grad.detach())
+                    owners.append(index)
+        squares = torch.zeros(self.num_units, dtype=torch.float64, device=self.world.device)
+        if grads:
+            norms = torch.stack(torch._foreach_norm(grads)).double()
+            index = to_device(torch.tensor(owners, dtype=torch.long), self.world.device)
+            squares.index_add_(0, index, norms.square())
         return squares
 
     def _clip(self, stage: Stage, unit_squares: torch.Tensor, max_norm: float) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Stopping a run cleanly: SIGTERM (a scheduler's preemption notice) or SIGINT (Ctrl-C).
 
 A worker that receives either only notes it; the trainer agrees on it with every rank at
-the next step boundary (a signal reaches ranks at slightly different moments, but all of
-them must stop after the same step), writes a checkpoint and raises `RunStopped`. The
+the next poll, about a second later (trainer/stop_poll.py: a signal reaches ranks at
+slightly different moments, but all of them must stop after the same step), writes a
+checkpoint and raises `RunStopped`. The
 launcher turns that into one line with the command that resumes the run.
 """
 
@@ -36,7 +37,10 @@ class StopRequest:
     def _handle(self, signum: int, frame) -> None:
         if not self.signum:
             self.signum = signum
-            logger.info("received %s: stopping after the current step", signal.Signals(signum).name)
+            logger.info(
+                "received %s: stopping at the next step the ranks agree on",
+                signal.Signals(signum).name,
+            )
 
 
 @dataclass

@@ -1,0 +1,91 @@
+"""Loading a replica's batches ahead of the step that needs them.
+
+`BatchLoader` keeps its worker processes for the whole run (`data.num_workers`): a new
+epoch or a transition's new data split starts another pass over the same workers instead
+of forking them again. Batches come out in pinned memory when they are bound for a GPU, so
+the copy to the device is asynchronous (from pageable memory the host waits for the
+stream). A pass may be told which batches it need not decode (`skip`): the first stage asks
+it for batches whose every sample AutoCache already serves, and gets None for them.
+
+Owns: the workers and the order of a pass. Must not: know about devices beyond pinning,
+replicas or the cache (the caller's `skip` decides).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from pipetransformer.data.base import SampleDataset, TensorSampleDataset
+
+Inputs = tuple[torch.Tensor, ...]
+Skip = Callable[[Sequence[int]], bool]
+
+
+def pin(inputs: Inputs) -> Inputs:
+    return tuple(t.pin_memory() for t in inputs)
+
+
+class _Requests:
+    """The pass in progress, iterated by the DataLoader in this process: (ids, skip?) per
+    batch, `skip` asked when the request is made (a few batches ahead)."""
+
+    def __init__(self) -> None:
+        self.id_batches: list[list[int]] = []
+        self.skip: Skip | None = None
+
+    def __iter__(self):
+        for ids in self.id_batches:
+            yield ids, bool(self.skip is not None and self.skip(ids))
+
+    def __len__(self) -> int:
+        return len(self.id_batches)
+
+
+class _Fetch(torch.utils.data.Dataset):
+    def __init__(self, dataset: SampleDataset) -> None:
+        self.dataset = dataset
+
+    def __getitem__(self, request) -> Inputs | None:
+        ids, skip = request
+        return None if skip else self.dataset.fetch(ids)[0]
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+class BatchLoader:
+    def __init__(self, dataset: SampleDataset, num_workers: int, pin_memory: bool) -> None:
+        self.dataset = dataset
+        self.pin_memory = pin_memory
+        self._requests = _Requests()
+        self._loader = None
+        if num_workers > 0 and not isinstance(dataset, TensorSampleDataset):
+            self._loader = torch.utils.data.DataLoader(
+                _Fetch(dataset),
+                batch_size=None,
+                sampler=self._requests,
+                num_workers=num_workers,
+                persistent_workers=True,
+                pin_memory=pin_memory,
+            )
+
+    def start(
+        self, id_batches: Sequence[Sequence[int]], skip: Skip | None = None
+    ) -> Iterator[Inputs | None]:
+        """A pass over `id_batches` in order (abandoning any pass in progress): each
+        batch's inputs, or None where `skip(ids)` was true."""
+        self._requests.id_batches = [list(ids) for ids in id_batches]
+        self._requests.skip = skip
+        if self._loader is not None:
+            return iter(self._loader)
+        return self._in_process()
+
+    def _in_process(self) -> Iterator[Inputs | None]:
+        for ids, skip in iter(self._requests):
+            if skip:
+                yield None
+                continue
+            inputs = self.dataset.fetch(ids)[0]
+            yield pin(inputs) if self.pin_memory else inputs
