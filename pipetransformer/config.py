@@ -371,6 +371,10 @@ class DataConfig:
     # Keep only the first N samples (after a seeded shuffle) of each split; None: all.
     train_subset: int | None = None
     eval_subset: int | None = None
+    # SST-2: evaluate on this many sentences held out of the training split (one fixed draw,
+    # the same for every trainer.seed, disjoint from what trains) instead of the 872 dev
+    # sentences; train_subset is then drawn from the rest. None: the dev split.
+    holdout: int | None = None
     augment: bool = False
     download: bool = False
     num_workers: int = 0
@@ -394,6 +398,8 @@ class DataConfig:
             for key in ("root", "augment"):
                 if getattr(self, key):
                     _fail(f"data.{key}", "'synthetic' generates its images: leave it unset")
+        if self.holdout is not None and (self.holdout < 1 or self.name != "sst2"):
+            _fail("data.holdout", "must be >= 1 or null, and only sst2 holds out a test split")
         if self.eval_root is not None and self.name != "squad":
             # Nothing else reads it: refused here, not silently ignored.
             _fail(
