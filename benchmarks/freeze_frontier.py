@@ -68,15 +68,33 @@ VARIANTS: dict[str, tuple[str, str, list[str]]] = {
         "threshold 0.05",
         ["freeze.strategy=signal_to_noise", "freeze.signal_threshold=0.05"],
     ),
-    "snr_10": (
+    "snr_02": (
         "signal_to_noise",
-        "threshold 0.1",
-        ["freeze.strategy=signal_to_noise", "freeze.signal_threshold=0.1"],
+        "threshold 0.02",
+        ["freeze.strategy=signal_to_noise", "freeze.signal_threshold=0.02"],
     ),
-    "snr_20": (
+    "snr_05_cap3": (
         "signal_to_noise",
-        "threshold 0.2",
-        ["freeze.strategy=signal_to_noise", "freeze.signal_threshold=0.2"],
+        "threshold 0.05, at most 3 frozen",
+        [
+            "freeze.strategy=signal_to_noise",
+            "freeze.signal_threshold=0.05",
+            "freeze.max_frozen_layers=3",
+        ],
+    ),
+    "snr_05_cap4": (
+        "signal_to_noise",
+        "threshold 0.05, at most 4 frozen",
+        [
+            "freeze.strategy=signal_to_noise",
+            "freeze.signal_threshold=0.05",
+            "freeze.max_frozen_layers=4",
+        ],
+    ),
+    "snr_01": (
+        "signal_to_noise",
+        "threshold 0.01",
+        ["freeze.strategy=signal_to_noise", "freeze.signal_threshold=0.01"],
     ),
 }
 
@@ -132,9 +150,14 @@ def run_one(run_dir: Path, seed: int, overrides: list[str], common: list[str]) -
         str(run_dir),
         "--overwrite",
     ]
-    started = time.monotonic()
+    started, load_before = time.monotonic(), os.getloadavg()[0]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    (run_dir / "stderr.log").write_text(result.stderr) if run_dir.is_dir() else None
+    if run_dir.is_dir():
+        (run_dir / "stderr.log").write_text(result.stderr)
+        # The machine's load around the run (1-minute averages): wall times compare only
+        # between runs made on an otherwise idle machine.
+        load = {"before": load_before, "after": os.getloadavg()[0]}
+        (run_dir / "load.json").write_text(json.dumps(load))
     if result.returncode != 0:
         sys.exit(f"{run_dir}: failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
     last = result.stderr.strip().splitlines()[-1]
@@ -144,6 +167,17 @@ def run_one(run_dir: Path, seed: int, overrides: list[str], common: list[str]) -
 def frozen_by_epoch(run_dir: Path) -> list[int]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line)["num_frozen_layers"] for line in lines]
+
+
+def mean_load(out: Path, seeds: list[int], names: list[str]) -> float | None:
+    loads = [
+        value
+        for seed in seeds
+        for name in names
+        if (path := out / f"seed-{seed}" / name / "load.json").exists()
+        for value in json.loads(path.read_text()).values()
+    ]
+    return sum(loads) / len(loads) if loads else None
 
 
 def collect(out: Path, seeds: list[int], names: list[str]) -> dict:
@@ -285,10 +319,16 @@ def main() -> None:
                 run_one(out / f"seed-{seed}" / name, seed, VARIANTS[name][2], common)
     results = collect(out, seeds, names)
     results["machine"] = f"{platform.node()}, {os.cpu_count()} CPUs, {platform.platform()}"
+    results["mean_load_1min"] = mean_load(out, seeds, names)
     results["settings"] = vars(args)
     out.mkdir(parents=True, exist_ok=True)
     (out / "frontier.json").write_text(json.dumps(results, indent=2))
     text = table(results)
+    load = results["mean_load_1min"]
+    if load is not None:
+        text += (
+            f"\n\nMean 1-minute load average around the runs: {load:.2f} ({os.cpu_count()} CPUs)."
+        )
     (out / "frontier.md").write_text(text + "\n")
     plot(results, out / "frontier.png")
     print(text)
