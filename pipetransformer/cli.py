@@ -601,6 +601,16 @@ def entry() -> None:
         code = 0
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    _release_and_exit(code)
+
+
+def _release_and_exit(code: int) -> None:
+    """What interpreter finalization would do that matters outside the process: flush the
+    streams and run multiprocessing's finalizers (they release the named semaphores the
+    libraries create, which the resource tracker otherwise reports as leaked)."""
+    import multiprocessing.util
+
+    multiprocessing.util._exit_function()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

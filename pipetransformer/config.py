@@ -203,6 +203,7 @@ class FreezeConfig:
         "gradient_norm",
         "gradient_norm_inclusive",
         "convergence",
+        "signal_to_noise",
         "alpha_schedule",
         "manual",
     ] = "none"
@@ -211,6 +212,9 @@ class FreezeConfig:
     # less than this share between two decision points (AutoFreeze's test; still at most
     # alpha of the active layers per decision).
     convergence_threshold: float = 0.05
+    # For strategy 'signal_to_noise': a bottom layer freezes once the share of its gradient
+    # that is signal (the rest being minibatch noise) has fallen below this (freeze.py).
+    signal_threshold: float = 0.1
     # Decision every N optimizer steps; null: at the end of every epoch; 'auto': three per
     # epoch, spaced further apart when a transition would cost more than 5% of the time
     # between decisions (docs/architecture.md, "Decision cadence").
@@ -227,6 +231,8 @@ class FreezeConfig:
             _fail("freeze.alpha", f"must be in (0, 1), got {self.alpha}")
         if not self.convergence_threshold >= 0:  # NaN fails too
             _fail("freeze.convergence_threshold", f"must be >= 0, got {self.convergence_threshold}")
+        if not 0 <= self.signal_threshold <= 1:  # NaN fails too
+            _fail("freeze.signal_threshold", f"must be in [0, 1], got {self.signal_threshold}")
         if isinstance(self.interval_steps, int) and self.interval_steps < 1:
             _fail("freeze.interval_steps", "must be >= 1, 'auto' or null")
         if self.warmup_epochs < 0:
@@ -310,22 +316,46 @@ class CheckpointConfig:
             _fail("checkpoint.keep_last", f"must be >= 1, got {self.keep_last}")
 
 
+# transformers model types with a built-in adapter (models/: bert.py, deberta.py,
+# distilbert.py, modernbert.py); `model.name` set to one of them means a text encoder.
+# A type added by a user's adapter (model.adapters) sets `model.family: bert`.
+TEXT_MODEL_TYPES = (
+    "bert",
+    "roberta",
+    "xlm-roberta",
+    "electra",
+    "deberta-v2",
+    "distilbert",
+    "modernbert",
+)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    # A timm model name (ViT family) or 'bert'.
+    # A timm model name (ViT, DeiT, EVA, BEiT...) or a transformers model type ('bert',
+    # 'roberta', 'deberta-v2', ...: a small random model of that family).
     name: str = "vit_tiny_patch16_224"
+    # 'vit': a timm image model; 'bert': a transformers text encoder (any family with an
+    # adapter); 'auto': a transformers model type or model_name_or_path means 'bert'.
     family: Literal["auto", "vit", "bert"] = "auto"
     pretrained: bool = False
     checkpoint_path: str | None = None
-    # BERT: a hub id or a local directory with config.json (+ weights, tokenizer).
+    # Text encoders: a hub id or a local directory with config.json (+ weights, tokenizer);
+    # its config's model_type picks the adapter.
     model_name_or_path: str | None = None
-    # Extra constructor arguments: timm.create_model kwargs or BertConfig fields.
+    # Extra constructor arguments: timm.create_model kwargs or transformers config fields.
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # Python modules to import before the model is built (in every process): each registers
+    # model adapters with pipetransformer.models.register_adapter (docs/models.md).
+    adapters: list[str] = field(default_factory=list)
 
     def resolved_family(self) -> str:
         if self.family != "auto":
             return self.family
-        if self.name.lower().startswith("bert") or self.model_name_or_path is not None:
+        name = self.name.lower()
+        if name.startswith("bert") or name in TEXT_MODEL_TYPES:
+            return "bert"
+        if self.model_name_or_path is not None:
             return "bert"
         return "vit"
 
@@ -355,6 +385,10 @@ class DataConfig:
     # Keep only the first N samples (after a seeded shuffle) of each split; None: all.
     train_subset: int | None = None
     eval_subset: int | None = None
+    # SST-2: evaluate on this many sentences held out of the training split (one fixed draw,
+    # the same for every trainer.seed, disjoint from what trains) instead of the 872 dev
+    # sentences; train_subset is then drawn from the rest. None: the dev split.
+    holdout: int | None = None
     augment: bool = False
     download: bool = False
     num_workers: int = 0
@@ -378,6 +412,8 @@ class DataConfig:
             for key in ("root", "augment"):
                 if getattr(self, key):
                     _fail(f"data.{key}", "'synthetic' generates its images: leave it unset")
+        if self.holdout is not None and (self.holdout < 1 or self.name != "sst2"):
+            _fail("data.holdout", "must be >= 1 or null, and only sst2 holds out a test split")
         if self.eval_root is not None and self.name != "squad":
             # Nothing else reads it: refused here, not silently ignored.
             _fail(
@@ -672,6 +708,15 @@ def check_config(config: Config, world_size: int | None = None) -> None:
             "data.augment makes each epoch's inputs differ, so cached frozen-layer outputs "
             "would be stale; set cache.allow_augmented=true to cache each sample's first view "
             "(the paper's behaviour), data.augment=false, or cache.enabled=false",
+        )
+    optimizer = config.optimizer
+    if config.freeze.strategy == "signal_to_noise" and not (
+        optimizer.name in ("adam", "adamw") or optimizer.momentum > 0
+    ):
+        _fail(
+            "freeze.strategy",
+            "signal_to_noise reads the optimizer's moving average of gradients: use "
+            "optimizer.name adam or adamw, or sgd with optimizer.momentum > 0",
         )
     family = config.model.resolved_family()
     image_sets = ("digits", "cifar10", "cifar100", "imagefolder", "synthetic")

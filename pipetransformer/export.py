@@ -20,7 +20,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from pipetransformer.config import Config, config_from_dict
-from pipetransformer.models import LayeredModel, build_model, export_model, materialize
+from pipetransformer.data import image_normalization
+from pipetransformer.models import ExportInfo, LayeredModel, build_model, export_model, materialize
 from pipetransformer.trainer.checkpoint import find_checkpoint, read_run_state
 from pipetransformer.trainer.state import CheckpointRecord, model_key
 from pipetransformer.utils.units import param_key
@@ -68,15 +69,23 @@ def export_run(
     """Write the model of the run's `which` checkpoint to `out_dir`; returns (the checkpoint
     exported, the files written)."""
     model, config, checkpoint, record = load_trained_model(run_dir, which)
-    tokenizer = config.data.tokenizer or config.model.model_name_or_path
     build = record.model.build_args
-    # What timm.create_model was given (recorded explicitly: older timm does not infer it).
-    model_args = {
-        **config.model.kwargs,
-        "num_classes": build["num_classes"],
-        "in_chans": build["in_chans"],
-        "img_size": build["image_size"],
-    }
-    files = export_model(model, out_dir, tokenizer=tokenizer, model_args=model_args)
+    normalization = image_normalization(config.data)
+    info = ExportInfo(
+        tokenizer=config.data.tokenizer or config.model.model_name_or_path,
+        # What timm.create_model was given (recorded explicitly: older timm does not infer it).
+        model_args={
+            **config.model.kwargs,
+            "num_classes": build["num_classes"],
+            "in_chans": build["in_chans"],
+            "img_size": build["image_size"],
+        },
+        image_mean=normalization.mean if normalization else None,
+        image_std=normalization.std if normalization else None,
+        interpolation=normalization.interpolation if normalization else "bilinear",
+        crop_pct=normalization.crop_pct if normalization else 1.0,
+        pretrained=config.model.pretrained and config.model.checkpoint_path is None,
+    )
+    files = export_model(model, out_dir, info)
     logger.info("exported %s to %s: %s", checkpoint, out_dir, ", ".join(files))
     return checkpoint, files

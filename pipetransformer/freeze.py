@@ -60,6 +60,30 @@ convergence (AutoFreeze's test: freeze a layer once its gradient norm has stoppe
     errors (ValueError). Against gradient_norm: a layer whose gradient is small but still
     moving does not freeze, and nothing freezes before two decisions have been measured.
 
+signal_to_noise (a layer has converged when its gradient is mostly minibatch noise)
+    rho_l = clamp((r_l - c) / (1 - c), 0, 1),  r_l = ||m_l||^2 / E||g_l||^2,
+    c = (1 - beta) / (1 + beta)
+    F_T = min(B(F_{T-1}),  F_{T-1} + s)
+
+    The gradient signal-to-noise ratio (Liu et al., "Understanding Why Neural Networks
+    Generalize Well Through GSNR of Parameters", ICLR 2020; McCandlish et al., "An Empirical
+    Model of Large-Batch Training", 2018, for the noise scale). A step's gradient g is the
+    expected gradient mu plus noise of covariance Sigma; near convergence mu vanishes and
+    what is left is noise. The optimizer already keeps an exponential moving average m of
+    the gradients (Adam's first moment, bias-corrected; SGD's momentum buffer times
+    1 - momentum), with E||m||^2 = ||mu||^2 + c tr(Sigma) for its decay beta, while the
+    trainer measures E||g||^2 = ||mu||^2 + tr(Sigma) over the decision interval. So rho_l
+    estimates ||mu||^2 / E||g||^2, the share of layer l's gradient that is signal: near 1
+    while it still moves in one direction, near 0 once steps only jitter it. s is the number
+    of consecutive active layers, from F_{T-1} up, whose rho_l is strictly below
+    `threshold` (`freeze.signal_threshold`). Against the paper's rule it does not read a
+    gradient that is small because the learning rate decays or warm-up ended as
+    convergence (the ratio does not scale with the gradient, and a layer whose small
+    gradient is consistent keeps training); against `convergence` it needs no second
+    decision to compare with. A NaN ratio (no gradient measured) has not converged: freezing
+    stops there. Ratios outside [0, 1] after the noise floor is removed are clamped; a
+    negative input is an error.
+
 alpha_schedule (the closed form the paper's released code ran)
     F_T = ceil(L * (1 - (1 - alpha)^T))
 
@@ -85,7 +109,7 @@ from pipetransformer.config import FreezeConfig
 _ROUNDING_SLACK = 1e-6
 
 # Strategies that read per-layer gradient norms.
-GRADIENT_RULES = ("gradient_norm", "gradient_norm_inclusive", "convergence")
+GRADIENT_RULES = ("gradient_norm", "gradient_norm_inclusive", "convergence", "signal_to_noise")
 
 
 def _clamp(previous: int, proposed: int, max_frozen_layers: int) -> int:
@@ -138,6 +162,45 @@ def gradient_norm_decision(
     return _clamp(previous, min(bound, proposed), max_frozen_layers)
 
 
+def signal_fraction(momentum_sq: float, mean_grad_sq: float, beta: float) -> float:
+    """rho = clamp((r - c) / (1 - c), 0, 1), r = ||m||^2 / E||g||^2, c = (1 - beta) /
+    (1 + beta): the share of a gradient that is signal (module docstring). NaN when no
+    gradient was measured (E||g||^2 = 0)."""
+    if momentum_sq < 0 or mean_grad_sq < 0:
+        raise ValueError("signal_to_noise: squared norms must not be negative")
+    if not 0 <= beta < 1:
+        raise ValueError(f"signal_to_noise: the moving average's decay must be in [0, 1): {beta}")
+    if mean_grad_sq == 0 or not math.isfinite(momentum_sq / mean_grad_sq):
+        return math.nan
+    floor = (1 - beta) / (1 + beta)
+    return min(1.0, max(0.0, (momentum_sq / mean_grad_sq - floor) / (1 - floor)))
+
+
+def signal_to_noise_decision(
+    num_frozen_layers: int,
+    layer_signal_fractions: Sequence[float],
+    alpha: float,
+    threshold: float,
+    max_frozen_layers: int,
+) -> int:
+    """The `signal_to_noise` rule (module docstring): from F up, the layers whose gradient is
+    mostly noise freeze, up to the first that is not, at most B(F)."""
+    if not 0 <= threshold <= 1:
+        raise ValueError(f"signal_to_noise: threshold must be in [0, 1], got {threshold}")
+    if any(rho < 0 for rho in layer_signal_fractions if not math.isnan(rho)):
+        raise ValueError("signal_to_noise: signal fractions must not be negative")
+    num_layers = len(layer_signal_fractions)
+    previous = num_frozen_layers
+    if previous >= min(max_frozen_layers, num_layers):
+        return previous
+    bound = eq1_bound(previous, num_layers, alpha)
+    proposed = previous
+    # NaN compares false: a layer without a measured gradient stops the freezing.
+    while proposed < min(bound, num_layers) and layer_signal_fractions[proposed] < threshold:
+        proposed += 1
+    return _clamp(previous, proposed, max_frozen_layers)
+
+
 def alpha_schedule_decision(
     decision_index: int, num_layers: int, alpha: float, previous: int, max_frozen_layers: int
 ) -> int:
@@ -174,9 +237,11 @@ class FreezeDecider:
         num_frozen_layers: int,
         layer_grad_norms: Sequence[float] | None = None,
         previous_layer_grad_norms: Sequence[float] | None = None,
+        layer_signal_fractions: Sequence[float] | None = None,
     ) -> int:
         """`previous_layer_grad_norms`: the norms the previous decision saw (convergence
-        only; the caller keeps them, in the run state, so they survive a resume)."""
+        only; the caller keeps them, in the run state, so they survive a resume).
+        `layer_signal_fractions`: per layer, `signal_fraction` (signal_to_noise only)."""
         if decision_index < 1:
             raise ValueError("decision points are counted from 1")
         strategy = self.config.strategy
@@ -200,6 +265,16 @@ class FreezeDecider:
                 previous_layer_grad_norms,
                 self.config.alpha,
                 self.config.convergence_threshold,
+                self.max_frozen_layers,
+            )
+        if strategy == "signal_to_noise":
+            if layer_signal_fractions is None or len(layer_signal_fractions) != self.num_layers:
+                raise ValueError(f"{strategy} needs {self.num_layers} layer signal fractions")
+            return signal_to_noise_decision(
+                num_frozen_layers,
+                layer_signal_fractions,
+                self.config.alpha,
+                self.config.signal_threshold,
                 self.max_frozen_layers,
             )
         if strategy == "alpha_schedule":

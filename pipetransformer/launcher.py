@@ -129,6 +129,9 @@ def _exit_now(code: int) -> None:
     """End a worker whose outcome is written, without the interpreter's finalization (full
     collections over torch's, timm's and transformers' modules: seconds, cli.entry says
     more); the run has closed what it owns."""
+    import multiprocessing.util
+
+    multiprocessing.util._exit_function()  # releases named semaphores (see cli.entry)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -69,8 +69,9 @@ def step_losses(run_dir) -> list[float]:
 
 
 def reference_run(config, num_nodes: int = 1, replicas_per_node=None):
-    """Single process, whole model, same batches, same freeze points. With several nodes a
-    global batch is every node's batch of the step (each node samples its own subset).
+    """Single process, whole model, same batches, same freeze points (a classification
+    task: images or text). With several nodes a global batch is every node's batch of the
+    step (each node samples its own subset).
 
     Under trainer.batch_per_replica a step's batch is that of the layout's replicas:
     `replicas_per_node(epoch, step)` says how many a node had at each step (the layouts the
@@ -80,7 +81,13 @@ def reference_run(config, num_nodes: int = 1, replicas_per_node=None):
     data = build_data(config.data, seed=config.trainer.seed)
     torch.manual_seed(config.trainer.seed)
     model = build_model(
-        config.model, task="classification", num_classes=10, in_chans=1, image_size=8
+        config.model,
+        task=data.task,
+        num_classes=data.num_classes,
+        in_chans=data.in_chans,
+        image_size=data.image_size,
+        vocab_size=data.vocab_size,
+        max_seq_length=data.max_seq_length,
     )
     named = {
         f"units.{i}.{n}": p for i, u in enumerate(model.units) for n, p in u.named_parameters()
@@ -107,9 +114,9 @@ def reference_run(config, num_nodes: int = 1, replicas_per_node=None):
         while offset < sampler.epoch_samples:
             sampler.continue_at(epoch, step, offset, replicas(epoch, step))
             batches = [sampler.node_batch(node, epoch, step) for node in range(num_nodes)]
-            (images,), labels = data.train.fetch([i for b in batches for i in b.ids])
+            inputs, labels = data.train.fetch([i for b in batches for i in b.ids])
             valid = torch.tensor([v for b in batches for v in b.valid])
-            per_sample = torch.nn.functional.cross_entropy(model(images), labels, reduction="none")
+            per_sample = torch.nn.functional.cross_entropy(model(*inputs), labels, reduction="none")
             loss = (per_sample * valid).sum() / valid.sum()
             place = epoch * per_epoch + offset / reference
             optim.set_learning_rate(optimizer, optim.learning_rate(config.optimizer, place, total))

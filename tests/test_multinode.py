@@ -80,23 +80,26 @@ def kill_one_worker_after(run_dir: Path, step: int, agent_pid: int, timeout_s: f
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "nproc, layouts, kill_after_step",
+    "nproc, schedule, layouts, kill_after_step",
     [
-        (2, [(2, 2), (1, 4), (1, 4)], None),
-        (2, [(2, 2), (1, 4), (1, 4)], 8),
+        # Two stages pack into one only once the active half is no larger than the initial
+        # plan's largest stage in parameter size (Eq. 2): at 4 of 6 layers, not 3.
+        (2, [4, 5], [(2, 2), (1, 4), (1, 4)], None),
+        (2, [4, 5], [(2, 2), (1, 4), (1, 4)], 8),
         # 16 ranks, one SIGKILLed after step 8 (past the first transition). The last layout
         # twice: its second epoch reads the cache it filled in the first.
-        (8, [(8, 2), (4, 4), (2, 8), (2, 8)], 8),
+        (8, [3, 5], [(8, 2), (4, 4), (2, 8), (2, 8)], 8),
     ],
     ids=["2x2", "2x2-killed", "2x8-killed"],
 )
-def test_two_torchrun_nodes_on_loopback(tmp_path, nproc, layouts, kill_after_step):
+def test_two_torchrun_nodes_on_loopback(tmp_path, nproc, schedule, layouts, kill_after_step):
     """Costs ~25 s (2 x 2), 35-100 s (2 x 2 with a restart: 100 s when a node's agent waits
     out its workers' 30 s SIGTERM grace) and ~145 s (2 x 8 with a restart) on 2 cores."""
     config_dict = elastic_config(
         trainer__nproc_per_node=2,
         trainer__epochs=len(layouts),
         pipeline__initial_pipe_len=nproc,
+        freeze__manual_schedule=schedule,
         trainer__record_sample_ids=True,
         cache__enabled=True,
         cache__profile=False,

@@ -387,3 +387,69 @@ def start_in_run_dir(run_dir: str, restarting_ranks: list[int], run_id: str):
         return str(exc)
     finally:
         torch.distributed.destroy_process_group()
+
+
+def _fresh_rendezvous(port_file, prepare=None) -> None:
+    """A new process group after the previous one was destroyed: rank 0 runs `prepare` (if
+    any), picks a free port and publishes it in `port_file`; every rank waits for it (a
+    barrier without a process group) and points MASTER_PORT at it."""
+    import time
+    from pathlib import Path
+
+    from pipetransformer.launcher import free_port
+
+    path = Path(port_file)
+    if env_rank() == 0:
+        if prepare is not None:
+            prepare()
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(str(free_port()))
+        tmp.rename(path)
+    deadline = time.monotonic() + 120
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 published no port in {path}")
+        time.sleep(0.01)
+    os.environ["MASTER_PORT"] = path.read_text()
+
+
+def _continue_from(run_dir, into, step: int) -> None:
+    """A copy of `run_dir` as a run interrupted after its checkpoint at `step` leaves it."""
+    import shutil
+
+    from pipetransformer.trainer.checkpoint import complete_checkpoints
+
+    shutil.copytree(run_dir, into)
+    for path in complete_checkpoints(into):
+        if int(path.name.split("-")[1]) > step:
+            shutil.rmtree(path)
+    (into / "checkpoints" / "latest").write_text(f"step-{step:08d}\n")
+
+
+def elastic_runs(runs: list[tuple[str, dict]], root: str, resume_at_step: int | None = None):
+    """Whole Trainer runs one after the other in the same workers (one process start for
+    all of them), each in a process group of its own, in ROOT/<name>: {name: elastic_run's
+    result}. With `resume_at_step`, each run is then also continued from a copy of its
+    directory cut back to that step's checkpoint, in ROOT/<name>-resumed
+    ({name-resumed: result})."""
+    from pathlib import Path
+
+    from pipetransformer.trainer.rundir import RunOptions
+
+    root = Path(root)
+    results = {}
+    for index, (name, config_dict) in enumerate(runs):
+        if index:
+            _fresh_rendezvous(root / f"port-{name}")
+        results[name] = elastic_run(config_dict, str(root / name))
+        if resume_at_step is not None:
+            resumed = root / f"{name}-resumed"
+            _fresh_rendezvous(
+                root / f"port-{name}-resumed",
+                lambda name=name, resumed=resumed: _continue_from(
+                    root / name, resumed, resume_at_step
+                ),
+            )
+            options = RunOptions(resume="required")
+            results[f"{name}-resumed"] = elastic_run(config_dict, str(resumed), False, options)
+    return results

@@ -14,7 +14,24 @@ from pipetransformer.data.base import (
     iterate_batches,
 )
 
-__all__ = ["DataBundle", "SampleDataset", "TensorSampleDataset", "build_data", "iterate_batches"]
+__all__ = [
+    "DataBundle",
+    "SampleDataset",
+    "TensorSampleDataset",
+    "build_data",
+    "image_normalization",
+    "iterate_batches",
+]
+
+
+def image_normalization(config: DataConfig):
+    """The normalisation a run's images are trained with (an ImageNormalization), read from
+    the config alone (no dataset is loaded but the bundled digits); None for text."""
+    if config.name in ("sst2", "squad"):
+        return None
+    from pipetransformer.data.vision import image_normalization as normalization
+
+    return normalization(config)
 
 
 def build_data(

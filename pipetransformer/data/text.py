@@ -157,10 +157,34 @@ def pick_tokenizer(config: DataConfig, model_name_or_path: str | None, train_tex
     return tokenizer
 
 
+# data.holdout draws its test sentences with this seed, whatever trainer.seed is: every
+# seed and every variant of a comparison is scored on the same sentences.
+HOLDOUT_SEED = 20_211
+
+
+def holdout_split(
+    sentences: Sequence[str], labels: Sequence[int], size: int
+) -> tuple[tuple[list[str], list[int]], tuple[list[str], list[int]]]:
+    """(training pool, held-out test set): `size` sentences of a fixed permutation held out,
+    the rest left to train on; disjoint."""
+    if size >= len(labels):
+        raise ValueError(f"data.holdout: {size} leaves nothing of {len(labels)} to train on")
+    order = subset_indices(len(labels), len(labels), HOLDOUT_SEED)
+    held, rest = order[:size], order[size:]
+    return (
+        ([sentences[i] for i in rest], [labels[i] for i in rest]),
+        ([sentences[i] for i in held], [labels[i] for i in held]),
+    )
+
+
 def load_sst2_bundle(config: DataConfig, model_name_or_path: str | None, seed: int) -> DataBundle:
     raw = _read_sst2(config.root)
     train_sentences, train_labels = raw["train"]
     eval_sentences, eval_labels = raw["dev"]
+    if config.holdout is not None:
+        (train_sentences, train_labels), (eval_sentences, eval_labels) = holdout_split(
+            train_sentences, train_labels, config.holdout
+        )
     # Select subsets before tokenising: tokenising 67k sentences to keep 2k is waste.
     splits = {}
     for name, sentences, labels, size in (

@@ -9,6 +9,7 @@ Must not: know about ranks or samplers.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,23 +31,70 @@ SYNTHETIC_CLASSES = 1000
 SYNTHETIC_SPLIT_SAMPLES = {"train": 1_281_167, "eval": 50_000}
 
 
-def load_digits_bundle(config: DataConfig, seed: int) -> DataBundle:
-    """1,797 real 8x8 handwritten digits, upscaled; a fixed 80/20 stratified split."""
+@dataclass(frozen=True)
+class ImageNormalization:
+    """How a dataset turns its images into model inputs: resize (interpolation, the share of
+    the resized image kept by the centre crop), then (x - mean) / std per channel, on pixel
+    values in [0, 1]. What an export's timm config must say for timm's own transforms to
+    give the model the inputs it trained on."""
+
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    interpolation: str = "bilinear"
+    crop_pct: float = 1.0
+
+
+def digits_split(
+    config: DataConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The digits as read: (images (N, 1, 8, 8) in [0, 1], labels, train ids, eval ids), a
+    fixed 80/20 stratified split (part of the dataset's definition, not of the run)."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
     labels = torch.tensor(digits.target, dtype=torch.long)
-    size = config.image_size or 16
-    if size != 8:
-        images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
-    # The split is part of the dataset's definition, not of the run: fixed, not `seed`.
     train_idx, eval_idx = train_test_split(
         np.arange(len(labels)), test_size=0.2, random_state=0, stratify=labels.numpy()
     )
-    train_idx, eval_idx = torch.as_tensor(train_idx), torch.as_tensor(eval_idx)
-    mean, std = images[train_idx].mean(), images[train_idx].std()
+    return images, labels, torch.as_tensor(train_idx), torch.as_tensor(eval_idx)
+
+
+def _digits_resized(
+    config: DataConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    images, labels, train_idx, eval_idx = digits_split(config)
+    size = config.image_size or 16
+    if size != 8:
+        images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
+    return images, labels, train_idx, eval_idx
+
+
+def _digits_statistics(
+    images: torch.Tensor, train_idx: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return images[train_idx].mean(), images[train_idx].std()
+
+
+def image_normalization(config: DataConfig) -> ImageNormalization | None:
+    """The normalisation `config`'s images are trained with; None for text datasets."""
+    if config.name == "digits":
+        images, _, train_idx, _ = _digits_resized(config)
+        mean, std = _digits_statistics(images, train_idx)
+        return ImageNormalization((float(mean),), (float(std),))
+    if config.name in ("cifar10", "cifar100", "imagefolder"):
+        return ImageNormalization(IMAGENET_MEAN, IMAGENET_STD)  # Resize + CenterCrop(size)
+    if config.name == "synthetic":  # already what normalised pixels look like
+        return ImageNormalization((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
+    return None
+
+
+def load_digits_bundle(config: DataConfig, seed: int) -> DataBundle:
+    """1,797 real 8x8 handwritten digits, upscaled (bilinear); a fixed 80/20 stratified split,
+    normalised with the training split's own mean and std."""
+    images, labels, train_idx, eval_idx = _digits_resized(config)
+    mean, std = _digits_statistics(images, train_idx)
     images = (images - mean) / std
     return DataBundle(
         train=TensorSampleDataset([images[train_idx]], labels[train_idx]),
@@ -54,7 +102,7 @@ def load_digits_bundle(config: DataConfig, seed: int) -> DataBundle:
         task="classification",
         num_classes=10,
         in_chans=1,
-        image_size=size,
+        image_size=config.image_size or 16,
     )
 
 

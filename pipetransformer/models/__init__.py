@@ -1,11 +1,15 @@
 """Model adapters: the only code that knows model internals.
 
 `build_model` turns a ModelConfig plus facts about the data (task, classes, input size)
-into a LayeredModel; on device 'meta' it builds the structure only (no weights, no
-download), which is all the planners need.
+into a LayeredModel: it builds the library's model (transformers for `model.family: bert`,
+any text encoder with a registered adapter; timm for `vit`, any image model with one) and
+hands it to the adapter registered for it (registry.py). On device 'meta' it builds the
+structure only (no weights, no download), which is all the planners need.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -21,19 +25,31 @@ from pipetransformer.models.layered import (
     prefix_end,
     unit_param_names,
 )
+from pipetransformer.models.registry import (
+    ExportInfo,
+    ModelAdapter,
+    adapter_for_family,
+    import_adapter_modules,
+    register_adapter,
+    registered_adapters,
+)
 
 __all__ = [
+    "ExportInfo",
     "LayeredModel",
-    "export_model",
-    "materialize",
+    "ModelAdapter",
     "ModelSpec",
     "TensorSpec",
     "UnitSequence",
     "attention_unit",
     "build_model",
+    "export_model",
     "layer_of_unit",
+    "materialize",
     "mlp_unit",
     "prefix_end",
+    "register_adapter",
+    "registered_adapters",
     "unit_param_names",
 ]
 
@@ -49,14 +65,14 @@ def build_model(
     max_seq_length: int = 128,
     device: str | torch.device = "cpu",
 ) -> LayeredModel:
-    family = config.resolved_family()
-    # Adapters import their libraries lazily: transformers and timm each take seconds.
-    if family == "vit":
-        from pipetransformer.models.vit import create_vit, layered_vit
+    import_adapter_modules(config.adapters)
+    # Each library is imported only when used: transformers and timm each take seconds.
+    if config.resolved_family() == "vit":
+        from pipetransformer.models.image_models import create_timm_model
 
         if task != "classification":
-            raise ValueError(f"model.name: a ViT cannot do the '{task}' task")
-        model = create_vit(
+            raise ValueError(f"model.name: a timm image model cannot do the '{task}' task")
+        model, adapter = create_timm_model(
             config.name,
             num_classes=num_classes,
             in_chans=in_chans,
@@ -66,38 +82,32 @@ def build_model(
             kwargs=config.kwargs,
             device=device,
         )
-        return layered_vit(model)
-    from pipetransformer.models.bert import create_bert, layered_bert
+        return adapter.cut(model, None)
+    from pipetransformer.models.text_models import create_text_model
 
-    model = create_bert(
-        task=task,
-        num_labels=num_classes,
-        vocab_size=vocab_size,
-        model_name_or_path=config.model_name_or_path,
-        pretrained=config.pretrained or config.model_name_or_path is not None,
-        kwargs=config.kwargs,
-        device=device,
+    model, adapter = create_text_model(
+        config, task=task, num_labels=num_classes, vocab_size=vocab_size, device=device
     )
-    return layered_bert(model, max_seq_length)
+    return adapter.cut(model, max_seq_length)
 
 
-def export_model(
-    model: LayeredModel, out_dir, tokenizer: str | None = None, model_args: dict | None = None
-) -> list[str]:
-    """Write `model` in its library's own format (transformers `save_pretrained` for BERT,
-    a timm hub checkpoint for ViT, with `model_args`: the create_model arguments) into
-    `out_dir`; returns the file names."""
-    from pathlib import Path
-
+def export_model(model: LayeredModel, out_dir, info: ExportInfo | None = None) -> list[str]:
+    """Write `model` in its library's own format (transformers `save_pretrained`, a timm hub
+    directory; or what its adapter's `export` writes) into `out_dir`; returns the file
+    names."""
+    info = info or ExportInfo()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if model.spec.family == "vit":
-        from pipetransformer.models.vit import export_vit
+    adapter = adapter_for_family(model.spec.family)
+    if adapter.export is not None:
+        return adapter.export(model, out_dir, info)
+    if adapter.library == "timm":
+        from pipetransformer.models.image_models import export_timm_model
 
-        return export_vit(model, out_dir, model_args)
-    from pipetransformer.models.bert import export_bert
+        return export_timm_model(model, out_dir, info)
+    from pipetransformer.models.text_models import export_text_model
 
-    return export_bert(model, out_dir, tokenizer)
+    return export_text_model(model, out_dir, info)
 
 
 def materialize(model: LayeredModel, device: str | torch.device = "cpu") -> LayeredModel:
@@ -105,11 +115,7 @@ def materialize(model: LayeredModel, device: str | torch.device = "cpu") -> Laye
     cut into units again, so that the units and the library model share every tensor (a
     tensor a unit registers itself, such as ViT's class token, would otherwise stay behind
     on the meta device in one of the two)."""
+    adapter = adapter_for_family(model.spec.family)
     source = model.source.to_empty(device=device)
-    if model.spec.family == "vit":
-        from pipetransformer.models.vit import layered_vit
-
-        return layered_vit(source)
-    from pipetransformer.models.bert import layered_bert
-
-    return layered_bert(source, model.spec.input_specs[0].shape[0])
+    max_seq_length = model.spec.input_specs[0].shape[0] if adapter.library != "timm" else None
+    return adapter.cut(source, max_seq_length)

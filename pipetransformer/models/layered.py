@@ -12,7 +12,7 @@ the others (e.g. BERT's attention mask) ride along unchanged and never need grad
 
 Owns: `LayeredModel` (the units and their static description) and `UnitSequence` (runs a
 contiguous range of units, frozen ones in eval mode without autograd).
-Must not: know any concrete architecture (adapters in vit.py / bert.py do).
+Must not: know any concrete architecture (the adapters registered in registry.py do).
 """
 
 from __future__ import annotations
@@ -155,3 +155,9 @@ class UnitSequence(nn.Module):
 
 def count_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def layer_unit_names(num_layers: int) -> tuple[str, ...]:
+    """embedding, layer0.attention, layer0.mlp, ..., head: the names every adapter uses."""
+    layers = [f"layer{l}.{part}" for l in range(num_layers) for part in ("attention", "mlp")]
+    return ("embedding", *layers, "head")

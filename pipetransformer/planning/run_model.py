@@ -9,7 +9,8 @@ boundary for the prefix work its steps will do.
 Gradient-driven rules decide from gradient norms no prediction has. They are replayed on
 norms that put the smallest at the top layer and never change, so every rule freezes as
 fast as Eq. 1's bound allows: gradient_norm and its inclusive variant take the bound at
-every decision, convergence takes it from its second decision on (its first only measures).
+every decision, convergence takes it from its second decision on (its first only measures),
+signal_to_noise (given gradients that are all noise) at every decision.
 
 Owns: `RunShape`, `CachedShares`, `prefix_cost_to_balance`, `Segment`, `simulate_run`. Pure:
 no processes, no torch.
@@ -170,6 +171,7 @@ def simulate_run(
     decider = FreezeDecider(freeze, num_layers)
     schedule = DecisionSchedule.for_config(freeze, shape.steps_per_epoch(start.replicas_per_node))
     norms = synthetic_norms(num_layers)
+    noise_only = [0.0] * num_layers  # signal_to_noise: every gradient is noise
     shares = CachedShares()
     frozen, layout = 0, start
     decisions, since = 0, 0
@@ -218,7 +220,7 @@ def simulate_run(
                 decisions += 1
                 # The previous decision's norms, none at the first (as the run state has).
                 previous = norms if decisions > 1 else None
-                decided = decider.decide(decisions, frozen, norms, previous)
+                decided = decider.decide(decisions, frozen, norms, previous, noise_only)
                 replan(decided, shares.at_start)
                 since = 0
     return segments

@@ -109,6 +109,7 @@ class RunCache:
             read_s_per_sample = self._measure_read(min(len(data.train), 64))
         self.read_s_per_sample = read_s_per_sample
         self.counts = {"hits": 0, "upgrades": 0, "misses": 0}  # filled by CachedPrefix
+        self._said: dict[int, bool] = {}  # boundaries whose decision was logged
         logger.info(
             "AutoCache attached (%s); a cached sample reads in %.1f us",
             self.client.address,
@@ -141,6 +142,9 @@ class RunCache:
             return num_frozen_layers > 0
         recompute = sum(costs.frozen[: prefix_end(num_frozen_layers)]) / micro_batch_size
         decision = self.read_s_per_sample < recompute
+        if self._said.get(num_frozen_layers) == decision:
+            return decision  # asked again for the same boundary: said once
+        self._said[num_frozen_layers] = decision
         logger.info(
             "frozen prefix of %d layers: recompute %.1f us vs cache read %.1f us per sample: %s",
             num_frozen_layers,

@@ -22,12 +22,15 @@ from pipetransformer.freeze import (
     DecisionSchedule,
     FreezeDecider,
     min_interval_for,
+    signal_fraction,
 )
 from pipetransformer.trainer.clock import Tick
 from pipetransformer.trainer.control import Control
 from pipetransformer.trainer.metrics import MetricsTracker
+from pipetransformer.trainer.optim import momentum_decay
 from pipetransformer.trainer.records import CadenceEvent
 from pipetransformer.trainer.state import RunState
+from pipetransformer.utils.units import layer_of_unit
 
 logger = logging.getLogger(__name__)
 
@@ -69,20 +72,57 @@ class FreezeControl:
             tick.epoch, tick.epoch_end, tick.last, self.metrics.steps_since_decision
         )
 
-    def decide(self, num_frozen_layers: int, dp_degree: int) -> Decision:
-        """The decision at this point (collective); starts the next interval."""
+    @property
+    def needs_momentum(self) -> bool:
+        """signal_to_noise also reads the optimizer's moving average of gradients."""
+        return self.config.freeze.strategy == "signal_to_noise"
+
+    def decide(
+        self, num_frozen_layers: int, dp_degree: int, unit_momentum_sq: list[float] | None = None
+    ) -> Decision:
+        """The decision at this point (collective); starts the next interval.
+        `unit_momentum_sq`: per unit, ||m||^2 of the optimizer's moving average of gradients
+        summed over the ranks (replicas counted once): signal_to_noise reads it."""
         self.state.decision_index += 1
         signal = self.metrics.freeze_signal(dp_degree, with_norms=self.needs_grad_norms)
+        fractions = None
+        if self.needs_momentum:
+            fractions = self._signal_fractions(signal.layer_grad_norms, unit_momentum_sq)
         decided = self.decider.decide(
             self.state.decision_index,
             num_frozen_layers,
             signal.layer_grad_norms,
             self.state.previous_layer_grad_norms,
+            fractions,
         )
         self.control.agree(decided, "num_frozen_layers")
         if signal.layer_grad_norms is not None:
             self.state.previous_layer_grad_norms = list(signal.layer_grad_norms)
         return Decision(decided, signal.layer_grad_norms, signal.step_s)
+
+    def _signal_fractions(
+        self, layer_grad_norms: list[float], unit_momentum_sq: list[float]
+    ) -> list[float]:
+        """Per layer, the share of its gradient that is signal (freeze.signal_fraction):
+        its attention and MLP units' moving averages against the interval's mean squared
+        gradient norm (the RMS norms' squares)."""
+        beta = momentum_decay(self.config.optimizer)
+        momentum = [0.0] * len(layer_grad_norms)
+        for unit, value in enumerate(unit_momentum_sq):
+            layer = layer_of_unit(unit, len(layer_grad_norms))
+            if layer is not None:
+                momentum[layer] += value
+        fractions = [
+            signal_fraction(m, norm * norm, beta) for m, norm in zip(momentum, layer_grad_norms)
+        ]
+        if self.control.rank == 0:
+            logger.info(
+                "decision %d: signal share of each layer's gradient %s (freeze below %g)",
+                self.state.decision_index,
+                " ".join(f"{f:.3f}" for f in fractions),
+                self.config.freeze.signal_threshold,
+            )
+        return fractions
 
     def count_decisions(self, after_step: int = 0) -> int:
         """Decision points the schedule holds after `after_step` (a decision there, or the

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pipetransformer.config import OptimizerConfig
+from pipetransformer.utils.units import parse_param_key
 
 
 def learning_rate(config: OptimizerConfig, step: float, total_steps: int) -> float:
@@ -120,3 +121,51 @@ def set_learning_rate(optimizer: torch.optim.Optimizer | None, lr: float) -> Non
     if optimizer is not None:
         for group in optimizer.param_groups:
             group["lr"] = lr
+
+
+def momentum_decay(config: OptimizerConfig) -> float | None:
+    """The decay of the optimizer's moving average of gradients (Adam's beta1, SGD's
+    momentum); None when it keeps none."""
+    if config.name in ("adam", "adamw"):
+        return config.betas[0]
+    return config.momentum if config.momentum > 0 else None
+
+
+def momentum_sq_by_unit(
+    optimizer: torch.optim.Optimizer | None,
+    named_params: Mapping[str, nn.Parameter],
+    num_units: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """Per unit, the squared norm of the optimizer's moving average of gradients as an
+    estimate of the mean gradient: Adam's bias-corrected first moment, SGD's momentum
+    buffer times (1 - momentum). float64 on `device`. Reads Adam's step count on the host:
+    call at decision points, not per step."""
+    squares = torch.zeros(num_units, dtype=torch.float64, device=device)
+    if optimizer is None:
+        return squares
+    group_of = {p: group for group in optimizer.param_groups for p in group["params"]}
+    averages, owners, scales = [], [], []
+    for name, p in named_params.items():
+        state = optimizer.state.get(p)
+        if not state:
+            continue
+        group = group_of[p]
+        if "exp_avg" in state:
+            steps = float(state["step"])
+            beta = group["betas"][0]
+            scale = 1.0 / (1.0 - beta**steps) if steps > 0 else 0.0
+            averages.append(state["exp_avg"])
+        elif state.get("momentum_buffer") is not None:
+            scale = 1.0 - group["momentum"]
+            averages.append(state["momentum_buffer"])
+        else:
+            continue
+        owners.append(parse_param_key(name)[0])
+        scales.append(scale)
+    if averages:
+        norms = torch.stack(torch._foreach_norm(averages)).double()
+        scale = torch.tensor(scales, dtype=torch.float64).to(device)
+        index = torch.tensor(owners, dtype=torch.long).to(device)
+        squares.index_add_(0, index, (norms * scale).square())
+    return squares

@@ -570,7 +570,16 @@ class Trainer:
 
     def _decision_point(self, tick: Tick) -> None:
         layout = self.stage.layout
-        decision = self.freezer.decide(layout.plan.num_frozen_layers, layout.dp_degree)
+        momentum = None
+        if self.freezer.needs_momentum:  # replicas hold the same state: counted once
+            local = optim.momentum_sq_by_unit(
+                self.stage.optimizer,
+                self.stage.named_params(),
+                self.spec.num_units,
+                self.world.device,
+            )
+            momentum = (self.control.all_sum(local) / layout.dp_degree).tolist()
+        decision = self.freezer.decide(layout.plan.num_frozen_layers, layout.dp_degree, momentum)
         # A new boundary, or the same one balanced again now that the cache holds what its
         # stage 0 was balanced to fill (the new plan is the same on every rank).
         new = self.layout_for(decision.num_frozen_layers, layout.pipe_len, layout)

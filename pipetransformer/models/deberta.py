@@ -1,0 +1,187 @@
+"""transformers DeBERTa-v2 and DeBERTa-v3 (model type 'deberta-v2') -> LayeredModel.
+
+DeBERTa's disentangled attention reads two things besides the hidden state:
+- the relative positions of query and key tokens (bucketed), a function of the sequence
+  length alone: each attention unit recomputes them (`build_relative_position`);
+- the relative-position embedding table (`encoder.rel_embeddings`, layer-normed by
+  `encoder.LayerNorm`), ONE trained parameter that every layer reads. It belongs to the
+  embedding unit, which computes LayerNorm(table) once per forward, as DebertaV2Encoder
+  does. For its gradient (the sum over every layer, as in the library's model) to reach
+  the embedding unit across stage boundaries, it cannot ride as an extra activation
+  (those carry no gradient): it rides at the end of the hidden state, each sample holding
+  a copy, so the hidden state is (seq + 2 * span, hidden). Attention units read sample 0's
+  copy (the gradients of the other copies are zero; the embedding's `expand` sums them
+  back), MLP units and the head touch only the first `seq` rows. The cost is activation
+  bytes: (seq + 2 * span) / seq times a BERT's of the same size (deberta-v3-base: span 256,
+  so 5x at seq 128, 2x at seq 512). Once the embedding freezes (with layer 0) the table
+  freezes with it, in training and in the single-process reference alike.
+- the 2-D padding mask, which rides along as BERT's does; each attention unit expands it
+  to DeBERTa's (batch, 1, seq, seq) mask as DebertaV2Encoder.get_attention_mask does.
+The ConvLayer of DeBERTa-v2-xlarge/xxlarge (conv_kernel_size > 0) mixes the embedding
+output into layer 0's output: refused.
+
+Owns: those units and the 'deberta-v2' adapter. Must not: know pipelines, freezing, ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.deberta_v2.modeling_deberta_v2 import build_relative_position
+
+from pipetransformer.models.layered import LayeredModel
+from pipetransformer.models.registry import ModelAdapter, register_adapter
+from pipetransformer.models.text_models import check_fits, text_spec, text_task
+
+
+def _split(x: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return x[:, :seq], x[:, seq:]
+
+
+class DebertaEmbedding(nn.Module):
+    """Word (+ position, + token type) embeddings, LayerNorm, masked, dropout; then the
+    layer-normed relative-position table appended to every sample's hidden state."""
+
+    def __init__(self, deberta: nn.Module) -> None:
+        super().__init__()
+        encoder = deberta.encoder
+        self.embeddings = deberta.embeddings
+        self.rel_embeddings = encoder.rel_embeddings if encoder.relative_attention else None
+        norm = "layer_norm" in encoder.norm_rel_ebd and encoder.relative_attention
+        self.rel_norm = encoder.LayerNorm if norm else None
+
+    def forward(self, input_ids, token_type_ids, attention_mask):
+        hidden = self.embeddings(
+            input_ids=input_ids, token_type_ids=token_type_ids, mask=attention_mask
+        )
+        if self.rel_embeddings is not None:
+            table = self.rel_embeddings.weight
+            if self.rel_norm is not None:
+                table = self.rel_norm(table)
+            tail = table.unsqueeze(0).expand(hidden.shape[0], -1, -1)
+            hidden = torch.cat([hidden, tail.to(hidden.dtype)], dim=1)
+        return hidden, attention_mask
+
+
+class DebertaAttention(nn.Module):
+    """Disentangled self-attention + output dense/dropout/LayerNorm with the residual."""
+
+    def __init__(self, layer: nn.Module, encoder: nn.Module, seq: int) -> None:
+        super().__init__()
+        self.attention = layer.attention
+        self.seq = seq
+        self.relative_attention = encoder.relative_attention
+        if self.relative_attention:
+            self.position_buckets = encoder.position_buckets
+            self.max_relative_positions = encoder.max_relative_positions
+
+    def forward(self, x, attention_mask):
+        hidden, tail = _split(x, self.seq)
+        mask = attention_mask.unsqueeze(1).unsqueeze(2)
+        mask = mask * mask.squeeze(-2).unsqueeze(-1)  # DebertaV2Encoder.get_attention_mask
+        relative_pos, table = None, None
+        if self.relative_attention:
+            relative_pos = build_relative_position(
+                hidden,
+                hidden,
+                bucket_size=self.position_buckets,
+                max_position=self.max_relative_positions,
+            )
+            table = tail[0]
+        output, _ = self.attention(hidden, mask, relative_pos=relative_pos, rel_embeddings=table)
+        return torch.cat([output, tail], dim=1), attention_mask
+
+
+class DebertaMlp(nn.Module):
+    """Intermediate dense + activation, output dense/dropout/LayerNorm with the residual."""
+
+    def __init__(self, layer: nn.Module, seq: int) -> None:
+        super().__init__()
+        self.intermediate = layer.intermediate
+        self.output = layer.output
+        self.seq = seq
+
+    def forward(self, x, attention_mask):
+        hidden, tail = _split(x, self.seq)
+        output = self.output(self.intermediate(hidden), hidden)
+        return torch.cat([output, tail], dim=1), attention_mask
+
+
+class DebertaClassificationHead(nn.Module):
+    """ContextPooler (first token, dropout, dense, activation), dropout, classifier."""
+
+    def __init__(self, model: nn.Module, seq: int) -> None:
+        super().__init__()
+        self.pooler, self.dropout, self.classifier = model.pooler, model.dropout, model.classifier
+        self.seq = seq
+
+    def forward(self, x, attention_mask):
+        return self.classifier(self.dropout(self.pooler(x[:, : self.seq])))
+
+
+class DebertaQuestionAnsweringHead(nn.Module):
+    def __init__(self, qa_outputs: nn.Module, seq: int) -> None:
+        super().__init__()
+        self.qa_outputs = qa_outputs
+        self.seq = seq
+
+    def forward(self, x, attention_mask):
+        return self.qa_outputs(x[:, : self.seq])
+
+
+def layered_deberta(model: nn.Module, max_seq_length: int | None) -> LayeredModel:
+    task = text_task(model)
+    deberta = model.deberta
+    config = deberta.config
+    encoder = deberta.encoder
+    if encoder.conv is not None:
+        raise ValueError(
+            "DeBERTa with conv_kernel_size > 0 (v2-xlarge/xxlarge) feeds the embedding output "
+            "into layer 0's output: not cut into units"
+        )
+    if getattr(deberta, "z_steps", 0) > 1:
+        raise ValueError("DeBERTa with z_steps > 1 reruns its last layer: not cut into units")
+    if getattr(config, "position_biased_input", True):
+        check_fits(max_seq_length, config.max_position_embeddings)
+    seq = max_seq_length
+    units: list[nn.Module] = [DebertaEmbedding(deberta)]
+    for layer in encoder.layer:
+        units += [DebertaAttention(layer, encoder, seq), DebertaMlp(layer, seq)]
+    if task == "question_answering":
+        units.append(DebertaQuestionAnsweringHead(model.qa_outputs, seq))
+    else:
+        units.append(DebertaClassificationHead(model, seq))
+    span = encoder.rel_embeddings.num_embeddings if encoder.relative_attention else 0
+    spec = text_spec(
+        family="deberta-v2",
+        task=task,
+        units=units,
+        max_seq_length=seq,
+        hidden_size=config.hidden_size,
+        num_labels=config.num_labels,
+        hidden_tokens=seq + span,
+    )
+    return LayeredModel(units, spec, source=model)
+
+
+DEBERTA_V2 = register_adapter(
+    ModelAdapter(
+        family="deberta-v2",
+        library="transformers",
+        model_types=("deberta-v2",),
+        cut=layered_deberta,
+        # DeBERTa-v3's architecture at small size: relative attention over a bucketed
+        # table, shared keys, no absolute positions, no token types.
+        random_config={
+            "relative_attention": True,
+            "pos_att_type": ["p2c", "c2p"],
+            "position_buckets": 32,
+            "max_relative_positions": -1,
+            "norm_rel_ebd": "layer_norm",
+            "share_att_key": True,
+            "position_biased_input": False,
+            "type_vocab_size": 0,
+            "hidden_act": "gelu",
+        },
+    )
+)
