@@ -51,6 +51,9 @@ def test_plan_json_for_the_quickstart():
         assert {"num_frozen_layers", "pipe_len", "dp_degree", "stage_costs"} <= set(row)
         assert row["pipe_len"] * row["dp_degree"] == 2
     assert rows[0]["pipe_len"] == 2 and rows[-1]["pipe_len"] == 1  # compresses as layers freeze
+    # The README's pipeline start packs once 5 of 8 layers are frozen (Eq. 2), not at 4, where
+    # Eq. 1 leaves the quickstart: hence its alpha_schedule.
+    assert [r["pipe_len"] for r in rows[4:6]] == [2, 1]
 
 
 def test_plan_for_a_large_model_needs_no_download():
