@@ -141,3 +141,19 @@ def run_cli(*args: str) -> CliResult:
         stdout.getvalue(),
         stderr.getvalue(),
     )
+
+
+def assert_unit_state_carried(name, param, opt_state, old_param, old_state, frozen_units) -> None:
+    """One parameter across a transition: the same values, and, where its unit is still
+    trained, the same optimizer state entry by entry; none where the transition froze it."""
+    from pipetransformer.utils.units import parse_param_key
+
+    assert torch.equal(param, old_param), name
+    if parse_param_key(name)[0] >= frozen_units:
+        assert opt_state.keys() == old_state.keys() and opt_state, name
+        for key in opt_state:
+            assert torch.equal(torch.as_tensor(opt_state[key]), torch.as_tensor(old_state[key])), (
+                f"{name}/{key}"
+            )
+    else:
+        assert not opt_state, name

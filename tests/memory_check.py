@@ -27,6 +27,35 @@ from pipetransformer.trainer.distributed import init_distributed
 from pipetransformer.trainer.tasks import ClassificationTask, loss_weights
 
 
+def _training_step(
+    runtime, units, config, replica_batch, image_size, dp_degree, batch, seed, role=None
+):
+    """One training step of `runtime` with its optimizer over `units`, on a synthetic batch of
+    `replica_batch` images: inputs to the first stage, targets to the last (`role` None: a
+    one-stage runtime that is both)."""
+    named = {
+        name: p
+        for index, unit in units.items()
+        for name, p in unit_param_names(unit, index).items()
+    }
+    optimizer = optim_module.build_optimizer(config.optimizer, named)
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randn(replica_batch, 1, image_size, image_size, generator=g)
+    target = ClassificationTask.make_target(
+        torch.randint(0, 10, (replica_batch,), generator=g),
+        loss_weights([True] * replica_batch, dp_degree, batch),
+    )
+    first = role is None or role.is_first
+    last = role is None or role.is_last
+
+    def step():
+        runtime.train_step([images] if first else None, target if last else None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
 def measure_stage_memory(
     config_dict: dict,
     pipe_len: int,
@@ -82,24 +111,9 @@ def measure_stage_memory(
         data_group=groups.data,
         device=world.device,
     )
-    named = {
-        name: p
-        for index, unit in units.items()
-        for name, p in unit_param_names(unit, index).items()
-    }
-    optimizer = optim_module.build_optimizer(config.optimizer, named)
-    g = torch.Generator().manual_seed(1)
-    images = torch.randn(replica_batch, 1, image_size, image_size, generator=g)
-    target = ClassificationTask.make_target(
-        torch.randint(0, 10, (replica_batch,), generator=g),
-        loss_weights([True] * replica_batch, dp_degree, batch),
+    step = _training_step(
+        runtime, units, config, replica_batch, image_size, dp_degree, batch, seed=1, role=role
     )
-
-    def step():
-        runtime.train_step([images] if role.is_first else None, target if role.is_last else None)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
     step()  # optimizer state and the pipeline's buffers exist from here on, as in training
     gc.collect()
     peak = peak_bytes(step)
@@ -204,24 +218,9 @@ def measure_sharded_memory(
         data_group=groups.data,
         device=world.device,
     )
-    named = {
-        name: p
-        for index, unit in units.items()
-        for name, p in unit_param_names(unit, index).items()
-    }
-    optimizer = optim_module.build_optimizer(config.optimizer, named)
-    g = torch.Generator().manual_seed(1 + world.rank)
-    images = torch.randn(replica_batch, 1, image_size, image_size, generator=g)
-    target = ClassificationTask.make_target(
-        torch.randint(0, 10, (replica_batch,), generator=g),
-        loss_weights([True] * replica_batch, world.world_size, batch),
+    step = _training_step(
+        runtime, units, config, replica_batch, image_size, world.world_size, batch, 1 + world.rank
     )
-
-    def step():
-        runtime.train_step([images], target)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
     step()  # the optimizer state exists from here on, as in training
     gc.collect()
     peak = peak_bytes(step)

@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from helpers import run_workers
+from helpers import assert_unit_state_carried, run_workers
 from reference import elastic_config, reference_run, step_losses
 from workers import elastic_run, handoff_snapshots
 
@@ -123,16 +123,11 @@ def test_state_handoff_is_bit_exact(tmp_path):
                 holders = [b[1][name] for b in before if name in b[1]]
                 assert holders, f"{name} appeared from nowhere on rank {rank}"
                 for old_param, old_state in holders:
-                    assert torch.equal(param, old_param), name
-                    unit = parse_param_key(name)[0]
-                    if unit >= frozen_units:  # still trained: the optimizer state came along
-                        assert opt_state.keys() == old_state.keys() and opt_state, name
-                        for key in opt_state:
-                            assert torch.equal(
-                                torch.as_tensor(opt_state[key]), torch.as_tensor(old_state[key])
-                            ), f"{name}/{key}"
-                    else:
-                        assert not opt_state and not param.requires_grad
+                    assert_unit_state_carried(
+                        name, param, opt_state, old_param, old_state, frozen_units
+                    )
+                    if parse_param_key(name)[0] < frozen_units:
+                        assert not param.requires_grad, name
                 if name not in before[rank][1]:
                     checked_moves += 1
         assert checked_moves > 0  # some state really moved between ranks

@@ -24,7 +24,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import run_workers
+from helpers import assert_unit_state_carried, run_workers
 from reference import elastic_config, reference_run, step_losses
 from workers import elastic_run, sharded_handoff_snapshots
 
@@ -122,15 +122,7 @@ def assert_handoffs_bit_exact(snapshots: list[dict]) -> None:
         assert frozen_units > before["frozen_end"]
         for name, (param, opt_state) in after["state"].items():
             old_param, old_state = before["state"][name]
-            assert torch.equal(param, old_param), name
-            if int(name.split(".")[1]) >= frozen_units:
-                assert opt_state.keys() == old_state.keys() and opt_state, name
-                for key in opt_state:
-                    assert torch.equal(
-                        torch.as_tensor(opt_state[key]), torch.as_tensor(old_state[key])
-                    ), f"{name}/{key}"
-            else:
-                assert not opt_state, name
+            assert_unit_state_carried(name, param, opt_state, old_param, old_state, frozen_units)
 
 
 def auto_config(**changes) -> dict:
