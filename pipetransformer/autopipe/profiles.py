@@ -111,9 +111,6 @@ class UnitProfile:
             **{column: tuple(getattr(m, column) for m in ordered) for column in cls._COLUMNS},
         )
 
-    def measurement(self, unit: int) -> UnitMeasurement:
-        return UnitMeasurement(**{column: getattr(self, column)[unit] for column in self._COLUMNS})
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "micro_batch_size": self.micro_batch_size,
