@@ -123,8 +123,9 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.0
     # Clip the global gradient norm (over every stage of a replica). None: no clipping.
     max_grad_norm: float | None = None
-    # torch's optimizer implementation. 'auto': fused kernels for Adam/AdamW on CUDA (one
-    # launch for all parameters, the step count kept on the device), foreach elsewhere.
+    # torch's optimizer implementation. 'auto': fused kernels for Adam/AdamW on CUDA and the
+    # CPU (one pass over the parameters; on CUDA the step count kept on the device), foreach
+    # for SGD.
     implementation: Literal["auto", "foreach", "fused"] = "auto"
 
     def __post_init__(self) -> None:
