@@ -384,3 +384,20 @@ def test_write_report_shows_one_seed_without_interval(tmp_path):
     assert (
         "| 0 | elastic | 0.8900 | never |" in text and "| 0 | baseline | 0.8900 | 100.0 |" in text
     )
+
+
+def test_speedups_average_as_ratios():
+    """2x and 0.5x average to 1x (the mean of logs), with the t interval on the logs: by hand,
+    logs +-ln 2, mean 0, std ln(2) * sqrt(2), half-width 12.706 * std / sqrt(2)."""
+    from pipetransformer.compare.stats import geometric_mean_ratio
+
+    stats = geometric_mean_ratio([2.0, 0.5])
+    assert stats.mean == pytest.approx(1.0)
+    half = 12.7062047 * math.log(2.0)
+    assert stats.low == pytest.approx(math.exp(-half), rel=1e-6)
+    assert stats.high == pytest.approx(math.exp(half), rel=1e-6)
+    assert (stats.min, stats.max, stats.n) == (0.5, 2.0, 2)
+    one = geometric_mean_ratio([1.3])
+    assert one.mean == pytest.approx(1.3) and one.low is None
+    with pytest.raises(ValueError, match="positive"):
+        geometric_mean_ratio([1.0, 0.0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 from helpers import tiny_bert, tiny_vit
@@ -453,3 +454,10 @@ def elastic_runs(runs: list[tuple[str, dict]], root: str, resume_at_step: int | 
             options = RunOptions(resume="required")
             results[f"{name}-resumed"] = elastic_run(config_dict, str(resumed), False, options)
     return results
+
+
+def peer_run(name: str, config, run_dir) -> None:
+    """One rank of a `compare --peers` peer that is not this trainer (compare/peers.py)."""
+    from pipetransformer.compare.peers import run_peer
+
+    run_peer(name, config, Path(run_dir))

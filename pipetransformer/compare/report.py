@@ -35,10 +35,16 @@ FREEZE_DDP = "freeze_ddp"
 FSDP = "fsdp"
 FREEZE_FSDP = "freeze_fsdp"
 ELASTIC = "elastic"
+# What users run instead of this trainer (compare/peers.py): transformers' Trainer for text
+# models, the plain timm + DDP loop for image models.
+HF_TRAINER = "hf_trainer"
+TORCH_DDP = "torch_ddp"
 REFUSED = "refused.json"  # in a variant's directory: it was refused (does not fit), and why
 TITLES = {
     BASELINE: "baseline (Pipe + DDP, no freezing)",
     DDP: "DDP (K = 1, no freezing)",
+    HF_TRAINER: "transformers Trainer + DDP (no freezing)",
+    TORCH_DDP: "timm model + plain DDP loop (no freezing)",
     FREEZE_DDP: "freeze + DDP (K = 1, freeze algorithm and AutoCache)",
     FSDP: "FSDP2 (sharded over every process, no freezing)",
     FREEZE_FSDP: "freeze + FSDP2 (sharded, freeze algorithm and AutoCache)",

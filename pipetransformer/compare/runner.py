@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from pipetransformer.compare.peers import peer_for, run_peer
 from pipetransformer.compare.plots import write_plots, write_seeded_plots
 from pipetransformer.compare.report import (
     BASELINE,
@@ -28,8 +29,10 @@ from pipetransformer.compare.report import (
     FREEZE_DDP,
     FREEZE_FSDP,
     FSDP,
+    HF_TRAINER,
     REFUSED,
     TITLES,
+    TORCH_DDP,
     build_results,
     finished_seed_runs,
     is_finished,
@@ -88,6 +91,9 @@ def variant_overrides(config: Config, ablations: bool, peers: bool = False) -> d
             "pipeline.sharding=never",
             *peer_batch,
         ]
+        # What a user of this model family runs today (compare/peers.py), on the DDP run's
+        # batch: transformers' Trainer for text models, a plain timm + DDP loop for images.
+        variants[peer_for(config)] = variants[DDP]
         variants[FREEZE_DDP] = [
             "pipeline.initial_pipe_len=1",
             "pipeline.sharding=never",
@@ -230,8 +236,13 @@ def _run_variant(variant_config: Config, name: str, run_dir: Path, label: str) -
     try:
         # A run cut short earlier starts over: a resumed run's wall time would not compare.
         prepare_run_dir(run_dir, resume="never", overwrite=True)
-        options = RunOptions(prepared_checkpoint="")
-        launch_local(variant_config.nproc_per_node, run_worker, (variant_config, run_dir, options))
+        if name in (HF_TRAINER, TORCH_DDP):
+            arguments = (name, variant_config, run_dir)
+            launch_local(variant_config.nproc_per_node, run_peer, arguments)
+        else:
+            options = RunOptions(prepared_checkpoint="")
+            arguments = (variant_config, run_dir, options)
+            launch_local(variant_config.nproc_per_node, run_worker, arguments)
     except WorkerFailed as exc:
         # A peer that cannot fit even sharded is refused in one line, and the comparison goes
         # on without it (planning/context.py's DoesNotFit, the first line of a rank's error).

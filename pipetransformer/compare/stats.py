@@ -163,6 +163,36 @@ def confidence_interval(differences: Sequence[float]) -> Interval | None:
     return Interval(summary.mean - half, summary.mean + half)
 
 
+@dataclass(frozen=True)
+class RatioStats:
+    """Ratios over seeds (speedups): their geometric mean with a 95% interval (t on the
+    logarithms; None for one seed), and the smallest and largest."""
+
+    mean: float
+    low: float | None
+    high: float | None
+    min: float
+    max: float
+    n: int
+
+
+def geometric_mean_ratio(ratios: Sequence[float]) -> RatioStats:
+    """A ratio's mean over seeds as a ratio: the mean of logs, back-transformed (a 2x and a
+    0.5x average to 1x, not 1.25x)."""
+    if not ratios or min(ratios) <= 0:
+        raise ValueError(f"geometric_mean_ratio: needs positive ratios, got {list(ratios)}")
+    logs = [math.log(r) for r in ratios]
+    interval = confidence_interval(logs)
+    return RatioStats(
+        math.exp(mean_std(logs).mean),
+        math.exp(interval.low) if interval else None,
+        math.exp(interval.high) if interval else None,
+        min(ratios),
+        max(ratios),
+        len(ratios),
+    )
+
+
 def verdict(interval: Interval | None, margin_points: float) -> str:
     """Non-inferiority: 'not worse' only when the whole interval lies above -margin; 'worse'
     when it lies wholly below; otherwise (touching or spanning -margin) 'inconclusive'."""

@@ -8,11 +8,13 @@ Must not: create process groups, choose layouts, or move state between ranks.
 Facts this rests on (measured on torch 2.14; re-check them on another release): shapes are
 declared, because DDP with inferred shapes crashes; the stage module handed to
 PipelineStage *is* the DDP module, so the schedule syncs gradients once per step; DDP never
-sees a frozen parameter; a stage with nothing to train is not wrapped in DDP.
+sees a frozen parameter; a stage with nothing to train is not wrapped in DDP. A pipeline of
+one stage needs none of the pipelining machinery: `OneStageSchedule` runs it as DDP does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -64,6 +66,64 @@ class CommTimer:
         return future.then(record)
 
 
+class OneStageSchedule:
+    """What ScheduleGPipe runs for a pipeline of one stage (plain data parallelism, the start of
+    every run whose model fits a device), without its machinery: each micro-batch's forward,
+    loss and backward in turn, DDP's all-reduce on the last one only (`no_sync` before it),
+    the micro-batches' losses summed as GPipe sums them (`scale_grads=False`). The same
+    operations in the same order, so the same gradients and random draws; each micro-batch's
+    activations are freed before the next one's forward (GPipe holds all of them, which the
+    memory model budgets). What it saves: the pytree splitting, shape checks and send/receive
+    bookkeeping of a pipeline stage, about 1 ms a step of the quickstart's 13 ms on this CPU
+    (benchmarks/step_profile.py). Same interface as the schedules it stands for."""
+
+    def __init__(self, module: nn.Module, num_micro_batches: int, loss_fn: LossFn) -> None:
+        self.module = module
+        self.num_micro_batches = num_micro_batches
+        self.loss_fn = loss_fn
+
+    def _chunks(self, tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+        split = [t.tensor_split(self.num_micro_batches) for t in tensors]
+        return list(zip(*split))
+
+    def step(
+        self,
+        *inputs: torch.Tensor,
+        target: torch.Tensor | None = None,
+        losses: list[torch.Tensor] | None = None,
+        return_outputs: bool = True,
+    ):
+        outputs = []
+        targets = target.tensor_split(self.num_micro_batches)
+        last = self.num_micro_batches - 1
+        ddp = isinstance(self.module, DistributedDataParallel)
+        for index, chunk in enumerate(self._chunks(inputs)):
+            with self.module.no_sync() if ddp and index < last else contextlib.nullcontext():
+                output = self.module(*chunk)
+                loss = self.loss_fn(output, targets[index])
+                loss.backward()
+            if losses is not None:
+                losses.append(loss.detach())
+            if return_outputs:
+                outputs.append(_detached(output))
+        return _merged(outputs) if return_outputs else None
+
+    def eval(self, *inputs: torch.Tensor, target: torch.Tensor | None = None):
+        return _merged([_detached(self.module(*chunk)) for chunk in self._chunks(inputs)])
+
+
+def _detached(output):
+    if isinstance(output, torch.Tensor):
+        return output.detach()
+    return tuple(t.detach() for t in output)
+
+
+def _merged(outputs: list):
+    if isinstance(outputs[0], torch.Tensor):
+        return torch.cat(outputs)
+    return tuple(torch.cat(parts) for parts in zip(*outputs))
+
+
 class MixedPrecisionStage(nn.Module):
     """The dtypes at a mixed-precision stage's edges (float32 weights, gradients and
     optimizer state; the autocast region itself is entered once per step by StageRuntime).
@@ -99,7 +159,8 @@ class StageRuntime:
     pipe_len: int
     module: UnitSequence
     wrapped: nn.Module
-    stage: PipelineStage
+    device: torch.device
+    stage: PipelineStage | None  # None for one stage (OneStageSchedule)
     schedule: object
     preprocess: UnitSequence | None
     micro_batch_size: int
@@ -128,7 +189,7 @@ class StageRuntime:
         it keeps for backward) shares one copy. Entered per micro-batch, each of the M
         micro-batches in flight held its own copy of the stage's weights."""
         return torch.autocast(
-            self.stage.device.type,
+            self.device.type,
             dtype=self.autocast_dtype or torch.float32,
             enabled=self.autocast_dtype is not None,
         )
@@ -246,23 +307,7 @@ def build_stage_runtime(
         )
     micro = replica_batch // num_micro_batches
 
-    # The hidden state carries gradients into a stage when a trained unit precedes it.
     is_last = stage_index == plan.pipe_len - 1
-    input_specs = spec.unit_input_specs(start)
-    input_args = _examples(
-        boundary_specs(input_specs, autocast_dtype) if stage_index > 0 else input_specs,
-        micro,
-        device,
-        grad_first=stage_index > 0 and frozen_end < start,
-    )
-    output_specs = spec.unit_output_specs(end - 1)
-    output_args = _examples(
-        output_specs if is_last else boundary_specs(output_specs, autocast_dtype),
-        micro,
-        device,
-        grad_first=frozen_end < end,
-    )
-
     wrapped: nn.Module = module
     if autocast_dtype is not None:
         wrapped = MixedPrecisionStage(module, autocast_dtype, is_last)
@@ -281,23 +326,43 @@ def build_stage_runtime(
         if comm_timer is not None:
             hook = CommTimer(comm_timer)
             wrapped.register_comm_hook(data_group, hook.hook)
-    stage = PipelineStage(
-        wrapped,
-        stage_index,
-        plan.pipe_len,
-        device,
-        input_args=input_args,
-        output_args=output_args,
-        group=pipeline_group,
-    )
-    schedule = SCHEDULES[schedule_name](
-        stage, n_microbatches=num_micro_batches, loss_fn=loss_fn, scale_grads=False
-    )
+    if plan.pipe_len == 1:
+        stage = None
+        schedule = OneStageSchedule(wrapped, num_micro_batches, loss_fn)
+    else:
+        # The hidden state carries gradients into a stage when a trained unit precedes it.
+        input_specs = spec.unit_input_specs(start)
+        input_args = _examples(
+            boundary_specs(input_specs, autocast_dtype) if stage_index > 0 else input_specs,
+            micro,
+            device,
+            grad_first=stage_index > 0 and frozen_end < start,
+        )
+        output_specs = spec.unit_output_specs(end - 1)
+        output_args = _examples(
+            output_specs if is_last else boundary_specs(output_specs, autocast_dtype),
+            micro,
+            device,
+            grad_first=frozen_end < end,
+        )
+        stage = PipelineStage(
+            wrapped,
+            stage_index,
+            plan.pipe_len,
+            device,
+            input_args=input_args,
+            output_args=output_args,
+            group=pipeline_group,
+        )
+        schedule = SCHEDULES[schedule_name](
+            stage, n_microbatches=num_micro_batches, loss_fn=loss_fn, scale_grads=False
+        )
     return StageRuntime(
         stage_index,
         plan.pipe_len,
         module,
         wrapped,
+        device,
         stage,
         schedule,
         preprocess,

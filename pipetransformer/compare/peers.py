@@ -1,0 +1,402 @@
+"""What users run today instead of this trainer, as peers of `compare --peers`.
+
+- `hf_trainer` (text models): transformers' `Trainer` under DDP (accelerate's multi-process
+  state, gloo on CPU, NCCL on GPUs), as a user fine-tuning BERT runs it under torchrun.
+- `torch_ddp` (image models): the plain loop a timm user writes: the timm model in
+  `DistributedDataParallel`, AdamW, a `DistributedSampler`, clipping, one step per batch.
+
+Both train what the trainer trains: the same model weights (the same seed before the model
+is built, or the same pretrained directory), the same data (`build_data`: the same subsets,
+tokenisation, padding and image transforms), batch, optimizer, weight decay groups, schedule,
+clipping and epochs, on the same processes (the local launcher's environment, as torchrun's).
+Their accuracy is scored on rank 0 the way the trainer scores its own (argmax over the
+evaluation split). Each writes the run records `compare` reads (summary.json, metrics.jsonl,
+events.jsonl), so they join the report and the statistics over seeds like any variant.
+
+Owns: the peers' training loops and their records. Must not: use anything of the trainer's
+step (that is what they are measured against).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetransformer.compare.report import HF_TRAINER, TORCH_DDP
+from pipetransformer.config import Config
+from pipetransformer.data import DataBundle, build_data
+from pipetransformer.trainer.optim import learning_rate
+from pipetransformer.trainer.records import EpochMetrics, RunSummary
+from pipetransformer.utils.files import append_jsonl, write_json_atomic
+
+logger = logging.getLogger(__name__)
+
+
+def peer_for(config: Config) -> str:
+    """The peer a user of this model family runs: `hf_trainer` for transformers models,
+    `torch_ddp` for timm models."""
+    return TORCH_DDP if config.model.resolved_family() == "vit" else HF_TRAINER
+
+
+def run_peer(name: str, config: Config, run_dir: Path, hf_optim: str = "adamw_torch") -> None:
+    """One rank of peer `name` (a worker of the local launcher or of torchrun). `hf_optim`:
+    the Trainer's `optim` (its default unless a benchmark asks for another)."""
+    _set_threads()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if config.trainer.global_batch_size is None or config.trainer.global_batch_size % world_size:
+        raise ValueError(
+            f"trainer.global_batch_size: the {name} peer needs a global batch that the "
+            f"{world_size} processes split evenly"
+        )
+    if config.data.name == "squad":
+        raise ValueError(f"data.name: the {name} peer trains classification only")
+    data = build_data(
+        config.data, seed=config.trainer.seed, model_name_or_path=config.model.model_name_or_path
+    )
+    if name == HF_TRAINER:
+        model, device, forward, epochs = _run_hf_trainer(
+            config, data, run_dir, world_size, hf_optim
+        )
+    else:
+        model, device, forward, epochs = _run_torch_ddp(config, data, rank, world_size)
+    metric = eval_time_s = 0.0
+    if rank == 0:  # the other ranks wait for it in the reduction of the peak memory
+        started = time.perf_counter()
+        metric = _accuracy(model, data, device, forward)
+        eval_time_s = time.perf_counter() - started
+    peak = _peak_rss_bytes()
+    if rank == 0:
+        write_records(config, run_dir, epochs, metric, world_size, peak, eval_time_s)
+
+
+def _set_threads() -> None:
+    """One thread per process where processes share the cores, as the trainer sets it."""
+    if not torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+
+def _decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """The trainer's groups: no weight decay on biases and norm weights (1-D)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def _optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer the user picks, with the trainer's settings; torch's own default
+    implementation (foreach on GPUs, a loop on the CPU), as a user gets it."""
+    o = config.optimizer
+    groups = _decay_groups(model, o.weight_decay)
+    if o.name == "sgd":
+        return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
+    cls = torch.optim.Adam if o.name == "adam" else torch.optim.AdamW
+    return cls(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+
+
+def _accuracy(model: nn.Module, data: DataBundle, device: torch.device, forward) -> float:
+    """Argmax accuracy over the whole evaluation split, as the trainer's evaluator scores it."""
+    model.eval()
+    correct = 0
+    batch = 256
+    with torch.no_grad():
+        for start in range(0, len(data.eval), batch):
+            ids = range(start, min(start + batch, len(data.eval)))
+            inputs, target = data.eval.fetch(ids)
+            logits = forward(model, [t.to(device) for t in inputs])
+            correct += int((logits.argmax(-1).cpu() == target).sum())
+    model.train()
+    return correct / len(data.eval)
+
+
+def _peak_rss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    if not dist.is_initialized():
+        return rss
+    peak = torch.tensor([rss], dtype=torch.long)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak.item())
+
+
+class EpochClock:
+    """Each epoch's training seconds and steps (evaluation and saving excluded)."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+        self._started = time.perf_counter()
+
+    def start(self) -> None:
+        self._started = time.perf_counter()
+
+    def end(self, global_step: int, samples: int, train_loss: float, lr: float) -> None:
+        seconds = time.perf_counter() - self._started
+        self.records.append(
+            {
+                "epoch": len(self.records) + 1,
+                "global_step": global_step,
+                "train_loss": train_loss,
+                "samples_per_s": samples / seconds if seconds > 0 else 0.0,
+                "epoch_time_s": seconds,
+                "lr": lr,
+            }
+        )
+
+
+def write_records(
+    config: Config,
+    run_dir: Path,
+    epochs: list[dict],
+    metric: float,
+    world_size: int,
+    peak_rss_bytes: int,
+    eval_time_s: float = 0.0,
+) -> None:
+    """summary.json, metrics.jsonl and events.jsonl as the trainer writes them; the peer
+    evaluates once, after its last epoch."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for record in epochs:
+        last = record["epoch"] == len(epochs)
+        line = EpochMetrics(
+            **record,
+            eval_metric=metric if last else None,
+            num_frozen_layers=0,
+            pipe_len=1,
+            dp_degree=world_size,
+            num_micro_batches=1,
+            eval_time_s=eval_time_s if last else 0.0,
+        )
+        append_jsonl(run_dir / "metrics.jsonl", line.to_dict())
+    (run_dir / "events.jsonl").touch()
+    summary = RunSummary(
+        wall_time_s=sum(r["epoch_time_s"] for r in epochs) + eval_time_s,
+        attempts=1,
+        final_eval_metric=metric,
+        best_eval_metric=metric,
+        epochs=len(epochs),
+        global_steps=epochs[-1]["global_step"] if epochs else 0,
+        num_transitions=0,
+        final_num_frozen_layers=0,
+        final_pipe_len=1,
+        final_dp_degree=world_size,
+        world_size=world_size,
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        checkpoint=None,
+        metric_name="accuracy",
+        peak_rss_bytes=peak_rss_bytes,
+    )
+    write_json_atomic(run_dir / "summary.json", summary.to_dict())
+
+
+# --- hf_trainer -----------------------------------------------------------------------------
+
+
+class _TextDataset(torch.utils.data.Dataset):
+    """The trainer's tokenised split as the dicts `Trainer` feeds the model."""
+
+    def __init__(self, split) -> None:
+        inputs, labels = split.fetch(range(len(split)))
+        self.columns = dict(zip(("input_ids", "token_type_ids", "attention_mask"), inputs))
+        self.columns["labels"] = labels
+
+    def __len__(self) -> int:
+        return len(self.columns["labels"])
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {name: column[index] for name, column in self.columns.items()}
+
+
+def _text_forward(model: nn.Module, inputs: list[torch.Tensor]) -> torch.Tensor:
+    input_ids, token_type_ids, attention_mask = inputs
+    return model(
+        input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask
+    ).logits
+
+
+def _run_hf_trainer(
+    config: Config, data: DataBundle, run_dir: Path, world_size: int, hf_optim: str
+) -> tuple[nn.Module, torch.device, Callable, list[dict]]:
+    try:
+        import accelerate  # noqa: F401  (Trainer needs it for DDP)
+        from transformers import Trainer, TrainerCallback, TrainingArguments
+    except ImportError as exc:
+        raise ImportError(
+            f"the {HF_TRAINER} peer needs transformers' Trainer and accelerate: "
+            "pip install -e '.[peers]'"
+        ) from exc
+    from pipetransformer.models.text_models import create_text_model
+
+    if data.task != "classification":
+        raise ValueError(f"data.name: the {HF_TRAINER} peer trains classification only")
+    torch.manual_seed(config.trainer.seed)  # the trainer's weights (trainer.py builds so)
+    model, _ = create_text_model(
+        config.model, task=data.task, num_labels=data.num_classes, vocab_size=data.vocab_size
+    )
+    o = config.optimizer
+    use_cpu = not torch.cuda.is_available() or config.trainer.device == "cpu"
+    if o.lr_schedule == "linear" and o.min_lr_ratio > 0:
+        raise ValueError("optimizer.min_lr_ratio: the hf_trainer peer decays to 0")
+    args = TrainingArguments(
+        output_dir=str(run_dir / "hf_output"),
+        per_device_train_batch_size=config.trainer.global_batch_size // world_size,
+        num_train_epochs=config.trainer.epochs,
+        learning_rate=o.lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.betas[0],
+        adam_beta2=o.betas[1],
+        adam_epsilon=o.eps,
+        optim="sgd" if o.name == "sgd" else hf_optim,
+        lr_scheduler_type=o.lr_schedule if o.lr_schedule != "constant" else "constant_with_warmup",
+        warmup_steps=o.warmup_steps,
+        max_grad_norm=o.max_grad_norm or 0.0,
+        seed=config.trainer.seed,
+        eval_strategy="no",
+        save_strategy="no",
+        logging_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=use_cpu,
+        ddp_backend="gloo" if use_cpu else "nccl",
+        dataloader_num_workers=config.data.num_workers,
+        dataloader_drop_last=True,  # the trainer's sampler trains whole global batches
+        # Every parameter is used: the default (True) would traverse the graph every step.
+        ddp_find_unused_parameters=False,
+        bf16=config.trainer.precision == "bf16",
+    )
+    _set_threads()  # accelerate's state may have changed it
+
+    clock = EpochClock()
+
+    class Epochs(TrainerCallback):
+        def on_epoch_begin(self, args, state, control, **kwargs):
+            clock.start()
+
+        def on_epoch_end(self, args, state, control, **kwargs):
+            samples = config.trainer.global_batch_size * (
+                state.global_step - (clock.records[-1]["global_step"] if clock.records else 0)
+            )
+            clock.end(state.global_step, samples, float("nan"), 0.0)
+
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=_TextDataset(data.train),
+        callbacks=[Epochs()],
+    )
+    output = trainer.train()
+    for record in clock.records:  # Trainer reports the mean training loss over the run
+        record["train_loss"] = float(output.training_loss)
+    return trainer.model, trainer.model.device, _text_forward, clock.records
+
+
+def _image_forward(model: nn.Module, inputs: list[torch.Tensor]) -> torch.Tensor:
+    return model(*inputs)
+
+
+# --- torch_ddp ------------------------------------------------------------------------------
+
+
+def _run_torch_ddp(
+    config: Config, data: DataBundle, rank: int, world_size: int
+) -> tuple[nn.Module, torch.device, Callable, list[dict]]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from pipetransformer.models.image_models import create_timm_model
+
+    use_cuda = torch.cuda.is_available() and config.trainer.device != "cpu"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else None
+    device = device or torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    torch.manual_seed(config.trainer.seed)  # the trainer's weights (trainer.py builds so)
+    model, _ = create_timm_model(
+        config.model.name,
+        num_classes=data.num_classes,
+        in_chans=data.in_chans,
+        img_size=data.image_size,
+        pretrained=config.model.pretrained,
+        checkpoint_path=config.model.checkpoint_path,
+        kwargs=config.model.kwargs,
+    )
+    model = model.to(device)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if use_cuda else None)
+    optimizer = _optimizer(config, ddp)
+    batch = config.trainer.global_batch_size // world_size
+    sampler = torch.utils.data.DistributedSampler(
+        range(len(data.train)),
+        num_replicas=world_size,
+        rank=rank,
+        seed=config.trainer.seed,
+        drop_last=True,
+    )
+    steps_per_epoch = len(sampler) // batch
+    total_steps = steps_per_epoch * config.trainer.epochs
+    loss_fn = nn.CrossEntropyLoss()
+    clock, step = EpochClock(), 0
+    lr = config.optimizer.lr
+    for epoch in range(config.trainer.epochs):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        clock.start()
+        losses = []
+        for i in range(steps_per_epoch):
+            inputs, target = data.train.fetch(order[i * batch : (i + 1) * batch])
+            lr = learning_rate(config.optimizer, step, total_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss = loss_fn(ddp(*[t.to(device) for t in inputs]), target.to(device))
+            loss.backward()
+            if config.optimizer.max_grad_norm is not None:
+                nn.utils.clip_grad_norm_(ddp.parameters(), config.optimizer.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+            step += 1
+        mean_loss = torch.stack(losses).mean() if losses else torch.tensor(float("nan"))
+        dist.all_reduce(mean_loss)  # the global batch's mean: each rank holds half of it
+        mean_loss = float(mean_loss) / world_size
+        clock.end(step, steps_per_epoch * config.trainer.global_batch_size, mean_loss, lr)
+    return model, device, _image_forward, clock.records
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pipetransformer.compare.peers NAME CONFIG --run-dir DIR [key=value ...]`: one
+    peer's run in its own processes, as `pipetransformer train` runs one (benchmarks/)."""
+    import argparse
+
+    from pipetransformer.config import load_config
+    from pipetransformer.launcher import launch_local
+    from pipetransformer.utils.logging import setup_logging
+
+    parser = argparse.ArgumentParser(prog="python -m pipetransformer.compare.peers")
+    parser.add_argument("name", choices=[HF_TRAINER, TORCH_DDP])
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--hf-optim", default="adamw_torch", help="the Trainer's optim")
+    args = parser.parse_args(argv)
+    setup_logging(0)
+    config = load_config(args.config, args.overrides)
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("summary.json", "metrics.jsonl", "events.jsonl"):
+        (args.run_dir / stale).unlink(missing_ok=True)
+    launch_local(config.nproc_per_node, run_peer, (args.name, config, args.run_dir, args.hf_optim))
+    summary = RunSummary.from_dict(json.loads((args.run_dir / "summary.json").read_text()))
+    print(summary.closing_line(str(args.run_dir)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

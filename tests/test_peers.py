@@ -1,0 +1,97 @@
+"""The peers of `compare --peers` that are not this trainer (compare/peers.py): transformers'
+Trainer for text models and a plain timm + DDP loop for image models. They must train what
+the trainer trains (the same weights, data and batch) and split it as DDP does."""
+
+import json
+
+import pytest
+import torch
+from helpers import ROOT, run_workers
+from workers import peer_run
+
+from pipetransformer.compare import runner
+from pipetransformer.compare.report import read_run, read_seed_run
+from pipetransformer.config import load_config
+
+TINY_VIT = [
+    "model.kwargs={embed_dim: 32, depth: 2, num_heads: 2, patch_size: 4}",
+    "data.train_subset=256",
+    "data.eval_subset=64",
+    "trainer.epochs=2",
+    "trainer.global_batch_size=32",
+    "optimizer.name=sgd",
+    "optimizer.max_grad_norm=1.0",
+]
+
+
+def test_compare_peers_add_the_peer_of_the_model_family():
+    """--peers runs what a user of the family runs today, with DDP's settings: the timm loop
+    beside DDP for an image model, transformers' Trainer for a text model."""
+    image = load_config(str(ROOT / "configs" / "quickstart.yaml"))
+    variants = runner.variant_overrides(image, ablations=False, peers=True)
+    assert "torch_ddp" in variants and "hf_trainer" not in variants
+    assert variants["torch_ddp"] == variants["ddp"]
+    text = load_config(str(ROOT / "configs" / "bert_sst2_local.yaml"))
+    variants = runner.variant_overrides(text, ablations=False, peers=True)
+    assert "hf_trainer" in variants and "torch_ddp" not in variants
+    assert "freeze.strategy=none" in variants["hf_trainer"]
+
+
+def test_the_hf_peer_starts_from_the_trainers_weights():
+    """The same seed before the model is built: the Trainer's model is the trainer's."""
+    from pipetransformer.models import build_model
+    from pipetransformer.models.text_models import create_text_model
+
+    config = load_config(str(ROOT / "configs" / "bert_sst2_local.yaml"))
+    torch.manual_seed(config.trainer.seed)
+    layered = build_model(config.model, task="classification", num_classes=2, vocab_size=500)
+    torch.manual_seed(config.trainer.seed)
+    model, _ = create_text_model(config.model, task="classification", num_labels=2, vocab_size=500)
+    ours = torch.cat([p.detach().flatten() for p in layered.parameters()])
+    theirs = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert ours.shape == theirs.shape and torch.equal(ours.sort().values, theirs.sort().values)
+
+
+def test_the_torch_ddp_peer_on_two_processes_trains_as_one_does(tmp_path):
+    """The plain loop's DistributedSampler and DDP split each global batch over the ranks and
+    average the gradients: 2 processes train what 1 process trains on the whole batch (SGD,
+    clipping), to float rounding. Its records are what `compare` reads."""
+    config = load_config(str(ROOT / "configs" / "quickstart.yaml"), TINY_VIT)
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_workers(peer_run, 1, "torch_ddp", config, one)
+    run_workers(peer_run, 2, "torch_ddp", config, two)
+    lines = {
+        d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+        for d in (one, two)
+    }
+    assert [m["global_step"] for m in lines[two]] == [8, 16]  # 256 samples / 32 a step
+    for a, b in zip(lines[one], lines[two]):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-5)
+    run = read_run(two)
+    assert run["final_eval_metric"] == read_run(one)["final_eval_metric"]
+    assert run["eval_metric"][:-1] == [None] and 0 < run["final_eval_metric"] <= 1
+    assert read_seed_run(two, "torch_ddp", 0).wall_time_s == run["wall_time_s"] > 0
+
+
+def test_the_hf_trainer_peer_writes_a_run_compare_reads(tmp_path, shared_data):
+    """transformers' Trainer on 2 processes (accelerate's multi-process state over gloo), a
+    tiny random BERT on 128 SST-2 sentences: the steps the batch gives, scored on rank 0."""
+    pytest.importorskip("accelerate")
+    config = load_config(
+        str(ROOT / "configs" / "bert_sst2_local.yaml"),
+        [
+            f"data.root={shared_data / 'sst2'}",
+            "data.train_subset=128",
+            "data.eval_subset=64",
+            "data.max_seq_length=16",
+            "trainer.epochs=2",
+            "trainer.global_batch_size=32",
+            "model.kwargs={hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2, "
+            "intermediate_size: 64}",
+        ],
+    )
+    run_workers(peer_run, 2, "hf_trainer", config, tmp_path)
+    run = read_run(tmp_path)
+    assert [t["global_step"] for t in run["freeze_trajectory"]] == [4, 8]
+    assert 0 < run["final_eval_metric"] <= 1 and run["metric_name"] == "accuracy"
+    assert all(s > 0 for s in run["samples_per_s"])
