@@ -355,7 +355,15 @@ def test_the_fsdp_peers_and_a_refusal_in_one_line(tmp_path, monkeypatch, capsys)
 
     config = load_config(str(ROOT / "configs" / "quickstart.yaml"))
     variants = runner.variant_overrides(config, ablations=False, peers=True)
-    assert list(variants) == ["baseline", "ddp", "freeze_ddp", "fsdp", "freeze_fsdp", "elastic"]
+    assert list(variants) == [
+        "baseline",
+        "ddp",
+        "torch_ddp",
+        "freeze_ddp",
+        "fsdp",
+        "freeze_fsdp",
+        "elastic",
+    ]
     assert "pipeline.sharding=always" in variants["fsdp"]
     assert "freeze.strategy=none" in variants["fsdp"]
     assert "pipeline.sharding=always" in variants["freeze_fsdp"]

@@ -75,7 +75,13 @@ def test_statistics_over_three_seeds_by_hand():
     assert base.best_eval_metric.mean == pytest.approx((0.90 + 0.80 + 0.86) / 3)
     (pair,) = stats.pairs
     # Speedups paired by seed: 100/50, 110/55, 120/80.
-    assert pair.speedup_mean == pytest.approx((2.0 + 2.0 + 1.5) / 3)
+    assert pair.speedup_mean == pytest.approx((2.0 * 2.0 * 1.5) ** (1 / 3))  # geometric
+    assert pair.speedup_of_mean_times == pytest.approx((100 + 110 + 120) / (50 + 55 + 80))
+    logs = [math.log(2.0), math.log(2.0), math.log(1.5)]
+    spread = math.sqrt(sum((v - sum(logs) / 3) ** 2 for v in logs) / 2)
+    half = 4.30265273 * spread / math.sqrt(3)  # t(0.975, 2 degrees of freedom)
+    assert pair.speedup_interval.low == pytest.approx(pair.speedup_mean * math.exp(-half))
+    assert pair.speedup_interval.high == pytest.approx(pair.speedup_mean * math.exp(half))
     assert (pair.speedup_min, pair.speedup_max) == (pytest.approx(1.5), pytest.approx(2.0))
     # Differences +1, +2, +3 points: mean 2, sample std 1, half width 4.303 / sqrt(3).
     assert pair.metric_difference_points.mean == pytest.approx(2.0)
@@ -128,8 +134,8 @@ def test_pairs_against_the_peer_leave_out_baseline_and_peer():
     text = "\n".join(seeded_section(stats, "accuracy"))
     assert "| against ddp | seeds |" in text
     assert (
-        "| elastic | 2 | 2.00x (2.00 - 2.00x) | -5.00 ± 0.00 | [-5.00, -5.00] | worse | lower |"
-        in text
+        "| elastic | 2 | 2.00x [2.00, 2.00] (2.00 - 2.00x); 2.00x | -5.00 ± 0.00 | [-5.00, -5.00] "
+        "| worse | lower |" in text
     )
     # No such peer run: no peer pairs, and the report has no second table.
     no_peer = seeded_stats([r for r in runs if r.variant != "ddp"], "baseline", peer="ddp")
@@ -311,8 +317,8 @@ def test_seeded_compare_skips_finished_runs_and_rebuilds(tmp_path, fake_training
     report = (out / "report.md").read_text()
     assert "## Over 3 seed(s): 0, 1, 2" in report and "## Seed 0 in detail" in report
     assert (
-        "| elastic | 3 | 1.27x (1.25 - 1.28x) | -1.00 ± 1.00 | [-3.48, +1.48] | inconclusive |"
-        in report
+        "| elastic | 3 | 1.27x [1.23, 1.31] (1.25 - 1.28x); 1.27x | -1.00 ± 1.00 | [-3.48, +1.48] "
+        "| inconclusive |" in report
     )
     for plot in results["plots"]:
         assert (out / plot).read_bytes()[:4] == b"\x89PNG"
@@ -377,7 +383,8 @@ def test_write_report_shows_one_seed_without_interval(tmp_path):
     results["detail_seed"] = 0
     text = write_report(results, tmp_path, [], stats)
     assert (
-        "| elastic | 1 | 1.25x (1.25 - 1.25x) | -2.00 ± 0.00 | - | one seed: no interval |" in text
+        "| elastic | 1 | 1.25x (1.25 - 1.25x); 1.25x | -2.00 ± 0.00 | - | one seed: no interval |"
+        in text
     )
     # Target 0.89: the elastic run scores 0.8 at 40 s and 0.88 at 80 s, never 0.89; the
     # baseline 0.9 at 100 s.

@@ -326,7 +326,7 @@ def seeded_section(stats: SeededStats, metric: str) -> list[str]:
         )
     lines += [
         "",
-        f"| against {stats.baseline} | seeds | speedup mean (min - max) "
+        f"| against {stats.baseline} | seeds | speedup: geometric mean [95%] (min - max); of mean times "
         f"| final {metric} difference (points) | 95% interval (points) | verdict "
         "| distinguishable |",
         "| --- | ---: | ---: | ---: | ---: | --- | --- |",
@@ -338,7 +338,7 @@ def seeded_section(stats: SeededStats, metric: str) -> list[str]:
             f"The same pairing against {stats.peer} (what a user whose model fits one device "
             "runs): is the freezing variants' accuracy distinguishable from it?",
             "",
-            f"| against {stats.peer} | seeds | speedup mean (min - max) "
+            f"| against {stats.peer} | seeds | speedup: geometric mean [95%] (min - max); of mean times "
             f"| final {metric} difference (points) | 95% interval (points) | verdict "
             "| distinguishable |",
             "| --- | ---: | ---: | ---: | ---: | --- | --- |",
@@ -350,7 +350,7 @@ def seeded_section(stats: SeededStats, metric: str) -> list[str]:
             f"{TITLES.get(stats.subject, stats.subject)} against each variant (speedup: the "
             f"variant's wall time / its own; difference: its final {metric} - the variant's).",
             "",
-            f"| {stats.subject} against | seeds | speedup mean (min - max) "
+            f"| {stats.subject} against | seeds | speedup: geometric mean [95%] (min - max); of mean times "
             f"| final {metric} difference (points) | 95% interval (points) | verdict "
             "| distinguishable |",
             "| --- | ---: | ---: | ---: | ---: | --- | --- |",
@@ -373,9 +373,13 @@ def _pair_rows(pairs: tuple[PairStats, ...]) -> list[str]:
         interval = p.interval_points
         shown = f"[{interval.low:+.2f}, {interval.high:+.2f}]" if interval else "-"
         difference = p.metric_difference_points
+        speed = p.speedup_interval
+        speed_shown = f" [{speed.low:.2f}, {speed.high:.2f}]" if speed else ""
+        of_means = f"; {p.speedup_of_mean_times:.2f}x" if p.speedup_of_mean_times else ""
         rows.append(
-            f"| {p.variant} | {len(p.seeds)} | {p.speedup_mean:.2f}x ({p.speedup_min:.2f} - "
-            f"{p.speedup_max:.2f}x) | {difference.mean:+.2f} ± {difference.std:.2f} | {shown} | "
+            f"| {p.variant} | {len(p.seeds)} | {p.speedup_mean:.2f}x{speed_shown} "
+            f"({p.speedup_min:.2f} - {p.speedup_max:.2f}x){of_means} | "
+            f"{difference.mean:+.2f} ± {difference.std:.2f} | {shown} | "
             f"{p.verdict} | {p.distinguishable} |"
         )
     return rows

@@ -77,12 +77,13 @@ class Interval:
 @dataclass(frozen=True)
 class PairStats:
     """A variant against a reference (the baseline, or the peer) over the seeds both ran.
-    Speedup: reference wall time / variant wall time at the same seed. Difference: variant -
-    reference final metric, points."""
+    Speedup: reference wall time / variant wall time at the same seed, averaged as a ratio
+    (the geometric mean, with its 95% interval: t on the logarithms); beside it the ratio of
+    the mean wall times. Difference: variant - reference final metric, points."""
 
     variant: str
     seeds: tuple[int, ...]
-    speedup_mean: float
+    speedup_mean: float  # geometric mean of the per-seed speedups
     speedup_min: float
     speedup_max: float
     metric_difference_points: MeanStd
@@ -91,6 +92,8 @@ class PairStats:
     # Whether the interval excludes 0: the variant's metric is distinguishable from the
     # reference's ('lower' / 'higher'), whatever the margin says.
     distinguishable: str = ONE_SEED
+    speedup_interval: Interval | None = None  # 95%; None for one seed
+    speedup_of_mean_times: float | None = None  # mean reference time / mean variant time
 
 
 @dataclass(frozen=True)
@@ -320,16 +323,20 @@ def _pair_stats(
         POINTS_PER_UNIT * (seeded[s].final_eval_metric - base[s].final_eval_metric) for s in seeds
     ]
     interval = confidence_interval(differences)
+    ratio = geometric_mean_ratio(speedups)
     return PairStats(
         variant=name,
         seeds=tuple(seeds),
-        speedup_mean=math.fsum(speedups) / len(speedups),
-        speedup_min=min(speedups),
-        speedup_max=max(speedups),
+        speedup_mean=ratio.mean,
+        speedup_min=ratio.min,
+        speedup_max=ratio.max,
         metric_difference_points=mean_std(differences),
         interval_points=interval,
         verdict=verdict(interval, margin_points),
         distinguishable=distinguishable(interval),
+        speedup_interval=Interval(ratio.low, ratio.high) if ratio.low is not None else None,
+        speedup_of_mean_times=math.fsum(base[s].wall_time_s for s in seeds)
+        / math.fsum(seeded[s].wall_time_s for s in seeds),
     )
 
 
