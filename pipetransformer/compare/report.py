@@ -326,7 +326,7 @@ def seeded_section(stats: SeededStats, metric: str) -> list[str]:
         )
     lines += [
         "",
-        f"| against {stats.baseline} | seeds | speedup: geometric mean [95%] (min - max); of mean times "
+        f"| against {stats.baseline} | seeds | {SPEEDUP_COLUMN} "
         f"| final {metric} difference (points) | 95% interval (points) | verdict "
         "| distinguishable |",
         "| --- | ---: | ---: | ---: | ---: | --- | --- |",
@@ -338,7 +338,7 @@ def seeded_section(stats: SeededStats, metric: str) -> list[str]:
             f"The same pairing against {stats.peer} (what a user whose model fits one device "
             "runs): is the freezing variants' accuracy distinguishable from it?",
             "",
-            f"| against {stats.peer} | seeds | speedup: geometric mean [95%] (min - max); of mean times "
+            f"| against {stats.peer} | seeds | {SPEEDUP_COLUMN} "
             f"| final {metric} difference (points) | 95% interval (points) | verdict "
             "| distinguishable |",
             "| --- | ---: | ---: | ---: | ---: | --- | --- |",
@@ -350,7 +350,7 @@ def seeded_section(stats: SeededStats, metric: str) -> list[str]:
             f"{TITLES.get(stats.subject, stats.subject)} against each variant (speedup: the "
             f"variant's wall time / its own; difference: its final {metric} - the variant's).",
             "",
-            f"| {stats.subject} against | seeds | speedup: geometric mean [95%] (min - max); of mean times "
+            f"| {stats.subject} against | seeds | {SPEEDUP_COLUMN} "
             f"| final {metric} difference (points) | 95% interval (points) | verdict "
             "| distinguishable |",
             "| --- | ---: | ---: | ---: | ---: | --- | --- |",
@@ -365,6 +365,11 @@ def seeded_section(stats: SeededStats, metric: str) -> list[str]:
         reached = f"{t.wall_s:.1f}" if t.wall_s is not None else "never"
         lines.append(f"| {t.seed} | {t.variant} | {t.target_metric:.4f} | {reached} |")
     return lines
+
+
+# A pair's speedup: the geometric mean of the per-seed ratios with its 95% interval, their
+# range, and the ratio of the mean wall times (compare/stats.py, PairStats).
+SPEEDUP_COLUMN = "speedup: geometric mean [95%] (min - max); of mean times"
 
 
 def _pair_rows(pairs: tuple[PairStats, ...]) -> list[str]:
