@@ -27,7 +27,7 @@ __all__ = [
 def image_normalization(config: DataConfig):
     """The normalisation a run's images are trained with (an ImageNormalization), read from
     the config alone (no dataset is loaded but the bundled digits); None for text."""
-    if config.name in ("sst2", "squad"):
+    if config.name in ("sst2", "squad", "hf"):
         return None
     from pipetransformer.data.vision import image_normalization as normalization
 
@@ -54,10 +54,14 @@ def build_data(
 
         bundle = load_synthetic_bundle(config, seed)
     elif config.name == "sst2":
-        from pipetransformer.data.text import load_sst2_bundle
+        from pipetransformer.data.table import load_sst2_bundle
 
         # Subsets are taken inside, before tokenising.
         return load_sst2_bundle(config, model_name_or_path, seed)
+    elif config.name == "hf":
+        from pipetransformer.data.table import load_table_bundle
+
+        return load_table_bundle(config, model_name_or_path, seed)
     elif config.name == "squad":
         from pipetransformer.data.squad import load_squad_bundle
 
