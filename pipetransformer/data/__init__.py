@@ -21,6 +21,7 @@ __all__ = [
     "build_data",
     "image_normalization",
     "iterate_batches",
+    "label_names",
 ]
 
 
@@ -32,6 +33,21 @@ def image_normalization(config: DataConfig):
     from pipetransformer.data.vision import image_normalization as normalization
 
     return normalization(config)
+
+
+def label_names(config: DataConfig) -> list[str] | None:
+    """The name of each class id of a classification run (what exports answer with), read
+    from the config (an 'hf' table whose config does not name them is read); None where the
+    classes have no names."""
+    if config.name == "sst2":
+        from pipetransformer.data.text import SST2_LABELS
+
+        return list(SST2_LABELS)
+    if config.name == "hf":
+        from pipetransformer.data.table import resolved_labels
+
+        return resolved_labels(config)
+    return None
 
 
 def build_data(
