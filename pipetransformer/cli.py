@@ -56,7 +56,23 @@ def preflight(config: Config) -> Config:
     if labelled:
         check_head_fits_labels(config)
         describe_model(config)
+    check_metric_fits_classes(config)
     return config
+
+
+def check_metric_fits_classes(config: Config) -> None:
+    """data.metric 'f1' is binary F1 (of class 1): two classes or a ConfigError."""
+    from pipetransformer.data.checks import data_facts
+
+    facts = data_facts(config.data)
+    if config.data.metric == "f1" and facts.num_classes != 2:
+        names = config.data.label_names
+        raise ConfigError(
+            f"data.metric: 'f1' is binary F1; the data has {facts.num_classes} classes"
+            f"{f' {names}' if names else ''}: use f1_macro (or accuracy, mcc)"
+        )
+    if config.data.metric != "auto" and facts.task != "classification":
+        raise ConfigError(f"data.metric: '{config.data.metric}' scores a classifier")
 
 
 def check_head_fits_labels(config: Config) -> None:
