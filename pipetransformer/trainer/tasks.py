@@ -33,9 +33,10 @@ def classification_scores(confusion: torch.Tensor) -> dict[str, float]:
     true, predicted = c.sum(1), c.sum(0)
     denominators = true + predicted
     f1s = torch.where(denominators > 0, 2 * c.diag() / denominators.clamp(min=1), 0.0)
-    scores = {"accuracy": correct / total, "f1_macro": float(f1s.mean())}
+    scores = {"accuracy": correct / total}
     if c.shape[0] == 2:
         scores["f1"] = float(f1s[1])
+    scores["f1_macro"] = float(f1s.mean())
     covariance = correct * total - float(true @ predicted)
     spread = (total**2 - float(predicted @ predicted)) * (total**2 - float(true @ true))
     scores["mcc"] = covariance / spread**0.5 if spread > 0 else 0.0
