@@ -189,16 +189,17 @@ def bad_data_cases(tmp_path: Path) -> list[tuple[list[str], list[str]]]:
             [f"data.path={good}", "model.kwargs={num_labels: 3, hidden_size: 32}"],
             ["model.kwargs.num_labels", "3 outputs", "2 labels"],
         ),
-        ([f"data.path={good}", "data.metric=f1", "data.labels=['no', 'yes', 'maybe']"], ["data.metric", "f1_macro"]),
+        (
+            [f"data.path={good}", "data.metric=f1", "data.labels=['no', 'yes', 'maybe']"],
+            ["data.metric", "f1_macro"],
+        ),
     ]
 
 
 def test_bad_data_is_one_line_with_exit_2_and_nothing_created(tmp_path):
     for index, (overrides, words) in enumerate(bad_data_cases(tmp_path)):
         run_dir = tmp_path / f"run{index}"
-        result = run_cli(
-            "train", SST2_LOCAL, "data.name=hf", *overrides, "--run-dir", str(run_dir)
-        )
+        result = run_cli("train", SST2_LOCAL, "data.name=hf", *overrides, "--run-dir", str(run_dir))
         one_line_error(result, 2, *words)
         assert not run_dir.exists(), overrides
 
