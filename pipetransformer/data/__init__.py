@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from pipetransformer.config import DataConfig
 from pipetransformer.data.base import (
     DataBundle,
@@ -37,8 +40,9 @@ def image_normalization(config: DataConfig):
 
 def label_names(config: DataConfig) -> list[str] | None:
     """The name of each class id of a classification run (what exports answer with), read
-    from the config (an 'hf' table whose config does not name them is read); None where the
-    classes have no names."""
+    from the config (an 'hf' table whose config does not name them is read, an ImageFolder's
+    class folders listed); None where the classes have no names (CIFAR, synthetic, an
+    ImageFolder no longer on disk)."""
     if config.name == "sst2":
         from pipetransformer.data.text import SST2_LABELS
 
@@ -47,6 +51,13 @@ def label_names(config: DataConfig) -> list[str] | None:
         from pipetransformer.data.table import resolved_labels
 
         return resolved_labels(config)
+    if config.name == "digits":
+        return [str(digit) for digit in range(10)]
+    if config.name == "imagefolder" and config.root is not None:
+        # torchvision's ImageFolder numbers the class folders in sorted order.
+        train = Path(config.root).expanduser() / "train"
+        if train.is_dir():
+            return sorted(entry.name for entry in os.scandir(train) if entry.is_dir())
     return None
 
 
