@@ -37,8 +37,8 @@ def preflight(config: Config) -> Config:
     ConfigError naming the key or the file. Fetches datasets from the network (once: the
     workers find them on disk) and parses local data files, so bad contents are one line
     here rather than one traceback per worker. Returns the config the run is to train
-    with: `config` with the label names of a data.name 'hf' table written in (data.labels),
-    so the run keeps them."""
+    with: `config` with the label names of a data.name 'hf' or 'hf_image' table written in
+    (data.labels), so the run keeps them."""
     import dataclasses
 
     from pipetransformer.data.checks import check_data_config
@@ -48,7 +48,7 @@ def preflight(config: Config) -> Config:
 
     check_devices(config)
     check_data_config(config.data)
-    labelled = config.data.name == "hf"  # its head's size is read from the data below
+    labelled = config.data.name in ("hf", "hf_image")  # its head's size is read from the data
     if not labelled:
         describe_model(config)  # builds the model on the meta device: bad names/kwargs fail here
     fetch_data(config.data)
@@ -76,13 +76,15 @@ def check_metric_fits_classes(config: Config) -> None:
 
 
 def check_head_fits_labels(config: Config) -> None:
-    """A classifier head the model config fixes (model.kwargs num_labels or id2label, or a
-    fine-tuned sequence-classification checkpoint) must have one output per label."""
+    """A classifier head the model config fixes (model.kwargs num_labels or id2label, timm's
+    num_classes, or a fine-tuned sequence-classification checkpoint) must have one output
+    per label."""
     labels = config.data.label_names or []
     kwargs = config.model.kwargs
     sizes = []
-    if "num_labels" in kwargs:
-        sizes.append(("model.kwargs.num_labels", int(kwargs["num_labels"])))
+    for key in ("num_labels", "num_classes"):
+        if key in kwargs:
+            sizes.append((f"model.kwargs.{key}", int(kwargs[key])))
     if "id2label" in kwargs:
         sizes.append(("model.kwargs.id2label", len(kwargs["id2label"])))
     path = config.model.model_name_or_path
@@ -420,7 +422,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise ConfigError("--margin judges differences over seeds: give --seeds or --repeats")
     config = preflight(config)
     overrides = list(args.overrides)
-    if config.data.name == "hf":  # every variant trains with the labels found once
+    if config.data.name in ("hf", "hf_image"):  # every variant trains with the labels found once
         overrides.append(f"data.labels={json.dumps(config.data.label_names)}")
     out = Path(args.out) if args.out else _default_run_dir(args.config, "runs/compare")
     return run_compare(

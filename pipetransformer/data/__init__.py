@@ -47,7 +47,7 @@ def label_names(config: DataConfig) -> list[str] | None:
         from pipetransformer.data.text import SST2_LABELS
 
         return list(SST2_LABELS)
-    if config.name == "hf":
+    if config.name in ("hf", "hf_image"):
         from pipetransformer.data.table import resolved_labels
 
         return resolved_labels(config)
@@ -76,6 +76,10 @@ def build_data(
         from pipetransformer.data.vision import load_imagefolder_bundle
 
         bundle = load_imagefolder_bundle(config)
+    elif config.name == "hf_image":
+        from pipetransformer.data.vision import load_image_table_bundle
+
+        bundle = load_image_table_bundle(config)
     elif config.name == "synthetic":
         from pipetransformer.data.vision import load_synthetic_bundle
 

@@ -1,8 +1,8 @@
 """Cheap checks and static facts about a dataset, for use before any worker starts.
 
-Nothing here loads the data but the labels of a data.name 'hf' table whose config does not
-name them (the launcher writes them into the run's config, so its workers read nothing
-here): paths are checked for existence, and the facts a model adapter needs (task,
+Nothing here loads the data but the labels of a data.name 'hf' or 'hf_image' table whose
+config does not name them (the launcher writes them into the run's config, so its workers
+read nothing here): paths are checked for existence, and the facts a model adapter needs (task,
 classes, input size) come from what the dataset is known to be.
 """
 
@@ -42,13 +42,15 @@ def data_facts(config: DataConfig) -> DataFacts:
         return DataFacts("classification", 1000, 3, config.image_size or 224)
     if config.name == "sst2":
         return DataFacts("classification", 2, max_seq_length=config.max_seq_length)
-    if config.name == "hf":
+    if config.name in ("hf", "hf_image"):
         from pipetransformer.data.table import resolved_labels
 
         try:
             labels = resolved_labels(config)
         except (ValueError, FileNotFoundError) as exc:
             raise ConfigError(str(exc)) from None
+        if config.name == "hf_image":  # RGB, as ImageFolder reads its files
+            return DataFacts("classification", len(labels), 3, config.image_size or 224)
         return DataFacts("classification", len(labels), max_seq_length=config.max_seq_length)
     return DataFacts("question_answering", 2, max_seq_length=config.max_seq_length)
 

@@ -78,7 +78,7 @@ def fetch_data(config: DataConfig) -> None:
         fetch_cifar(Path(config.root).expanduser(), 10 if config.name == "cifar10" else 100)
     elif config.name == "sst2" and config.root is None:
         fetch_hub_dataset("glue", "sst2", "a directory with train.tsv and dev.tsv")
-    elif config.name == "hf":
+    elif config.name in ("hf", "hf_image"):
         from pipetransformer.data.table import hub_dataset
 
         if hub_dataset(config):

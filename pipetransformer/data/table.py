@@ -1,8 +1,11 @@
-"""Text classification tables: a user's labelled text (CSV, TSV, JSON/JSONL, Parquet, a
-`save_to_disk` directory or a hub dataset) read through `datasets`, checked, labelled and
-encoded. SST-2 (text.py) is one source of the same tables.
+"""Classification tables: a user's labelled text (CSV, TSV, JSON/JSONL, Parquet, a
+`save_to_disk` directory or a hub dataset) or labelled images (a table with a `datasets`
+Image column, or a directory of class folders) read through `datasets`, checked, labelled
+and (text) encoded. SST-2 (text.py) is one source of the same text tables; vision.py turns
+image tables into samples with ImageFolder's transforms.
 
-A table is a split's texts (one column, or two for sentence pairs) and its raw labels.
+A table is a split's texts (one column, or two for sentence pairs) or the rows of its
+image column, and its raw labels.
 Label names come from `data.labels`, else the dataset's ClassLabel names, else the
 training split's distinct labels sorted (numbers numerically): one fixed order, mapped
 once, which the launcher writes into the run's config and exports carry. Every problem in
@@ -70,9 +73,40 @@ class TextTable:
 
 
 @dataclass
+class ImageTable:
+    """One split of an image table: the `datasets` split, its image column, the rows of it
+    in this table (images are decoded only when a sample is fetched), the raw labels."""
+
+    dataset: Any  # a datasets.Dataset
+    column: str
+    rows: list[int]
+    labels: list[Any]
+    source: str
+    class_names: list[str] | None = None
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def take(self, rows: Sequence[int]) -> ImageTable:
+        return ImageTable(
+            self.dataset,
+            self.column,
+            [self.rows[i] for i in rows],
+            [self.labels[i] for i in rows],
+            self.source,
+            self.class_names,
+        )
+
+    def image(self, index: int):
+        """Row `index` of this table as an RGB PIL image (as torchvision's ImageFolder
+        loads its files)."""
+        return self.dataset[self.rows[index]][self.column].convert("RGB")
+
+
+@dataclass
 class LabelledTables:
-    train: TextTable
-    eval: TextTable
+    train: TextTable | ImageTable
+    eval: TextTable | ImageTable
     label_names: list[str]
 
 
@@ -262,6 +296,76 @@ def _table(config: DataConfig, dataset, split: str) -> TextTable:
     )
 
 
+def _image_column(config: DataConfig, dataset, source: str) -> str:
+    import datasets
+
+    columns = list(dataset.column_names)
+    images = [n for n in columns if isinstance(dataset.features[n], datasets.Image)]
+    name = config.image_column
+    if name is None:
+        if not images:
+            raise ValueError(
+                f"data.image_column: no image column (a `datasets` Image feature) in {source}; "
+                f"its columns: {', '.join(columns)}"
+            )
+        if len(images) > 1:
+            raise ValueError(
+                f"data.image_column: {source} has several image columns ({', '.join(images)}); "
+                "name one"
+            )
+        return images[0]
+    if name not in columns:
+        raise ValueError(
+            f"data.image_column: no column '{name}' in {source}; its columns: {', '.join(columns)}"
+        )
+    if name not in images:
+        raise ValueError(
+            f"data.image_column: column '{name}' of {source} holds {dataset.features[name]}, "
+            "not images (a `datasets` Image feature)"
+        )
+    return name
+
+
+def _first_missing_image(stored) -> int | None:
+    """The first row (1-based) of an Image column's storage (a struct of the file's bytes
+    and path) with neither, read without decoding an image; None when every row has one."""
+    import pyarrow.compute as pc
+
+    missing = pc.or_kleene(
+        pc.is_null(stored),
+        pc.and_kleene(
+            pc.is_null(pc.struct_field(stored, "bytes")),
+            pc.is_null(pc.struct_field(stored, "path")),
+        ),
+    )
+    index = pc.index(pc.fill_null(missing, True), True).as_py()
+    return None if index < 0 else index + 1
+
+
+def _image_table(config: DataConfig, dataset, split: str) -> ImageTable:
+    """The split as an ImageTable, every row checked to have an image (present, not
+    decoded: a damaged file fails when its sample is first read)."""
+    source = _source(config, split)
+    column = _image_column(config, dataset, source)
+    if config.label_column not in dataset.column_names:
+        raise ValueError(
+            f"data.label_column: no column '{config.label_column}' in {source}; "
+            f"its columns: {', '.join(dataset.column_names)}"
+        )
+    row = _first_missing_image(dataset.with_format("arrow")[column])
+    if row is not None:
+        raise ValueError(f"{source}: row {row}: column '{column}' has no image")
+    feature = dataset.features.get(config.label_column)
+    return ImageTable(
+        dataset,
+        column,
+        list(range(len(dataset))),
+        list(dataset[config.label_column]),
+        source,
+        list(feature.names) if hasattr(feature, "names") else None,
+    )
+
+
 def _missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
@@ -274,7 +378,7 @@ def _label_key(value: Any, class_names: list[str] | None) -> str:
     return str(value)
 
 
-def discover_labels(table: TextTable) -> list[str]:
+def discover_labels(table: TextTable | ImageTable) -> list[str]:
     """The label names of a training table: ClassLabel names, else its distinct labels
     sorted (numbers numerically, else as text)."""
     if table.class_names is not None:
@@ -293,7 +397,7 @@ def discover_labels(table: TextTable) -> list[str]:
     return names
 
 
-def label_ids(table: TextTable, names: list[str]) -> list[int]:
+def label_ids(table: TextTable | ImageTable, names: list[str]) -> list[int]:
     """Each row's class id; an unknown or missing label is an error naming the row."""
     index = {name: i for i, name in enumerate(names)}
     ids = []
@@ -309,8 +413,9 @@ def label_ids(table: TextTable, names: list[str]) -> list[int]:
 
 
 def read_tables(config: DataConfig) -> LabelledTables:
-    """The training and evaluation tables of a data.name 'hf' config, checked, with their
-    label names; labels stay raw (map them with `label_ids`)."""
+    """The training and evaluation tables of a data.name 'hf' (text) or 'hf_image' config,
+    checked, with their label names; labels stay raw (map them with `label_ids`)."""
+    read = _image_table if config.name == "hf_image" else _table
     splits = load_splits(config)
     if config.train_split not in splits:
         raise ValueError(
@@ -322,13 +427,13 @@ def read_tables(config: DataConfig) -> LabelledTables:
             f"data.eval_split: no split '{config.eval_split}' in {config.path}; "
             f"its splits: {', '.join(splits)}"
         )
-    train = _table(config, splits[config.train_split], config.train_split)
+    train = read(config, splits[config.train_split], config.train_split)
     names = config.label_names or discover_labels(train)
     eval_split = config.eval_split
     if eval_split is None and config.holdout is None:
         eval_split = next((s for s in EVAL_SPLITS if s in splits), None)
     if eval_split is not None:
-        evaluation = _table(config, splits[eval_split], eval_split)
+        evaluation = read(config, splits[eval_split], eval_split)
         label_ids(evaluation, names)  # every label known
     else:
         size = config.holdout or max(1, round(config.eval_share * len(train)))
