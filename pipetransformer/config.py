@@ -361,7 +361,15 @@ class ModelConfig:
         return "vit"
 
 
-DatasetName = Literal["digits", "cifar10", "cifar100", "imagefolder", "synthetic", "sst2", "squad"]
+DatasetName = Literal[
+    "digits", "cifar10", "cifar100", "imagefolder", "synthetic", "sst2", "squad", "hf", "hf_image"
+]
+# The names whose data is a labelled table read through `datasets` (data/table.py): text
+# classification, and image classification from a table with an image column.
+TABLE_DATASETS = ("hf", "hf_image")
+# data.metric: what eval_metric is (the best checkpoint and the compare report follow it);
+# every classification metric is recorded beside it (docs/data.md, "Metrics").
+ClassificationMetric = Literal["auto", "accuracy", "f1", "f1_macro", "mcc"]
 
 
 @dataclass(frozen=True)
@@ -393,6 +401,44 @@ class DataConfig:
     augment: bool = False
     download: bool = False
     num_workers: int = 0
+    # name 'hf' (text classification through `datasets`, docs/data.md) and 'hf_image' (image
+    # classification, the same keys): what datasets.load_dataset(path, data_files=...)
+    # reads: 'csv', 'tsv', 'json', 'parquet', a file of one of those kinds, a directory
+    # written by save_to_disk (or of images in class folders, for hf_image), or a hub id.
+    path: str | None = None
+    # A file or list of files (the training split), or a mapping from split name to files.
+    data_files: str | list[str] | dict[str, Any] | None = None
+    # A hub dataset's configuration (datasets' `name`: 'mrpc' of 'nyu-mll/glue').
+    config_name: str | None = None
+    # The text column, or two for sentence pairs; None: 'text' or 'sentence', else the pair
+    # 'sentence1', 'sentence2'.
+    text_columns: str | list[str] | None = None
+    # hf_image: the column of images (a `datasets` Image feature); None: the table's one
+    # Image column.
+    image_column: str | None = None
+    label_column: str = "label"
+    train_split: str = "train"
+    # None: 'validation' (or 'dev') when the data has one, else data.eval_share of the
+    # training split held out (a fixed draw, the same for every trainer.seed).
+    eval_split: str | None = None
+    eval_share: float = 0.1
+    # Label names in class-id order. None: the dataset's ClassLabel names, else the training
+    # split's distinct labels sorted (numbers numerically); the launcher writes them into
+    # the run's config, and exports carry them (id2label).
+    labels: list[str | int] | None = None
+    metric: ClassificationMetric = "auto"
+
+    @property
+    def text_column_names(self) -> list[str] | None:
+        """data.text_columns as a list (None: the defaults)."""
+        if isinstance(self.text_columns, str):
+            return [self.text_columns]
+        return self.text_columns
+
+    @property
+    def label_names(self) -> list[str] | None:
+        """data.labels as strings (None: not set)."""
+        return None if self.labels is None else [str(v) for v in self.labels]
 
     @property
     def resolved_doc_stride(self) -> int:
@@ -413,8 +459,43 @@ class DataConfig:
             for key in ("root", "augment"):
                 if getattr(self, key):
                     _fail(f"data.{key}", "'synthetic' generates its images: leave it unset")
-        if self.holdout is not None and (self.holdout < 1 or self.name != "sst2"):
-            _fail("data.holdout", "must be >= 1 or null, and only sst2 holds out a test split")
+        if self.holdout is not None and (
+            self.holdout < 1 or self.name not in ("sst2", *TABLE_DATASETS)
+        ):
+            _fail(
+                "data.holdout",
+                "must be >= 1 or null, and only sst2, hf and hf_image hold out a test split",
+            )
+        if not 0 < self.eval_share < 1:
+            _fail("data.eval_share", f"must be in (0, 1), got {self.eval_share}")
+        if self.name in TABLE_DATASETS:
+            if self.path is None:
+                _fail(
+                    "data.path",
+                    f"data.name '{self.name}' reads data.path (csv, json, parquet, a file, "
+                    "a save_to_disk directory or a hub id)",
+                )
+            if self.root is not None:
+                _fail("data.root", f"data.name '{self.name}' reads data.path and data.data_files")
+            columns = self.text_column_names
+            if columns is not None and not 1 <= len(columns) <= 2:
+                _fail("data.text_columns", f"one column or two (a pair), got {columns}")
+            if self.labels is not None and len({str(v) for v in self.labels}) != len(self.labels):
+                _fail("data.labels", f"names must be distinct, got {self.labels}")
+            if self.labels is not None and len(self.labels) < 2:
+                _fail("data.labels", f"a classifier needs at least 2 labels, got {self.labels}")
+        else:
+            for key in ("path", "data_files", "config_name", "eval_split", "labels"):
+                if getattr(self, key) is not None:
+                    _fail(
+                        f"data.{key}", f"only data.name hf and hf_image read it, not '{self.name}'"
+                    )
+        if self.text_columns is not None and self.name != "hf":
+            _fail("data.text_columns", f"only data.name 'hf' reads it, not '{self.name}'")
+        if self.image_column is not None and self.name != "hf_image":
+            _fail("data.image_column", f"only data.name 'hf_image' reads it, not '{self.name}'")
+        if self.metric != "auto" and self.name == "squad":
+            _fail("data.metric", "squad reports the official F1 and exact match; leave it 'auto'")
         if self.eval_root is not None and self.name != "squad":
             # Nothing else reads it: refused here, not silently ignored.
             _fail(
@@ -702,7 +783,12 @@ def check_config(config: Config, world_size: int | None = None) -> None:
     problems = [_layout_problem(config, world, k0) for k0 in candidates]
     if all(problems):  # 'auto' needs one possible start; a configured K must work itself
         _fail(*problems[0])
-    augmented = config.data.augment and config.data.name in ("cifar10", "cifar100", "imagefolder")
+    augmented = config.data.augment and config.data.name in (
+        "cifar10",
+        "cifar100",
+        "imagefolder",
+        "hf_image",
+    )
     if config.cache.enabled and augmented and not config.cache.allow_augmented:
         _fail(
             "cache.allow_augmented",
@@ -720,10 +806,10 @@ def check_config(config: Config, world_size: int | None = None) -> None:
             "optimizer.name adam or adamw, or sgd with optimizer.momentum > 0",
         )
     family = config.model.resolved_family()
-    image_sets = ("digits", "cifar10", "cifar100", "imagefolder", "synthetic")
+    image_sets = ("digits", "cifar10", "cifar100", "imagefolder", "synthetic", "hf_image")
     if family == "bert" and config.data.name in image_sets:
         _fail("data.name", f"'{config.data.name}' is an image dataset; model.name is BERT")
-    if family == "vit" and config.data.name in ("sst2", "squad"):
+    if family == "vit" and config.data.name in ("sst2", "squad", "hf"):
         _fail("data.name", f"'{config.data.name}' is a text dataset; model.name is a ViT")
 
 

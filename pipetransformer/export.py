@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from pipetransformer.config import Config, config_from_dict
-from pipetransformer.data import image_normalization
+from pipetransformer.data import image_normalization, label_names
 from pipetransformer.models import ExportInfo, LayeredModel, build_model, export_model, materialize
 from pipetransformer.trainer.checkpoint import find_checkpoint, read_run_state
 from pipetransformer.trainer.state import CheckpointRecord, model_key
@@ -85,6 +85,7 @@ def export_run(
         interpolation=normalization.interpolation if normalization else "bilinear",
         crop_pct=normalization.crop_pct if normalization else 1.0,
         pretrained=config.model.pretrained and config.model.checkpoint_path is None,
+        labels=label_names(config.data) if build["task"] == "classification" else None,
     )
     files = export_model(model, out_dir, info)
     logger.info("exported %s to %s: %s", checkpoint, out_dir, ", ".join(files))

@@ -113,6 +113,7 @@ def test_vit_export_loads_in_timm_with_the_trained_logits(tmp_path, caplog, monk
         list(normalization.std),
     )
     assert pretrained_cfg["input_size"] == [1, 16, 16] and pretrained_cfg["num_classes"] == 10
+    assert pretrained_cfg["label_names"] == [str(digit) for digit in range(10)]
     assert not {"tag", "license", "hf_hub_id"} & set(pretrained_cfg)
 
     data = build_data(config.data, seed=0)
@@ -190,6 +191,8 @@ def test_bert_export_loads_in_transformers_with_the_trained_logits(
     data = build_data(config_from_dict(config_dict).data, seed=0)
     expected_model = trained_model(config_dict, results[0]["state"][0], data)
     exported = AutoModelForSequenceClassification.from_pretrained(tmp_path / "export").eval()
+    assert exported.config.id2label == {0: "negative", 1: "positive"}  # GLUE's names
+    assert exported.config.label2id == {"negative": 0, "positive": 1}
     # Inputs through the exported tokenizer: the run's own preprocessing travels with it.
     encoded = AutoTokenizer.from_pretrained(tmp_path / "export")(
         ["a gripping , funny film", "dull and far too long"],

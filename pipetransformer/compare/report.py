@@ -100,6 +100,7 @@ def read_run(run_dir: Path) -> dict[str, Any]:
         "final_eval_metric": summary.final_eval_metric,
         "best_eval_metric": summary.best_eval_metric,
         "metric_name": summary.metric_name,
+        "final_scores": summary.final_scores,
         "samples_per_s": [m.samples_per_s for m in metrics],
         "epoch_time_s": [m.epoch_time_s for m in metrics],
         "eval_time_s": sum(m.eval_time_s for m in metrics),
@@ -246,6 +247,19 @@ def write_report(
         )
     for name, reason in results.get("refused", {}).items():
         lines.append(f"| {TITLES.get(name, name)} | refused: {reason} | | | | | | |")
+    scored = {name: run["final_scores"] for name, run in runs.items() if run.get("final_scores")}
+    if scored:
+        names = list(next(iter(scored.values())))
+        lines += [
+            "",
+            "Final evaluation, every metric:",
+            "",
+            "| variant | " + " | ".join(names) + " |",
+            "| --- | " + " | ".join("---:" for _ in names) + " |",
+        ]
+        for name, scores in scored.items():
+            cells = " | ".join(f"{scores.get(m, float('nan')):.4f}" for m in names)
+            lines.append(f"| {TITLES.get(name, name)} | {cells} |")
     if len(runs) > 2:
         names = list(runs)
         lines += [

@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from pipetransformer.config import DataConfig
 from pipetransformer.data.base import (
     DataBundle,
@@ -21,17 +24,41 @@ __all__ = [
     "build_data",
     "image_normalization",
     "iterate_batches",
+    "label_names",
 ]
 
 
 def image_normalization(config: DataConfig):
     """The normalisation a run's images are trained with (an ImageNormalization), read from
     the config alone (no dataset is loaded but the bundled digits); None for text."""
-    if config.name in ("sst2", "squad"):
+    if config.name in ("sst2", "squad", "hf"):
         return None
     from pipetransformer.data.vision import image_normalization as normalization
 
     return normalization(config)
+
+
+def label_names(config: DataConfig) -> list[str] | None:
+    """The name of each class id of a classification run (what exports answer with), read
+    from the config (an 'hf' table whose config does not name them is read, an ImageFolder's
+    class folders listed); None where the classes have no names (CIFAR, synthetic, an
+    ImageFolder no longer on disk)."""
+    if config.name == "sst2":
+        from pipetransformer.data.text import SST2_LABELS
+
+        return list(SST2_LABELS)
+    if config.name in ("hf", "hf_image"):
+        from pipetransformer.data.table import resolved_labels
+
+        return resolved_labels(config)
+    if config.name == "digits":
+        return [str(digit) for digit in range(10)]
+    if config.name == "imagefolder" and config.root is not None:
+        # torchvision's ImageFolder numbers the class folders in sorted order.
+        train = Path(config.root).expanduser() / "train"
+        if train.is_dir():
+            return sorted(entry.name for entry in os.scandir(train) if entry.is_dir())
+    return None
 
 
 def build_data(
@@ -49,15 +76,23 @@ def build_data(
         from pipetransformer.data.vision import load_imagefolder_bundle
 
         bundle = load_imagefolder_bundle(config)
+    elif config.name == "hf_image":
+        from pipetransformer.data.vision import load_image_table_bundle
+
+        bundle = load_image_table_bundle(config)
     elif config.name == "synthetic":
         from pipetransformer.data.vision import load_synthetic_bundle
 
         bundle = load_synthetic_bundle(config, seed)
     elif config.name == "sst2":
-        from pipetransformer.data.text import load_sst2_bundle
+        from pipetransformer.data.table import load_sst2_bundle
 
         # Subsets are taken inside, before tokenising.
         return load_sst2_bundle(config, model_name_or_path, seed)
+    elif config.name == "hf":
+        from pipetransformer.data.table import load_table_bundle
+
+        return load_table_bundle(config, model_name_or_path, seed)
     elif config.name == "squad":
         from pipetransformer.data.squad import load_squad_bundle
 

@@ -121,6 +121,8 @@ class DataBundle:
     image_size: int = 224
     vocab_size: int | None = None
     max_seq_length: int = 128
+    # Classification: the name of each class id (None: the classes have no names).
+    label_names: list[str] | None = None
     # Anything the task's evaluation needs beyond targets (e.g. SQuAD gold answers).
     eval_extras: dict[str, Any] = field(default_factory=dict)
 

@@ -1,7 +1,9 @@
 """Cheap checks and static facts about a dataset, for use before any worker starts.
 
-Nothing here loads the data: paths are checked for existence, and the facts a model
-adapter needs (task, classes, input size) come from what the dataset is known to be.
+Nothing here loads the data but the labels of a data.name 'hf' or 'hf_image' table whose
+config does not name them (the launcher writes them into the run's config, so its workers
+read nothing here): paths are checked for existence, and the facts a model adapter needs (task,
+classes, input size) come from what the dataset is known to be.
 """
 
 from __future__ import annotations
@@ -40,6 +42,16 @@ def data_facts(config: DataConfig) -> DataFacts:
         return DataFacts("classification", 1000, 3, config.image_size or 224)
     if config.name == "sst2":
         return DataFacts("classification", 2, max_seq_length=config.max_seq_length)
+    if config.name in ("hf", "hf_image"):
+        from pipetransformer.data.table import resolved_labels
+
+        try:
+            labels = resolved_labels(config)
+        except (ValueError, FileNotFoundError) as exc:
+            raise ConfigError(str(exc)) from None
+        if config.name == "hf_image":  # RGB, as ImageFolder reads its files
+            return DataFacts("classification", len(labels), 3, config.image_size or 224)
+        return DataFacts("classification", len(labels), max_seq_length=config.max_seq_length)
     return DataFacts("question_answering", 2, max_seq_length=config.max_seq_length)
 
 
@@ -71,12 +83,17 @@ def check_data_config(config: DataConfig) -> None:
         for name in ("train.tsv", "dev.tsv"):
             if not (root / name).is_file():
                 raise ConfigError(
-                    f"data.root: {root / name} does not exist (need train.tsv and dev.tsv)"
+                    f"data.root: {root / name} does not exist (a directory with GLUE's SST-2 "
+                    "train.tsv and dev.tsv, from https://dl.fbaipublicfiles.com/glue/data/"
+                    "SST-2.zip; or leave data.root unset to read glue/sst2 through datasets)"
                 )
     elif config.name == "squad":
         if not root.exists():
             raise ConfigError(
-                f"data.root: {root} does not exist (a SQuAD v1.1 JSON file or a directory)"
+                f"data.root: {root} does not exist (a SQuAD v1.1 JSON file or a directory "
+                "with train-v1.1.json and dev-v1.1.json, from https://rajpurkar.github.io/"
+                "SQuAD-explorer/; or leave data.root and data.eval_root unset to read squad "
+                "through datasets)"
             )
     elif config.name == "imagefolder":
         for split in ("train", "val"):

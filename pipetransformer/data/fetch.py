@@ -55,17 +55,20 @@ def fetch_cifar(root: Path, num_classes: int) -> None:
             ) from None
 
 
-def fetch_hub_dataset(name: str, subset: str | None, local_form: str) -> None:
+def fetch_hub_dataset(
+    name: str, subset: str | None, local_form: str, key: str = "data.root"
+) -> None:
     import datasets
 
     try:
         datasets.load_dataset(name, subset) if subset else datasets.load_dataset(name)
     except Exception as exc:  # offline, hub errors, a proxy: one line either way
         label = f"{name}/{subset}" if subset else name
+        where = "not set, and the" if key == "data.root" else "the"
         raise ConfigError(
-            f"data.root: not set, and the '{label}' dataset cannot be fetched through `datasets` "
+            f"{key}: {where} '{label}' dataset cannot be fetched through `datasets` "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}); "
-            f"point data.root at a local copy ({local_form})"
+            f"point {key} at a local copy ({local_form})"
         ) from None
 
 
@@ -75,6 +78,16 @@ def fetch_data(config: DataConfig) -> None:
         fetch_cifar(Path(config.root).expanduser(), 10 if config.name == "cifar10" else 100)
     elif config.name == "sst2" and config.root is None:
         fetch_hub_dataset("glue", "sst2", "a directory with train.tsv and dev.tsv")
+    elif config.name in ("hf", "hf_image"):
+        from pipetransformer.data.table import hub_dataset
+
+        if hub_dataset(config):
+            fetch_hub_dataset(
+                config.path,
+                config.config_name,
+                "a save_to_disk directory, or csv/tsv/json/parquet with data.data_files",
+                key="data.path",
+            )
     elif config.name == "squad" and config.root is None:
         fetch_hub_dataset(
             "squad",

@@ -1,8 +1,10 @@
-"""Text classification data: SST-2 from a local TSV directory or GLUE through `datasets`.
+"""Text data: SST-2 from a local TSV directory or GLUE through `datasets` (table.py makes
+it one case of its text classification tables), and the tokenizers every text task
+encodes with.
 
-Owns: reading sentences and labels, choosing a tokenizer (a pretrained one, or a word
-vocabulary built from the training text for random BERTs) and pre-tokenising every
-sample to fixed-length tensors (input_ids, token_type_ids, attention_mask).
+Owns: reading SST-2's sentences and labels, choosing a tokenizer (a pretrained one, or a
+word vocabulary built from the training text for random BERTs) and pre-tokenising texts or
+text pairs to fixed-length tensors (input_ids, token_type_ids, attention_mask).
 Must not: know about ranks or samplers.
 """
 
@@ -18,7 +20,7 @@ from pathlib import Path
 import torch
 
 from pipetransformer.config import DataConfig
-from pipetransformer.data.base import DataBundle, TensorSampleDataset, subset_indices
+from pipetransformer.data.base import subset_indices
 from pipetransformer.utils.files import looks_like_path
 
 logger = logging.getLogger(__name__)
@@ -82,11 +84,16 @@ class WordVocabTokenizer:
         return ids, offsets
 
 
-def encode(tokenizer, sentences: Sequence[str], max_length: int):
+def encode(
+    tokenizer, sentences: Sequence[str], max_length: int, second: Sequence[str] | None = None
+):
+    """Fixed-length tensors of texts, or of text pairs when `second` is given (joined as the
+    tokenizer's family joins them, second segment token type 1 where the family has types)."""
     if isinstance(tokenizer, WordVocabTokenizer):
-        return tokenizer.encode_pairs(sentences, None, max_length)
+        return tokenizer.encode_pairs(sentences, second, max_length)
     out = tokenizer(
         list(sentences),
+        None if second is None else list(second),
         max_length=max_length,
         truncation=True,
         padding="max_length",
@@ -131,7 +138,11 @@ def read_sst2_tsv(path: Path) -> tuple[list[str], list[int]]:
     return sentences, labels
 
 
-def _read_sst2(root: str | None) -> dict[str, tuple[list[str], list[int]]]:
+# GLUE's names of SST-2's labels 0 and 1 (what exports answer with).
+SST2_LABELS = ["negative", "positive"]
+
+
+def read_sst2(root: str | None) -> dict[str, tuple[list[str], list[int]]]:
     if root is not None:
         base = Path(root).expanduser()
         if not base.is_dir():
@@ -141,6 +152,7 @@ def _read_sst2(root: str | None) -> dict[str, tuple[list[str], list[int]]]:
         return {split: read_sst2_tsv(base / f"{split}.tsv") for split in ("train", "dev")}
     import datasets
 
+    logger.info("data.root is not set: SST-2 comes from the hub through datasets (glue/sst2)")
     glue = datasets.load_dataset("glue", "sst2")
     return {
         "train": (list(glue["train"]["sentence"]), list(glue["train"]["label"])),
@@ -174,40 +186,4 @@ def holdout_split(
     return (
         ([sentences[i] for i in rest], [labels[i] for i in rest]),
         ([sentences[i] for i in held], [labels[i] for i in held]),
-    )
-
-
-def load_sst2_bundle(config: DataConfig, model_name_or_path: str | None, seed: int) -> DataBundle:
-    raw = _read_sst2(config.root)
-    train_sentences, train_labels = raw["train"]
-    eval_sentences, eval_labels = raw["dev"]
-    if config.holdout is not None:
-        (train_sentences, train_labels), (eval_sentences, eval_labels) = holdout_split(
-            train_sentences, train_labels, config.holdout
-        )
-    # Select subsets before tokenising: tokenising 67k sentences to keep 2k is waste.
-    splits = {}
-    for name, sentences, labels, size in (
-        ("train", train_sentences, train_labels, config.train_subset),
-        ("eval", eval_sentences, eval_labels, config.eval_subset),
-    ):
-        if size is not None:
-            keep = subset_indices(len(labels), size, seed)
-            sentences, labels = [sentences[i] for i in keep], [labels[i] for i in keep]
-        splits[name] = (sentences, labels)
-    tokenizer = pick_tokenizer(config, model_name_or_path, splits["train"][0])
-    datasets_ = {
-        name: TensorSampleDataset(
-            encode(tokenizer, sentences, config.max_seq_length),
-            torch.tensor(labels, dtype=torch.long),
-        )
-        for name, (sentences, labels) in splits.items()
-    }
-    return DataBundle(
-        train=datasets_["train"],
-        eval=datasets_["eval"],
-        task="classification",
-        num_classes=2,
-        vocab_size=len(tokenizer),
-        max_seq_length=config.max_seq_length,
     )

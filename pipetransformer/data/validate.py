@@ -1,25 +1,34 @@
 """Reading a run's local data files once before any worker starts, to find bad contents
-(a truncated TSV, malformed JSON) while they can still be one line and exit code 2.
+(a truncated TSV, malformed JSON, a missing column, an empty text, an unknown label) while
+they can still be one line and exit code 2.
 
 Parsing is cheap next to training (the 67k-sentence SST-2 training file reads in well under
-a second); tokenising is left to the workers. Owns: that check. Must not: keep what it read.
+a second); tokenising (and decoding images) is left to the workers. Owns: that check, and
+writing the label names a data.name 'hf' or 'hf_image' table was found to have into the
+config (so the run keeps them). Must not: keep what it read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from pipetransformer.config import ConfigError, DataConfig
 
 
-def validate_data_files(config: DataConfig) -> None:
-    """Raise ConfigError naming the file and the line or entry at fault."""
+def validate_data_files(config: DataConfig) -> DataConfig:
+    """`config`, with data.labels filled in for a data.name 'hf' or 'hf_image' table; raise
+    ConfigError naming the file and the line, row or entry at fault."""
     try:
         if config.name == "sst2" and config.root is not None:
             from pipetransformer.data.text import read_sst2_tsv
 
             for split in ("train", "dev"):
                 read_sst2_tsv(Path(config.root).expanduser() / f"{split}.tsv")
+        elif config.name in ("hf", "hf_image"):
+            from pipetransformer.data.table import read_tables
+
+            return dataclasses.replace(config, labels=read_tables(config).label_names)
         elif config.name == "squad":
             from pipetransformer.data.squad import load_squad_examples, read_squad_file
 
@@ -29,3 +38,4 @@ def validate_data_files(config: DataConfig) -> None:
                 read_squad_file(config.eval_root, key="data.eval_root")
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(str(exc)) from None
+    return config

@@ -1,5 +1,6 @@
-"""Image datasets: scikit-learn digits (offline default), CIFAR-10/100, ImageFolder, and
-synthetic ImageNet-shaped images for benchmarks at full model size without the data.
+"""Image datasets: scikit-learn digits (offline default), CIFAR-10/100, ImageFolder, image
+tables read through `datasets` (hf_image: read and labelled by table.py), and synthetic
+ImageNet-shaped images for benchmarks at full model size without the data.
 
 Owns: reading (or generating) the images, resizing and normalising them, optional random
 augmentation.
@@ -83,7 +84,7 @@ def image_normalization(config: DataConfig) -> ImageNormalization | None:
         images, _, train_idx, _ = _digits_resized(config)
         mean, std = _digits_statistics(images, train_idx)
         return ImageNormalization((float(mean),), (float(std),))
-    if config.name in ("cifar10", "cifar100", "imagefolder"):
+    if config.name in ("cifar10", "cifar100", "imagefolder", "hf_image"):
         return ImageNormalization(IMAGENET_MEAN, IMAGENET_STD)  # Resize + CenterCrop(size)
     if config.name == "synthetic":  # already what normalised pixels look like
         return ImageNormalization((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
@@ -190,6 +191,36 @@ def load_imagefolder_bundle(config: DataConfig) -> DataBundle:
         num_classes=len(splits["train"].classes),
         in_chans=3,
         image_size=size,
+    )
+
+
+def load_image_table_bundle(config: DataConfig) -> DataBundle:
+    """An image table (data.name hf_image): its image column through ImageFolder's
+    transforms, its labels mapped to class ids in the table's label order (table.py)."""
+    from pipetransformer.data.table import label_ids, read_tables
+
+    tables = read_tables(config)
+    size = config.image_size or 224
+    train_tf, eval_tf = _transforms(size, config.augment)
+    splits = {}
+    for name, table, transform, augment in (
+        ("train", tables.train, train_tf, config.augment),
+        ("eval", tables.eval, eval_tf, False),
+    ):
+        splits[name] = ItemSampleDataset(
+            load=table.image,
+            transform=transform,
+            targets=torch.tensor(label_ids(table, tables.label_names), dtype=torch.long),
+            random_inputs=augment,
+        )
+    return DataBundle(
+        train=splits["train"],
+        eval=splits["eval"],
+        task="classification",
+        num_classes=len(tables.label_names),
+        in_chans=3,
+        image_size=size,
+        label_names=list(tables.label_names),
     )
 
 

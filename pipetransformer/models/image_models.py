@@ -158,5 +158,7 @@ def export_timm_model(model: LayeredModel, out_dir: Path, info: ExportInfo) -> l
         {k: list(v) if isinstance(v, tuple) else v for k, v in data_config.items()}
     )
     pretrained_cfg["num_classes"] = model.spec.output_spec.shape[0]
+    if info.labels is not None:
+        pretrained_cfg["label_names"] = list(info.labels)
     config_path.write_text(json.dumps(config, indent=2))
     return sorted(p.name for p in out_dir.iterdir())

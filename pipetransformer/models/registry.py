@@ -17,7 +17,7 @@ Must not: import timm or transformers (the adapters do), know any architecture.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -61,6 +61,8 @@ class ExportInfo:
     # Whether the weights started from the library's pretrained checkpoint (timm keeps that
     # checkpoint's tag and licence in the export only then).
     pretrained: bool = False
+    # Classification: the name of each class id (transformers id2label, timm label_names).
+    labels: Sequence[str] | None = None
 
 
 @dataclass(frozen=True)

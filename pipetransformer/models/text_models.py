@@ -317,6 +317,9 @@ def export_text_model(model: LayeredModel, out_dir: Path, info: ExportInfo) -> l
     `info.tokenizer` (a hub id or directory), the tokenizer with the run's maximum length,
     so that AutoTokenizer + AutoModelForSequenceClassification / ...ForQuestionAnswering
     `from_pretrained` reproduce the run's inputs and logits. Returns the files written."""
+    if info.labels is not None:  # pipeline("text-classification") answers with the names
+        model.source.config.id2label = dict(enumerate(info.labels))
+        model.source.config.label2id = {name: i for i, name in enumerate(info.labels)}
     model.source.save_pretrained(str(out_dir), safe_serialization=True)
     if info.tokenizer is not None:
         from transformers import AutoTokenizer

@@ -43,6 +43,7 @@ class Evaluator:
         self.control = control
         self.cache = cache
         self.state = state  # holds the last and best metric
+        self.last_scores: dict[str, float] | None = None  # the last evaluation's metrics
         self._loader = BatchLoader(
             data.eval, config.data.num_workers, pin_memory=world.device.type == "cuda"
         )
@@ -60,6 +61,7 @@ class Evaluator:
         started = time.perf_counter()
         result = self._evaluate(stage)
         self.state.last_eval_metric = result.eval_metric
+        self.last_scores = result.scores
         best = self.state.best_eval_metric
         self.state.best_eval_metric = (
             result.eval_metric if best is None else max(best, result.eval_metric)

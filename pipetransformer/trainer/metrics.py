@@ -220,6 +220,7 @@ class MetricsTracker:
                 eval_loss=evaluation.eval_loss if evaluation else None,
                 eval_samples=evaluation.eval_samples if evaluation else None,
                 exact_match=evaluation.exact_match if evaluation else None,
+                scores=evaluation.scores if evaluation else None,
                 samples_per_s=self.num_train_samples / train_s,
                 epoch_time_s=train_s,
                 eval_time_s=eval_s,

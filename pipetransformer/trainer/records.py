@@ -39,10 +39,12 @@ class Record:
 class EvalResult(Record):
     """One evaluation of the whole eval set, the same on every rank."""
 
-    eval_metric: float  # accuracy, or F1 for question answering
+    eval_metric: float  # data.metric (accuracy by default), or F1 for question answering
     eval_samples: int
     eval_loss: float | None = None
     exact_match: float | None = None  # question answering
+    # Classification: accuracy, f1 (two classes), f1_macro and mcc.
+    scores: dict[str, float] | None = None
 
 
 @dataclass
@@ -76,6 +78,8 @@ class RunSummary(Record):
     device: str
     checkpoint: str | None
     metric_name: str = "eval_metric"  # what eval_metric measures (summaries of old runs lack it)
+    # Classification: every metric of the last evaluation (accuracy, f1, f1_macro, mcc).
+    final_scores: dict[str, float] | None = None
     freeze_decisions: int = 0  # decision points the freeze algorithm was asked at
     decision_interval_steps: int | None = None  # steps between them (None: epoch ends)
     num_layers: int = 0  # the model's layers (0: a summary of an older run)
@@ -97,15 +101,22 @@ class RunSummary(Record):
             took = f"{duration(total_s)} ({took} training, the rest start-up)"
         attempts = f" over {self.attempts} attempts" if self.attempts > 1 else ""
 
-        def score(value: float | None) -> str:
+        def score(value: float | None, name: str = self.metric_name) -> str:
             if value is None:
                 return "-"
-            return f"{100 * value:.2f}%" if self.metric_name == "accuracy" else f"{value:.4f}"
+            return f"{100 * value:.2f}%" if name == "accuracy" else f"{value:.4f}"
 
+        others = [
+            f"{name} {score(value, name)}"
+            for name, value in (self.final_scores or {}).items()
+            if name != self.metric_name
+        ]
+        also = f" ({', '.join(others)})" if others else ""
         layers = f" of {self.num_layers}" if self.num_layers else ""
         return (
             f"done in {took}{attempts}: {self.metric_name} {score(self.final_eval_metric)} "
-            f"final, {score(self.best_eval_metric)} best; {self.final_num_frozen_layers}{layers} "
+            f"final{also}, {score(self.best_eval_metric)} best; "
+            f"{self.final_num_frozen_layers}{layers} "
             f"layers frozen; pipe_len {self.final_pipe_len} x dp_degree {self.final_dp_degree}; "
             f"outputs in {run_dir}/ (metrics.jsonl, summary.json, checkpoints/"
             f"{', export/' if Path(run_dir, 'export').is_dir() else ''})"
@@ -130,6 +141,8 @@ class EpochMetrics(Record):
     eval_loss: float | None = None
     eval_samples: int | None = None
     exact_match: float | None = None  # question answering
+    # Classification: every metric of the evaluation (accuracy, f1, f1_macro, mcc).
+    scores: dict[str, float] | None = None
     eval_time_s: float = 0.0
     transition_time_s: float = 0.0
     ddp_comm_s: float = 0.0

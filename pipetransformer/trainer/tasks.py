@@ -23,10 +23,33 @@ def loss_weights(valid: Sequence[bool], dp_degree: int, global_num_valid: int) -
     return torch.tensor([scale if v else 0.0 for v in valid], dtype=torch.float32)
 
 
+def classification_scores(confusion: torch.Tensor) -> dict[str, float]:
+    """accuracy, f1 (binary: of class 1), f1_macro and mcc (Matthews, multi-class form) of
+    a confusion matrix (rows: true class, columns: predicted). A score whose denominator is
+    zero (no positive predicted, one class only) is 0, as scikit-learn reports it."""
+    c = confusion.double()
+    total = float(c.sum())
+    correct = float(c.diag().sum())
+    true, predicted = c.sum(1), c.sum(0)
+    denominators = true + predicted
+    f1s = torch.where(denominators > 0, 2 * c.diag() / denominators.clamp(min=1), 0.0)
+    scores = {"accuracy": correct / total}
+    if c.shape[0] == 2:
+        scores["f1"] = float(f1s[1])
+    scores["f1_macro"] = float(f1s.mean())
+    covariance = correct * total - float(true @ predicted)
+    spread = (total**2 - float(predicted @ predicted)) * (total**2 - float(true @ true))
+    scores["mcc"] = covariance / spread**0.5 if spread > 0 else 0.0
+    return scores
+
+
 class ClassificationAccumulator:
-    def __init__(self) -> None:
-        self.correct = 0
-        self.count = 0
+    """The eval set's confusion matrix and summed loss; the metrics are computed from them
+    once they are summed over every rank."""
+
+    def __init__(self, num_classes: int, metric: str) -> None:
+        self.metric = metric
+        self.confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64)
         self.loss_sum = 0.0
 
     def add(
@@ -34,26 +57,36 @@ class ClassificationAccumulator:
     ) -> None:
         mask = torch.tensor(valid, dtype=torch.bool, device=logits.device)
         labels = labels.to(logits.device)
-        self.correct += int(((logits.argmax(-1) == labels) & mask).sum())
-        self.count += int(mask.sum())
+        predicted = logits.argmax(-1)
+        k = self.confusion.shape[0]
+        pairs = (labels * k + predicted)[mask].cpu()
+        self.confusion += torch.bincount(pairs, minlength=k * k).reshape(k, k).double()
         losses = F.cross_entropy(logits.float(), labels, reduction="none")
         self.loss_sum += float((losses * mask).sum())
 
     def reduce(self, control: Control) -> EvalResult:
         """Collective (every rank calls it, adding nothing if it saw nothing)."""
-        correct, count, loss_sum = control.all_sum(
-            [self.correct, self.count, self.loss_sum]
-        ).tolist()
+        k = self.confusion.shape[0]
+        summed = control.all_sum([*self.confusion.flatten().tolist(), self.loss_sum])
+        confusion = torch.as_tensor(summed[:-1].tolist(), dtype=torch.float64).reshape(k, k)
+        count = float(confusion.sum())
         if count == 0:
             raise RuntimeError("evaluation saw no samples")
+        scores = classification_scores(confusion)
         return EvalResult(
-            eval_metric=correct / count, eval_samples=int(count), eval_loss=loss_sum / count
+            eval_metric=scores[self.metric],
+            eval_samples=int(count),
+            eval_loss=float(summed[-1]) / count,
+            scores=scores,
         )
 
 
 class ClassificationTask:
     name = "classification"
-    metric_name = "accuracy"
+
+    def __init__(self, num_classes: int, metric: str = "auto") -> None:
+        self.num_classes = num_classes
+        self.metric_name = "accuracy" if metric == "auto" else metric
 
     @staticmethod
     def make_target(labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -64,14 +97,14 @@ class ClassificationTask:
         labels, weights = target[:, 0].long(), target[:, 1]
         return (F.cross_entropy(logits.float(), labels, reduction="none") * weights).sum()
 
-    @staticmethod
-    def new_accumulator(eval_extras: dict) -> ClassificationAccumulator:
-        return ClassificationAccumulator()
+    def new_accumulator(self, eval_extras: dict) -> ClassificationAccumulator:
+        return ClassificationAccumulator(self.num_classes, self.metric_name)
 
 
-def task_for(name: str):
+def task_for(name: str, num_classes: int = 2, metric: str = "auto"):
+    """The task of a DataBundle's `task`; a classifier's eval_metric is data.metric."""
     if name == "classification":
-        return ClassificationTask()
+        return ClassificationTask(num_classes, metric)
     if name == "question_answering":
         from pipetransformer.trainer.qa import QuestionAnsweringTask
 

