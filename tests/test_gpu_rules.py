@@ -210,6 +210,48 @@ def test_host_to_device_copies_come_from_pinned_memory(monkeypatch):
         assert to_device(batch, torch.device("cpu")).device.type == "cpu" and len(pinned) == 1
 
 
+@pytest.mark.parametrize(
+    ("nccl", "gloo"),
+    [
+        ("=ib0", "ib0"),  # one exact name: gloo's too
+        ("ib", "ib0"),  # a prefix: the first interface it admits
+        ("^docker0,lo", "eth0"),  # exclusions: the first interface they leave
+        ("=eth1,eth0", "eth0"),  # exact names, none of them routed: the first present
+        ("eth0", "eth0"),  # a prefix that is also a name
+        ("bond", None),  # admits no interface here: gloo picks (and a warning says so)
+    ],
+)
+def test_the_multi_node_launcher_gives_gloo_an_exact_interface(nccl, gloo, tmp_path):
+    """NCCL_SOCKET_IFNAME takes prefixes and exclusions, gloo an exact interface name: the
+    launcher copied NCCL's setting, so `^docker0,lo` or `eth` left the control group unable
+    to start. Run on a host with interfaces lo, docker0, eth0, ib0, ib1 (SYSFS_NET) and a
+    master routed through none of them."""
+    import os
+    import subprocess
+
+    for name in ("lo", "docker0", "eth0", "ib0", "ib1"):
+        (tmp_path / name).mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.endswith("SOCKET_IFNAME")}
+    env.update(
+        NNODES="2",
+        NODE_RANK="0",
+        NPROC_PER_NODE="8",
+        MASTER_ADDR="node0.invalid",  # no route: the interfaces listed decide
+        DRY_RUN="1",
+        SYSFS_NET=str(tmp_path),
+        NCCL_SOCKET_IFNAME=nccl,
+    )
+    result = subprocess.run(
+        ["bash", str(ROOT / "launch" / "run_multi_node.sh"), "configs/vit_imagenet.yaml"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"GLOO_SOCKET_IFNAME={gloo or ''}" in result.stdout.split(), result.stdout
+    assert ("admits no interface" in result.stderr) == (gloo is None), result.stderr
+
+
 # ----------------------------------------------------------------------------- timing
 
 
