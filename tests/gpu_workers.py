@@ -1,7 +1,8 @@
 """A run audited as a GPU would run it (tests/test_gpu_rules.py): collectives and group
 creation (gpu_audit.CollectiveAudit), host reads and blocking transfers over whole steps
-(HostReads, BlockingTransfers), the low-precision copies of weights a step makes, and the
-micro-batch trials left alive. Runs inside gloo worker processes."""
+(HostReads, BlockingTransfers), the low-precision copies of weights a step makes, the
+micro-batch trials and a sharded layout's FSDP2 modules left alive. Runs inside gloo worker
+processes."""
 
 from __future__ import annotations
 
@@ -105,13 +106,18 @@ def audited_run(config_dict: dict, run_dir: str, frozen_after: int):
         trials_alive.append(alive_trials())
         ticks = trainer.clock.ticks()
         phases.append(_audited_steps(trainer, ticks, trainer.stage.layout.describe()))
+        old_sharded = []  # a sharded layout's FSDP2 modules: the root and what it holds
+        if trainer.stage.layout.sharded:
+            old_sharded = [weakref.ref(m) for m in trainer.stage.runtime.module.modules()]
         trainer.transition(frozen_after)
         trials_alive.append(alive_trials())
+        sharded_alive = sum(1 for ref in old_sharded if ref() is not None)
         phases.append(_audited_steps(trainer, ticks, trainer.stage.layout.describe()))
         return {
             "phases": phases,
             "trials_alive": trials_alive,
             "trials_built": len(runtimes),
+            "old_sharded_modules": [sharded_alive, len(old_sharded)],
             "violations": audit.violations,
             "groups": audit.groups,
             "counts": audit.counts,

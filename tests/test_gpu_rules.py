@@ -498,6 +498,17 @@ def test_an_fsdp2_step_reads_nothing_on_the_host_and_gathers_in_nccl_dtypes(audi
 
 
 @pytest.mark.distributed
+def test_a_sharded_layouts_modules_are_freed_when_it_goes(audited_sharded):
+    """FSDP2's modules, states and parameter groups refer to one another (hooks, a context
+    shared by the root's states): with the collector off, every module of the old sharded
+    layout (and the shards and gradients they hold on the device) stayed alive after the
+    transition, until a collection that a run with the collector on makes when it likes."""
+    for result in audited_sharded:
+        alive, built = result["old_sharded_modules"]
+        assert built > 0 and alive == 0, (alive, built)
+
+
+@pytest.mark.distributed
 def test_micro_batch_trials_are_released_once_m_is_chosen(audited):
     """Each candidate M built a DDP + PipelineStage: none may outlive the choice (with the
     collector off: reference counting alone must free them)."""
