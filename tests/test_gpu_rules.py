@@ -498,6 +498,49 @@ def test_an_fsdp2_step_reads_nothing_on_the_host_and_gathers_in_nccl_dtypes(audi
 
 
 @pytest.mark.distributed
+def test_signal_to_noise_reads_the_whole_models_momentum_in_every_one_stage_layout(
+    audited, audited_sharded
+):
+    """signal_to_noise's ||m||^2 per unit, as the trainer computes it at a decision point:
+    in a sharded layout the moments are DTensor shards (multiplying them by a plain tensor
+    raised) whose squares sum over the ranks (dividing by the replicas, as for DDP's
+    copies, halved them); in DDP every replica holds it all (counted once)."""
+    kind, results = audited
+    phases = [p for r in results for p in r["phases"]]
+    phases += [p for r in audited_sharded for p in r["phases"]]
+    checked = [p for p in phases if p["momentum"] is not None]
+    assert len(checked) >= 6, [p["layout"] for p in phases]  # DDP x 2 ranks, sharded x 4
+    for phase in checked:
+        got, expected = phase["momentum"]
+        assert any(expected), phase["layout"]
+        assert got == pytest.approx(expected, rel=1e-6, abs=1e-12), phase["layout"]
+
+
+def test_signal_to_noise_reads_no_device_step_count_on_the_host(monkeypatch):
+    """Fused AdamW keeps its step count on the device: a `float()` of it for each parameter
+    at every decision was a synchronisation each (a fake tensor refuses to be read)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pipetransformer.config import OptimizerConfig
+    from pipetransformer.trainer import optim
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # no fake kernel
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device=cuda)
+        named = {"units.0.weight": model[0].weight, "units.1.weight": model[1].weight}
+        config = OptimizerConfig(name="adamw", implementation="fused")
+        optimizer = optim.build_optimizer(config, named)
+        for p in named.values():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        assert all(s["step"].device == cuda for s in optimizer.state.values())
+        squares = optim.momentum_sq_by_unit(optimizer, named, 2, cuda)
+        assert squares.device == cuda and squares.shape == (2,)
+
+
+@pytest.mark.distributed
 def test_a_sharded_layouts_modules_are_freed_when_it_goes(audited_sharded):
     """FSDP2's modules, states and parameter groups refer to one another (hooks, a context
     shared by the root's states): with the collector off, every module of the old sharded

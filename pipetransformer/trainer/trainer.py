@@ -571,15 +571,7 @@ class Trainer:
 
     def _decision_point(self, tick: Tick) -> None:
         layout = self.stage.layout
-        momentum = None
-        if self.freezer.needs_momentum:  # replicas hold the same state: counted once
-            local = optim.momentum_sq_by_unit(
-                self.stage.optimizer,
-                self.stage.named_params(),
-                self.spec.num_units,
-                self.world.device,
-            )
-            momentum = (self.control.all_sum(local) / layout.dp_degree).tolist()
+        momentum = self.unit_momentum_sq() if self.freezer.needs_momentum else None
         decision = self.freezer.decide(layout.plan.num_frozen_layers, layout.dp_degree, momentum)
         # A new boundary, or the same one balanced again now that the cache holds what its
         # stage 0 was balanced to fill (the new plan is the same on every rank).
@@ -596,6 +588,17 @@ class Trainer:
             )
             if cadence is not None:
                 self.reporter.event(cadence)
+
+    def unit_momentum_sq(self) -> list[float]:
+        """Per unit, ||m||^2 of the optimizer's moving average of gradients over the whole
+        model (collective). Replicas hold the same state, counted once; the ranks of a
+        sharded layout hold a shard each, summed."""
+        squares = optim.momentum_sq_by_unit(
+            self.stage.optimizer, self.stage.named_params(), self.spec.num_units, self.world.device
+        )
+        layout = self.stage.layout
+        copies = 1 if layout.sharded else layout.dp_degree
+        return (self.control.all_sum(squares) / copies).tolist()
 
     # ------------------------------------------------------------------ transitions
 
