@@ -38,6 +38,39 @@ def test_a_forward_and_backward_read_nothing_on_the_host(name, padded):
 
 # Adam keeps AdamW's state; fused SGD has no fake kernel (torch 2.14) and a device step like
 # fused AdamW's.
+SYNCING = {
+    "item": lambda x, m: x.sum().item(),
+    "bool": lambda x, m: bool(x.sum() > 0),
+    "mask indexing": lambda x, m: x[m],
+    "nonzero": lambda x, m: m.nonzero(),
+    "where(cond)": lambda x, m: torch.where(m),
+    "masked_select": lambda x, m: x.masked_select(m),
+    "unique": lambda x, m: torch.unique(x.round()),
+    "unique_consecutive": lambda x, m: torch.unique_consecutive(m),
+    "repeat_interleave": lambda x, m: torch.arange(4).repeat_interleave(m.long()),
+    "bincount": lambda x, m: m.long().bincount(),
+}
+NOT_SYNCING = {
+    "index by positions": lambda x, m: x[torch.tensor([0, 2])],
+    "where(cond, a, b)": lambda x, m: torch.where(m, x, 0.0),
+    "masked_fill": lambda x, m: x.masked_fill(m, 0.0),
+    "repeat_interleave, sized": lambda x, m: torch.arange(4).repeat_interleave(
+        m.long(), output_size=2
+    ),
+}
+
+
+def test_the_host_read_audit_counts_every_op_that_waits_for_the_device():
+    """On CUDA an op whose output size depends on values (a mask's count of True) copies
+    that count to the host and waits for the stream, as `.item()` does."""
+    x = torch.tensor([0.5, -1.0, 2.0, 3.0])
+    m = x > 1
+    for name, op in {**SYNCING, **NOT_SYNCING}.items():
+        with HostReads() as audit:
+            op(x, m)
+        assert bool(audit.reads) == (name in SYNCING), (name, audit.reads)
+
+
 OPTIMIZERS = [("sgd", "foreach"), ("adamw", "foreach"), ("adamw", "fused")]
 
 
