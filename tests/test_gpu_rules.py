@@ -11,7 +11,7 @@ import pytest
 import torch
 from families import FAMILIES, TEXT_FAMILIES, batch, text_batch
 from gpu_audit import HostReads
-from helpers import ROOT, run_cli
+from helpers import ROOT, run_cli, tiny_bert
 
 from pipetransformer.config import load_config
 
@@ -528,6 +528,40 @@ def test_an_fsdp2_step_reads_nothing_on_the_host_and_gathers_in_nccl_dtypes(audi
         assert counts.get("training:reduce_scatter_single", 0) > 0, counts
         assert counts.get("training:all_reduce", 0) > 0, counts  # the gradient norms
     assert audited_sharded[0]["groups"] == audited_sharded[1]["groups"]
+
+
+@pytest.mark.parametrize(
+    ("device", "precision"), [("cuda", "bf16"), ("cuda", "fp32"), ("cpu", "bf16")]
+)
+def test_a_sharded_layout_on_cuda_gathers_what_autocast_computes_in(device, precision, monkeypatch):
+    """Gathering float32 inside a bf16 autocast region moved twice the bytes and left
+    autocast a bfloat16 copy of every resharded layer, held from forward to backward. On
+    CUDA FSDP2 gathers bfloat16 and reduces float32; on the CPU it gathers float32 (CPU
+    autocast's layer norm refuses bfloat16 weights). Every fully_shard call of a layout
+    built for the device is recorded (FSDP2 and the mesh stubbed: no device is touched)."""
+    from pipetransformer.autopipe.planner import PipelinePlan
+    from pipetransformer.fsdp import runtime
+
+    policies = []
+    monkeypatch.setattr(runtime, "fully_shard", lambda m, **kw: policies.append(kw["mp_policy"]))
+    monkeypatch.setattr(runtime.DeviceMesh, "from_group", staticmethod(lambda *a, **kw: None))
+    units = dict(enumerate(tiny_bert(device="meta").units))
+    plan = PipelinePlan(1, 1, 1, ((1, len(units)),), (1.0,))
+    autocast = torch.bfloat16 if precision == "bf16" else None
+    group = type("Group", (), {"group_name": "0"})()
+    runtime.build_sharded_runtime(
+        plan=plan,
+        replica_batch_size=4,
+        units=units,
+        loss_fn=None,
+        data_group=group,
+        device=torch.device(device),
+        autocast_dtype=autocast,
+    )
+    assert len(policies) > 1
+    gathered = torch.bfloat16 if (device, precision) == ("cuda", "bf16") else None
+    for policy in policies:
+        assert policy.param_dtype == gathered and policy.reduce_dtype in (None, torch.float32)
 
 
 @pytest.mark.distributed
