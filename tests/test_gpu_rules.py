@@ -182,6 +182,28 @@ def test_more_processes_than_visible_gpus_is_one_line_naming_the_key(monkeypatch
     assert "CUDA_VISIBLE_DEVICES=3" in lines[0]
 
 
+def test_bf16_on_a_gpu_without_it_is_one_line_naming_the_key(monkeypatch):
+    """The paper's Quadro RTX 5000 (Turing, compute capability 7.5) has no bfloat16."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Quadro RTX 5000")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    base = ("train", "configs/quickstart.yaml", "trainer.device=cuda")
+    result = run_cli(*base, "trainer.precision=bf16")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "trainer.precision: bf16 but Quadro RTX 5000 (compute capability 7.5)" in lines[0]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    from pipetransformer.cli import check_devices
+
+    check_devices(
+        load_config(
+            ROOT / "configs" / "quickstart.yaml", list(base[2:]) + ["trainer.precision=bf16"]
+        )
+    )
+
+
 def test_a_gpu_config_where_cuda_is_unusable_is_one_line(monkeypatch):
     """trainer.device: cuda on a machine without usable CUDA fails before any worker starts,
     instead of training on CPU processes."""
