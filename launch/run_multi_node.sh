@@ -32,13 +32,40 @@ if [ -z "${NPROC_PER_NODE:-}" ]; then
 fi
 # The control group is gloo whatever the training backend: without GLOO_SOCKET_IFNAME gloo
 # binds the interface the host name resolves to, often not the cluster network (or a
-# loopback address on some images). Default: NCCL's interface if set, else the one the
-# route to MASTER_ADDR leaves through.
+# loopback address on some images). gloo takes exact interface names; NCCL_SOCKET_IFNAME is
+# a list of prefixes ("eth", "ib"), exact names after "=" ("=eth0"), or exclusions after "^"
+# ("^docker0,lo"), so it is not copied. Default: NCCL's interface when it names exactly one,
+# else the interface the route to MASTER_ADDR leaves through if NCCL_SOCKET_IFNAME (if set)
+# admits it, else the first interface of the host (loopback aside) it admits; none: gloo
+# picks. SYSFS_NET (default /sys/class/net) is where the host's interfaces are listed.
+nccl_admits() {  # $1: an interface name; NCCL's rule for NCCL_SOCKET_IFNAME
+  local spec=$NCCL_SOCKET_IFNAME excluding=1 exact=0 name names
+  if [ "${spec#^}" != "$spec" ]; then excluding=0; spec=${spec#^}; fi
+  if [ "${spec#=}" != "$spec" ]; then exact=1; spec=${spec#=}; fi
+  IFS=',' read -ra names <<< "$spec"
+  for name in "${names[@]}"; do
+    if [ "$1" = "$name" ] || { [ $exact = 0 ] && [ -n "$name" ] && [ "${1#"$name"}" != "$1" ]; }; then
+      return $((1 - excluding))
+    fi
+  done
+  return $excluding
+}
 if [ -z "${GLOO_SOCKET_IFNAME:-}" ]; then
-  if [ -n "${NCCL_SOCKET_IFNAME:-}" ]; then
+  routed=""
+  if command -v ip >/dev/null 2>&1; then
+    routed=$( (ip -o route get "$MASTER_ADDR" 2>/dev/null || true) | sed -n 's/.* dev \([^ ]*\).*/\1/p')
+  fi
+  if [ -z "${NCCL_SOCKET_IFNAME:-}" ]; then
+    GLOO_SOCKET_IFNAME=$routed
+  elif [[ "$NCCL_SOCKET_IFNAME" =~ ^=[^,^=]+$ ]]; then
     GLOO_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME#=}
-  elif command -v ip >/dev/null 2>&1; then
-    GLOO_SOCKET_IFNAME=$( (ip -o route get "$MASTER_ADDR" 2>/dev/null || true) | sed -n 's/.* dev \([^ ]*\).*/\1/p')
+  else
+    for candidate in $routed $(ls "${SYSFS_NET:-/sys/class/net}" 2>/dev/null | grep -vx lo); do
+      if nccl_admits "$candidate"; then GLOO_SOCKET_IFNAME=$candidate; break; fi
+    done
+    if [ -z "${GLOO_SOCKET_IFNAME:-}" ]; then
+      echo "NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME admits no interface here: gloo picks its own (set GLOO_SOCKET_IFNAME)" >&2
+    fi
   fi
   if [ -n "${GLOO_SOCKET_IFNAME:-}" ]; then export GLOO_SOCKET_IFNAME; fi
 fi

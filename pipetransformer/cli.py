@@ -106,7 +106,9 @@ def check_head_fits_labels(config: Config) -> None:
 
 def check_devices(config: Config) -> None:
     """More processes on a node than visible GPUs would put two ranks on one GPU, which NCCL
-    refuses (raises ConfigError naming trainer.nproc_per_node)."""
+    refuses (raises ConfigError naming trainer.nproc_per_node); bf16 on a GPU older than
+    Ampere (the paper's Turing Quadro) is emulated or refused (ConfigError naming
+    trainer.precision)."""
     import torch
 
     from pipetransformer.trainer.distributed import (
@@ -123,6 +125,13 @@ def check_devices(config: Config) -> None:
         )
     if config.trainer.device != "cpu" and uses_cuda(config.trainer.device):
         check_visible_gpus(config.nproc_per_node, torch.cuda.device_count())
+        major, minor = torch.cuda.get_device_capability(0)
+        if config.trainer.precision == "bf16" and major < 8:  # bfloat16 needs Ampere or later
+            raise ConfigError(
+                f"trainer.precision: bf16 but {torch.cuda.get_device_name(0)} (compute "
+                f"capability {major}.{minor}) has no bfloat16 support; set "
+                "trainer.precision=fp16 or fp32"
+            )
 
 
 def cmd_train(args: argparse.Namespace) -> int:

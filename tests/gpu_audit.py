@@ -2,8 +2,10 @@
 
 `HostReads` is a TorchDispatchMode that records every operator that hands a tensor's value
 to the host: `aten._local_scalar_dense` (what `.item()`, `float()`, `int()` and `.tolist()`
-of a one-element tensor call) and `aten.is_nonzero` (`bool(tensor)`, `if tensor:`). On a
-GPU each is a device-to-host synchronisation that stalls the stream. It runs on real CPU
+of a one-element tensor call), `aten.is_nonzero` (`bool(tensor)`, `if tensor:`), and the
+operators whose output size depends on values (`nonzero`, boolean-mask indexing,
+`masked_select`, `unique`, `repeat_interleave` without `output_size`, `bincount`). On a GPU
+each is a device-to-host synchronisation that stalls the stream. It runs on real CPU
 tensors, so it sees reads that fake tensors skip (transformers skips its mask read for a
 fake tensor). Each record names the innermost frame of this package that caused it.
 """
@@ -16,7 +18,27 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-HOST_READ_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
+aten = torch.ops.aten
+# Operators that read a value on the host: a scalar, or a count that sizes the output.
+HOST_READ_OPS = {
+    aten._local_scalar_dense.default,  # .item(), float(), int(), .tolist()
+    aten.is_nonzero.default,  # bool(tensor), if tensor:
+    aten.nonzero.default,  # also torch.where(cond) with one argument, argwhere
+    aten.masked_select.default,
+    aten._unique2.default,  # torch.unique
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten.repeat_interleave.Tensor,  # without output_size
+    aten.bincount.default,  # its length is the largest value
+}
+
+
+def _reads_host(func, args, kwargs) -> bool:
+    if func in HOST_READ_OPS:
+        return not (func is aten.repeat_interleave.Tensor and kwargs.get("output_size"))
+    if func is aten.index.Tensor:  # indexing with a boolean mask: nonzero inside
+        return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+    return False
 
 
 def _caller(package_only: bool = False) -> str | None:
@@ -51,7 +73,7 @@ class HostReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in HOST_READ_OPS and args[0].untyped_storage().data_ptr() not in self.host_kept:
+        if _reads_host(func, args, kwargs) and _pointer(args[0]) not in self.host_kept:
             self.reads.append((func.__name__, _caller()))
         if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") in LOW_PRECISION:
             pointer = args[0].untyped_storage().data_ptr()

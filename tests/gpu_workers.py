@@ -1,7 +1,8 @@
 """A run audited as a GPU would run it (tests/test_gpu_rules.py): collectives and group
 creation (gpu_audit.CollectiveAudit), host reads and blocking transfers over whole steps
-(HostReads, BlockingTransfers), the low-precision copies of weights a step makes, and the
-micro-batch trials left alive. Runs inside gloo worker processes."""
+(HostReads, BlockingTransfers), the low-precision copies of weights a step makes, the
+micro-batch trials and a sharded layout's FSDP2 modules left alive. Runs inside gloo worker
+processes."""
 
 from __future__ import annotations
 
@@ -51,7 +52,9 @@ def _audited_steps(trainer, ticks, layout_name: str) -> dict:
         for _ in range(AUDITED_STEPS):
             step()
     casts = reads.casts.values()
+    momentum = _momentum_check(trainer) if trainer.stage.layout.pipe_len == 1 else None
     return {
+        "momentum": momentum,
         "layout": layout_name,
         "host_reads": reads.reads,
         "blocking": transfers.found,
@@ -59,6 +62,29 @@ def _audited_steps(trainer, ticks, layout_name: str) -> dict:
         "num_micro_batches": trainer.stage.layout.plan.num_micro_batches,
         "cache_active": trainer.stage.cache_active,
     }
+
+
+def _momentum_check(trainer) -> tuple[list[float], list[float]]:
+    """(the trainer's per-unit ||m||^2 for signal_to_noise, the same from each of this
+    rank's bias-corrected first moments in full) in a one-stage layout, where every rank
+    trains every unit: replicated (DDP) or sharded (each moment a DTensor shard)."""
+    from torch.distributed.tensor import DTensor
+
+    from pipetransformer.utils.units import parse_param_key
+
+    got = trainer.unit_momentum_sq()
+    optimizer = trainer.stage.optimizer
+    expected = [0.0] * trainer.spec.num_units
+    group_of = {p: group for group in optimizer.param_groups for p in group["params"]}
+    for name, p in trainer.stage.named_params().items():
+        state = optimizer.state.get(p)
+        if not state:
+            continue
+        moment = state["exp_avg"]
+        moment = moment.full_tensor() if isinstance(moment, DTensor) else moment
+        correction = 1.0 - group_of[p]["betas"][0] ** float(state["step"])
+        expected[parse_param_key(name)[0]] += (moment.double().norm().item() / correction) ** 2
+    return got, expected
 
 
 def audited_run(config_dict: dict, run_dir: str, frozen_after: int):
@@ -105,13 +131,18 @@ def audited_run(config_dict: dict, run_dir: str, frozen_after: int):
         trials_alive.append(alive_trials())
         ticks = trainer.clock.ticks()
         phases.append(_audited_steps(trainer, ticks, trainer.stage.layout.describe()))
+        old_sharded = []  # a sharded layout's FSDP2 modules: the root and what it holds
+        if trainer.stage.layout.sharded:
+            old_sharded = [weakref.ref(m) for m in trainer.stage.runtime.module.modules()]
         trainer.transition(frozen_after)
         trials_alive.append(alive_trials())
+        sharded_alive = sum(1 for ref in old_sharded if ref() is not None)
         phases.append(_audited_steps(trainer, ticks, trainer.stage.layout.describe()))
         return {
             "phases": phases,
             "trials_alive": trials_alive,
             "trials_built": len(runtimes),
+            "old_sharded_modules": [sharded_alive, len(old_sharded)],
             "violations": audit.violations,
             "groups": audit.groups,
             "counts": audit.counts,

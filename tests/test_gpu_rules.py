@@ -3,6 +3,7 @@ says what each test stands for and what only a GPU can show)."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -35,22 +36,55 @@ def test_a_forward_and_backward_read_nothing_on_the_host(name, padded):
     assert audit.reads == []
 
 
-OPTIMIZERS = [
-    ("sgd", "auto"),
-    ("adam", "foreach"),
-    ("adamw", "foreach"),
-    ("adam", "fused"),
-    ("adamw", "fused"),
-]
+# Adam keeps AdamW's state; fused SGD has no fake kernel (torch 2.14) and a device step like
+# fused AdamW's.
+SYNCING = {
+    "item": lambda x, m: x.sum().item(),
+    "bool": lambda x, m: bool(x.sum() > 0),
+    "mask indexing": lambda x, m: x[m],
+    "nonzero": lambda x, m: m.nonzero(),
+    "where(cond)": lambda x, m: torch.where(m),
+    "masked_select": lambda x, m: x.masked_select(m),
+    "unique": lambda x, m: torch.unique(x.round()),
+    "unique_consecutive": lambda x, m: torch.unique_consecutive(m),
+    "repeat_interleave": lambda x, m: torch.arange(4).repeat_interleave(m.long()),
+    "bincount": lambda x, m: m.long().bincount(),
+}
+NOT_SYNCING = {
+    "index by positions": lambda x, m: x[torch.tensor([0, 2])],
+    "where(cond, a, b)": lambda x, m: torch.where(m, x, 0.0),
+    "masked_fill": lambda x, m: x.masked_fill(m, 0.0),
+    "repeat_interleave, sized": lambda x, m: torch.arange(4).repeat_interleave(
+        m.long(), output_size=2
+    ),
+}
 
 
-@pytest.mark.parametrize(("name", "implementation"), OPTIMIZERS, ids=lambda v: str(v))
-def test_the_state_handoff_keeps_every_entry_on_the_device_torch_expects(name, implementation):
-    """A unit and its optimizer state as torch creates them on a GPU (fake CUDA tensors: a
-    device mix raises as on a GPU), packed as a transition sends it and unpacked as the
-    receiving rank materialises it: every entry comes back on the device it left from.
+def test_the_host_read_audit_counts_every_op_that_waits_for_the_device():
+    """On CUDA an op whose output size depends on values (a mask's count of True) copies
+    that count to the host and waits for the stream, as `.item()` does."""
+    x = torch.tensor([0.5, -1.0, 2.0, 3.0])
+    m = x > 1
+    for name, op in {**SYNCING, **NOT_SYNCING}.items():
+        with HostReads() as audit:
+            op(x, m)
+        assert bool(audit.reads) == (name in SYNCING), (name, audit.reads)
+
+
+OPTIMIZERS = [("sgd", "foreach"), ("adamw", "foreach"), ("adamw", "fused")]
+
+
+@pytest.mark.parametrize("family_name", FAMILIES)
+def test_the_state_handoff_keeps_every_entry_on_the_device_torch_expects(family_name):
+    """Every unit of the family and its optimizer state as torch creates them on a GPU, with
+    each optimizer implementation (fake CUDA tensors: a device mix raises as on a GPU, and so
+    does a misaligned view), packed as a transition sends it and unpacked as the receiving
+    rank materialises it: every entry comes back on the device it left from, bit-exact.
     Adam without `fused` keeps its step count on the host ("Deliberately host `step` on
-    CPU"): concatenating it with the device tensors failed at every first transition."""
+    CPU"): concatenating it with the device tensors failed at every first transition. Fused
+    Adam's step is a 4-byte device tensor: an int64 buffer after it (BEiT's
+    `relative_position_index`, BERT's `position_ids`) was viewed at an offset not divisible
+    by 8 ("storage_offset() must be divisible by 8")."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from pipetransformer.autodp.handoff import pack_unit, unpack_unit
@@ -58,40 +92,79 @@ def test_the_state_handoff_keeps_every_entry_on_the_device_torch_expects(name, i
     from pipetransformer.models import unit_param_names
     from pipetransformer.trainer import optim
 
+    family = FAMILIES[family_name]
     cuda = torch.device("cuda", 0)
-    skeleton = tiny_bert(device="meta").units[1]
+    sent, seen = [], set()
+    for index, unit in enumerate(family.build(device="meta").units):
+        signature = tuple((n, t.shape, t.dtype) for n, t in unit.state_dict().items())
+        if signature not in seen:  # layers alike pack alike: the first of each stands for all
+            seen.add(signature)
+            sent.append((index, unit))
+    skeletons = {i: [copy.deepcopy(u) for _ in OPTIMIZERS] for i, u in sent}  # one a receive
     with FakeTensorMode(allow_non_fake_inputs=True):
-        unit = tiny_bert(device=cuda).units[1]  # layer 0's attention unit
-        named = unit_param_names(unit, 1)
-        config = OptimizerConfig(name=name, implementation=implementation)
-        optimizer = optim.build_optimizer(config, named)
-        for p in named.values():
-            p.grad = torch.zeros_like(p)
-        optimizer.step()
-        states = optim.states_by_name(optimizer, named)
-        packed = pack_unit(1, unit, states, cuda)
-        received, received_states = unpack_unit(packed.manifest, packed.payload, skeleton, cuda)
-
-        assert packed.payload.device == cuda
-        assert all(p.device == cuda for p in received.parameters())
-        assert received_states.keys() == states.keys()
-        for key, state in states.items():
-            assert received_states[key].keys() == state.keys()
-            for entry, value in state.items():
-                got = received_states[key][entry]
-                assert (got.device, got.dtype, got.shape) == (
-                    value.device,
-                    value.dtype,
-                    value.shape,
+        for index, unit in sent:
+            unit.to_empty(device=cuda)  # values are never read
+            named = unit_param_names(unit, index)
+            for (name, implementation), skeleton in zip(OPTIMIZERS, skeletons[index]):
+                config = OptimizerConfig(name=name, implementation=implementation)
+                optimizer = optim.build_optimizer(config, named)
+                for p in named.values():
+                    p.grad = torch.zeros_like(p)
+                optimizer.step()
+                states = optim.states_by_name(optimizer, named)
+                packed = pack_unit(index, unit, states, cuda)
+                received, received_states = unpack_unit(
+                    packed.manifest, packed.payload, skeleton, cuda
                 )
-        # ... and the next optimizer (rebuilt over the received parameters) takes it as is.
-        rebuilt = optim.build_optimizer(config, unit_param_names(received, 1))
-        optim.load_states_by_name(rebuilt, unit_param_names(received, 1), received_states)
-        for p in received.parameters():
-            for entry, value in rebuilt.state[p].items():
-                assert value.device == (
-                    torch.device("cpu") if entry == "step" and implementation != "fused" else cuda
-                ), (entry, value.device)
+                where = (family_name, index, name, implementation)
+                assert packed.payload.device == cuda, where
+                assert all(t.device == cuda for t in received.state_dict().values()), where
+                assert received_states.keys() == states.keys(), where
+                for key, state in states.items():
+                    assert received_states[key].keys() == state.keys(), where
+                    for entry, value in state.items():
+                        got = received_states[key][entry]
+                        assert (got.device, got.dtype, got.shape) == (
+                            value.device,
+                            value.dtype,
+                            value.shape,
+                        ), (*where, key, entry)
+                # ... and the next optimizer (over the received parameters) takes it as is.
+                received_named = unit_param_names(received, index)
+                rebuilt = optim.build_optimizer(config, received_named)
+                optim.load_states_by_name(rebuilt, received_named, received_states)
+                host_step = name != "sgd" and implementation != "fused"
+                for p in received.parameters():
+                    for entry, value in rebuilt.state[p].items():
+                        expected = torch.device("cpu") if entry == "step" and host_step else cuda
+                        assert value.device == expected, (*where, entry, value.device)
+
+
+def test_the_handoff_is_bit_exact_with_entries_of_every_alignment():
+    """Real tensors: a 4-byte step, an odd-sized int8 buffer and an int64 buffer after
+    them, each entry back with its own bits and each view of the buffer aligned."""
+    from torch import nn
+
+    from pipetransformer.autodp.handoff import ENTRY_ALIGNMENT, pack_unit, unpack_unit
+
+    def unit(device="cpu") -> nn.Module:
+        module = nn.Linear(3, 1, device=device)
+        module.register_buffer("flags", torch.arange(3, dtype=torch.int8, device=device))
+        module.register_buffer("index", torch.arange(5, device=device) * 2**40)
+        return module
+
+    sent = unit()
+    states = {"units.2.weight": {"step": torch.tensor(7.0), "exp_avg": torch.randn(1, 3)}}
+    packed = pack_unit(2, sent, states, torch.device("cpu"))
+    received, received_states = unpack_unit(
+        packed.manifest, packed.payload, unit("meta"), torch.device("cpu")
+    )
+    for name, value in sent.state_dict().items():
+        got = received.state_dict()[name]
+        assert torch.equal(got, value) and got.storage_offset() == 0, name
+    for entry, value in states["units.2.weight"].items():
+        assert torch.equal(received_states["units.2.weight"][entry], value), entry
+    assert ENTRY_ALIGNMENT % torch.int64.itemsize == 0
 
 
 # ----------------------------------------------------------------------------- devices
@@ -107,6 +180,28 @@ def test_more_processes_than_visible_gpus_is_one_line_naming_the_key(monkeypatch
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert "trainer.nproc_per_node: 2 processes per node but 1 visible GPU" in lines[0]
     assert "CUDA_VISIBLE_DEVICES=3" in lines[0]
+
+
+def test_bf16_on_a_gpu_without_it_is_one_line_naming_the_key(monkeypatch):
+    """The paper's Quadro RTX 5000 (Turing, compute capability 7.5) has no bfloat16."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Quadro RTX 5000")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    base = ("train", "configs/quickstart.yaml", "trainer.device=cuda")
+    result = run_cli(*base, "trainer.precision=bf16")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "trainer.precision: bf16 but Quadro RTX 5000 (compute capability 7.5)" in lines[0]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    from pipetransformer.cli import check_devices
+
+    check_devices(
+        load_config(
+            ROOT / "configs" / "quickstart.yaml", list(base[2:]) + ["trainer.precision=bf16"]
+        )
+    )
 
 
 def test_a_gpu_config_where_cuda_is_unusable_is_one_line(monkeypatch):
@@ -168,6 +263,48 @@ def test_host_to_device_copies_come_from_pinned_memory(monkeypatch):
         on_gpu = to_device(batch, torch.device("cuda", 0))
         assert on_gpu.device == torch.device("cuda", 0) and pinned == [batch]
         assert to_device(batch, torch.device("cpu")).device.type == "cpu" and len(pinned) == 1
+
+
+@pytest.mark.parametrize(
+    ("nccl", "gloo"),
+    [
+        ("=ib0", "ib0"),  # one exact name: gloo's too
+        ("ib", "ib0"),  # a prefix: the first interface it admits
+        ("^docker0,lo", "eth0"),  # exclusions: the first interface they leave
+        ("=eth1,eth0", "eth0"),  # exact names, none of them routed: the first present
+        ("eth0", "eth0"),  # a prefix that is also a name
+        ("bond", None),  # admits no interface here: gloo picks (and a warning says so)
+    ],
+)
+def test_the_multi_node_launcher_gives_gloo_an_exact_interface(nccl, gloo, tmp_path):
+    """NCCL_SOCKET_IFNAME takes prefixes and exclusions, gloo an exact interface name: the
+    launcher copied NCCL's setting, so `^docker0,lo` or `eth` left the control group unable
+    to start. Run on a host with interfaces lo, docker0, eth0, ib0, ib1 (SYSFS_NET) and a
+    master routed through none of them."""
+    import os
+    import subprocess
+
+    for name in ("lo", "docker0", "eth0", "ib0", "ib1"):
+        (tmp_path / name).mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.endswith("SOCKET_IFNAME")}
+    env.update(
+        NNODES="2",
+        NODE_RANK="0",
+        NPROC_PER_NODE="8",
+        MASTER_ADDR="node0.invalid",  # no route: the interfaces listed decide
+        DRY_RUN="1",
+        SYSFS_NET=str(tmp_path),
+        NCCL_SOCKET_IFNAME=nccl,
+    )
+    result = subprocess.run(
+        ["bash", str(ROOT / "launch" / "run_multi_node.sh"), "configs/vit_imagenet.yaml"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"GLOO_SOCKET_IFNAME={gloo or ''}" in result.stdout.split(), result.stdout
+    assert ("admits no interface" in result.stderr) == (gloo is None), result.stderr
 
 
 # ----------------------------------------------------------------------------- timing
@@ -413,6 +550,94 @@ def test_an_fsdp2_step_reads_nothing_on_the_host_and_gathers_in_nccl_dtypes(audi
         assert counts.get("training:reduce_scatter_single", 0) > 0, counts
         assert counts.get("training:all_reduce", 0) > 0, counts  # the gradient norms
     assert audited_sharded[0]["groups"] == audited_sharded[1]["groups"]
+
+
+@pytest.mark.parametrize(
+    ("device", "precision"), [("cuda", "bf16"), ("cuda", "fp32"), ("cpu", "bf16")]
+)
+def test_a_sharded_layout_on_cuda_gathers_what_autocast_computes_in(device, precision, monkeypatch):
+    """Gathering float32 inside a bf16 autocast region moved twice the bytes and left
+    autocast a bfloat16 copy of every resharded layer, held from forward to backward. On
+    CUDA FSDP2 gathers bfloat16 and reduces float32; on the CPU it gathers float32 (CPU
+    autocast's layer norm refuses bfloat16 weights). Every fully_shard call of a layout
+    built for the device is recorded (FSDP2 and the mesh stubbed: no device is touched)."""
+    from pipetransformer.autopipe.planner import PipelinePlan
+    from pipetransformer.fsdp import runtime
+
+    policies = []
+    monkeypatch.setattr(runtime, "fully_shard", lambda m, **kw: policies.append(kw["mp_policy"]))
+    monkeypatch.setattr(runtime.DeviceMesh, "from_group", staticmethod(lambda *a, **kw: None))
+    units = dict(enumerate(tiny_bert(device="meta").units))
+    plan = PipelinePlan(1, 1, 1, ((1, len(units)),), (1.0,))
+    autocast = torch.bfloat16 if precision == "bf16" else None
+    group = type("Group", (), {"group_name": "0"})()
+    runtime.build_sharded_runtime(
+        plan=plan,
+        replica_batch_size=4,
+        units=units,
+        loss_fn=None,
+        data_group=group,
+        device=torch.device(device),
+        autocast_dtype=autocast,
+    )
+    assert len(policies) > 1
+    gathered = torch.bfloat16 if (device, precision) == ("cuda", "bf16") else None
+    for policy in policies:
+        assert policy.param_dtype == gathered and policy.reduce_dtype in (None, torch.float32)
+
+
+@pytest.mark.distributed
+def test_signal_to_noise_reads_the_whole_models_momentum_in_every_one_stage_layout(
+    audited, audited_sharded
+):
+    """signal_to_noise's ||m||^2 per unit, as the trainer computes it at a decision point:
+    in a sharded layout the moments are DTensor shards (multiplying them by a plain tensor
+    raised) whose squares sum over the ranks (dividing by the replicas, as for DDP's
+    copies, halved them); in DDP every replica holds it all (counted once)."""
+    kind, results = audited
+    phases = [p for r in results for p in r["phases"]]
+    phases += [p for r in audited_sharded for p in r["phases"]]
+    checked = [p for p in phases if p["momentum"] is not None]
+    assert len(checked) >= 6, [p["layout"] for p in phases]  # DDP x 2 ranks, sharded x 4
+    for phase in checked:
+        got, expected = phase["momentum"]
+        assert any(expected), phase["layout"]
+        assert got == pytest.approx(expected, rel=1e-6, abs=1e-12), phase["layout"]
+
+
+def test_signal_to_noise_reads_no_device_step_count_on_the_host(monkeypatch):
+    """Fused AdamW keeps its step count on the device: a `float()` of it for each parameter
+    at every decision was a synchronisation each (a fake tensor refuses to be read)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pipetransformer.config import OptimizerConfig
+    from pipetransformer.trainer import optim
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # no fake kernel
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device=cuda)
+        named = {"units.0.weight": model[0].weight, "units.1.weight": model[1].weight}
+        config = OptimizerConfig(name="adamw", implementation="fused")
+        optimizer = optim.build_optimizer(config, named)
+        for p in named.values():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        assert all(s["step"].device == cuda for s in optimizer.state.values())
+        squares = optim.momentum_sq_by_unit(optimizer, named, 2, cuda)
+        assert squares.device == cuda and squares.shape == (2,)
+
+
+@pytest.mark.distributed
+def test_a_sharded_layouts_modules_are_freed_when_it_goes(audited_sharded):
+    """FSDP2's modules, states and parameter groups refer to one another (hooks, a context
+    shared by the root's states): with the collector off, every module of the old sharded
+    layout (and the shards and gradients they hold on the device) stayed alive after the
+    transition, until a collection that a run with the collector on makes when it likes."""
+    for result in audited_sharded:
+        alive, built = result["old_sharded_modules"]
+        assert built > 0 and alive == 0, (alive, built)
 
 
 @pytest.mark.distributed

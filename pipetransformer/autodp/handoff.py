@@ -9,8 +9,9 @@ transfers. A global order of blocking point-to-point messages cannot deadlock: t
 unfinished transfer always has both of its ranks waiting on it. A transfer is a small
 manifest (names, shapes, dtypes, non-tensor optimizer values, and the few tensors torch keeps
 on the host, such as Adam's step count) over the control group, then one flat byte buffer of
-everything on the device over the default group (NCCL on GPUs), so the copy is bit-exact and
-every entry arrives on the device it left from.
+everything on the device over the default group (NCCL on GPUs), each entry at an offset
+aligned for any dtype, so the copy is bit-exact and every entry arrives on the device it
+left from.
 A receiving rank materialises only the units it receives, from the meta-device skeleton.
 """
 
@@ -116,17 +117,29 @@ def pack_unit(
         "host_tensors": host,
         "scalars": scalars,
     }
-    flat = [t.detach().reshape(-1).contiguous().view(torch.uint8) for _, t in on_device]
-    payload = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=device)
+    offsets, total = payload_layout(manifest)
+    payload = torch.empty(total, dtype=torch.uint8, device=device)
+    for (_, t), start in zip(on_device, offsets):
+        flat = t.detach().reshape(-1).contiguous().view(torch.uint8)
+        payload[start : start + flat.numel()].copy_(flat)
     return Packed(manifest, payload)
 
 
-def payload_bytes(manifest: dict[str, Any]) -> list[int]:
-    """Byte size of each buffer entry of a manifest, in order."""
-    return [
-        torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        for _, shape, dtype in manifest["entries"]
-    ]
+# Every buffer entry starts at a multiple of this many bytes: a view of the buffer as an
+# entry's dtype needs an offset divisible by the element size (an int64 buffer after fused
+# Adam's 4-byte device `step` was refused, "storage_offset() must be divisible by 8"), and
+# 16 bytes keeps every entry as aligned as the buffer itself for vectorised copies.
+ENTRY_ALIGNMENT = 16
+
+
+def payload_layout(manifest: dict[str, Any]) -> tuple[list[int], int]:
+    """(byte offset of each buffer entry of a manifest, in order; the buffer's size)."""
+    offsets, end = [], 0
+    for _, shape, dtype in manifest["entries"]:
+        start = -(-end // ENTRY_ALIGNMENT) * ENTRY_ALIGNMENT
+        offsets.append(start)
+        end = start + torch.Size(shape).numel() * dtype.itemsize
+    return offsets, end
 
 
 def unpack_unit(
@@ -139,10 +152,10 @@ def unpack_unit(
     params = dict(unit.named_parameters())
     buffers = dict(unit.named_buffers())
     states: OptimizerStates = {}
-    offset = 0
-    for (name, shape, dtype), size in zip(manifest["entries"], payload_bytes(manifest)):
-        value = payload[offset : offset + size].view(dtype).reshape(shape).clone()
-        offset += size
+    offsets, _ = payload_layout(manifest)
+    for (name, shape, dtype), start in zip(manifest["entries"], offsets):
+        size = torch.Size(shape).numel() * dtype.itemsize
+        value = payload[start : start + size].view(dtype).reshape(shape).clone()
         kind, _, rest = name.partition(":")
         if kind == "param":
             params[rest].data = value
@@ -178,7 +191,7 @@ def _receive_unit(
         raise RuntimeError(
             f"expected unit {transfer.unit} from rank {transfer.src}, got {manifest['unit']}"
         )
-    payload = torch.empty(sum(payload_bytes(manifest)), dtype=torch.uint8, device=device)
+    payload = torch.empty(payload_layout(manifest)[1], dtype=torch.uint8, device=device)
     dist.recv(payload, src=transfer.src)
     return unpack_unit(manifest, payload, skeleton, device)
 

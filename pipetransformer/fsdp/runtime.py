@@ -16,15 +16,19 @@ The frozen prefix is not sharded: the transition that froze it gathered it once
 it, or reads its output from AutoCache, exactly as a pipeline's first stage does
 (pipe/runtime.py `prefix_output`). Its parameters are never gathered again.
 
-Precision: under `trainer.precision: bf16` the step runs in one autocast region, as the
-pipeline's stages do, over float32 parameters: FSDP2 gathers and reduces float32, and the
-numerics are the other layouts'. (torchtitan gathers bfloat16 copies instead,
-`MixedPrecisionPolicy(param_dtype=bfloat16)`: half the bytes; with the float32 residual
-stream the stages keep, CPU autocast's layer norm refuses bfloat16 weights, "mixed dtype
-(CPU): expect parameter to have scalar type of Float", measured on torch 2.14.)
+Precision (`gather_policy`): under `trainer.precision: bf16` the step runs in one autocast
+region, as the pipeline's stages do. On CUDA, FSDP2 gathers bfloat16 copies of the float32
+shards (`MixedPrecisionPolicy(param_dtype=bfloat16)`, as torchtitan does) and reduces the
+gradients in float32: half the bytes of a float32 gather, and the gathered layer is the
+copy autograd saves, freed when the layer reshards (a float32 gather left autocast a full
+bfloat16 copy of every resharded layer, held from its forward to its backward). CUDA
+autocast runs layer norm in float32 whatever its weights' dtype. On the CPU FSDP2 gathers
+float32: CPU autocast's layer norm refuses bfloat16 weights under the float32 residual
+stream ("mixed dtype (CPU): expect parameter to have scalar type of Float", torch 2.14).
 
-Owns: `ShardedRuntime`, `build_sharded_runtime`. Must not: create process groups, choose
-layouts, or move state between ranks (fsdp/state.py converts it; the trainer moves it).
+Owns: `ShardedRuntime`, `build_sharded_runtime`, `gather_policy`. Must not: create process
+groups, choose layouts, or move state between ranks (fsdp/state.py converts it; the
+trainer moves it).
 """
 
 from __future__ import annotations
@@ -134,6 +138,13 @@ class ShardedRuntime:
                     module.reshard()
 
 
+def gather_policy(device: torch.device, autocast_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """What FSDP2 gathers parameters and reduces gradients in (module docstring)."""
+    if device.type == "cuda" and autocast_dtype is not None:
+        return MixedPrecisionPolicy(param_dtype=autocast_dtype, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
 def _fill(unit: nn.Module, shards: dict[str, torch.Tensor], device: torch.device) -> None:
     """A unit sharded on the meta device, materialised and given the local shards (and
     buffers) it carried from the previous sharded layout: the same cut of the same world."""
@@ -176,7 +187,7 @@ def build_sharded_runtime(
     mesh = DeviceMesh.from_group(
         data_group, device.type, mesh_dim_names=(f"data_{data_group.group_name}",)
     )
-    policy = MixedPrecisionPolicy()  # float32 gathers and reductions (module docstring)
+    policy = gather_policy(device, autocast_dtype)
     head = num_units - 1
     carried = {u: carried_shards(units[u]) for u in range(frozen_end, num_units)}
     for group in shard_groups(frozen_end, num_units):

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from pipetransformer.config import OptimizerConfig
+from pipetransformer.fsdp import local
+from pipetransformer.pipe.transfer import to_device
 from pipetransformer.utils.units import parse_param_key
 
 
@@ -143,33 +145,55 @@ def momentum_sq_by_unit(
 ) -> torch.Tensor:
     """Per unit, the squared norm of the optimizer's moving average of gradients as an
     estimate of the mean gradient: Adam's bias-corrected first moment, SGD's momentum
-    buffer times (1 - momentum). float64 on `device`. Reads Adam's step count on the host:
-    call at decision points, not per step."""
+    buffer times (1 - momentum). float64 on `device`, without a host read of a device
+    tensor (fused Adam keeps its step count on the device). In a sharded layout, the
+    squares of this rank's shards: their sum over the ranks is the unit's."""
     squares = torch.zeros(num_units, dtype=torch.float64, device=device)
     if optimizer is None:
         return squares
     group_of = {p: group for group in optimizer.param_groups for p in group["params"]}
     averages, owners, scales = [], [], []
+    adam, steps, betas = [], [], []  # Adam's entries: where, their step counts, beta1
     for name, p in named_params.items():
         state = optimizer.state.get(p)
         if not state:
             continue
         group = group_of[p]
         if "exp_avg" in state:
-            steps = float(state["step"])
-            beta = group["betas"][0]
-            scale = 1.0 / (1.0 - beta**steps) if steps > 0 else 0.0
-            averages.append(state["exp_avg"])
+            adam.append(len(averages))
+            steps.append(state["step"])
+            betas.append(group["betas"][0])
+            scales.append(1.0)
+            averages.append(local(state["exp_avg"]))
         elif state.get("momentum_buffer") is not None:
-            scale = 1.0 - group["momentum"]
-            averages.append(state["momentum_buffer"])
+            scales.append(1.0 - group["momentum"])
+            averages.append(local(state["momentum_buffer"]))
         else:
             continue
         owners.append(parse_param_key(name)[0])
-        scales.append(scale)
     if averages:
         norms = torch.stack(torch._foreach_norm(averages)).double()
-        scale = torch.tensor(scales, dtype=torch.float64).to(device)
-        index = torch.tensor(owners, dtype=torch.long).to(device)
+        scale = to_device(torch.tensor(scales, dtype=torch.float64), device)
+        if adam:
+            where = to_device(torch.tensor(adam, dtype=torch.long), device)
+            scale[where] = _bias_corrections(steps, betas, device)
+        index = to_device(torch.tensor(owners, dtype=torch.long), device)
         squares.index_add_(0, index, (norms * scale).square())
     return squares
+
+
+def _bias_corrections(steps: list[Any], betas: list[float], device: torch.device) -> torch.Tensor:
+    """Adam's 1 / (1 - beta1^step) of each entry (0 before its first step), float64 on
+    `device`: step counts on the host are read there, those on the device stay there."""
+    counts = torch.empty(len(steps), dtype=torch.float64, device=device)
+    kept = [isinstance(s, torch.Tensor) and s.device.type != "cpu" for s in steps]
+    host = [i for i, on_device in enumerate(kept) if not on_device]
+    if host:
+        values = torch.tensor([float(steps[i]) for i in host], dtype=torch.float64)
+        counts[to_device(torch.tensor(host), device)] = to_device(values, device)
+    if len(host) < len(steps):
+        on_device = [i for i, k in enumerate(kept) if k]
+        values = torch.stack([steps[i].reshape(()) for i in on_device]).double()
+        counts[to_device(torch.tensor(on_device), device)] = values
+    powers = to_device(torch.tensor(betas, dtype=torch.float64), device).pow(counts)
+    return torch.where(counts > 0, 1.0 / (1.0 - powers), 0.0)

@@ -16,6 +16,7 @@ trainer/state.py, which the checkpointer saves and loads the same way.
 
 from __future__ import annotations
 
+import gc
 import logging
 import resource
 import signal
@@ -570,15 +571,7 @@ class Trainer:
 
     def _decision_point(self, tick: Tick) -> None:
         layout = self.stage.layout
-        momentum = None
-        if self.freezer.needs_momentum:  # replicas hold the same state: counted once
-            local = optim.momentum_sq_by_unit(
-                self.stage.optimizer,
-                self.stage.named_params(),
-                self.spec.num_units,
-                self.world.device,
-            )
-            momentum = (self.control.all_sum(local) / layout.dp_degree).tolist()
+        momentum = self.unit_momentum_sq() if self.freezer.needs_momentum else None
         decision = self.freezer.decide(layout.plan.num_frozen_layers, layout.dp_degree, momentum)
         # A new boundary, or the same one balanced again now that the cache holds what its
         # stage 0 was balanced to fill (the new plan is the same on every rank).
@@ -595,6 +588,17 @@ class Trainer:
             )
             if cadence is not None:
                 self.reporter.event(cadence)
+
+    def unit_momentum_sq(self) -> list[float]:
+        """Per unit, ||m||^2 of the optimizer's moving average of gradients over the whole
+        model (collective). Replicas hold the same state, counted once; the ranks of a
+        sharded layout hold a shard each, summed."""
+        squares = optim.momentum_sq_by_unit(
+            self.stage.optimizer, self.stage.named_params(), self.spec.num_units, self.world.device
+        )
+        layout = self.stage.layout
+        copies = 1 if layout.sharded else layout.dp_degree
+        return (self.control.all_sum(squares) / copies).tolist()
 
     # ------------------------------------------------------------------ transitions
 
@@ -624,7 +628,8 @@ class Trainer:
         # (MemoryModel.move_bytes budgets what remains). Reference counting frees them: no
         # cycle holds a runtime (tests/test_elastic.py checks with the collector off), and a
         # full collection of a process that has imported torch, timm and transformers costs
-        # most of a transition (0.39 of 0.43 s on the quickstart).
+        # most of a transition (0.39 of 0.43 s on the quickstart); leaving a sharded layout
+        # is the exception below.
         old.runtime = old.optimizer = None
         release_s = time.perf_counter() - started
         skeletons = {u: self.skeleton.units[u] for u in range(self.spec.num_units)}
@@ -632,6 +637,11 @@ class Trainer:
             # those that stay trained in a sharded layout: their shards are cut alike there
             keep = set(range(new.plan.frozen_end, self.spec.num_units)) if new.sharded else set()
             old.units, states = gather_units(old.units, states, skeletons, self.world.device, keep)
+            # FSDP2's modules, states and parameter groups refer to one another (hooks, the
+            # root's shared context): unlike any other layout's, a sharded layout's shards,
+            # gradients and buffers on the device are freed by the collector only. One
+            # collection for the one kind of transition that needs it (test_gpu_rules.py).
+            gc.collect()
         keep = set(new.units_of_rank(rank))
         received, received_states = execute_transfers(
             transfers,
