@@ -7,7 +7,7 @@ rounding only: gradients agree to rtol 1e-4 / atol 1e-6, losses to 1e-5.
 import pytest
 import torch
 from helpers import run_workers
-from workers import pipeline_gradients, reference_gradients
+from workers import one_stage_against_gpipe, pipeline_gradients, reference_gradients
 
 pytestmark = pytest.mark.distributed
 
@@ -67,3 +67,17 @@ def test_bf16_pipeline_matches_single_process_bf16(kind, dp_degree):
     assert covered == set(ref_grads)
     total = sum(sum(r["losses"]) for r in results if r["role"].is_last)
     assert total / dp_degree == pytest.approx(ref_loss, rel=5e-3)
+
+
+def test_a_one_stage_layout_runs_what_gpipe_runs():
+    """A layout of one stage skips the pipelining machinery (OneStageSchedule): its step equals
+    PipelineStage + ScheduleGPipe's around the same DDP module, bit for bit (losses and the
+    all-reduced gradients of 2 micro-batches on each of 2 ranks), and its units train even
+    when the profiler left them in eval mode."""
+    for result in run_workers(one_stage_against_gpipe, 2, "bert", 2, 8):
+        assert all(result["modes"])
+        (one_losses, one_grads), (gpipe_losses, gpipe_grads) = result["one_stage"], result["gpipe"]
+        assert one_losses == gpipe_losses and len(one_losses) == 2
+        assert one_grads.keys() == gpipe_grads.keys()
+        for name in one_grads:
+            assert torch.equal(one_grads[name], gpipe_grads[name]), name

@@ -461,3 +461,77 @@ def peer_run(name: str, config, run_dir) -> None:
     from pipetransformer.compare.peers import run_peer
 
     run_peer(name, config, Path(run_dir))
+
+
+def one_stage_against_gpipe(kind: str, micro_batches: int, batch_size: int):
+    """One step of a one-stage layout on every rank (DDP over the ranks) through the
+    runtime's OneStageSchedule, then the same step through PipelineStage + ScheduleGPipe
+    around the same DDP module, as the runtime built it before: both gradients and losses,
+    and the units' modes after the build (the profiler leaves units in eval mode)."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    from pipetransformer.pipe.runtime import _examples
+
+    world = init_distributed("cpu", 60)
+    model = build(kind)
+    for unit in model.units:
+        unit.eval()  # as pipe/measure.py leaves a unit it timed
+    plan = balance(UnitCosts.from_param_counts(model.spec.unit_param_counts, 1 / 6), 0, 1)
+    layout = Layout(plan, world.world_size, world.world_size, world.world_size)
+    plan = layout.with_micro_batches(micro_batches).plan
+    groups = build_training_groups(layout, world.rank, 60)
+    units = dict(enumerate(model.units))
+    share = batch_size // world.world_size
+    runtime = build_stage_runtime(
+        plan=plan,
+        stage_index=0,
+        replica_batch_size=share,
+        units=units,
+        spec=model.spec,
+        loss_fn=ClassificationTask.loss_fn,
+        schedule_name="gpipe",
+        pipeline_group=groups.pipeline,
+        data_group=groups.data,
+        device=world.device,
+    )
+    modes = [unit.training for unit in model.units]
+    inputs, labels = fixed_batch(kind, batch_size)
+    window = slice(world.rank * share, (world.rank + 1) * share)
+    target = ClassificationTask.make_target(
+        labels[window], loss_weights([True] * share, world.world_size, batch_size)
+    )
+    inputs = [t[window] for t in inputs]
+
+    def step(schedule) -> tuple[list[float], dict]:
+        losses: list = []
+        schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
+        grads = {}
+        for index, unit in units.items():
+            for name, p in unit_param_names(unit, index).items():
+                grads[name] = p.grad.clone()
+                p.grad = None
+        return [float(loss) for loss in losses], grads
+
+    one_stage = step(runtime.schedule)
+    micro = share // micro_batches
+    stage = PipelineStage(
+        runtime.wrapped,
+        0,
+        1,
+        world.device,
+        input_args=_examples(model.spec.unit_input_specs(0), micro, world.device, False),
+        output_args=_examples(
+            model.spec.unit_output_specs(model.spec.num_units - 1), micro, world.device, True
+        ),
+        group=groups.pipeline,
+    )
+    gpipe = step(
+        ScheduleGPipe(
+            stage,
+            n_microbatches=micro_batches,
+            loss_fn=ClassificationTask.loss_fn,
+            scale_grads=False,
+        )
+    )
+    torch.distributed.destroy_process_group()
+    return {"modes": modes, "one_stage": one_stage, "gpipe": gpipe}

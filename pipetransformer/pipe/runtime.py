@@ -202,7 +202,8 @@ class StageRuntime:
     ) -> list[torch.Tensor]:
         """One optimizer step's forward and backward; returns the last stage's micro-batch
         losses."""
-        self.module.train()
+        if not self.module.training:  # an evaluation switched it (a walk of every module)
+            self.module.train()
         losses: list[torch.Tensor] = []
         if self.is_first:
             activations = self.run_prefix(inputs, ids, "train")
@@ -294,6 +295,9 @@ def build_stage_runtime(
     start, end = plan.stage_ranges[stage_index]
     stage_units = list(range(start, end))
     module = UnitSequence([units[u] for u in stage_units], [u < frozen_end for u in stage_units])
+    # Units come in whatever mode they were left in (the profiler measures them in eval
+    # mode); train_step sets the mode only when an evaluation changed it.
+    module.train()
     preprocess = None
     if stage_index == 0 and plan.prefix_end > 0:
         prefix = list(range(plan.prefix_end))
