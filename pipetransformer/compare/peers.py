@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import resource
 import time
@@ -270,7 +271,8 @@ def _run_hf_trainer(
         use_cpu=use_cpu,
         ddp_backend="gloo" if use_cpu else "nccl",
         dataloader_num_workers=config.data.num_workers,
-        dataloader_drop_last=True,  # the trainer's sampler trains whole global batches
+        # Every sample every epoch, as the trainer trains them (and Trainer's default).
+        dataloader_drop_last=False,
         # Every parameter is used: the default (True) would traverse the graph every step.
         ddp_find_unused_parameters=False,
         bf16=config.trainer.precision == "bf16",
@@ -284,10 +286,7 @@ def _run_hf_trainer(
             clock.start()
 
         def on_epoch_end(self, args, state, control, **kwargs):
-            samples = config.trainer.global_batch_size * (
-                state.global_step - (clock.records[-1]["global_step"] if clock.records else 0)
-            )
-            clock.end(state.global_step, samples, float("nan"), 0.0)
+            clock.end(state.global_step, len(data.train), float("nan"), 0.0)
 
     trainer = Trainer(
         model=model,
@@ -339,9 +338,8 @@ def _run_torch_ddp(
         num_replicas=world_size,
         rank=rank,
         seed=config.trainer.seed,
-        drop_last=True,
-    )
-    steps_per_epoch = len(sampler) // batch
+    )  # the defaults a user keeps: every sample every epoch, the last batch smaller
+    steps_per_epoch = math.ceil(len(sampler) / batch)
     total_steps = steps_per_epoch * config.trainer.epochs
     loss_fn = nn.CrossEntropyLoss()
     clock, step = EpochClock(), 0
@@ -367,7 +365,7 @@ def _run_torch_ddp(
         mean_loss = torch.stack(losses).mean() if losses else torch.tensor(float("nan"))
         dist.all_reduce(mean_loss)  # the global batch's mean: each rank holds half of it
         mean_loss = float(mean_loss) / world_size
-        clock.end(step, steps_per_epoch * config.trainer.global_batch_size, mean_loss, lr)
+        clock.end(step, len(data.train), mean_loss, lr)
     return model, device, _image_forward, clock.records
 
 
