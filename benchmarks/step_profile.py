@@ -157,6 +157,7 @@ def plain(config, args, inputs, labels, steps: int, workload_name: str) -> dict[
         def forward(m):
             return m(*inputs)
 
+    model.train()  # from_pretrained hands the model over in eval mode (no dropout)
     ddp = DistributedDataParallel(model, process_group=dist.new_group([0]))
     params = [p for p in ddp.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
