@@ -230,6 +230,47 @@ def test_tf32_is_on_for_float32_on_cuda_unless_turned_off():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+def test_the_trainers_start_up_sets_tf32_as_trainer_tf32_says(monkeypatch, tmp_path):
+    """The start-up itself, not the helper: `Trainer.setup` hands `trainer.tf32` to
+    `init_distributed`, which sets TF32 on the CUDA device it picks (CUDA faked, the
+    process group taken as made). Dropping either call left float32 matmuls at the FP32
+    rate with the helper's own test still passing."""
+    from pipetransformer.trainer import distributed
+    from pipetransformer.trainer import trainer as trainer_module
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    for name, value in dict(RANK=1, WORLD_SIZE=2, LOCAL_RANK=1, LOCAL_WORLD_SIZE=2).items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # restored after
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        for tf32 in (True, False):
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not tf32
+            world = distributed.init_distributed("cuda", 10.0, tf32)
+            assert world.device == torch.device("cuda", 1)
+            assert torch.backends.cuda.matmul.allow_tf32 is tf32
+            assert torch.backends.cudnn.allow_tf32 is tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+    handed = []
+
+    def started(device_kind, timeout_s, tf32=True):
+        handed.append(tf32)
+        raise InterruptedError  # nothing after the start-up is needed
+
+    monkeypatch.setattr(trainer_module, "init_distributed", started)
+    for tf32 in ("true", "false"):
+        config = load_config(ROOT / "configs" / "quickstart.yaml", [f"trainer.tf32={tf32}"])
+        with pytest.raises(InterruptedError):
+            trainer_module.Trainer(config, tmp_path).setup()
+    assert handed == [True, False]
+
+
 def test_a_gpu_machine_whose_cuda_is_unusable_says_why(monkeypatch):
     """trainer.device auto trained on CPU processes without a word when CUDA could not be
     used (a driver too old for the wheel, a container started without its GPUs)."""
@@ -355,6 +396,139 @@ def test_the_ranks_agree_on_a_stop_about_once_a_second_not_every_step():
     assert steps_between_polls(0.3, most=10) == 3
     assert steps_between_polls(5.0, most=10) == 1
     assert steps_between_polls(0.0, most=10) == 1
+
+
+class _LoopRun:
+    """The trainer's own loop (`Trainer.train`) with its clock (`StepClock`), step runner
+    (`StepRunner`, on a CUDA device whose events are FakeEvents) and stop poll (`StopPoll`);
+    the rest stubbed. Each step takes STEP_S of a made-up host clock, and a one-layer model
+    is trained on the CPU."""
+
+    STEP_S = 0.25
+
+    def __init__(self, monkeypatch, stop_after: int | None = None) -> None:
+        from types import SimpleNamespace
+
+        from pipetransformer.autodp.sampler import TrainSampler
+        from pipetransformer.trainer import stop_poll
+        from pipetransformer.trainer.clock import StepClock
+        from pipetransformer.trainer.control import Control
+        from pipetransformer.trainer.distributed import WorldInfo
+        from pipetransformer.trainer.state import RunState
+        from pipetransformer.trainer.step import Stage, StepRunner
+        from pipetransformer.trainer.trainer import Trainer
+        from pipetransformer.utils.stopping import StopRequest
+
+        monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+        FakeEvent.waits = 0
+        self.now = 0.0
+        monkeypatch.setattr(stop_poll, "time", SimpleNamespace(perf_counter=lambda: self.now))
+        self.polls, self.results, self.saved = [], [], []
+        loop = self
+
+        class CountingControl(Control):
+            def all_max(self, values):
+                loop.polls.append(loop.trainer.state.global_step)
+                return super().all_max(values)
+
+        config = load_config(ROOT / "configs" / "quickstart.yaml")
+        model = torch.nn.Linear(4, 2)
+        self.stop = StopRequest()
+        self.stop_after = stop_after
+
+        def train_step(inputs, target, ids):
+            self.now += self.STEP_S
+            FakeEvent.clock_ms = 1000 * self.now
+            if len(self.results) + 1 == self.stop_after:
+                self.stop.signum = 15  # SIGTERM arrives during this step
+            return [torch.nn.functional.cross_entropy(model(inputs[0]), target)]
+
+        runtime = SimpleNamespace(is_first=True, train_step=train_step)
+        batch = ([torch.randn(8, 4)], torch.zeros(8, dtype=torch.long), list(range(8)))
+        sampler = TrainSampler(8 * 30, 1, 8, 0)  # 30 steps an epoch
+        batches = SimpleNamespace(sampler=sampler, step_data=lambda *a, **kw: batch)
+        world = WorldInfo(0, 1, 0, 1, torch.device("cuda", 0))
+        layout = SimpleNamespace(dp_degree=1, sharded=False, pipe_len=1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer = self.trainer = Trainer.__new__(Trainer)
+        trainer.config, trainer.state, trainer.stop = config, RunState(), self.stop
+        trainer.clock = StepClock(trainer.state, sampler, epochs=2, replicas_per_node=1)
+        trainer.steps = StepRunner(config, batches, world, num_units=1, grad_norms=False)
+        trainer.stage = Stage(layout, None, {0: model}, optimizer, runtime, False)
+        trainer.stop_poll = stop_poll.StopPoll(CountingControl(None), self.stop, most_steps=10)
+        trainer.metrics = SimpleNamespace(
+            record=lambda tick, result: self.results.append(result), due=lambda tick: False
+        )
+        trainer.reporter = SimpleNamespace(event=lambda event: None)
+        trainer.freezer = SimpleNamespace(due=lambda tick: False)
+        trainer.checkpointer = SimpleNamespace(due=lambda tick: False, last_path="checkpoint")
+        trainer._start_event = lambda: None
+        trainer._end_epoch = lambda tick: None
+        trainer._finish = lambda wall_s: "finished"
+        trainer.save_checkpoint = lambda tick, reason, metric=None: self.saved.append(
+            (tick.global_step, reason)
+        )
+        assert config.optimizer.max_grad_norm is None  # no gradient norms to take
+
+
+def test_the_trainers_loop_marks_steps_on_the_device_and_polls_about_once_a_second(
+    monkeypatch,
+):
+    """The trainer's loop, not the helpers: each step is marked by CUDA events on the
+    stream that nothing waits for in the loop (a host clock reads the enqueue time), and
+    the ranks agree on a stop about every second of steps, at most 10 steps apart and at
+    every epoch end, not at every step (a cross-node barrier each)."""
+    from pipetransformer.utils.stopping import RunStopped
+
+    run = _LoopRun(monkeypatch)
+    assert run.trainer.train() == "finished"
+    assert len(run.results) == 60 and FakeEvent.waits == 0
+    for step, result in enumerate(run.results, 1):
+        start, end = result.marks
+        assert isinstance(start, FakeEvent) and isinstance(end, FakeEvent), result.marks
+        assert end.at - start.at == pytest.approx(1000 * run.STEP_S), step  # the step's span
+    # 0.25 s a step: a poll every 4 steps (about a second), and at each epoch's last step.
+    assert 30 in run.polls and 60 in run.polls
+    assert len(run.polls) <= 60 // 4 + 2, run.polls
+    assert max(b - a for a, b in zip([0, *run.polls], run.polls)) <= 4, run.polls
+
+    stopped = _LoopRun(monkeypatch, stop_after=7)  # a signal during step 7
+    with pytest.raises(RunStopped) as raised:
+        stopped.trainer.train()
+    assert 7 <= raised.value.global_step <= 7 + 4, stopped.polls  # within about a second
+    assert stopped.saved == [(raised.value.global_step, "SIGTERM")]
+
+
+def test_ddps_communication_hook_marks_the_device_not_the_host(monkeypatch):
+    """The DDP communication hook the stage runtime registers (`CommTimer`): a bucket's
+    all-reduce is marked from the bucket being ready to its reduced gradients being back
+    by events on the stream, read only when the trainer asks (the NCCL future completes at
+    the enqueue: a host clock read about zero)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from pipetransformer.pipe.runtime import CommTimer
+    from pipetransformer.pipe.timing import IntervalTimer
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    FakeEvent.waits = 0
+    reduced = []
+    monkeypatch.setattr(
+        default_hooks,
+        "allreduce_hook",
+        lambda group, bucket: reduced.append(torch.futures.Future()) or reduced[-1],
+    )
+    timer = IntervalTimer(torch.device("cuda", 0))
+    hook = CommTimer(timer)
+    done = []
+    for ready_ms, back_ms in [(5, 25), (20, 45)]:  # two buckets, overlapping on the stream
+        FakeEvent.clock_ms = ready_ms
+        done.append(hook.hook(None, None))
+        FakeEvent.clock_ms = back_ms
+        reduced[-1].set_result(torch.ones(2))
+    assert all(torch.equal(future.wait(), torch.ones(2)) for future in done)
+    assert timer.pending == 2 and FakeEvent.waits == 0  # nothing read in the step
+    assert timer.take() == pytest.approx(0.040)  # [5, 45] ms
+    assert FakeEvent.waits == 2
 
 
 # ----------------------------------------------------------------------------- memory
