@@ -531,6 +531,111 @@ def test_ddps_communication_hook_marks_the_device_not_the_host(monkeypatch):
     assert FakeEvent.waits == 2
 
 
+def _runner_and_stage(units: dict, train_step, grad_norms: bool = True):
+    """A StepRunner on the CPU over `units` (SGD), its data and runtime stubbed."""
+    from types import SimpleNamespace
+
+    from pipetransformer.trainer.distributed import WorldInfo
+    from pipetransformer.trainer.step import Stage, StepRunner
+
+    config = load_config(ROOT / "configs" / "quickstart.yaml")
+    batch = ([torch.randn(8, 4)], torch.zeros(8, dtype=torch.long), list(range(8)))
+    sampler = SimpleNamespace(global_num_valid=lambda epoch, step: 8)
+    batches = SimpleNamespace(sampler=sampler, step_data=lambda *a, **kw: batch)
+    world = WorldInfo(0, 1, 0, 1, torch.device("cpu"))
+    runner = StepRunner(config, batches, world, num_units=len(units), grad_norms=grad_norms)
+    layout = SimpleNamespace(dp_degree=1, sharded=False, pipe_len=1)
+    parameters = [p for unit in units.values() for p in unit.parameters()]
+    runtime = SimpleNamespace(is_first=True, train_step=train_step)
+    stage = Stage(layout, None, units, torch.optim.SGD(parameters, lr=0.1), runtime, False)
+    return runner, stage
+
+
+def test_the_gradient_norms_owner_index_goes_to_the_device_once_a_layout(monkeypatch):
+    """Which unit each gradient belongs to was built, pinned and copied to the device at
+    every step; it is the same for every step of a layout. Each unit's squared gradient
+    norm still matches its gradients, also at a step that leaves a unit without any."""
+    from pipetransformer.trainer import step as step_module
+    from pipetransformer.trainer.clock import Tick
+
+    copies = []
+    copy = step_module.to_device
+    monkeypatch.setattr(
+        step_module, "to_device", lambda t, device: copies.append(t.tolist()) or copy(t, device)
+    )
+    units = {0: torch.nn.Linear(4, 4), 1: torch.nn.Linear(4, 2), 2: torch.nn.Linear(2, 2)}
+    expected = []
+
+    def train_step(inputs, target, ids):
+        x = units[1](units[0](inputs[0]))
+        if len(expected) % 2 == 0:  # unit 2 is used every other step
+            x = units[2](x)
+        loss = torch.nn.functional.cross_entropy(x, target)
+        loss.backward()
+        expected.append(
+            [
+                sum(float(p.grad.square().sum()) for p in u.parameters() if p.grad is not None)
+                for u in units.values()
+            ]
+        )
+        return [loss]
+
+    runner, stage = _runner_and_stage(units, train_step)
+    for step in range(4):
+        result = runner.run(Tick(0, step, step + 1, 4, 1, float(step), 4), stage)
+        assert result.unit_grad_sq.tolist() == pytest.approx(expected[-1], rel=1e-5), step
+    assert expected[1][2] == 0.0 and expected[0][2] > 0
+    # The owner index once; then, at the steps without unit 2, only which gradients are there.
+    assert copies[0] == [0, 0, 1, 1, 2, 2] and len(copies) == 1 + 2, copies
+    assert copies[1:] == [[0, 1, 2, 3]] * 2, copies
+
+
+def test_an_evaluation_reads_the_device_once_not_once_a_batch():
+    """The classification metrics were read on the host three times per eval batch
+    (correct, count, loss: each waits for the device); they are summed on the device and
+    read once per evaluation. The trainer's Evaluator over 3 and 7 batches (the last one
+    padded), a linear model on the CPU: the same reads, and the metrics of the whole set."""
+    from types import SimpleNamespace
+
+    from gpu_audit import BlockingTransfers
+
+    from pipetransformer.autodp.topology import Role
+    from pipetransformer.data import DataBundle
+    from pipetransformer.data.base import TensorSampleDataset
+    from pipetransformer.trainer.control import Control
+    from pipetransformer.trainer.distributed import WorldInfo
+    from pipetransformer.trainer.evaluation import Evaluator
+    from pipetransformer.trainer.state import RunState
+    from pipetransformer.trainer.step import Stage
+    from pipetransformer.trainer.tasks import task_for
+
+    config = load_config(ROOT / "configs" / "quickstart.yaml")  # 64 samples a batch
+    model = torch.nn.Linear(4, 3)
+    world = WorldInfo(0, 1, 0, 1, torch.device("cpu"))
+    runtime = SimpleNamespace(eval_step=lambda inputs, target, ids: model(inputs[0]))
+    layout = SimpleNamespace(dp_degree=1, role=lambda rank: Role(0, 0, 1))
+    stage = Stage(layout, None, {}, None, runtime, False)
+    reads = []
+    for samples in (64 * 2 + 10, 64 * 6 + 10):
+        g = torch.Generator().manual_seed(samples)
+        x, y = torch.randn(samples, 4, generator=g), torch.randint(0, 3, (samples,), generator=g)
+        split = TensorSampleDataset([x], y)
+        data = DataBundle(train=split, eval=split, task="classification", num_classes=3)
+        task = task_for("classification")
+        evaluator = Evaluator(config, data, task, world, Control(None), None, RunState())
+        with torch.no_grad(), HostReads() as host, BlockingTransfers() as copies:
+            result, _ = evaluator.evaluate(stage)
+        reads.append(len(host.reads) + len(copies.found))
+        with torch.no_grad():
+            logits = model(x)
+            loss = torch.nn.functional.cross_entropy(logits, y).item()
+        assert result.eval_samples == samples
+        assert result.eval_metric == pytest.approx((logits.argmax(-1) == y).float().mean().item())
+        assert result.eval_loss == pytest.approx(loss, rel=1e-6)
+    # The device's sums, and the control group's total (a CPU tensor: no wait on a GPU).
+    assert reads[0] == reads[1] <= 2, reads
+
+
 # ----------------------------------------------------------------------------- memory
 
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from pipetransformer.pipe.transfer import to_device
 from pipetransformer.trainer.control import Control
 from pipetransformer.trainer.records import EvalResult
 
@@ -24,26 +25,28 @@ def loss_weights(valid: Sequence[bool], dp_degree: int, global_num_valid: int) -
 
 
 class ClassificationAccumulator:
+    """Correct predictions and the loss summed on the device, batch by batch; read on the
+    host once, by `reduce` (per batch it was three reads, each a wait for the device)."""
+
     def __init__(self) -> None:
-        self.correct = 0
-        self.count = 0
-        self.loss_sum = 0.0
+        self.count = 0  # valid samples: known on the host
+        self.totals: torch.Tensor | None = None  # (correct, loss sum), float64 on the device
 
     def add(
         self, logits: torch.Tensor, ids: Sequence[int], valid: Sequence[bool], labels: torch.Tensor
     ) -> None:
-        mask = torch.tensor(valid, dtype=torch.bool, device=logits.device)
-        labels = labels.to(logits.device)
-        self.correct += int(((logits.argmax(-1) == labels) & mask).sum())
-        self.count += int(mask.sum())
+        mask = to_device(torch.tensor(valid, dtype=torch.bool), logits.device)
+        labels = to_device(labels, logits.device)
+        correct = ((logits.argmax(-1) == labels) & mask).sum()
         losses = F.cross_entropy(logits.float(), labels, reduction="none")
-        self.loss_sum += float((losses * mask).sum())
+        batch = torch.stack([correct.double(), (losses * mask).sum().double()])
+        self.totals = batch if self.totals is None else self.totals + batch
+        self.count += sum(bool(v) for v in valid)
 
     def reduce(self, control: Control) -> EvalResult:
         """Collective (every rank calls it, adding nothing if it saw nothing)."""
-        correct, count, loss_sum = control.all_sum(
-            [self.correct, self.count, self.loss_sum]
-        ).tolist()
+        correct, loss_sum = (0.0, 0.0) if self.totals is None else self.totals.tolist()
+        correct, count, loss_sum = control.all_sum([correct, self.count, loss_sum]).tolist()
         if count == 0:
             raise RuntimeError("evaluation saw no samples")
         return EvalResult(
