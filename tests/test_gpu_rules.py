@@ -11,7 +11,7 @@ import pytest
 import torch
 from families import FAMILIES, TEXT_FAMILIES, batch, text_batch
 from gpu_audit import HostReads
-from helpers import ROOT, run_cli, tiny_bert
+from helpers import ROOT, run_cli, tiny_bert, tiny_vit
 
 from pipetransformer.config import load_config
 
@@ -650,6 +650,141 @@ def test_the_device_budget_leaves_out_context_nccl_and_fragmentation():
     )
     measured = context.usable_device_bytes(total, context_bytes=3 * 2**30)
     assert measured < estimated  # a larger measured context leaves less
+
+
+class OrderedEvent:
+    """torch.cuda.Event that logs, in order, its recording and every wait for it."""
+
+    log: list[tuple] = []
+    made = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        OrderedEvent.made += 1
+        self.name = f"e{OrderedEvent.made}"
+
+    def record(self, stream=None) -> None:
+        self.log.append(("record", self.name))
+
+    def synchronize(self) -> None:
+        self.log.append(("wait", self.name))
+
+
+def test_autocache_on_a_gpu_stages_rows_in_two_pinned_buffers_and_writes_after_the_copy(
+    monkeypatch,
+):
+    """AutoCache's CUDA path, run on fake CUDA tensors against a real store (bfloat16, the
+    first 6 of 12 samples cached): the cached rows are read into one of two pinned host
+    buffers taken in turn, copied to the device without waiting and converted there; a
+    buffer is refilled only after the event marking its copy; the rows computed for the
+    misses are copied to pinned host memory without waiting and written to the store at
+    the next call, after the event marking that copy."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pipetransformer.autocache import CacheClient, CacheDaemon
+    from pipetransformer.pipe.prefix import CachedPrefix
+
+    monkeypatch.setattr(torch.cuda, "Event", OrderedEvent)
+    OrderedEvent.log, OrderedEvent.made = [], 0
+    log = OrderedEvent.log
+    pinned, empty = [], torch.empty
+
+    def recording_empty(*args, pin_memory=False, **kwargs):
+        tensor = empty(*args, **kwargs)
+        if pin_memory:
+            pinned.append(tensor)
+        return tensor
+
+    monkeypatch.setattr(torch, "empty", recording_empty)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # no fake kernel
+
+    class Recording:
+        """The client, its reads and writes logged (written values are fake: not stored)."""
+
+        def __init__(self, client) -> None:
+            self.client, self.outs, self.writes = client, [], []
+
+        def layout(self, split):
+            return self.client.layout(split)
+
+        def read(self, split, ids, out=None, as_stored=False):
+            log.append(("read", len(self.outs)))
+            self.outs.append(out)
+            return self.client.read(split, ids, out=out, as_stored=as_stored)
+
+        def write(self, split, ids, layer, tensors):
+            log.append(("write", len(self.writes)))
+            self.writes.append((split, ids.tolist(), layer, tensors))
+
+    cuda = torch.device("cuda", 0)
+    model = tiny_vit(device="meta")
+    specs = list(model.spec.activation_specs)
+    splits = {"train": (12, specs)}
+    with (
+        CacheDaemon.start(splits, memory_budget_bytes=1 << 26, storage_dtype="bfloat16") as daemon,
+        CacheClient.attach(daemon.address) as client,
+    ):
+        client.write("train", list(range(6)), 1, [spec.example(6, "cpu") for spec in specs])
+        recording = Recording(client)
+        counts = {"hits": 0, "upgrades": 0, "misses": 0}
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            units = {i: unit.to_empty(device=cuda) for i, unit in enumerate(model.units)}
+            prefix = CachedPrefix(units, 1, recording, cuda, counts)
+            images = torch.empty(12, 1, 8, 8, device=cuda)
+            calls = []
+            for _ in range(3):
+                log.append("call")
+                calls.append(prefix("train", list(range(12)), (images,)))
+            log.append("flush")
+            prefix.flush()
+        assert counts == {"hits": 18, "upgrades": 0, "misses": 18}
+    for out in calls:  # the rows on the device, in float32, as the stage takes them
+        assert [(t.device, t.dtype, t.shape[0]) for t in out] == [(cuda, torch.float32, 12)]
+    # Call 1 reads into buffer 1, marks its copy (e1) and the misses' copy to the host (e2).
+    # Call 2 waits for e2 and writes those rows, reads into buffer 0 (e3), copies (e4).
+    # Call 3 writes call 2's rows after e4, and refills buffer 1 only after e1.
+    assert log == [
+        "call", ("read", 0), ("record", "e1"), ("record", "e2"),
+        "call", ("wait", "e2"), ("write", 0), ("read", 1), ("record", "e3"), ("record", "e4"),
+        "call", ("wait", "e4"), ("write", 1), ("wait", "e1"), ("read", 2), ("record", "e5"),
+        ("record", "e6"),
+        "flush", ("wait", "e6"), ("write", 2),
+    ]  # fmt: skip
+    buffers = [[id(t._base) for t in out] for out in recording.outs]
+    assert buffers[0] == buffers[2] and buffers[0] != buffers[1]  # two buffers, in turn
+    assert all(any(b == id(p) for p in pinned) for bs in buffers for b in bs)
+    for split, ids, layer, tensors in recording.writes:
+        assert (split, ids, layer) == ("train", list(range(6, 12)), 1)
+        assert all(t.device.type == "cpu" and any(t is p for p in pinned) for t in tensors)
+        assert [t.dtype for t in tensors] == [torch.bfloat16]  # cast on the device
+
+
+def test_autocaches_read_measurement_copies_from_pinned_memory_on_a_gpu(monkeypatch):
+    """The read time that decides whether caching pays is measured as a step reads: in
+    the stored dtype into pinned memory, copied without waiting, converted on the device,
+    and the device waited for once per repeat (fake CUDA tensors, a real store)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pipetransformer.autocache import CacheClient, CacheDaemon
+    from pipetransformer.trainer import caching
+    from pipetransformer.trainer.control import Control
+    from pipetransformer.trainer.distributed import WorldInfo
+
+    pinned, waits = [], []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self) or self)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waits.append(device))
+    cuda = torch.device("cuda", 0)
+    specs = list(tiny_vit(device="meta").spec.activation_specs)
+    with (
+        CacheDaemon.start({"train": (8, specs)}, memory_budget_bytes=1 << 26) as daemon,
+        CacheClient.attach(daemon.address) as client,
+    ):
+        cache = caching.RunCache.__new__(caching.RunCache)
+        cache.client, cache.control = client, Control(None)
+        cache.world = WorldInfo(0, 1, 0, 1, cuda)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            seconds = cache._measure_read(8)
+    assert seconds > 0 and waits == [cuda] * caching.READ_REPEATS
+    assert len(pinned) == caching.READ_REPEATS * len(specs)
 
 
 def test_autocache_leaves_shared_memory_for_nccl():
