@@ -420,7 +420,7 @@ class _LoopRun:
         from pipetransformer.utils.stopping import StopRequest
 
         monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-        FakeEvent.waits = 0
+        FakeEvent.waits, FakeEvent.clock_ms = 0, 0.0
         self.now = 0.0
         monkeypatch.setattr(stop_poll, "time", SimpleNamespace(perf_counter=lambda: self.now))
         self.polls, self.results, self.saved = [], [], []
