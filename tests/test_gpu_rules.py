@@ -11,7 +11,7 @@ import pytest
 import torch
 from families import FAMILIES, TEXT_FAMILIES, batch, text_batch
 from gpu_audit import HostReads
-from helpers import ROOT, run_cli, tiny_bert
+from helpers import ROOT, run_cli, tiny_bert, tiny_vit
 
 from pipetransformer.config import load_config
 
@@ -230,6 +230,47 @@ def test_tf32_is_on_for_float32_on_cuda_unless_turned_off():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+def test_the_trainers_start_up_sets_tf32_as_trainer_tf32_says(monkeypatch, tmp_path):
+    """The start-up itself, not the helper: `Trainer.setup` hands `trainer.tf32` to
+    `init_distributed`, which sets TF32 on the CUDA device it picks (CUDA faked, the
+    process group taken as made). Dropping either call left float32 matmuls at the FP32
+    rate with the helper's own test still passing."""
+    from pipetransformer.trainer import distributed
+    from pipetransformer.trainer import trainer as trainer_module
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    for name, value in dict(RANK=1, WORLD_SIZE=2, LOCAL_RANK=1, LOCAL_WORLD_SIZE=2).items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # restored after
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        for tf32 in (True, False):
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not tf32
+            world = distributed.init_distributed("cuda", 10.0, tf32)
+            assert world.device == torch.device("cuda", 1)
+            assert torch.backends.cuda.matmul.allow_tf32 is tf32
+            assert torch.backends.cudnn.allow_tf32 is tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+    handed = []
+
+    def started(device_kind, timeout_s, tf32=True):
+        handed.append(tf32)
+        raise InterruptedError  # nothing after the start-up is needed
+
+    monkeypatch.setattr(trainer_module, "init_distributed", started)
+    for tf32 in ("true", "false"):
+        config = load_config(ROOT / "configs" / "quickstart.yaml", [f"trainer.tf32={tf32}"])
+        with pytest.raises(InterruptedError):
+            trainer_module.Trainer(config, tmp_path).setup()
+    assert handed == [True, False]
+
+
 def test_a_gpu_machine_whose_cuda_is_unusable_says_why(monkeypatch):
     """trainer.device auto trained on CPU processes without a word when CUDA could not be
     used (a driver too old for the wheel, a container started without its GPUs)."""
@@ -357,6 +398,245 @@ def test_the_ranks_agree_on_a_stop_about_once_a_second_not_every_step():
     assert steps_between_polls(0.0, most=10) == 1
 
 
+class _LoopRun:
+    """The trainer's own loop (`Trainer.train`) with its clock (`StepClock`), step runner
+    (`StepRunner`, on a CUDA device whose events are FakeEvents) and stop poll (`StopPoll`);
+    the rest stubbed. Each step takes STEP_S of a made-up host clock, and a one-layer model
+    is trained on the CPU."""
+
+    STEP_S = 0.25
+
+    def __init__(self, monkeypatch, stop_after: int | None = None) -> None:
+        from types import SimpleNamespace
+
+        from pipetransformer.autodp.sampler import TrainSampler
+        from pipetransformer.trainer import stop_poll
+        from pipetransformer.trainer.clock import StepClock
+        from pipetransformer.trainer.control import Control
+        from pipetransformer.trainer.distributed import WorldInfo
+        from pipetransformer.trainer.state import RunState
+        from pipetransformer.trainer.step import Stage, StepRunner
+        from pipetransformer.trainer.trainer import Trainer
+        from pipetransformer.utils.stopping import StopRequest
+
+        monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+        FakeEvent.waits, FakeEvent.clock_ms = 0, 0.0
+        self.now = 0.0
+        monkeypatch.setattr(stop_poll, "time", SimpleNamespace(perf_counter=lambda: self.now))
+        self.polls, self.results, self.saved = [], [], []
+        loop = self
+
+        class CountingControl(Control):
+            def all_max(self, values):
+                loop.polls.append(loop.trainer.state.global_step)
+                return super().all_max(values)
+
+        config = load_config(ROOT / "configs" / "quickstart.yaml")
+        model = torch.nn.Linear(4, 2)
+        self.stop = StopRequest()
+        self.stop_after = stop_after
+
+        def train_step(inputs, target, ids):
+            self.now += self.STEP_S
+            FakeEvent.clock_ms = 1000 * self.now
+            if len(self.results) + 1 == self.stop_after:
+                self.stop.signum = 15  # SIGTERM arrives during this step
+            return [torch.nn.functional.cross_entropy(model(inputs[0]), target)]
+
+        runtime = SimpleNamespace(is_first=True, train_step=train_step)
+        batch = ([torch.randn(8, 4)], torch.zeros(8, dtype=torch.long), list(range(8)))
+        sampler = TrainSampler(8 * 30, 1, 8, 0)  # 30 steps an epoch
+        batches = SimpleNamespace(sampler=sampler, step_data=lambda *a, **kw: batch)
+        world = WorldInfo(0, 1, 0, 1, torch.device("cuda", 0))
+        layout = SimpleNamespace(dp_degree=1, sharded=False, pipe_len=1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer = self.trainer = Trainer.__new__(Trainer)
+        trainer.config, trainer.state, trainer.stop = config, RunState(), self.stop
+        trainer.clock = StepClock(trainer.state, sampler, epochs=2, replicas_per_node=1)
+        trainer.steps = StepRunner(config, batches, world, num_units=1, grad_norms=False)
+        trainer.stage = Stage(layout, None, {0: model}, optimizer, runtime, False)
+        trainer.stop_poll = stop_poll.StopPoll(CountingControl(None), self.stop, most_steps=10)
+        trainer.metrics = SimpleNamespace(
+            record=lambda tick, result: self.results.append(result), due=lambda tick: False
+        )
+        trainer.reporter = SimpleNamespace(event=lambda event: None)
+        trainer.freezer = SimpleNamespace(due=lambda tick: False)
+        trainer.checkpointer = SimpleNamespace(due=lambda tick: False, last_path="checkpoint")
+        trainer._start_event = lambda: None
+        trainer._end_epoch = lambda tick: None
+        trainer._finish = lambda wall_s: "finished"
+        trainer.save_checkpoint = lambda tick, reason, metric=None: self.saved.append(
+            (tick.global_step, reason)
+        )
+        assert config.optimizer.max_grad_norm is None  # no gradient norms to take
+
+
+def test_the_trainers_loop_marks_steps_on_the_device_and_polls_about_once_a_second(
+    monkeypatch,
+):
+    """The trainer's loop, not the helpers: each step is marked by CUDA events on the
+    stream that nothing waits for in the loop (a host clock reads the enqueue time), and
+    the ranks agree on a stop about every second of steps, at most 10 steps apart and at
+    every epoch end, not at every step (a cross-node barrier each)."""
+    from pipetransformer.utils.stopping import RunStopped
+
+    run = _LoopRun(monkeypatch)
+    assert run.trainer.train() == "finished"
+    assert len(run.results) == 60 and FakeEvent.waits == 0
+    for step, result in enumerate(run.results, 1):
+        start, end = result.marks
+        assert isinstance(start, FakeEvent) and isinstance(end, FakeEvent), result.marks
+        assert end.at - start.at == pytest.approx(1000 * run.STEP_S), step  # the step's span
+    # 0.25 s a step: a poll every 4 steps (about a second), and at each epoch's last step.
+    assert 30 in run.polls and 60 in run.polls
+    assert len(run.polls) <= 60 // 4 + 2, run.polls
+    assert max(b - a for a, b in zip([0, *run.polls], run.polls)) <= 4, run.polls
+
+    stopped = _LoopRun(monkeypatch, stop_after=7)  # a signal during step 7
+    with pytest.raises(RunStopped) as raised:
+        stopped.trainer.train()
+    assert 7 <= raised.value.global_step <= 7 + 4, stopped.polls  # within about a second
+    assert stopped.saved == [(raised.value.global_step, "SIGTERM")]
+
+
+def test_ddps_communication_hook_marks_the_device_not_the_host(monkeypatch):
+    """The DDP communication hook the stage runtime registers (`CommTimer`): a bucket's
+    all-reduce is marked from the bucket being ready to its reduced gradients being back
+    by events on the stream, read only when the trainer asks (the NCCL future completes at
+    the enqueue: a host clock read about zero)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from pipetransformer.pipe.runtime import CommTimer
+    from pipetransformer.pipe.timing import IntervalTimer
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    FakeEvent.waits = 0
+    reduced = []
+    monkeypatch.setattr(
+        default_hooks,
+        "allreduce_hook",
+        lambda group, bucket: reduced.append(torch.futures.Future()) or reduced[-1],
+    )
+    timer = IntervalTimer(torch.device("cuda", 0))
+    hook = CommTimer(timer)
+    done = []
+    for ready_ms, back_ms in [(5, 25), (20, 45)]:  # two buckets, overlapping on the stream
+        FakeEvent.clock_ms = ready_ms
+        done.append(hook.hook(None, None))
+        FakeEvent.clock_ms = back_ms
+        reduced[-1].set_result(torch.ones(2))
+    assert all(torch.equal(future.wait(), torch.ones(2)) for future in done)
+    assert timer.pending == 2 and FakeEvent.waits == 0  # nothing read in the step
+    assert timer.take() == pytest.approx(0.040)  # [5, 45] ms
+    assert FakeEvent.waits == 2
+
+
+def _runner_and_stage(units: dict, train_step, grad_norms: bool = True):
+    """A StepRunner on the CPU over `units` (SGD), its data and runtime stubbed."""
+    from types import SimpleNamespace
+
+    from pipetransformer.trainer.distributed import WorldInfo
+    from pipetransformer.trainer.step import Stage, StepRunner
+
+    config = load_config(ROOT / "configs" / "quickstart.yaml")
+    batch = ([torch.randn(8, 4)], torch.zeros(8, dtype=torch.long), list(range(8)))
+    sampler = SimpleNamespace(global_num_valid=lambda epoch, step: 8)
+    batches = SimpleNamespace(sampler=sampler, step_data=lambda *a, **kw: batch)
+    world = WorldInfo(0, 1, 0, 1, torch.device("cpu"))
+    runner = StepRunner(config, batches, world, num_units=len(units), grad_norms=grad_norms)
+    layout = SimpleNamespace(dp_degree=1, sharded=False, pipe_len=1)
+    parameters = [p for unit in units.values() for p in unit.parameters()]
+    runtime = SimpleNamespace(is_first=True, train_step=train_step)
+    stage = Stage(layout, None, units, torch.optim.SGD(parameters, lr=0.1), runtime, False)
+    return runner, stage
+
+
+def test_the_gradient_norms_owner_index_goes_to_the_device_once_a_layout(monkeypatch):
+    """Which unit each gradient belongs to was built, pinned and copied to the device at
+    every step; it is the same for every step of a layout. Each unit's squared gradient
+    norm still matches its gradients, also at a step that leaves a unit without any."""
+    from pipetransformer.trainer import step as step_module
+    from pipetransformer.trainer.clock import Tick
+
+    copies = []
+    copy = step_module.to_device
+    monkeypatch.setattr(
+        step_module, "to_device", lambda t, device: copies.append(t.tolist()) or copy(t, device)
+    )
+    units = {0: torch.nn.Linear(4, 4), 1: torch.nn.Linear(4, 2), 2: torch.nn.Linear(2, 2)}
+    expected = []
+
+    def train_step(inputs, target, ids):
+        x = units[1](units[0](inputs[0]))
+        if len(expected) % 2 == 0:  # unit 2 is used every other step
+            x = units[2](x)
+        loss = torch.nn.functional.cross_entropy(x, target)
+        loss.backward()
+        expected.append(
+            [
+                sum(float(p.grad.square().sum()) for p in u.parameters() if p.grad is not None)
+                for u in units.values()
+            ]
+        )
+        return [loss]
+
+    runner, stage = _runner_and_stage(units, train_step)
+    for step in range(4):
+        result = runner.run(Tick(0, step, step + 1, 4, 1, float(step), 4), stage)
+        assert result.unit_grad_sq.tolist() == pytest.approx(expected[-1], rel=1e-5), step
+    assert expected[1][2] == 0.0 and expected[0][2] > 0
+    # The owner index once; then, at the steps without unit 2, only which gradients are there.
+    assert copies[0] == [0, 0, 1, 1, 2, 2] and len(copies) == 1 + 2, copies
+    assert copies[1:] == [[0, 1, 2, 3]] * 2, copies
+
+
+def test_an_evaluation_reads_the_device_once_not_once_a_batch():
+    """The classification metrics were read on the host three times per eval batch
+    (correct, count, loss: each waits for the device); they are summed on the device and
+    read once per evaluation. The trainer's Evaluator over 3 and 7 batches (the last one
+    padded), a linear model on the CPU: the same reads, and the metrics of the whole set."""
+    from types import SimpleNamespace
+
+    from gpu_audit import BlockingTransfers
+
+    from pipetransformer.autodp.topology import Role
+    from pipetransformer.data import DataBundle
+    from pipetransformer.data.base import TensorSampleDataset
+    from pipetransformer.trainer.control import Control
+    from pipetransformer.trainer.distributed import WorldInfo
+    from pipetransformer.trainer.evaluation import Evaluator
+    from pipetransformer.trainer.state import RunState
+    from pipetransformer.trainer.step import Stage
+    from pipetransformer.trainer.tasks import task_for
+
+    config = load_config(ROOT / "configs" / "quickstart.yaml")  # 64 samples a batch
+    model = torch.nn.Linear(4, 2)
+    world = WorldInfo(0, 1, 0, 1, torch.device("cpu"))
+    runtime = SimpleNamespace(eval_step=lambda inputs, target, ids: model(inputs[0]))
+    layout = SimpleNamespace(dp_degree=1, role=lambda rank: Role(0, 0, 1))
+    stage = Stage(layout, None, {}, None, runtime, False)
+    reads = []
+    for samples in (64 * 2 + 10, 64 * 6 + 10):
+        g = torch.Generator().manual_seed(samples)
+        x, y = torch.randn(samples, 4, generator=g), torch.randint(0, 2, (samples,), generator=g)
+        split = TensorSampleDataset([x], y)
+        data = DataBundle(train=split, eval=split, task="classification", num_classes=2)
+        task = task_for("classification")
+        evaluator = Evaluator(config, data, task, world, Control(None), None, RunState())
+        with torch.no_grad(), HostReads() as host, BlockingTransfers() as copies:
+            result, _ = evaluator.evaluate(stage)
+        reads.append(len(host.reads) + len(copies.found))
+        with torch.no_grad():
+            logits = model(x)
+            loss = torch.nn.functional.cross_entropy(logits, y).item()
+        assert result.eval_samples == samples
+        assert result.eval_metric == pytest.approx((logits.argmax(-1) == y).float().mean().item())
+        assert result.eval_loss == pytest.approx(loss, rel=1e-6)
+    # Per evaluation, whatever its batches: the device's sums read once (and whatever the
+    # scoring reads of the control group's CPU totals, no wait on a GPU).
+    assert reads[0] == reads[1], reads
+
+
 # ----------------------------------------------------------------------------- memory
 
 
@@ -371,6 +651,141 @@ def test_the_device_budget_leaves_out_context_nccl_and_fragmentation():
     )
     measured = context.usable_device_bytes(total, context_bytes=3 * 2**30)
     assert measured < estimated  # a larger measured context leaves less
+
+
+class OrderedEvent:
+    """torch.cuda.Event that logs, in order, its recording and every wait for it."""
+
+    log: list[tuple] = []
+    made = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        OrderedEvent.made += 1
+        self.name = f"e{OrderedEvent.made}"
+
+    def record(self, stream=None) -> None:
+        self.log.append(("record", self.name))
+
+    def synchronize(self) -> None:
+        self.log.append(("wait", self.name))
+
+
+def test_autocache_on_a_gpu_stages_rows_in_two_pinned_buffers_and_writes_after_the_copy(
+    monkeypatch,
+):
+    """AutoCache's CUDA path, run on fake CUDA tensors against a real store (bfloat16, the
+    first 6 of 12 samples cached): the cached rows are read into one of two pinned host
+    buffers taken in turn, copied to the device without waiting and converted there; a
+    buffer is refilled only after the event marking its copy; the rows computed for the
+    misses are copied to pinned host memory without waiting and written to the store at
+    the next call, after the event marking that copy."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pipetransformer.autocache import CacheClient, CacheDaemon
+    from pipetransformer.pipe.prefix import CachedPrefix
+
+    monkeypatch.setattr(torch.cuda, "Event", OrderedEvent)
+    OrderedEvent.log, OrderedEvent.made = [], 0
+    log = OrderedEvent.log
+    pinned, empty = [], torch.empty
+
+    def recording_empty(*args, pin_memory=False, **kwargs):
+        tensor = empty(*args, **kwargs)
+        if pin_memory:
+            pinned.append(tensor)
+        return tensor
+
+    monkeypatch.setattr(torch, "empty", recording_empty)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # no fake kernel
+
+    class Recording:
+        """The client, its reads and writes logged (written values are fake: not stored)."""
+
+        def __init__(self, client) -> None:
+            self.client, self.outs, self.writes = client, [], []
+
+        def layout(self, split):
+            return self.client.layout(split)
+
+        def read(self, split, ids, out=None, as_stored=False):
+            log.append(("read", len(self.outs)))
+            self.outs.append(out)
+            return self.client.read(split, ids, out=out, as_stored=as_stored)
+
+        def write(self, split, ids, layer, tensors):
+            log.append(("write", len(self.writes)))
+            self.writes.append((split, ids.tolist(), layer, tensors))
+
+    cuda = torch.device("cuda", 0)
+    model = tiny_vit(device="meta")
+    specs = list(model.spec.activation_specs)
+    splits = {"train": (12, specs)}
+    with (
+        CacheDaemon.start(splits, memory_budget_bytes=1 << 26, storage_dtype="bfloat16") as daemon,
+        CacheClient.attach(daemon.address) as client,
+    ):
+        client.write("train", list(range(6)), 1, [spec.example(6, "cpu") for spec in specs])
+        recording = Recording(client)
+        counts = {"hits": 0, "upgrades": 0, "misses": 0}
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            units = {i: unit.to_empty(device=cuda) for i, unit in enumerate(model.units)}
+            prefix = CachedPrefix(units, 1, recording, cuda, counts)
+            images = torch.empty(12, 1, 8, 8, device=cuda)
+            calls = []
+            for _ in range(3):
+                log.append("call")
+                calls.append(prefix("train", list(range(12)), (images,)))
+            log.append("flush")
+            prefix.flush()
+        assert counts == {"hits": 18, "upgrades": 0, "misses": 18}
+    for out in calls:  # the rows on the device, in float32, as the stage takes them
+        assert [(t.device, t.dtype, t.shape[0]) for t in out] == [(cuda, torch.float32, 12)]
+    # Call 1 reads into buffer 1, marks its copy (e1) and the misses' copy to the host (e2).
+    # Call 2 waits for e2 and writes those rows, reads into buffer 0 (e3), copies (e4).
+    # Call 3 writes call 2's rows after e4, and refills buffer 1 only after e1.
+    assert log == [
+        "call", ("read", 0), ("record", "e1"), ("record", "e2"),
+        "call", ("wait", "e2"), ("write", 0), ("read", 1), ("record", "e3"), ("record", "e4"),
+        "call", ("wait", "e4"), ("write", 1), ("wait", "e1"), ("read", 2), ("record", "e5"),
+        ("record", "e6"),
+        "flush", ("wait", "e6"), ("write", 2),
+    ]  # fmt: skip
+    buffers = [[id(t._base) for t in out] for out in recording.outs]
+    assert buffers[0] == buffers[2] and buffers[0] != buffers[1]  # two buffers, in turn
+    assert all(any(b == id(p) for p in pinned) for bs in buffers for b in bs)
+    for split, ids, layer, tensors in recording.writes:
+        assert (split, ids, layer) == ("train", list(range(6, 12)), 1)
+        assert all(t.device.type == "cpu" and any(t is p for p in pinned) for t in tensors)
+        assert [t.dtype for t in tensors] == [torch.bfloat16]  # cast on the device
+
+
+def test_autocaches_read_measurement_copies_from_pinned_memory_on_a_gpu(monkeypatch):
+    """The read time that decides whether caching pays is measured as a step reads: in
+    the stored dtype into pinned memory, copied without waiting, converted on the device,
+    and the device waited for once per repeat (fake CUDA tensors, a real store)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pipetransformer.autocache import CacheClient, CacheDaemon
+    from pipetransformer.trainer import caching
+    from pipetransformer.trainer.control import Control
+    from pipetransformer.trainer.distributed import WorldInfo
+
+    pinned, waits = [], []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self) or self)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waits.append(device))
+    cuda = torch.device("cuda", 0)
+    specs = list(tiny_vit(device="meta").spec.activation_specs)
+    with (
+        CacheDaemon.start({"train": (8, specs)}, memory_budget_bytes=1 << 26) as daemon,
+        CacheClient.attach(daemon.address) as client,
+    ):
+        cache = caching.RunCache.__new__(caching.RunCache)
+        cache.client, cache.control = client, Control(None)
+        cache.world = WorldInfo(0, 1, 0, 1, cuda)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            seconds = cache._measure_read(8)
+    assert seconds > 0 and waits == [cuda] * caching.READ_REPEATS
+    assert len(pinned) == caching.READ_REPEATS * len(specs)
 
 
 def test_autocache_leaves_shared_memory_for_nccl():

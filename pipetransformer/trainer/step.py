@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -53,6 +53,11 @@ class Stage:
     optimizer: torch.optim.Optimizer | None
     runtime: StageRuntime | None
     cache_active: bool  # AutoCache serves the frozen prefix
+    # The trained parameters in unit order and, on the device, the unit owning each: built
+    # at the layout's first step (StepRunner._unit_grad_squares), reused at every other.
+    grad_owners: tuple[list[nn.Parameter], torch.Tensor] | None = field(
+        default=None, init=False, repr=False
+    )
 
     def named_params(self) -> dict[str, nn.Parameter]:
         named = {}
@@ -224,19 +229,28 @@ class StepRunner:
     def _unit_grad_squares(self, stage: Stage) -> torch.Tensor:
         """Squared gradient norm of each unit this rank trains, float64 on the device: one
         multi-tensor norm kernel over every gradient (float32 norms of float32 gradients),
-        then a scatter-add of their squares by unit. In a sharded layout each rank holds a
-        shard of every gradient: the squares of the shards are summed over the replicas."""
-        grads, owners = [], []
-        for index, unit in stage.units.items():
-            for p in unit.parameters():
-                if p.requires_grad and p.grad is not None:
-                    grads.append(local(p.grad.detach()))
-                    owners.append(index)
+        then a scatter-add of their squares by unit. The unit of each gradient is an index
+        built, pinned and copied to the device once per layout (`Stage.grad_owners`). In a
+        sharded layout each rank holds a shard of every gradient: the squares of the shards
+        are summed over the replicas."""
+        if stage.grad_owners is None:
+            params, owners = [], []
+            for index, unit in stage.units.items():
+                for p in unit.parameters():
+                    if p.requires_grad:
+                        params.append(p)
+                        owners.append(index)
+            owner_index = to_device(torch.tensor(owners, dtype=torch.long), self.world.device)
+            stage.grad_owners = params, owner_index
+        params, owner_index = stage.grad_owners
+        grads = [local(p.grad.detach()) for p in params if p.grad is not None]
         squares = torch.zeros(self.num_units, dtype=torch.float64, device=self.world.device)
         if grads:
+            if len(grads) < len(params):  # a parameter this step left without a gradient
+                owned = [i for i, p in enumerate(params) if p.grad is not None]
+                owner_index = owner_index[to_device(torch.tensor(owned), self.world.device)]
             norms = torch.stack(torch._foreach_norm(grads)).double()
-            index = to_device(torch.tensor(owners, dtype=torch.long), self.world.device)
-            squares.index_add_(0, index, norms.square())
+            squares.index_add_(0, owner_index, norms.square())
         if stage.layout.sharded:
             dist.all_reduce(squares, group=stage.groups.data)
         return squares

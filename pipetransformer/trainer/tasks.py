@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from pipetransformer.pipe.transfer import to_device
 from pipetransformer.trainer.control import Control
 from pipetransformer.trainer.records import EvalResult
 
@@ -44,30 +45,32 @@ def classification_scores(confusion: torch.Tensor) -> dict[str, float]:
 
 
 class ClassificationAccumulator:
-    """The eval set's confusion matrix and summed loss; the metrics are computed from them
-    once they are summed over every rank."""
+    """The eval set's confusion matrix and summed loss, kept on the device (no host read per
+    batch); the metrics are computed from them once they are summed over every rank."""
 
     def __init__(self, num_classes: int, metric: str) -> None:
         self.metric = metric
-        self.confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64)
-        self.loss_sum = 0.0
+        self.num_classes = num_classes
+        self.totals: torch.Tensor | None = None  # flat confusion + loss sum, float64
 
     def add(
         self, logits: torch.Tensor, ids: Sequence[int], valid: Sequence[bool], labels: torch.Tensor
     ) -> None:
-        mask = torch.tensor(valid, dtype=torch.bool, device=logits.device)
-        labels = labels.to(logits.device)
-        predicted = logits.argmax(-1)
-        k = self.confusion.shape[0]
-        pairs = (labels * k + predicted)[mask].cpu()
-        self.confusion += torch.bincount(pairs, minlength=k * k).reshape(k, k).double()
+        k = self.num_classes
+        if self.totals is None:
+            self.totals = torch.zeros(k * k + 1, dtype=torch.float64, device=logits.device)
+        mask = to_device(torch.tensor(valid, dtype=torch.bool), logits.device)
+        labels = to_device(labels, logits.device)
+        pairs = labels * k + logits.argmax(-1)  # padding rows count with weight 0
+        self.totals[: k * k].index_add_(0, pairs, mask.double())
         losses = F.cross_entropy(logits.float(), labels, reduction="none")
-        self.loss_sum += float((losses * mask).sum())
+        self.totals[k * k] += (losses * mask).sum().double()
 
     def reduce(self, control: Control) -> EvalResult:
         """Collective (every rank calls it, adding nothing if it saw nothing)."""
-        k = self.confusion.shape[0]
-        summed = control.all_sum([*self.confusion.flatten().tolist(), self.loss_sum])
+        k = self.num_classes
+        mine = [0.0] * (k * k + 1) if self.totals is None else self.totals.tolist()
+        summed = control.all_sum(mine)
         confusion = torch.as_tensor(summed[:-1].tolist(), dtype=torch.float64).reshape(k, k)
         count = float(confusion.sum())
         if count == 0:
