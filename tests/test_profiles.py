@@ -373,7 +373,7 @@ def test_plan_table_uses_a_stored_profile(tmp_path):
         QUICKSTART,
         [
             "pipeline.balance=time",
-            "pipeline.num_micro_batches=auto",
+            "pipeline.num_micro_batches=measured",
             "pipeline.initial_pipe_len=2",
             f"pipeline.profile_path={path}",
         ],

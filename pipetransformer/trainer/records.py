@@ -228,6 +228,9 @@ class StartEvent(Event):
     device_memory_bytes: float | None = None
     memory_source: str = "params"
     sharded: bool = False
+    # Settings this run decides from times it measures (opt-in: 'measured'), which may
+    # differ on a busier machine; empty: every decision follows from the config and seed.
+    decided_by_measured_time: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -263,7 +266,7 @@ class CheckpointEvent(Event):
 
 @dataclass
 class CadenceEvent(Event):
-    """freeze.interval_steps 'auto' measured the decision interval (at the first transition):
+    """freeze.interval_steps 'measured' measured the decision interval (at the first transition):
     a transition may take at most `time_share` of the time between two decisions."""
 
     kind: ClassVar[str] = "cadence"
