@@ -229,7 +229,13 @@ def _newest_run_profile(
     model: runs/profiles/profiles.json, a run's RUN_DIR/profiles.json, a compare's variants'.
     Raises ConfigError naming the model and both ways to a prediction when none has one."""
     files = sorted(
-        (p for p in runs.rglob("profiles.json") if p.is_file()) if runs.is_dir() else (),
+        (
+            p
+            for p in runs.rglob("profiles.json")
+            if p.is_file() and "checkpoints" not in p.relative_to(runs).parts  # copies
+        )
+        if runs.is_dir()
+        else (),
         key=lambda p: p.stat().st_mtime,
         reverse=True,
     )
