@@ -87,5 +87,6 @@ def export_run(
         pretrained=config.model.pretrained and config.model.checkpoint_path is None,
     )
     files = export_model(model, out_dir, info)
-    logger.info("exported %s to %s: %s", checkpoint, out_dir, ", ".join(files))
+    # debug: the command line says it, once (`export`, and `train` with trainer.save_model)
+    logger.debug("exported %s to %s: %s", checkpoint, out_dir, ", ".join(files))
     return checkpoint, files

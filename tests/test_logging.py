@@ -85,7 +85,7 @@ def test_the_closing_line_says_time_metric_freezing_layout_and_outputs():
     from pipetransformer.trainer.records import RunSummary
 
     summary = RunSummary(
-        wall_time_s=234.4,
+        training_time_s=234.4,
         attempts=1,
         final_eval_metric=0.9611,
         best_eval_metric=0.975,
@@ -105,3 +105,7 @@ def test_the_closing_line_says_time_metric_freezing_layout_and_outputs():
     assert line.startswith("done in 5 min 52 s (3 min 54 s training, the rest start-up)")
     assert "accuracy 96.11% final, 97.50% best; 6 of 8 layers frozen" in line
     assert "pipe_len 1 x dp_degree 2; outputs in runs/q/" in line
+    # summary.json files written before the field was named for what it is still load.
+    old = {**summary.to_dict(), "wall_time_s": 12.5}
+    del old["training_time_s"]
+    assert RunSummary.from_dict(old).training_time_s == 12.5

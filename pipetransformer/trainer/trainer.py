@@ -754,7 +754,7 @@ class Trainer:
         last = self.checkpointer.last_path
         peak_rss, peak_allocated = self._peak_memory()
         summary = RunSummary(
-            wall_time_s=state.previous_attempts_wall_s + wall_s,
+            training_time_s=state.previous_attempts_wall_s + wall_s,
             attempts=state.attempt,
             final_eval_metric=state.last_eval_metric,
             best_eval_metric=state.best_eval_metric,
