@@ -569,6 +569,18 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error in one line: where (1-based line and column) and what; PyYAML's own
+    text spans several lines and names the file "<unicode string>"."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    what = f"{problem} ({context})" if context else problem
+    if mark is None:
+        return what
+    return f"line {mark.line + 1}, column {mark.column + 1}: {what}"
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b=value` -> (['a', 'b'], value parsed as YAML)."""
     if "=" not in text:
@@ -577,7 +589,10 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     path = key.strip().split(".")
     if not all(path):
         raise ConfigError(f"override {text!r}: empty key part")
-    return path, yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        return path, yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: not valid YAML: {_yaml_problem(exc)}") from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -605,7 +620,7 @@ def read_config_data(
         try:
             loaded = yaml.safe_load(p.read_text())
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
+            raise ConfigError(f"{p}: not valid YAML: {_yaml_problem(exc)}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
         data = loaded or {}
