@@ -22,6 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pipetransformer.trainer.records import RunSummary
 from pipetransformer.utils.files import read_jsonl
 
 
@@ -68,7 +69,9 @@ def main() -> None:
             for name, path in (("with", with_ckpt), ("without", without))
         }
         walls = {
-            name: json.loads((path / "summary.json").read_text())["wall_time_s"]
+            name: RunSummary.from_dict(
+                json.loads((path / "summary.json").read_text())
+            ).training_time_s
             for name, path in (("with", with_ckpt), ("without", without))
         }
     print(

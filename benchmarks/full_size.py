@@ -596,8 +596,9 @@ def run_elastic(workload: Workload, args: argparse.Namespace, out: Path) -> None
     run_dir.parent.mkdir(parents=True)
     watch = train(workload, overrides, run_dir, kill=True, poll_s=args.poll_s)
     summary = json.loads((run_dir / "summary.json").read_text())
+    training_s = summary.get("training_time_s", summary.get("wall_time_s"))  # older runs
     print(
-        f"  run: {summary['attempts']} attempts, wall {summary['wall_time_s']:.1f} s, "
+        f"  run: {summary['attempts']} attempts, training {training_s:.1f} s, "
         f"{summary['global_steps']} steps; ends at F={summary['final_num_frozen_layers']}, "
         f"K={summary['final_pipe_len']} R={summary['final_dp_degree']}"
     )

@@ -73,7 +73,7 @@ def main() -> None:
         rows.append(
             (
                 name,
-                summary["wall_time_s"],
+                summary.get("training_time_s", summary.get("wall_time_s")),
                 samples / train_s,
                 summary["final_eval_metric"],
                 summary["metric_name"],

@@ -273,7 +273,9 @@ def _train_locally(
                         else ""
                     )
                     print(
-                        f"pipetransformer: a worker process failed ({exc}){after}", file=sys.stderr
+                        f"pipetransformer: a worker process failed ({exc}){after}"
+                        f"{_resume_hint(run_dir, resume_line)}",
+                        file=sys.stderr,
                     )
                     return 1
                 restarts += 1
@@ -300,6 +302,13 @@ def _print_closing_line(run_dir: Path) -> None:
         summary = RunSummary.from_dict(json.loads(path.read_text()))
         total_s = time.monotonic() - _STARTED
         print(f"pipetransformer: {summary.closing_line(str(run_dir), total_s)}", file=sys.stderr)
+
+
+def _resume_hint(run_dir: Path, resume_line: str) -> str:
+    """'. Resume with: ...' when the run has a complete checkpoint to resume from."""
+    from pipetransformer.trainer.checkpoint import find_checkpoint
+
+    return f". Resume with: {resume_line}" if find_checkpoint(run_dir) is not None else ""
 
 
 def _killed_report(run_dir: Path, resume_line: str) -> str:
@@ -330,6 +339,7 @@ def _train_under_torchrun(
     """This process is one worker; torchrun restarts workers (--max-restarts): a restarted
     worker continues from the latest checkpoint by itself."""
     from pipetransformer.trainer import RunOptions, run_worker
+    from pipetransformer.trainer.checkpoint import CheckpointWriteError
     from pipetransformer.trainer.rundir import RunDirError
     from pipetransformer.utils.stopping import RunStopped, exit_code_for
 
@@ -356,6 +366,10 @@ def _train_under_torchrun(
         if rank0:
             print(f"pipetransformer: {exc}", file=sys.stderr)
         return 2
+    except CheckpointWriteError as exc:  # every rank of a DCP write learns it; one says it
+        if rank0:
+            print(f"pipetransformer: {exc}{_resume_hint(run_dir, resume_line)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -153,9 +153,13 @@ class PipelineConfig:
     # Memory of one device for the planner. None: on CUDA the device's total memory less a
     # reserve (1 GiB + 10% for the CUDA context, NCCL and fragmentation); on CPU unlimited.
     device_memory_bytes: int | None = None
-    # An int is used for every layout; "auto" measures M in [K, 6K] the first time a
-    # layout (K, replica batch) is seen and keeps the fastest (profile file).
-    num_micro_batches: int | Literal["auto"] = "auto"
+    # An int is used for every layout. 'auto': for each layout the smallest M >= K that
+    # divides the replica batch (1 for plain DDP), what `plan` and `plan --predict` assume:
+    # a function of the config, so the same on any machine and under any load. 'measured'
+    # (opt-in) times M in [K, 6K] the first time a layout (K, replica batch) is seen and
+    # keeps the fastest (profile file): faster where it wins, but a busy machine may choose
+    # another M, and M changes the arithmetic, so the freeze decisions may differ.
+    num_micro_batches: int | Literal["auto", "measured"] = "auto"
     schedule: Literal["gpipe", "1f1b"] = "gpipe"
     # How stages are balanced: measured forward+backward time per unit, or parameter counts.
     balance: Literal["time", "params"] = "time"
@@ -191,7 +195,7 @@ class PipelineConfig:
         if isinstance(self.num_micro_batches, int) and self.num_micro_batches < 1:
             _fail(
                 "pipeline.num_micro_batches",
-                f"must be >= 1 or 'auto', got {self.num_micro_batches}",
+                f"must be >= 1, 'auto' or 'measured', got {self.num_micro_batches}",
             )
 
 
@@ -217,9 +221,11 @@ class FreezeConfig:
     # that is signal (the rest being minibatch noise) has fallen below this (freeze.py).
     signal_threshold: float = 0.1
     # Decision every N optimizer steps; null: at the end of every epoch; 'auto': three per
-    # epoch, spaced further apart when a transition would cost more than 5% of the time
-    # between decisions (docs/architecture.md, "Decision cadence").
-    interval_steps: int | Literal["auto"] | None = "auto"
+    # epoch of the starting layout's steps (from the data size and the batch: the same on
+    # any machine); 'measured' (opt-in): 'auto', spaced further apart when the run's first
+    # transition cost more than 5% of the time between decisions, which depends on the
+    # machine's load (docs/architecture.md, "Decision cadence").
+    interval_steps: int | Literal["auto", "measured"] | None = "auto"
     # No decision before this many epochs have completed (layers must learn something first).
     warmup_epochs: int = 0
     # Most layers that may freeze; None: all but the last layer.
@@ -235,7 +241,7 @@ class FreezeConfig:
         if not 0 <= self.signal_threshold <= 1:  # NaN fails too
             _fail("freeze.signal_threshold", f"must be in [0, 1], got {self.signal_threshold}")
         if isinstance(self.interval_steps, int) and self.interval_steps < 1:
-            _fail("freeze.interval_steps", "must be >= 1, 'auto' or null")
+            _fail("freeze.interval_steps", "must be >= 1, 'auto', 'measured' or null")
         if self.warmup_epochs < 0:
             _fail("freeze.warmup_epochs", "must be >= 0")
         if self.max_frozen_layers is not None and self.max_frozen_layers < 0:
@@ -645,6 +651,18 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error in one line: where (1-based line and column) and what; PyYAML's own
+    text spans several lines and names the file "<unicode string>"."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    what = f"{problem} ({context})" if context else problem
+    if mark is None:
+        return what
+    return f"line {mark.line + 1}, column {mark.column + 1}: {what}"
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b=value` -> (['a', 'b'], value parsed as YAML)."""
     if "=" not in text:
@@ -653,7 +671,10 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     path = key.strip().split(".")
     if not all(path):
         raise ConfigError(f"override {text!r}: empty key part")
-    return path, yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        return path, yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: not valid YAML: {_yaml_problem(exc)}") from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -681,7 +702,7 @@ def read_config_data(
         try:
             loaded = yaml.safe_load(p.read_text())
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
+            raise ConfigError(f"{p}: not valid YAML: {_yaml_problem(exc)}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
         data = loaded or {}
@@ -747,7 +768,7 @@ def _layout_problem(config: Config, world: int, k0: int) -> tuple[str, str] | No
                 f"{m} does not divide the per-replica batch {per_replica} "
                 f"({replicas} replicas at pipe_len {k})"
             )
-        if m == "auto" and per_replica < k:
+        if m in ("auto", "measured") and per_replica < k:
             return (batch_key, f"per-replica batch {per_replica} is smaller than pipe_len {k}")
         if config.pipeline.schedule == "1f1b" and isinstance(m, int) and m < k:
             return "pipeline.num_micro_batches", f"1f1b needs at least pipe_len ({k}) micro-batches"
@@ -834,9 +855,10 @@ def resolve(config: Config, world: World, initial_pipe_len: int | None = None) -
     """A new config with every setting that is `auto` (or unset) for the run's lifetime
     resolved for `world`: the processes per node, the device, AutoCache's storage dtype and,
     when given (AutoPipe's memory-aware choice, planning/context.py), the initial pipeline
-    length. `config` is not changed. What stays `auto` is decided again during the run by
-    measurement: `pipeline.num_micro_batches` (per layout) and `freeze.interval_steps` (it
-    adapts to transition costs). Raises ConfigError as `check_config` does."""
+    length. `config` is not changed. What stays `auto` is decided during the run from the
+    config (`pipeline.num_micro_batches` per layout, `freeze.interval_steps` from the
+    starting layout's steps); what is `measured` is timed during the run. Raises
+    ConfigError as `check_config` does."""
     pipeline = config.pipeline
     if initial_pipe_len is not None:
         pipeline = dataclasses.replace(pipeline, initial_pipe_len=initial_pipe_len)
@@ -850,6 +872,17 @@ def resolve(config: Config, world: World, initial_pipe_len: int | None = None) -
     )
     check_config(resolved, world_size=world.world_size)
     return resolved
+
+
+def decided_by_measured_time(config: Config) -> list[str]:
+    """The settings a run of `config` decides from times it measures ('measured', opt-in):
+    what may differ between an idle and a busy machine. Empty: the same config and seed
+    make the same decisions anywhere."""
+    settings = {
+        "pipeline.num_micro_batches": config.pipeline.num_micro_batches,
+        "freeze.interval_steps": config.freeze.interval_steps,
+    }
+    return [key for key, value in settings.items() if value == "measured"]
 
 
 def config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, Any, Any]]:

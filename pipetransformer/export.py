@@ -88,5 +88,6 @@ def export_run(
         labels=label_names(config.data) if build["task"] == "classification" else None,
     )
     files = export_model(model, out_dir, info)
-    logger.info("exported %s to %s: %s", checkpoint, out_dir, ", ".join(files))
+    # debug: the command line says it, once (`export`, and `train` with trainer.save_model)
+    logger.debug("exported %s to %s: %s", checkpoint, out_dir, ", ".join(files))
     return checkpoint, files

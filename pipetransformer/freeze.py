@@ -295,8 +295,9 @@ class FreezeDecider:
         raise ValueError(f"freeze.strategy: unknown strategy '{strategy}'")
 
 
-# freeze.interval_steps 'auto': decisions per epoch, and the share of the time between two
-# decisions a transition may take before decisions are spaced further apart.
+# freeze.interval_steps 'auto' (and 'measured'): decisions per epoch; for 'measured', the
+# share of the time between two decisions a transition may take before decisions are spaced
+# further apart.
 DECISIONS_PER_EPOCH = 3
 TRANSITION_TIME_SHARE = 0.05
 
@@ -318,9 +319,12 @@ class DecisionSchedule:
         cls, config: FreezeConfig, steps_per_epoch: int, min_interval_steps: int = 1
     ) -> DecisionSchedule:
         """`steps_per_epoch`: of the layout the run starts in (what 'auto' divides);
-        `min_interval_steps`: the lower bound 'auto' has learnt from transition costs."""
+        `min_interval_steps`: the lower bound 'measured' has learnt from transition costs
+        ('auto' ignores it: its interval is a function of the config alone)."""
         interval = config.interval_steps
         if interval == "auto":
+            interval = math.ceil(steps_per_epoch / DECISIONS_PER_EPOCH)
+        elif interval == "measured":
             interval = max(math.ceil(steps_per_epoch / DECISIONS_PER_EPOCH), min_interval_steps)
         return cls(interval, config.warmup_epochs)
 

@@ -12,6 +12,7 @@ import pytest
 from helpers import run_workers
 from workers import elastic_run, failing_run
 
+from pipetransformer.autocache.private import read_owner
 from pipetransformer.config import load_config
 
 pytestmark = pytest.mark.distributed
@@ -19,8 +20,15 @@ ROOT = Path(__file__).resolve().parent.parent
 SHM = Path("/dev/shm")
 
 
-def cache_files() -> set[str]:
-    return {p.name for p in SHM.glob("ptcache-*")} if SHM.is_dir() else set()
+def own_stores(cache_dir: Path) -> list[str]:
+    """The cache stores a test's own runs made (they set cache.dir to `cache_dir`): disk
+    tiers in `cache_dir` and the /dev/shm directories whose owner record names one there.
+    Stores of other runs on the machine (a training beside the suite, another test) are
+    not looked at: they come and go on their own."""
+    disk = [str(p) for p in cache_dir.glob("ptcache-*")] if cache_dir.is_dir() else []
+    shm = SHM.glob("ptcache-*") if SHM.is_dir() else []
+    mine = [p for p in shm if (read_owner(p) or {}).get("disk_dir", "").startswith(f"{cache_dir}/")]
+    return sorted(disk + [str(p) for p in mine])
 
 
 def run(tmp_path, name, *overrides):
@@ -40,6 +48,7 @@ def run(tmp_path, name, *overrides):
             "pipeline.initial_pipe_len=2",
             "pipeline.num_micro_batches=4",
             "trainer.progress_bar=false",
+            f"cache.dir={tmp_path / 'cache'}",
             *overrides,
         ],
     )
@@ -48,10 +57,10 @@ def run(tmp_path, name, *overrides):
 
 
 def test_cached_training_matches_recomputing_and_shares_entries(tmp_path):
-    before = cache_files()
     plain = run(tmp_path, "plain", "cache.enabled=false")
     cached = run(tmp_path, "cached", "cache.enabled=true")
-    assert cache_files() == before  # nothing left in /dev/shm after a normal exit
+    assert cached[-1]["cache_hits"] > 0 and (tmp_path / "cache").is_dir()  # it ran here
+    assert own_stores(tmp_path / "cache") == []  # nothing left in /dev/shm after a normal exit
     assert [m["pipe_len"] for m in cached] == [2, 2, 1, 1] and cached[-1]["dp_degree"] == 2
     # float32 storage: hits are the computed values themselves, so training is the same
     # up to the summation order of the subsets that missed. Tolerance: 1 point.
@@ -69,7 +78,6 @@ def test_cached_training_matches_recomputing_and_shares_entries(tmp_path):
 
 
 def test_no_shared_memory_left_after_an_exception(tmp_path):
-    before = cache_files()
     config = {
         "trainer": {
             "epochs": 3,
@@ -79,7 +87,7 @@ def test_no_shared_memory_left_after_an_exception(tmp_path):
         },
         "pipeline": {"initial_pipe_len": 2, "num_micro_batches": 2, "balance": "params"},
         "freeze": {"strategy": "manual", "manual_schedule": [3], "interval_steps": None},
-        "cache": {"enabled": True},
+        "cache": {"enabled": True, "dir": str(tmp_path / "cache")},
         "model": {
             "name": "vit_tiny_patch16_224",
             "kwargs": {"patch_size": 4, "embed_dim": 32, "depth": 4, "num_heads": 2},
@@ -88,11 +96,12 @@ def test_no_shared_memory_left_after_an_exception(tmp_path):
     }
     results = run_workers(failing_run, 2, config, str(tmp_path / "run"))
     assert results == ["injected failure", "injected failure"]
-    assert cache_files() == before
+    assert (tmp_path / "cache").is_dir()  # the store was made there, then removed
+    assert own_stores(tmp_path / "cache") == []
 
 
 def test_no_shared_memory_left_after_sigkill(tmp_path):
-    before = cache_files()
+    cache_dir = tmp_path / "cache"
     process = subprocess.Popen(
         [
             sys.executable,
@@ -101,6 +110,7 @@ def test_no_shared_memory_left_after_sigkill(tmp_path):
             "train",
             str(ROOT / "configs" / "quickstart.yaml"),
             "cache.enabled=true",
+            f"cache.dir={cache_dir}",
             "freeze.strategy=manual",
             "freeze.manual_schedule=[3]",
             "freeze.warmup_epochs=0",
@@ -119,15 +129,18 @@ def test_no_shared_memory_left_after_sigkill(tmp_path):
     )
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and not (cache_files() - before):
+        in_shm = []
+        while time.time() < deadline and not in_shm:
             time.sleep(0.2)
-        assert cache_files() - before, "the cache never started"
+            started = own_stores(cache_dir)
+            in_shm = [name for name in started if name.startswith(f"{SHM}/")]
+        assert in_shm, "the cache never started"
     finally:
         os.killpg(
             process.pid, signal.SIGKILL
         )  # the launcher and every trainer, no cleanup code runs
         process.wait()
     deadline = time.time() + 15
-    while time.time() < deadline and cache_files() - before:
+    while time.time() < deadline and any(os.path.lexists(name) for name in started):
         time.sleep(0.2)
-    assert cache_files() == before
+    assert [name for name in started if os.path.lexists(name)] == []

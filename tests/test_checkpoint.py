@@ -92,6 +92,59 @@ def test_checkpoint_cadence():
     assert [s for s in range(1, 22) if final.due(tick(s))] == [21]
 
 
+class _Weights:
+    """A stateful of one tensor and one plain value."""
+
+    def __init__(self) -> None:
+        self.weight = torch.arange(1000.0)
+
+    def state_dict(self) -> dict:
+        return {"model/weight": self.weight, "note": "kept"}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.weight = state_dict["model/weight"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("where", ["dcp", "rank0"])
+def test_a_full_disk_is_one_line_naming_errno_path_and_the_checkpoint_kept(
+    tmp_path, monkeypatch, where
+):
+    """A full disk once stopped a run with `CheckpointException ranks:dict_keys([0, 1])`:
+    the cause, the path and the checkpoint left to resume from all went unsaid. ENOSPC while
+    DCP writes a tensor file (every rank learns it) or while rank 0 writes run_state.json."""
+    import errno
+
+    from pipetransformer.trainer import checkpoint as checkpoint_module
+    from pipetransformer.trainer.checkpoint import CheckpointWriteError
+
+    ckpt = Checkpointer(CheckpointConfig(), tmp_path, Control(None))
+    kept = ckpt.save(3, {"model": _Weights()}, "epoch", None).path
+    real_fsync = os.fsync
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "x" / "file"))
+
+    if where == "dcp":  # DCP fsyncs every file it writes (sync_files=True)
+        monkeypatch.setattr(os, "fsync", full)
+    else:
+        monkeypatch.setattr(checkpoint_module, "write_json_atomic", full)
+    with pytest.raises(CheckpointWriteError) as error:
+        ckpt.save(6, {"model": _Weights()}, "epoch", None)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    message = str(error.value)
+    assert "\n" not in message and "No space left on device (ENOSPC)" in message
+    assert str(tmp_path / "x" / "file") in message and f"{kept}, is intact" in message
+    assert find_checkpoint(tmp_path) == kept  # the failed write left nothing half-done
+    assert not (tmp_path / "checkpoints" / ".tmp-step-00000006").exists()
+    # The command line's failure line ends with the command that resumes from it.
+    from pipetransformer.cli import _resume_hint
+
+    assert _resume_hint(tmp_path, "pipetransformer train C --resume R") == (
+        ". Resume with: pipetransformer train C --resume R"
+    )
+
+
 def test_a_used_run_directory_is_refused_and_left_untouched(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"epoch": 1}\n')
     with pytest.raises(RunDirError, match="already holds a run"):

@@ -126,7 +126,7 @@ def test_short_training_run_writes_its_outputs(tmp_path):
     assert 0.0 <= metrics[-1]["eval_metric"] <= 1.0
     assert (metrics[0]["pipe_len"], metrics[1]["pipe_len"], metrics[1]["dp_degree"]) == (2, 1, 2)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert {"wall_time_s", "final_eval_metric", "best_eval_metric"} <= set(summary)
+    assert {"training_time_s", "final_eval_metric", "best_eval_metric"} <= set(summary)
     assert summary["final_eval_metric"] == metrics[-1]["eval_metric"]
     resolved = (run_dir / "config.yaml").read_text()
     assert "epochs: 2" in resolved and "train_subset: 256" in resolved

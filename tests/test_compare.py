@@ -132,7 +132,7 @@ def fake_run(path: Path, wall: float, metrics: list[tuple], events: list[dict] =
     for event in events:
         append_jsonl(path / "events.jsonl", event)
     summary = RunSummary(
-        wall_time_s=wall,
+        training_time_s=wall,
         attempts=1,
         final_eval_metric=metrics[-1][0],
         best_eval_metric=max(m[0] for m in metrics),
@@ -186,7 +186,7 @@ def test_results_and_report_agree_with_the_runs(tmp_path):
     results = build_results(runs, costs, cache_enabled=False, context={"config_name": "fake"})
     for name in runs:
         summary = json.loads((tmp_path / name / "summary.json").read_text())
-        assert results["variants"][name]["wall_time_s"] == summary["wall_time_s"]
+        assert results["variants"][name]["wall_time_s"] == summary["training_time_s"]
         assert results["variants"][name]["final_eval_metric"] == summary["final_eval_metric"]
         assert results["variants"][name]["best_eval_metric"] == summary["best_eval_metric"]
     assert results["speedup"] == pytest.approx(1.5)
@@ -286,7 +286,7 @@ def test_compare_command_end_to_end(tmp_path):
     assert "Each variant against each other" in (out / "report.md").read_text()
     for name in ("baseline", "elastic"):
         summary = json.loads((out / name / "summary.json").read_text())
-        assert results["variants"][name]["wall_time_s"] == summary["wall_time_s"]
+        assert results["variants"][name]["wall_time_s"] == summary["training_time_s"]
     assert results["speedup"] == pytest.approx(
         results["variants"]["baseline"]["wall_time_s"]
         / results["variants"]["elastic"]["wall_time_s"]

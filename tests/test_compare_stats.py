@@ -235,7 +235,7 @@ def fake_finished_run(run_dir: Path, wall: float, metrics: list[float], frozen: 
         append_jsonl(run_dir / "metrics.jsonl", line.to_dict())
         append_jsonl(run_dir / "events.jsonl", checkpoint(10 * epoch, 0.0).to_dict())
     summary = RunSummary(
-        wall_time_s=wall,
+        training_time_s=wall,
         attempts=1,
         final_eval_metric=metrics[-1],
         best_eval_metric=max(metrics),

@@ -125,3 +125,18 @@ def test_cache_refuses_augmented_training_inputs_unless_allowed(tmp_path):
         load_config(write(tmp_path, data))
     data["cache"]["allow_augmented"] = True
     assert load_config(write(tmp_path, data)).cache.allow_augmented
+
+
+def test_malformed_yaml_is_one_line_naming_the_file_line_and_column(tmp_path):
+    """It was 8 lines naming "<unicode string>" instead of the file."""
+    from pipetransformer.config import ConfigError, load_config
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  epochs: [1\n  seed: 0\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(bad)
+    message = str(error.value)
+    assert "\n" not in message and "unicode string" not in message
+    assert message.startswith(f"{bad}: not valid YAML: line 3, column 7: expected ',' or ']'")
+    with pytest.raises(ConfigError, match=r"override 'trainer.epochs=\[1': not valid YAML: line 1"):
+        load_config(None, ["trainer.epochs=[1"])

@@ -186,9 +186,12 @@ def test_decision_cadence():
     # first once it is over (its steps count towards the interval).
     auto = DecisionSchedule.for_config(FreezeConfig(interval_steps="auto", warmup_epochs=1), 7)
     assert auto.interval_steps == 3 and due_steps(auto) == [8, 11, 14, 17, 20]
-    # ... spaced out when transitions are costly: 0.2 s transitions, 0.1 s steps -> 40 steps.
+    # 'measured' is spaced out when transitions are costly: 0.2 s transitions, 0.1 s steps
+    # -> 40 steps; 'auto' is a function of the config alone and ignores what was measured.
     assert min_interval_for(0.2, 0.1) == 40 and min_interval_for(0.001, 0.1) == 1
-    spaced = DecisionSchedule.for_config(FreezeConfig(interval_steps="auto"), 7, 10)
+    unmeasured = DecisionSchedule.for_config(FreezeConfig(interval_steps="auto"), 7, 10)
+    assert unmeasured.interval_steps == 3
+    spaced = DecisionSchedule.for_config(FreezeConfig(interval_steps="measured"), 7, 10)
     assert due_steps(spaced) == [10, 20]
 
 

@@ -860,7 +860,7 @@ def _audit_config(kind: str, shared_data: Path) -> dict:
             "precision": "bf16" if kind == "bert" else "fp32",
         },
         "optimizer": {"name": "adamw", "lr": 1e-3, "max_grad_norm": 1.0},
-        "pipeline": {"initial_pipe_len": 2, "num_micro_batches": "auto", "balance": "params"},
+        "pipeline": {"initial_pipe_len": 2, "num_micro_batches": "measured", "balance": "params"},
         "freeze": {"strategy": "gradient_norm", "interval_steps": 1000},
         "cache": {"enabled": True, "profile": False},
     }

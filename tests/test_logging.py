@@ -85,7 +85,7 @@ def test_the_closing_line_says_time_metric_freezing_layout_and_outputs():
     from pipetransformer.trainer.records import RunSummary
 
     summary = RunSummary(
-        wall_time_s=234.4,
+        training_time_s=234.4,
         attempts=1,
         final_eval_metric=0.9611,
         best_eval_metric=0.975,
@@ -105,3 +105,38 @@ def test_the_closing_line_says_time_metric_freezing_layout_and_outputs():
     assert line.startswith("done in 5 min 52 s (3 min 54 s training, the rest start-up)")
     assert "accuracy 96.11% final, 97.50% best; 6 of 8 layers frozen" in line
     assert "pipe_len 1 x dp_degree 2; outputs in runs/q/" in line
+    # summary.json files written before the field was named for what it is still load.
+    old = {**summary.to_dict(), "wall_time_s": 12.5}
+    del old["training_time_s"]
+    assert RunSummary.from_dict(old).training_time_s == 12.5
+
+
+def test_colour_codes_stay_out_of_a_redirected_log():
+    """transformers colours its loading report when stdout is a terminal and writes it to
+    stderr: a log redirected to a file held raw escape codes."""
+    import io
+    import logging
+
+    from transformers.utils import logging as transformers_logging
+
+    from pipetransformer.utils.logging import plain_text_when_redirected
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    coloured = "\x1b[31mMISSING\x1b[0m\tclassifier.weight: %s"
+    for stream, expected in ((io.StringIO(), "MISSING\t"), (Terminal(), "\x1b[31mMISSING")):
+        logger = logging.getLogger(f"test-plain-{type(stream).__name__}")
+        logger.addHandler(logging.StreamHandler(stream))
+        logger.propagate = False
+        plain_text_when_redirected(logger)
+        plain_text_when_redirected(logger)  # once per handler
+        logger.warning(coloured, "newly initialized")
+        assert stream.getvalue().startswith(expected)
+        assert stream.getvalue().endswith("classifier.weight: newly initialized\n")
+        assert len(logger.handlers[0].filters) == 1
+    # What loading a pretrained BERT installs on transformers' own handler.
+    root = transformers_logging.get_logger()
+    plain_text_when_redirected(root)
+    assert all(handler.filters for handler in root.handlers)

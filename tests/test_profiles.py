@@ -373,7 +373,7 @@ def test_plan_table_uses_a_stored_profile(tmp_path):
         QUICKSTART,
         [
             "pipeline.balance=time",
-            "pipeline.num_micro_batches=auto",
+            "pipeline.num_micro_batches=measured",
             "pipeline.initial_pipe_len=2",
             f"pipeline.profile_path={path}",
         ],
@@ -409,3 +409,40 @@ def test_plan_table_uses_a_stored_profile(tmp_path):
     assert rows[0].num_micro_batches == 8
     # Another device type has no profile: back to parameter counts.
     assert {row.cost_source for row in plan_table(config, device_type="cuda:other")} == {"params"}
+
+
+def test_plan_predict_finds_the_newest_profile_of_the_model_under_runs(tmp_path):
+    """Without --profile, `plan --predict` takes the newest profile file under ./runs with a
+    unit profile of this model (a run's RUN_DIR/profiles.json); with none, one error line
+    names both ways to a prediction (it once named runs/profiles/profiles.json, a file no
+    run writes)."""
+    import os
+
+    from pipetransformer.config import ConfigError
+    from pipetransformer.planning import describe_model, profiling_micro_batch_size
+    from pipetransformer.planning.prediction_inputs import _newest_run_profile
+    from pipetransformer.planning.profile_keys import unit_profile_key_for
+
+    runs = tmp_path / "runs"
+    config = load_config(QUICKSTART, [])
+    with pytest.raises(ConfigError) as error:
+        _newest_run_profile(config, runs)
+    message = str(error.value)
+    assert "\n" not in message and "--device NAME" in message and "quadro-rtx-5000" in message
+    assert "--profile RUN_DIR/profiles.json" in message and "profiles/profiles.json" not in message
+
+    def profile_of(config, run: str, forward_s: float, mtime: float) -> None:
+        spec = describe_model(config)
+        n, micro = spec.num_units, profiling_micro_batch_size(config)
+        profile = UnitProfile(micro, (forward_s,) * n, (0.02,) * n, (0.009,) * n, *([(4,) * n] * 3))
+        store = ProfileStore(runs / run / "profiles.json")
+        store.put_unit_profile(unit_profile_key_for(config, spec, "cpu", micro), profile)
+        store.save()
+        os.utime(runs / run / "profiles.json", (mtime, mtime))
+
+    profile_of(config, "quickstart-old", 0.01, 1_000)
+    profile_of(config, "quickstart-new", 0.03, 2_000)
+    other = load_config(QUICKSTART, ["model.kwargs.depth=4"])
+    profile_of(other, "another-model", 0.05, 3_000)  # newest, but not this model's
+    path, (profile, _, _) = _newest_run_profile(config, runs)
+    assert path == runs / "quickstart-new" / "profiles.json" and profile.forward_s[0] == 0.03

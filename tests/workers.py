@@ -535,3 +535,45 @@ def one_stage_against_gpipe(kind: str, micro_batches: int, batch_size: int):
     )
     torch.distributed.destroy_process_group()
     return {"modes": modes, "one_stage": one_stage, "gpipe": gpipe}
+
+
+def runs_under_load(runs: list[tuple[str, dict, float, int | None]], root: str):
+    """Whole Trainer runs one after the other in the same workers, as `elastic_runs`, each
+    (name, config, load_s, resume_at_step): with `load_s` > 0 the run reads a clock that
+    stalls at every reading for a random time (exponential, mean `load_s`, the same draws
+    on every attempt), as a machine that another job shares stretches whatever a run times
+    by chance; with `resume_at_step` the run continues a copy of the first run cut back to
+    that step's checkpoint. {name: elastic_run's result}."""
+    import random
+    import time
+    from pathlib import Path
+
+    from pipetransformer.trainer.rundir import RunOptions
+
+    root = Path(root)
+    first = root / runs[0][0]
+    results = {}
+    real = time.perf_counter
+    for index, (name, config_dict, load_s, resume_at_step) in enumerate(runs):
+        into = root / name
+
+        def prepare(into=into, step=resume_at_step):
+            if step is not None:
+                _continue_from(first, into, step)
+
+        if index or resume_at_step is not None:
+            _fresh_rendezvous(root / f"port-{name}", prepare)
+        if load_s:
+            draws, stalled = random.Random(env_rank()), [0.0]
+
+            def loaded_clock(draws=draws, stalled=stalled, load_s=load_s) -> float:
+                stalled[0] += draws.expovariate(1 / load_s)
+                return real() + stalled[0]
+
+            time.perf_counter = loaded_clock
+        try:
+            options = RunOptions(resume="required") if resume_at_step is not None else None
+            results[name] = elastic_run(config_dict, str(into), False, options)
+        finally:
+            time.perf_counter = real
+    return results

@@ -182,7 +182,7 @@ def write_records(
         append_jsonl(run_dir / "metrics.jsonl", line.to_dict())
     (run_dir / "events.jsonl").touch()
     summary = RunSummary(
-        wall_time_s=sum(r["epoch_time_s"] for r in epochs) + eval_time_s,
+        training_time_s=sum(r["epoch_time_s"] for r in epochs) + eval_time_s,
         attempts=1,
         final_eval_metric=metric,
         best_eval_metric=metric,

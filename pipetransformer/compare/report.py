@@ -96,7 +96,7 @@ def read_run(run_dir: Path) -> dict[str, Any]:
     comm = sum(m.ddp_comm_s for m in metrics)
     return {
         "run_dir": str(run_dir),
-        "wall_time_s": summary.wall_time_s,
+        "wall_time_s": summary.training_time_s,  # compare's key: the runs' training time
         "final_eval_metric": summary.final_eval_metric,
         "best_eval_metric": summary.best_eval_metric,
         "metric_name": summary.metric_name,
@@ -142,7 +142,7 @@ def read_seed_run(run_dir: Path, variant: str, seed: int) -> SeedRun:
     return SeedRun(
         variant=variant,
         seed=seed,
-        wall_time_s=summary.wall_time_s,
+        wall_time_s=summary.training_time_s,
         final_eval_metric=summary.final_eval_metric,
         best_eval_metric=summary.best_eval_metric,
         evaluations=tuple(evaluation_times(metrics, checkpoints)),

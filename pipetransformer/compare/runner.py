@@ -354,6 +354,16 @@ def _context(
     }
 
 
+def _say_where(out: Path) -> None:
+    """The last line of a comparison: where its outputs are (the report goes to stdout
+    above it, the runs' logs to stderr before it)."""
+    print(
+        f"pipetransformer compare: report in {out / 'report.md'} (results.json and plots "
+        f"beside it; each run in {out}/)",
+        file=sys.stderr,
+    )
+
+
 def _write_outputs(
     runs: dict[str, dict[str, Any]],
     costs: dict[str, list[float]] | None,
@@ -366,6 +376,7 @@ def _write_outputs(
     results["plots"] = sorted(plots)
     save_results(results, out)
     print(write_report(results, out, sorted(plots)))
+    _say_where(out)
     return 0
 
 
@@ -405,4 +416,5 @@ def _write_seeded_outputs(
     results["plots"] = sorted(plots)
     save_results(results, out)
     print(write_report(results, out, sorted(plots), stats))
+    _say_where(out)
     return 0

@@ -36,6 +36,7 @@ from pipetransformer.models.layered import (
 )
 from pipetransformer.models.registry import ExportInfo, ModelAdapter, adapter_for_model_type
 from pipetransformer.utils.files import looks_like_path
+from pipetransformer.utils.logging import plain_text_when_redirected
 
 logger = logging.getLogger(__name__)
 
@@ -252,6 +253,10 @@ def create_text_model(
     )
     model_class = _model_class(task)
     if config.model_name_or_path is not None and str(device) != "meta":
+        from transformers.utils import logging as transformers_logging
+
+        # Its loading report is coloured for a terminal on stdout, written to stderr.
+        plain_text_when_redirected(transformers_logging.get_logger())
         model = model_class.from_pretrained(config.model_name_or_path, config=hf_config)
         logger.info("loaded pretrained weights from %s", config.model_name_or_path)
         return model.to(device), adapter

@@ -160,7 +160,9 @@ def format_bytes(count: float) -> str:
 
 
 def choose_num_micro_batches(setting: int | str, pipe_len: int, replica_batch: int) -> int:
-    """A configured M, or for 'auto' without measurements the smallest divisor >= pipe_len."""
+    """A configured M; for 'auto' (and 'measured' before any measurement) the smallest
+    divisor of the replica batch >= pipe_len: 1 for plain DDP, and for a pipeline the
+    fewest micro-batches that keep every stage busy in the steady state."""
     if isinstance(setting, int):
         return setting
     for m in range(pipe_len, replica_batch + 1):
@@ -381,7 +383,7 @@ class PlanContext:
         replica_batch = trainer.replica_batch_size(pipeline.dp_degree)
         k, setting = pipeline.pipe_len, self.config.pipeline.num_micro_batches
         counts = [m for m in range(k, 6 * k + 1) if replica_batch % m == 0]
-        if isinstance(setting, int) or not counts:
+        if setting != "measured" or not counts:  # 'auto' and an int: the plan's M
             counts = [pipeline.plan.num_micro_batches]
         pipeline_s = min(self.pricer(pipeline.with_micro_batches(m), prefix_s) for m in counts)
         sharded_s = self.pricer(sharded, prefix_s)

@@ -490,16 +490,22 @@ def predict(
     def peak(ctx: PlanContext, layout: Layout) -> float:
         return max(ctx.layout_bytes(layout))
 
-    # Each boundary's steady state: the planner's layout from the one before, the prefix
-    # read wherever the cache serves it.
+    run = elastic.run(per_epoch)
+    # Each boundary's steady state, the prefix read wherever the cache serves it: the
+    # planner's layout for reading, from the pipeline the run holds at that boundary where
+    # it reaches it (the run plans a boundary when it gets there, for the prefix work of
+    # that moment, and K only halves: planned from the row before, a row could disagree
+    # with the epoch table), from the row before elsewhere.
+    held = {s.num_frozen_layers: _pipe_len_from(context, s.layout) for s in run.segments}
     rows, pipe_len = [], context.initial_pipe_len
     for frozen in range(spec.num_layers):
         serves = elastic.serves(frozen)
         read = elastic.prefix_s(frozen, {frozen: 1.0}, serves)
-        layout = context.layout_for(frozen, pipe_len, prefix_cost=elastic.balance_cost(read))
+        layout = context.layout_for(
+            frozen, held.get(frozen, pipe_len), prefix_cost=elastic.balance_cost(read)
+        )
         pipe_len = _pipe_len_from(context, layout)
         rows.append(_predicted(frozen, layout, elastic.step(layout, read), peak(context, layout)))
-    run = elastic.run(per_epoch)
     start = run.segments[0].layout
     start_global = context.config.trainer.global_batch_size_at(start.dp_degree)
 

@@ -3,10 +3,12 @@ hardware.yaml or stated bandwidths), the unit profile and its unit times (a meas
 or the model's analytical profile through a roofline on the named device), and the number of
 training samples an epoch, each with a line saying where it came from.
 
-Which unit profile: a measured one wins when the profile file has one for this model (the
-file `--profile` names, else the runs' default), unless `--device` names a device of another
-type than the one it was measured on; then, or when there is none, the analytical profile on
-the named device. Without `--device` a measured profile is needed, as before.
+Which unit profile: a measured one wins when a profile file has one for this model (the
+file `--profile` names, else pipeline.profile_path, else the newest of the files runs under
+./runs wrote: runs/profiles/profiles.json and every RUN_DIR/profiles.json), unless
+`--device` names a device of another type than the one it was measured on; then, or when
+there is none, the analytical profile on the named device. Without `--device` a measured
+profile is needed, and the error says how to get one or to name a device.
 
 Owns: `cluster_from_flags`, `prediction_unit_times`, `measured_on`, `train_samples_for`.
 Must not: predict (predict.py), measure anything, or download data or weights.
@@ -19,7 +21,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipetransformer.autopipe.profiles import UnitProfile
+from pipetransformer.autopipe.profiles import (
+    ProfileError,
+    ProfileStore,
+    UnitProfile,
+    UnitProfileKey,
+)
 from pipetransformer.config import Config, ConfigError, DataConfig, resolve
 from pipetransformer.models import build_model
 from pipetransformer.planning.analytical import analytical_profile
@@ -28,7 +35,7 @@ from pipetransformer.planning.context import (
     model_build_args,
     profiling_micro_batch_size,
 )
-from pipetransformer.planning.hardware import Device, Link, device, link
+from pipetransformer.planning.hardware import Device, Link, device, link, packaged_hardware
 from pipetransformer.planning.predict import (
     INTER_NODE_GBPS,
     INTRA_NODE_GBPS,
@@ -37,7 +44,7 @@ from pipetransformer.planning.predict import (
     find_unit_profile,
     unit_times,
 )
-from pipetransformer.planning.profile_keys import profile_path_for
+from pipetransformer.planning.profile_keys import PLAN_PROFILE_PATH, profile_path_for
 from pipetransformer.planning.roofline import (
     PRECISION_PEAKS,
     AchievedFractions,
@@ -196,7 +203,10 @@ def prediction_unit_times(
         bandwidth = named.memory_bytes_per_s * fractions.memory
     path = Path(profile_path) if profile_path else profile_path_for(config)
     try:
-        profile, key, store = find_unit_profile(config, path)
+        if profile_path or config.pipeline.profile_path is not None:
+            profile, key, store = find_unit_profile(config, path)
+        else:
+            path, (profile, key, store) = _newest_run_profile(config)
     except ConfigError:
         if named is None or profile_path:
             raise  # no device to fall back on, or the file asked for lacks this model
@@ -210,6 +220,37 @@ def prediction_unit_times(
         source += f"; {path} holds one measured on {key.device}, not a {named.name}"
     profile = roofline_unit_profile(resolved, named, cluster.world_size, fractions)
     return PredictionProfile(profile, unit_times(profile, bandwidth), source)
+
+
+def _newest_run_profile(
+    config: Config, runs: Path = PLAN_PROFILE_PATH.parent.parent
+) -> tuple[Path, tuple[UnitProfile, UnitProfileKey, ProfileStore]]:
+    """The newest profile file under `runs` (modification time) with a unit profile of this
+    model: runs/profiles/profiles.json, a run's RUN_DIR/profiles.json, a compare's variants'.
+    Raises ConfigError naming the model and both ways to a prediction when none has one."""
+    files = sorted(
+        (
+            p
+            for p in runs.rglob("profiles.json")
+            if p.is_file() and "checkpoints" not in p.relative_to(runs).parts  # copies
+        )
+        if runs.is_dir()
+        else (),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
+    for path in files:
+        try:
+            return path, find_unit_profile(config, path)
+        except (ConfigError, ProfileError):  # another model's, or unreadable: the next
+            continue
+    where = f"{len(files)} profile file(s) under {runs}/" if files else f"no {runs}/ here"
+    raise ConfigError(
+        f"plan --predict: no measured unit profile of this model ({config.model.name}; "
+        f"{where}): name a device to predict from its data sheet, --device NAME (one of "
+        f"{', '.join(packaged_hardware().devices)}), or train this config once and pass "
+        "--profile RUN_DIR/profiles.json"
+    )
 
 
 # ----------------------------------------------------------------------------- steps

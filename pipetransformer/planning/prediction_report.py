@@ -82,8 +82,8 @@ def format_prediction(result: Prediction) -> str:
         f"{result.profile_micro_batch_size})",
         f"{result.train_samples} training samples an epoch{samples_source}; {batch}: "
         f"{result.steps_per_epoch} steps an epoch at the start",
-        "steady state per frozen boundary (the prefix read from AutoCache where it serves; "
-        "s: sharded, FSDP2 over every device):",
+        "steady state per frozen boundary (the layout the run holds there, the prefix read "
+        "from AutoCache where it serves; s: sharded, FSDP2 over every device):",
         f"{'frozen':>6} {'K':>3} {'R':>3} {'M':>3} {'bubble':>7} {'compute':>10} {'p2p':>9} "
         f"{'all-reduce':>10} {'optimizer':>10} {'overhead':>9} {'step':>10} {'memory':>10}",
     ]

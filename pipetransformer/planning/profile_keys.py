@@ -139,12 +139,12 @@ def stored_micro_batch_chooser(
     config: Config, spec: ModelSpec, store: ProfileStore, device_type: str
 ) -> MicroBatchChooser:
     """A (pipe_len, replica_batch) -> M chooser for PlanContext.layout_for: a configured int
-    as is; 'auto' picks the fastest stored timing among the candidates, and falls back to
+    as is; 'measured' picks the fastest stored timing among the candidates, and falls back to
     the measurement-free rule for layouts never measured."""
 
     def chooser(pipe_len: int, replica_batch: int) -> int:
         setting = config.pipeline.num_micro_batches
-        if setting == "auto":
+        if setting == "measured":
             key = micro_batch_key_for(config, spec, device_type, pipe_len, replica_batch)
             timings = store.micro_batch_timings(key)
             candidates = micro_batch_candidates(config, pipe_len, replica_batch)

@@ -68,7 +68,7 @@ def plan_table(
     `profile_path_for(config)`): stages are balanced on measured seconds under
     `pipeline.balance: time` (rows say cost_source 'time'), stage bytes include activations
     (memory_source 'profile'), and `initial_pipe_len: auto` is resolved as a run would;
-    with `num_micro_batches: auto`, stored timings choose M. Without one: parameter counts,
+    with `num_micro_batches: measured`, stored timings choose M. Without one: parameter counts,
     and stage bytes of parameters, gradients and optimizer state only (memory_source
     'params'). The CPU has no memory limit unless pipeline.device_memory_bytes is set.
     """

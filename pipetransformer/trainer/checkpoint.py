@@ -24,12 +24,18 @@ no `step-N/` or a complete one; `find_checkpoint` never picks a `.tmp-` director
 without run_state.json, and leftovers of an interrupted write are removed at the next
 start.
 
+A write that fails with an OSError (a full disk, a quota, a read-only file system), on any
+rank, is a CheckpointWriteError: one line with the errno, the path, and the newest complete
+checkpoint, which the failed write leaves as it was (its staging directory is removed, to
+give the space back). The command line adds the command that resumes from it.
+
 Owns: the directory layout, writing and reading, and when a checkpoint is due. Must not:
 know what the state means (the statefuls do).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -43,6 +49,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from pipetransformer.config import CheckpointConfig
 from pipetransformer.trainer.clock import Tick
@@ -81,6 +88,41 @@ def complete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
     return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (the message is one line: cause, path, the newest
+    complete checkpoint)."""
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind `exc`: itself, one a rank reported to DCP (CheckpointException's
+    failures by rank), or one it was raised from."""
+    seen: set[int] = set()
+    pending: list[BaseException] = [exc]
+    while pending:
+        current = pending.pop(0)
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError):
+            return current
+        if isinstance(current, CheckpointException):
+            pending += [failure[0] for _, failure in sorted(current.failures.items())]
+        pending += [e for e in (current.__cause__, current.__context__) if e is not None]
+    return None
+
+
+def _write_failure(cause: OSError, staging: Path, newest: Path | None) -> str:
+    code = errno.errorcode.get(cause.errno, "") if cause.errno is not None else ""
+    reason = f"{cause.strerror or cause} ({code})" if code else str(cause.strerror or cause)
+    where = cause.filename or staging
+    kept = (
+        f"the newest complete checkpoint, {newest}, is intact"
+        if newest is not None
+        else "no complete checkpoint exists yet"
+    )
+    return f"checkpoint not written: {reason}: {where}; {kept}"
 
 
 def find_checkpoint(run_dir: str | os.PathLike, which: str = "latest") -> Path | None:
@@ -178,7 +220,29 @@ class Checkpointer:
         write_extra: Callable[[Path], None] | None = None,
     ) -> SavedCheckpoint:
         """Write a checkpoint of `global_step`. Collective: every rank, its own statefuls, in
-        the same order. `write_extra(directory)`: rank 0 adds its own files (the profiles)."""
+        the same order. `write_extra(directory)`: rank 0 adds its own files (the profiles).
+        Raises CheckpointWriteError when a file cannot be written."""
+        try:
+            return self._save(global_step, statefuls, reason, eval_metric, write_extra)
+        except (OSError, CheckpointException) as exc:
+            cause = _os_error(exc)
+            if cause is None:
+                raise
+            staging = self.root / f".tmp-{checkpoint_name(global_step)}"
+            if self.control.rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise CheckpointWriteError(
+                _write_failure(cause, staging, find_checkpoint(self.root.parent))
+            ) from exc
+
+    def _save(
+        self,
+        global_step: int,
+        statefuls: Mapping[str, Stateful],
+        reason: str,
+        eval_metric: float | None,
+        write_extra: Callable[[Path], None] | None = None,
+    ) -> SavedCheckpoint:
         start = time.perf_counter()
         tensors: dict[str, torch.Tensor] = {}
         record: dict[str, Any] = {}

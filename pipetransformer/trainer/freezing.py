@@ -1,11 +1,13 @@
 """The freeze algorithm in a run: when a decision is due, and the decision from the signal
 the metrics gathered, the same on every rank.
 
-`freeze.interval_steps: auto` keeps the recurring cost of a transition (not the one-time
-micro-batch profiling of a new layout) within TRANSITION_TIME_SHARE of the time between
-decisions; the slowest rank's figures at the run's first transition decide, once (the
-interval is part of the run state, so a resumed run keeps it), and a cadence event and a
-log line say what was measured and how to pin it.
+`freeze.interval_steps: auto` decides three times an epoch of the starting layout's steps:
+a function of the config, the same on any machine and under any load. `measured` (opt-in)
+keeps the recurring cost of a transition (not the one-time micro-batch profiling of a new
+layout) within TRANSITION_TIME_SHARE of the time between decisions; the slowest rank's
+figures at the run's first transition decide, once (the interval is part of the run state,
+so a resumed run keeps it), and a cadence event and a log line say what was measured, that
+it depends on the machine's load, and how to pin it.
 
 Owns: `FreezeControl`. Must not: decide anything itself (freeze.py's pure functions do) or
 carry out a transition (the trainer does).
@@ -153,11 +155,11 @@ class FreezeControl:
         )
 
     def space(self, transition_s: float, step_s: float, global_step: int) -> CadenceEvent | None:
-        """freeze.interval_steps 'auto', at the run's first transition: space decisions so
+        """freeze.interval_steps 'measured', at the run's first transition: space decisions so
         that a transition of `transition_s` takes at most TRANSITION_TIME_SHARE of the steps
         between two (collective). Measured once and kept in the run state: later transitions
         and resumes keep the interval, so a run decides at the same steps after a resume."""
-        if self.config.freeze.interval_steps != "auto" or self.state.decision_interval_measured:
+        if self.config.freeze.interval_steps != "measured" or self.state.decision_interval_measured:
             return None
         transition_s, step_s = self.control.all_max([transition_s, step_s]).tolist()
         default = self.schedule.interval_steps
@@ -173,18 +175,19 @@ class FreezeControl:
             time_share=TRANSITION_TIME_SHARE,
             decisions_left=self.count_decisions(global_step),
         )
-        if event.interval_steps > default:
-            logger.info(
-                "freeze decisions every %d steps instead of %d: a transition took %.3f s and a "
-                "step %.3f s, and transitions may take %.0f%% of the time between decisions; "
-                "%d decision(s) left in the run (pin it with freeze.interval_steps=N)",
-                event.interval_steps,
-                default,
-                transition_s,
-                step_s,
-                100 * TRANSITION_TIME_SHARE,
-                event.decisions_left,
-            )
+        logger.info(
+            "freeze decisions every %d steps (freeze.interval_steps: measured; 'auto' decides "
+            "every %d): a transition took %.3f s and a step %.3f s, and transitions may take "
+            "%.0f%% of the time between decisions; measured times depend on the machine's "
+            "load; %d decision(s) left in the run (pin it with freeze.interval_steps=%d)",
+            event.interval_steps,
+            default,
+            transition_s,
+            step_s,
+            100 * TRANSITION_TIME_SHARE,
+            event.decisions_left,
+            event.interval_steps,
+        )
         if event.decisions_left == 0:
             logger.warning(
                 "no freeze decision is left before the run ends: transitions cost %.3f s against "

@@ -64,7 +64,9 @@ class CacheCounters(Record):
 class RunSummary(Record):
     """summary.json: how a run ended (over all its attempts)."""
 
-    wall_time_s: float
+    # The training loop's seconds, all attempts added (set-up, worker start and the
+    # interpreter's start-up not included); summaries before issue 42 call it wall_time_s.
+    training_time_s: float
     attempts: int
     final_eval_metric: float | None
     best_eval_metric: float | None
@@ -88,6 +90,12 @@ class RunSummary(Record):
     peak_rss_bytes: int | None = None
     peak_allocated_bytes: int | None = None
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunSummary:
+        if "training_time_s" not in data and "wall_time_s" in data:  # an older summary
+            data = {**data, "training_time_s": data["wall_time_s"]}
+        return super().from_dict(data)
+
     def closing_line(self, run_dir: str, total_s: float | None = None) -> str:
         """One line for a person: how long (`total_s`: this command's whole time, start-up
         included), how well, how far it froze, where it ended and where its outputs are."""
@@ -96,8 +104,8 @@ class RunSummary(Record):
             minutes, seconds = divmod(round(seconds_total), 60)
             return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
 
-        took = duration(self.wall_time_s)
-        if total_s is not None and self.attempts == 1 and total_s > self.wall_time_s:
+        took = duration(self.training_time_s)
+        if total_s is not None and self.attempts == 1 and total_s > self.training_time_s:
             took = f"{duration(total_s)} ({took} training, the rest start-up)"
         attempts = f" over {self.attempts} attempts" if self.attempts > 1 else ""
 
@@ -241,6 +249,9 @@ class StartEvent(Event):
     device_memory_bytes: float | None = None
     memory_source: str = "params"
     sharded: bool = False
+    # Settings this run decides from times it measures (opt-in: 'measured'), which may
+    # differ on a busier machine; empty: every decision follows from the config and seed.
+    decided_by_measured_time: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -276,7 +287,7 @@ class CheckpointEvent(Event):
 
 @dataclass
 class CadenceEvent(Event):
-    """freeze.interval_steps 'auto' measured the decision interval (at the first transition):
+    """freeze.interval_steps 'measured' measured the decision interval (at the first transition):
     a transition may take at most `time_share` of the time between two decisions."""
 
     kind: ClassVar[str] = "cadence"

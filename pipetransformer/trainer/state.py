@@ -68,7 +68,7 @@ class RunState:
     # per unit, summed squared gradient norms reduced over replicas (as the freeze signal
     # reduces them) and the number of steps summed.
     decision_index: int = 0
-    # freeze.interval_steps 'auto': the fewest steps between decisions transition costs allow,
+    # freeze.interval_steps 'measured': the fewest steps between decisions transition costs allow,
     # measured once, at the first transition (0: not yet), and kept for the rest of the run,
     # resumes included, so that the same run decides at the same steps.
     min_decision_interval: int = 1

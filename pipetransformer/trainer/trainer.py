@@ -35,7 +35,7 @@ from pipetransformer.autodp.handoff import execute_transfers, plan_transfers
 from pipetransformer.autodp.sampler import TrainSampler
 from pipetransformer.autodp.topology import Layout
 from pipetransformer.autopipe.profiles import unit_costs_from_profile
-from pipetransformer.config import Config, config_changes, resolve
+from pipetransformer.config import Config, config_changes, decided_by_measured_time, resolve
 from pipetransformer.data import build_data
 from pipetransformer.fsdp import build_sharded_runtime, gather_units, shard_optimizer_states
 from pipetransformer.models import build_model
@@ -497,8 +497,9 @@ class Trainer:
     def _resolve_micro_batches(
         self, layout: Layout, units: dict[int, nn.Module], groups: TrainingGroups
     ) -> Layout:
-        """For num_micro_batches 'auto': the measured fastest M of this layout (collective)."""
-        if self.config.pipeline.num_micro_batches != "auto" or layout.sharded:
+        """For num_micro_batches 'measured': the measured fastest M of this layout
+        (collective). 'auto' and an int were set by the plan from the config alone."""
+        if self.config.pipeline.num_micro_batches != "measured" or layout.sharded:
             return layout  # a sharded layout's M is the fewest that fit (planning/context.py)
         replica_batch = self.config.trainer.replica_batch_size(layout.dp_degree)
         # A step at the position the run continues from (the last one for a finished run).
@@ -528,7 +529,14 @@ class Trainer:
         """Train to the last epoch (from wherever the state says the run is). Raises
         RunStopped after writing a checkpoint when a stop signal arrives."""
         started = time.perf_counter()
-        self.reporter.event(self._start_event())
+        start = self._start_event()
+        if start.decided_by_measured_time and self.control.rank == 0:
+            logger.info(
+                "%s: measured (opt-in), decided from times this run measures, so a busier "
+                "machine may decide otherwise; 'auto' decides from the config alone",
+                ", ".join(start.decided_by_measured_time),
+            )
+        self.reporter.event(start)
         for tick in self.clock.ticks():
             self.metrics.record(tick, self.steps.run(tick, self.stage))
             if self.metrics.due(tick):
@@ -756,7 +764,7 @@ class Trainer:
         last = self.checkpointer.last_path
         peak_rss, peak_allocated = self._peak_memory()
         summary = RunSummary(
-            wall_time_s=state.previous_attempts_wall_s + wall_s,
+            training_time_s=state.previous_attempts_wall_s + wall_s,
             attempts=state.attempt,
             final_eval_metric=state.last_eval_metric,
             best_eval_metric=state.best_eval_metric,
@@ -797,6 +805,7 @@ class Trainer:
             device_memory_bytes=self.plan.budget_bytes,
             memory_source=self.plan.memory_source,
             sharded=layout.sharded,
+            decided_by_measured_time=decided_by_measured_time(self.config),
         )
 
     # ------------------------------------------------------------------ teardown

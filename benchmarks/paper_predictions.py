@@ -1,0 +1,149 @@
+"""The table of `plan --predict` for the paper's four workloads on two clusters, as the README
+and docs/profiling.md print it ("The paper's workloads, predicted"): one markdown row per
+workload and cluster, from the configs as shipped, no profile file (unit times from the
+analytical profile and a roofline on the named device).
+
+    python benchmarks/paper_predictions.py          # print the rows
+    python benchmarks/paper_predictions.py --check  # exit 1 naming each row the docs lack
+
+tests/test_paper_predictions.py runs the check, so a change to the planner or the step
+model that moves a number fails until the tables are regenerated from this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = (ROOT / "README.md", ROOT / "docs" / "profiling.md")
+
+WORKLOADS = {  # name in the table -> config
+    "ViT-B/16 ImageNet": "vit_imagenet.yaml",
+    "ViT-B/16 CIFAR-100": "vit_cifar100.yaml",
+    "BERT-large SQuAD (512 tokens)": "bert_squad.yaml",
+    "BERT-base SST-2": "bert_sst2.yaml",
+}
+CLUSTERS = {  # name in the table -> (--device, --intra-node, --inter-node), 2 nodes of 8
+    "Quadro RTX 5000, PCIe 3.0, IB 5 GB/s": ("quadro-rtx-5000", "pcie3-x16", "infiniband-cx353a"),
+    "H100 SXM (TF32), NVLink 4, IB NDR": ("h100-sxm", "nvlink4", "infiniband-ndr"),
+}
+HEADER = (
+    "| workload, cluster (2 x 8) | Pipe+DDP | DDP | freeze + DDP | PipeTransformer | "
+    "speedup vs Pipe+DDP / DDP / freeze + DDP | frozen layers per epoch; layouts (F: K x R) |"
+)
+
+
+def duration(seconds: float) -> str:
+    """Seconds under a minute, minutes to one decimal under 10, whole minutes under 100,
+    else hours to one decimal."""
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 600:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 6000:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _peer_cell(peer) -> str:
+    if peer.problem:
+        return "cannot run"
+    if not peer.fits or peer.run_s is None:
+        return "does not fit"
+    return duration(peer.run_s)
+
+
+def _trajectory(result) -> str:
+    """Frozen layers per epoch (a run of equal values as 'F x n'), then the layout each time
+    it changes, at the boundary it starts at."""
+    runs: list[list[int]] = []
+    for frozen in result.trajectory:
+        if runs and runs[-1][0] == frozen:
+            runs[-1][1] += 1
+        else:
+            runs.append([frozen, 1])
+    frozen = ", ".join(f"{f} x {n}" if n > 1 else str(f) for f, n in runs)
+    layouts, previous = [], None
+    for epoch in result.epochs:
+        shape = f"{epoch.pipe_len}x{epoch.dp_degree}{'s' if epoch.sharded else ''}"
+        if shape != previous:
+            layouts.append(f"{epoch.num_frozen_layers}: {shape}")
+            previous = shape
+    return f"{frozen}; {', '.join(layouts)}"
+
+
+def predicted(config_name: str, cluster: tuple[str, str, str], no_profile: Path):
+    """`plan CONFIG --predict --nodes 2 --devices-per-node 8 --device ... ` as a Prediction."""
+    from pipetransformer.config import load_config
+    from pipetransformer.planning.predict import predict
+    from pipetransformer.planning.prediction_inputs import (
+        cluster_from_flags,
+        prediction_unit_times,
+        train_samples_for,
+    )
+
+    device, intra, inter = cluster
+    config = load_config(
+        ROOT / "configs" / config_name, [f"pipeline.profile_path={no_profile}"]
+    )  # a file that does not exist: the roofline, whatever runs/ holds
+    flags = cluster_from_flags(2, 8, device_name=device, intra_node=intra, inter_node=inter)
+    chosen = prediction_unit_times(config, flags)
+    samples, _ = train_samples_for(config)
+    return predict(config, chosen.profile, flags, samples, "auto", chosen.times)
+
+
+def rows() -> list[str]:
+    """The table's rows, in the docs' order: every workload on the first cluster, then on
+    the second."""
+    lines = []
+    with tempfile.TemporaryDirectory() as scratch:
+        no_profile = Path(scratch) / "none.json"
+        for cluster_name, cluster in CLUSTERS.items():
+            for workload, config_name in WORKLOADS.items():
+                result = predicted(config_name, cluster, no_profile)
+                peers = {p.name: p for p in result.peers}
+                ddp, freeze_ddp = peers["ddp"], peers["freeze_ddp"]
+                speedups = [result.speedup, *map(result.speedup_over, (ddp, freeze_ddp))]
+                cells = [
+                    f"{workload}, {cluster_name}",
+                    duration(result.baseline_s),
+                    _peer_cell(ddp),
+                    _peer_cell(freeze_ddp),
+                    duration(result.elastic_s),
+                    " / ".join("-" if s is None else f"{s:.2f}x" for s in speedups),
+                    _trajectory(result),
+                ]
+                lines.append(f"| {' | '.join(cells)} |")
+    return lines
+
+
+def missing_rows(generated: list[str], docs: tuple[Path, ...] = DOCS) -> list[str]:
+    """'FILE: ROW' for each generated row (and the header) a document lacks."""
+    missing = []
+    for path in docs:
+        text = path.read_text().splitlines()
+        for row in [HEADER, *generated]:
+            if row not in text:
+                missing.append(f"{path.relative_to(ROOT)}: {row}")
+    return missing
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare with the docs' tables")
+    args = parser.parse_args()
+    generated = rows()
+    if not args.check:
+        print("\n".join([HEADER, "| --- | ---: | ---: | ---: | ---: | --- | --- |", *generated]))
+        return 0
+    missing = missing_rows(generated)
+    for line in missing:
+        print(f"not in the docs (regenerate: python benchmarks/paper_predictions.py): {line}")
+    return 1 if missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
