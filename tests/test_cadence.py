@@ -177,3 +177,29 @@ def test_settings_under_which_nothing_can_freeze_are_said(caplog):
     with caplog.at_level(logging.WARNING, logger="pipetransformer"):
         control_for("auto", RunState()).warn_if_nothing_can_freeze()
     assert caplog.text == ""
+
+
+def test_the_baseline_has_no_decision_point():
+    """freeze.strategy none (the baseline, DDP, the peers) never asks the freeze algorithm:
+    no decision point, so no collective to agree on zero frozen layers, at any step."""
+    from types import SimpleNamespace
+
+    from pipetransformer.trainer.clock import Tick
+
+    config = config_from_dict(
+        {
+            "trainer": {"epochs": 3, "nproc_per_node": 1},
+            "freeze": {"strategy": "none"},
+            "model": {"kwargs": {"depth": 4}},
+        }
+    )
+    metrics = SimpleNamespace(steps_since_decision=100)
+    freezer = FreezeControl(config, 4, 12, RunState(), metrics=metrics, control=Control(None))
+    ticks = [
+        Tick(epoch=s // 12, step_in_epoch=s % 12, global_step=s + 1, steps_per_epoch=12, epochs=3)
+        for s in range(36)
+    ]
+    assert not any(freezer.due(tick) for tick in ticks)
+    manual = control_for("auto", RunState())
+    manual.metrics = metrics
+    assert any(manual.due(tick) for tick in ticks)  # the same ticks, a freezing rule

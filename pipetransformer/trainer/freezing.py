@@ -70,6 +70,8 @@ class FreezeControl:
         return self.decider.needs_grad_norms
 
     def due(self, tick: Tick) -> bool:
+        if self.config.freeze.strategy == "none":  # the baseline and the peers never freeze:
+            return False  # no decision point, no collective to agree on zero layers
         return self.schedule.due(
             tick.epoch, tick.epoch_end, tick.last, self.metrics.steps_since_decision
         )
