@@ -462,7 +462,7 @@ class _LoopRun:
         trainer.reporter = SimpleNamespace(event=lambda event: None)
         trainer.freezer = SimpleNamespace(due=lambda tick: False)
         trainer.checkpointer = SimpleNamespace(due=lambda tick: False, last_path="checkpoint")
-        trainer._start_event = lambda: None
+        trainer._start_event = lambda: SimpleNamespace(decided_by_measured_time=())
         trainer._end_epoch = lambda tick: None
         trainer._finish = lambda wall_s: "finished"
         trainer.save_checkpoint = lambda tick, reason, metric=None: self.saved.append(
