@@ -8,7 +8,8 @@ For one rank of a layout (stage s of K, M micro-batches of m samples, R replicas
     optimizer       Adam/AdamW two moments, SGD with momentum one buffer, per trained parameter
     DDP buckets     a flat copy of the trained gradients when R > 1 (DDP's reducer buckets)
     activations     what autograd saves for backward, per micro-batch still waiting for its
-                    backward: GPipe holds all M, 1F1B at most K - s on stage s
+                    backward: GPipe holds all M, 1F1B at most K - s on stage s, one
+                    stage (K = 1) one: each micro-batch's backward follows its forward
     overlap         (subtracted) gradients and activations are not all held at once when
                     every forward precedes every backward (GPipe; 1F1B with M <= K - s): the
                     gradients (set to None after each step) are made by the first backward,
@@ -159,7 +160,15 @@ class MemoryModel:
         trained = [u for u in range(start, end) if u >= frozen_end]
         scale = shape.micro_batch_size / self.profile_micro_batch_size
         m = shape.num_micro_batches
-        in_flight = m if shape.schedule == "gpipe" else min(m, plan.pipe_len - stage)
+        # Micro-batches whose activations are held at once: GPipe holds all of them, 1F1B at
+        # most those ahead of stage s; one stage runs each micro-batch's forward and backward
+        # in turn (pipe/runtime.py's OneStageSchedule), whatever the schedule's name.
+        if plan.pipe_len == 1:
+            in_flight = 1
+        elif shape.schedule == "gpipe":
+            in_flight = m
+        else:
+            in_flight = min(m, plan.pipe_len - stage)
         grads = float(sum(self.param_bytes[u] for u in trained))
         boundary = in_flight * self.output_bytes[end - 1]  # outputs kept for their backward
         if stage > 0:
