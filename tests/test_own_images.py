@@ -140,6 +140,11 @@ def test_classlabel_names_holdout_subsets_and_augmentation(tmp_path):
     quickstart = {"data": {"name": "hf_image", "path": str(tmp_path / "one"), "augment": True}}
     with pytest.raises(ConfigError, match="cache.allow_augmented"):
         check_config(config_from_dict({**quickstart, "cache": {"enabled": True}}))
+    # `plan --predict` counts the table's training rows (it has no published size).
+    from pipetransformer.planning.prediction_inputs import train_samples_for
+
+    samples, source = train_samples_for(config_from_dict({"data": vars(config)}))
+    assert samples == 54 and str(tmp_path / "one") in source
 
 
 def bad_image_cases(tmp_path: Path) -> list[tuple[list[str], list[str]]]:
