@@ -37,8 +37,8 @@ def preflight(config: Config) -> Config:
     ConfigError naming the key or the file. Fetches datasets from the network (once: the
     workers find them on disk) and parses local data files, so bad contents are one line
     here rather than one traceback per worker. Returns the config the run is to train
-    with: `config` with the label names of a data.name 'hf' or 'hf_image' table written in
-    (data.labels), so the run keeps them."""
+    with: `config` with the label names and task of a data.name 'hf' or 'hf_image' table
+    written in (data.labels, data.task), so the run keeps them."""
     import dataclasses
 
     from pipetransformer.data.checks import check_data_config
