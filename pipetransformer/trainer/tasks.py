@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from pipetransformer.pipe.transfer import to_device
 from pipetransformer.trainer.control import Control
 from pipetransformer.trainer.records import EvalResult
 
@@ -123,27 +124,35 @@ def regression_scores(predicted: torch.Tensor, true: torch.Tensor) -> dict[str, 
 
 class RegressionAccumulator:
     """Each eval sample's prediction and target by sample id (zeros for the ids other ranks
-    evaluate); summed over every rank they are the whole eval set's, which the correlations
-    need (a rank correlation cannot be summed from per-rank parts)."""
+    evaluate), kept on the device (no host read per batch); summed over every rank they
+    are the whole eval set's, which the correlations need (a rank correlation cannot be
+    summed from per-rank parts)."""
 
     def __init__(self, eval_samples: int, metric: str) -> None:
         self.metric = metric
+        self.eval_samples = eval_samples
         # Rows: prediction, target, how often the id was evaluated (once, over all ranks).
-        self.columns = torch.zeros(3, eval_samples, dtype=torch.float64)
+        self.columns: torch.Tensor | None = None
 
     def add(
         self, outputs: torch.Tensor, ids: Sequence[int], valid: Sequence[bool], labels: torch.Tensor
     ) -> None:
-        keep = [row for row, is_valid in enumerate(valid) if is_valid]
-        rows = torch.tensor(keep, dtype=torch.long)
-        at = torch.tensor([ids[row] for row in keep], dtype=torch.long)
-        self.columns[0, at] += outputs.detach().float().reshape(-1).cpu()[rows].double()
-        self.columns[1, at] += labels.reshape(-1).cpu()[rows].double()
-        self.columns[2, at] += 1
+        device = outputs.device
+        if self.columns is None:
+            self.columns = torch.zeros(3, self.eval_samples, dtype=torch.float64, device=device)
+        weight = to_device(torch.tensor(valid, dtype=torch.float64), device)
+        at = to_device(torch.tensor(list(ids), dtype=torch.long), device)
+        predicted = outputs.detach().double().reshape(-1)
+        target = to_device(labels, device).double().reshape(-1)
+        # Padding rows (weight 0) add nothing at the id they borrow.
+        self.columns.index_add_(
+            1, at, torch.stack([predicted, target, torch.ones_like(weight)]) * weight
+        )
 
     def reduce(self, control: Control) -> EvalResult:
         """Collective (every rank calls it, adding nothing if it saw nothing)."""
-        summed = control.all_sum(self.columns.flatten()).reshape(3, -1)
+        mine = self.columns if self.columns is not None else torch.zeros(3, self.eval_samples)
+        summed = control.all_sum(mine.double().flatten()).reshape(3, -1)
         seen = summed[2] > 0
         count = int(seen.sum())
         if count == 0:
