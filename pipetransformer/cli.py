@@ -37,8 +37,8 @@ def preflight(config: Config) -> Config:
     ConfigError naming the key or the file. Fetches datasets from the network (once: the
     workers find them on disk) and parses local data files, so bad contents are one line
     here rather than one traceback per worker. Returns the config the run is to train
-    with: `config` with the label names of a data.name 'hf' or 'hf_image' table written in
-    (data.labels), so the run keeps them."""
+    with: `config` with the label names and task of a data.name 'hf' or 'hf_image' table
+    written in (data.labels, data.task), so the run keeps them."""
     import dataclasses
 
     from pipetransformer.data.checks import check_data_config
@@ -61,18 +61,26 @@ def preflight(config: Config) -> Config:
 
 
 def check_metric_fits_classes(config: Config) -> None:
-    """data.metric 'f1' is binary F1 (of class 1): two classes or a ConfigError."""
+    """data.metric must score the data's task (pearson/spearman a regression, the others a
+    classifier), and 'f1' is binary F1 (of class 1): two classes; else a ConfigError."""
+    from pipetransformer.config import REGRESSION_METRICS
     from pipetransformer.data.checks import data_facts
 
     facts = data_facts(config.data)
-    if config.data.metric == "f1" and facts.num_classes != 2:
+    metric = config.data.metric
+    if metric == "auto":
+        return
+    if facts.task not in ("classification", "regression") or (
+        (metric in REGRESSION_METRICS) != (facts.task == "regression")
+    ):
+        choices = "pearson, spearman" if facts.task == "regression" else "accuracy, f1_macro, mcc"
+        raise ConfigError(f"data.metric: '{metric}' does not score a {facts.task} ({choices})")
+    if metric == "f1" and facts.num_classes != 2:
         names = config.data.label_names
         raise ConfigError(
             f"data.metric: 'f1' is binary F1; the data has {facts.num_classes} classes"
             f"{f' {names}' if names else ''}: use f1_macro (or accuracy, mcc)"
         )
-    if config.data.metric != "auto" and facts.task != "classification":
-        raise ConfigError(f"data.metric: '{config.data.metric}' scores a classifier")
 
 
 def check_head_fits_labels(config: Config) -> None:
@@ -96,8 +104,11 @@ def check_head_fits_labels(config: Config) -> None:
         )
         if fine_tuned and "id2label" in fields:
             sizes.append((f"model.model_name_or_path ({saved})", len(fields["id2label"])))
+    regression = config.data.task == "regression"
     for key, size in sizes:
-        if size != len(labels):
+        if regression and size != 1:
+            raise ConfigError(f"{key}: a head of {size} outputs, but a regression has one")
+        if not regression and size != len(labels):
             raise ConfigError(
                 f"{key}: a head of {size} outputs, but the data has {len(labels)} labels "
                 f"{labels} (data.labels, or the training split's)"
@@ -445,8 +456,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise ConfigError("--margin judges differences over seeds: give --seeds or --repeats")
     config = preflight(config)
     overrides = list(args.overrides)
-    if config.data.name in ("hf", "hf_image"):  # every variant trains with the labels found once
-        overrides.append(f"data.labels={json.dumps(config.data.label_names)}")
+    if config.data.name in ("hf", "hf_image"):  # every variant trains with what was found once
+        if config.data.name == "hf":
+            overrides.append(f"data.task={config.data.task}")
+        if config.data.labels is not None:
+            overrides.append(f"data.labels={json.dumps(config.data.label_names)}")
     out = Path(args.out) if args.out else _default_run_dir(args.config, "runs/compare")
     return run_compare(
         config,

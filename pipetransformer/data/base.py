@@ -115,7 +115,7 @@ class DataBundle:
 
     train: SampleDataset
     eval: SampleDataset
-    task: str  # "classification" | "question_answering"
+    task: str  # "classification" | "regression" (num_classes 1) | "question_answering"
     num_classes: int
     in_chans: int = 3
     image_size: int = 224

@@ -43,15 +43,16 @@ def data_facts(config: DataConfig) -> DataFacts:
     if config.name == "sst2":
         return DataFacts("classification", 2, max_seq_length=config.max_seq_length)
     if config.name in ("hf", "hf_image"):
-        from pipetransformer.data.table import resolved_labels
+        from pipetransformer.data.table import resolved_task
 
         try:
-            labels = resolved_labels(config)
+            task, labels = resolved_task(config)
         except (ValueError, FileNotFoundError) as exc:
             raise ConfigError(str(exc)) from None
         if config.name == "hf_image":  # RGB, as ImageFolder reads its files
             return DataFacts("classification", len(labels), 3, config.image_size or 224)
-        return DataFacts("classification", len(labels), max_seq_length=config.max_seq_length)
+        outputs = 1 if task == "regression" else len(labels)
+        return DataFacts(task, outputs, max_seq_length=config.max_seq_length)
     return DataFacts("question_answering", 2, max_seq_length=config.max_seq_length)
 
 

@@ -107,7 +107,8 @@ class ImageTable:
 class LabelledTables:
     train: TextTable | ImageTable
     eval: TextTable | ImageTable
-    label_names: list[str]
+    label_names: list[str]  # none for a regression
+    task: str = "classification"  # or "regression" (text tables)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -412,9 +413,54 @@ def label_ids(table: TextTable | ImageTable, names: list[str]) -> list[int]:
     return ids
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def table_task(config: DataConfig, train: TextTable | ImageTable) -> str:
+    """data.task, with 'auto' resolved from the training labels: a regression when they are
+    numbers and one is not whole (3.8), else a classification."""
+    if config.task != "auto" or config.name != "hf":
+        return "classification" if config.task == "auto" else config.task
+    values = [v for v in train.labels if not _missing(v)]
+    if (
+        config.labels is None
+        and train.class_names is None
+        and values
+        and all(_is_number(v) for v in values)
+        and any(isinstance(v, float) and not v.is_integer() for v in values)
+    ):
+        logger.info(
+            "data.task: regression (the column '%s' of %s holds numbers that are not whole; "
+            "data.task=classification makes each distinct value a class)",
+            config.label_column,
+            train.source,
+        )
+        return "regression"
+    return "classification"
+
+
+def targets_of(table: TextTable | ImageTable) -> list[float]:
+    """A regression table's labels as numbers; a missing or non-numeric label is an error
+    naming the row."""
+    targets = []
+    for row, value in enumerate(table.labels, start=1):
+        try:
+            number = float(value) if isinstance(value, str) or _is_number(value) else math.nan
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number):
+            raise ValueError(
+                f"{table.source}: row {row}: label {value!r} is not a number (data.task regression)"
+            )
+        targets.append(number)
+    return targets
+
+
 def read_tables(config: DataConfig) -> LabelledTables:
     """The training and evaluation tables of a data.name 'hf' (text) or 'hf_image' config,
-    checked, with their label names; labels stay raw (map them with `label_ids`)."""
+    checked, with their task and label names; labels stay raw (map them with `label_ids`,
+    or `targets_of` for a regression)."""
     read = _image_table if config.name == "hf_image" else _table
     splits = load_splits(config)
     if config.train_split not in splits:
@@ -428,13 +474,22 @@ def read_tables(config: DataConfig) -> LabelledTables:
             f"its splits: {', '.join(splits)}"
         )
     train = read(config, splits[config.train_split], config.train_split)
-    names = config.label_names or discover_labels(train)
+    task = table_task(config, train)
+    names = [] if task == "regression" else config.label_names or discover_labels(train)
+
+    def check(table: TextTable | ImageTable) -> None:  # every label known, or a number
+        if task == "regression":
+            targets_of(table)
+        else:
+            label_ids(table, names)
+
+    check(train)  # before any share is held out: rows are the file's
     eval_split = config.eval_split
     if eval_split is None and config.holdout is None:
         eval_split = next((s for s in EVAL_SPLITS if s in splits), None)
     if eval_split is not None:
         evaluation = read(config, splits[eval_split], eval_split)
-        label_ids(evaluation, names)  # every label known
+        check(evaluation)
     else:
         size = config.holdout or max(1, round(config.eval_share * len(train)))
         if size >= len(train):
@@ -445,13 +500,24 @@ def read_tables(config: DataConfig) -> LabelledTables:
         order = subset_indices(len(train), len(train), HOLDOUT_SEED)
         evaluation = train.take(order[:size])
         train = train.take(order[size:])
-    label_ids(train, names)  # every label known
-    return LabelledTables(train, evaluation, names)
+    return LabelledTables(train, evaluation, names, task)
+
+
+def resolved_task(config: DataConfig) -> tuple[str, list[str]]:
+    """The task a run of `config` trains ('classification' or 'regression') and its label
+    names (none for a regression); reads the data unless the config already says both."""
+    if config.task == "regression":
+        return "regression", []
+    if config.label_names is not None:
+        return "classification", config.label_names
+    tables = read_tables(config)
+    return tables.task, tables.label_names
 
 
 def resolved_labels(config: DataConfig) -> list[str]:
-    """The label names a run of `config` trains with (reads the data unless data.labels)."""
-    return config.label_names or read_tables(config).label_names
+    """The label names a run of `config` trains with (reads the data unless data.labels);
+    none for a regression."""
+    return resolved_task(config)[1]
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -463,8 +529,10 @@ def encode_tables(
     model_name_or_path: str | None,
     seed: int,
 ) -> DataBundle:
-    """The tables as a classification DataBundle: subsets drawn before tokenising (seeded),
-    texts encoded to fixed-length tensors (pairs as the tokenizer joins them)."""
+    """The tables as a classification (or regression) DataBundle: subsets drawn before
+    tokenising (seeded), texts encoded to fixed-length tensors (pairs as the tokenizer joins
+    them), class ids (or float targets) as targets."""
+    regression = tables.task == "regression"
     splits = {}
     for name, table, size in (
         ("train", tables.train, config.train_subset),
@@ -472,24 +540,27 @@ def encode_tables(
     ):
         if size is not None:
             table = table.take(subset_indices(len(table), size, seed))
-        splits[name] = (table, label_ids(table, tables.label_names))
+        if regression:
+            targets = torch.tensor(targets_of(table), dtype=torch.float32)
+        else:
+            targets = torch.tensor(label_ids(table, tables.label_names), dtype=torch.long)
+        splits[name] = (table, targets)
     train = splits["train"][0]
     tokenizer = pick_tokenizer(config, model_name_or_path, train.first + (train.second or []))
     datasets_ = {
         name: TensorSampleDataset(
-            encode(tokenizer, table.first, config.max_seq_length, table.second),
-            torch.tensor(ids, dtype=torch.long),
+            encode(tokenizer, table.first, config.max_seq_length, table.second), targets
         )
-        for name, (table, ids) in splits.items()
+        for name, (table, targets) in splits.items()
     }
     return DataBundle(
         train=datasets_["train"],
         eval=datasets_["eval"],
-        task="classification",
-        num_classes=len(tables.label_names),
+        task=tables.task,
+        num_classes=1 if regression else len(tables.label_names),
         vocab_size=len(tokenizer),
         max_seq_length=config.max_seq_length,
-        label_names=list(tables.label_names),
+        label_names=None if regression else list(tables.label_names),
     )
 
 

@@ -4,8 +4,8 @@ they can still be one line and exit code 2.
 
 Parsing is cheap next to training (the 67k-sentence SST-2 training file reads in well under
 a second); tokenising (and decoding images) is left to the workers. Owns: that check, and
-writing the label names a data.name 'hf' or 'hf_image' table was found to have into the
-config (so the run keeps them). Must not: keep what it read.
+writing the task and label names a data.name 'hf' or 'hf_image' table was found to have
+into the config (so the run keeps them). Must not: keep what it read.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pipetransformer.config import ConfigError, DataConfig
 
 
 def validate_data_files(config: DataConfig) -> DataConfig:
-    """`config`, with data.labels filled in for a data.name 'hf' or 'hf_image' table; raise
-    ConfigError naming the file and the line, row or entry at fault."""
+    """`config`, with data.task and data.labels filled in for a data.name 'hf' or 'hf_image'
+    table; raise ConfigError naming the file and the line, row or entry at fault."""
     try:
         if config.name == "sst2" and config.root is not None:
             from pipetransformer.data.text import read_sst2_tsv
@@ -28,7 +28,9 @@ def validate_data_files(config: DataConfig) -> DataConfig:
         elif config.name in ("hf", "hf_image"):
             from pipetransformer.data.table import read_tables
 
-            return dataclasses.replace(config, labels=read_tables(config).label_names)
+            tables = read_tables(config)
+            task = tables.task if config.name == "hf" else config.task  # images: classes
+            return dataclasses.replace(config, task=task, labels=tables.label_names or None)
         elif config.name == "squad":
             from pipetransformer.data.squad import load_squad_examples, read_squad_file
 

@@ -211,7 +211,11 @@ def text_config(
     """(the transformers config of the model to build, its adapter)."""
     from transformers import AutoConfig
 
-    labels = 2 if task == "question_answering" else num_labels
+    # A regression is a one-output sequence-classification head that transformers (its
+    # loss, pipeline("text-classification")) reads as a regression.
+    head = {"num_labels": 2 if task == "question_answering" else num_labels}
+    if task == "regression":
+        head["problem_type"] = "regression"
     kwargs = dict(config.kwargs)
     name = config.model_name_or_path
     if name is not None:
@@ -219,21 +223,19 @@ def text_config(
         if str(device) == "meta" and name in KNOWN_HUB_CONFIGS:
             model_type, fields = KNOWN_HUB_CONFIGS[name]
             adapter = adapter_for_model_type(model_type)
-            return AutoConfig.for_model(
-                model_type, num_labels=labels, **{**fields, **kwargs}
-            ), adapter
+            return AutoConfig.for_model(model_type, **head, **{**fields, **kwargs}), adapter
         saved = AutoConfig.from_pretrained(name)
         adapter = adapter_for_model_type(saved.model_type)
         if str(device) != "meta":
             _check_kwargs_fit_weights(saved, name, kwargs)
-        return AutoConfig.from_pretrained(name, num_labels=labels, **kwargs), adapter
+        return AutoConfig.from_pretrained(name, **head, **kwargs), adapter
     model_type = "bert" if config.name.lower().startswith("bert") else config.name
     adapter = adapter_for_model_type(model_type)
     options = {**SMALL_ENCODER, **WORD_VOCAB_SPECIAL_TOKENS, **adapter.random_config, **kwargs}
     if vocab_size is not None:
         options["vocab_size"] = vocab_size
     try:
-        return AutoConfig.for_model(model_type, num_labels=labels, **options), adapter
+        return AutoConfig.for_model(model_type, **head, **options), adapter
     except (TypeError, ValueError) as exc:
         raise ValueError(f"model.kwargs: {exc}") from exc
 

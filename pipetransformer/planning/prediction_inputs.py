@@ -27,7 +27,7 @@ from pipetransformer.autopipe.profiles import (
     UnitProfile,
     UnitProfileKey,
 )
-from pipetransformer.config import Config, ConfigError, DataConfig, resolve
+from pipetransformer.config import TABLE_DATASETS, Config, ConfigError, DataConfig, resolve
 from pipetransformer.models import build_model
 from pipetransformer.planning.analytical import analytical_profile
 from pipetransformer.planning.context import (
@@ -259,6 +259,8 @@ def _newest_run_profile(
 def _data_on_disk(data: DataConfig) -> bool:
     if data.name == "digits":
         return True  # bundled with scikit-learn
+    if data.name in TABLE_DATASETS:
+        return True  # a user's table: its files, or `datasets`' copy of a hub dataset
     if data.root is None:
         return False
     root = Path(data.root).expanduser()
@@ -282,9 +284,15 @@ def train_samples_for(config: Config) -> tuple[int, str]:
                     model_name_or_path=config.model.model_name_or_path,
                 ).train
             )
-            source = f"the training data in {data.root}" if data.root else "scikit-learn's digits"
+            source = f"the training data in {data.root or data.path}"
+            if data.name == "digits":
+                source = "scikit-learn's digits"
         except FileNotFoundError:  # a directory without the dataset in it
             samples = None
+        except ValueError as exc:  # a table that cannot be read: no published size to use
+            if data.name not in TABLE_DATASETS:
+                raise
+            raise ConfigError(str(exc)) from None
     if samples is None:
         samples, source = PUBLISHED_TRAIN_SAMPLES[data.name]
         source = f"{source}; the data is not on disk"

@@ -43,7 +43,8 @@ class EvalResult(Record):
     eval_samples: int
     eval_loss: float | None = None
     exact_match: float | None = None  # question answering
-    # Classification: accuracy, f1 (two classes), f1_macro and mcc.
+    # Classification: accuracy, f1 (two classes), f1_macro and mcc; regression: pearson,
+    # spearman and mse.
     scores: dict[str, float] | None = None
 
 
@@ -80,7 +81,7 @@ class RunSummary(Record):
     device: str
     checkpoint: str | None
     metric_name: str = "eval_metric"  # what eval_metric measures (summaries of old runs lack it)
-    # Classification: every metric of the last evaluation (accuracy, f1, f1_macro, mcc).
+    # Classification and regression: every metric of the last evaluation (EvalResult.scores).
     final_scores: dict[str, float] | None = None
     freeze_decisions: int = 0  # decision points the freeze algorithm was asked at
     decision_interval_steps: int | None = None  # steps between them (None: epoch ends)
@@ -149,7 +150,7 @@ class EpochMetrics(Record):
     eval_loss: float | None = None
     eval_samples: int | None = None
     exact_match: float | None = None  # question answering
-    # Classification: every metric of the evaluation (accuracy, f1, f1_macro, mcc).
+    # Classification and regression: every metric of the evaluation (EvalResult.scores).
     scores: dict[str, float] | None = None
     eval_time_s: float = 0.0
     transition_time_s: float = 0.0

@@ -143,7 +143,9 @@ class Trainer:
             seed=config.trainer.seed,
             model_name_or_path=config.model.model_name_or_path,
         )
-        self.task = task_for(self.data.task, self.data.num_classes, config.data.metric)
+        self.task = task_for(
+            self.data.task, self.data.num_classes, config.data.metric, len(self.data.eval)
+        )
         self.model_args = dict(
             task=self.data.task,
             num_classes=self.data.num_classes,
