@@ -223,8 +223,8 @@ def test_plots_are_pngs_with_the_expected_series(tmp_path):
 
 @pytest.mark.slow
 def test_compare_command_end_to_end(tmp_path):
-    """Slow: ~130 s on 2 cores (`compare --peers` runs six variants: the baseline, DDP,
-    freeze + DDP, FSDP2, freeze + FSDP2 and the full system)."""
+    """Slow: ~150 s on 2 cores (`compare --peers` runs seven variants: the baseline, DDP,
+    the plain timm + DDP loop, freeze + DDP, FSDP2, freeze + FSDP2 and the full system)."""
     out = tmp_path / "cmp"
     result = subprocess.run(
         [
@@ -257,6 +257,7 @@ def test_compare_command_end_to_end(tmp_path):
     assert list(results["variants"]) == [
         "baseline",
         "ddp",
+        "torch_ddp",
         "freeze_ddp",
         "fsdp",
         "freeze_fsdp",
@@ -272,6 +273,7 @@ def test_compare_command_end_to_end(tmp_path):
     assert layouts == {
         "baseline": [(2, 1, 0), (2, 1, 0)],
         "ddp": [(1, 2, 0), (1, 2, 0)],
+        "torch_ddp": [(1, 2, 0), (1, 2, 0)],
         "freeze_ddp": [(1, 2, 0), (1, 2, 5)],
         "fsdp": [(1, 2, 0), (1, 2, 0)],
         "freeze_fsdp": [(1, 2, 0), (1, 2, 5)],
@@ -284,7 +286,7 @@ def test_compare_command_end_to_end(tmp_path):
         for b, run_b in results["variants"].items():
             assert matrix[a][b] == pytest.approx(run_b["wall_time_s"] / run_a["wall_time_s"])
     assert "Each variant against each other" in (out / "report.md").read_text()
-    for name in ("baseline", "elastic"):
+    for name in ("baseline", "torch_ddp", "elastic"):
         summary = json.loads((out / name / "summary.json").read_text())
         assert results["variants"][name]["wall_time_s"] == summary["training_time_s"]
     assert results["speedup"] == pytest.approx(
