@@ -143,6 +143,23 @@ def run_cli(*args: str) -> CliResult:
     )
 
 
+def train_offline(config: str, run_dir: Path, *overrides: str) -> tuple[str, list[dict]]:
+    """`python -m pipetransformer train CONFIG OVERRIDES --run-dir RUN_DIR` in its own
+    processes with the hub out of reach, as a user runs it (no progress bar); asserts it
+    finished and returns its stderr and its metrics.jsonl records, one an epoch."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    command = [sys.executable, "-m", "pipetransformer", "train", config]
+    command += ["trainer.progress_bar=false", *overrides, "--run-dir", str(run_dir)]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return result.stderr, [json.loads(line) for line in lines]
+
+
 def assert_unit_state_carried(name, param, opt_state, old_param, old_state, frozen_units) -> None:
     """One parameter across a transition: the same values, and, where its unit is still
     trained, the same optimizer state entry by entry; none where the transition froze it."""

@@ -6,15 +6,12 @@ with the label names. Every file is written by the test itself."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_cli
+from helpers import run_cli, train_offline
 from test_failures import one_line_error
 
 from pipetransformer.config import DataConfig
@@ -235,45 +232,29 @@ def test_pairs_csv_fine_tunes_through_a_transition_and_its_export_answers_with_l
     dev_rows = pair_rows(48, 5)
     dev = write_csv(tmp_path / "dev.csv", dev_rows)
     run_dir = tmp_path / "run"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipetransformer",
-            "train",
-            SST2_LOCAL,
-            "trainer.progress_bar=false",
-            "data.name=hf",
-            "data.path=csv",
-            f"data.data_files={{train: {train}, validation: {dev}}}",
-            f"data.tokenizer={model_dir}",
-            "data.max_seq_length=24",
-            "data.metric=f1",
-            "freeze.strategy=alpha_schedule",  # a transition for sure
-            "trainer.epochs=2",
-            "trainer.global_batch_size=32",
-            "optimizer.warmup_steps=2",
-            "optimizer.lr=0.003",
-            "trainer.save_model=true",
-            "--run-dir",
-            str(run_dir),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=600,
+    stderr, metrics = train_offline(
+        SST2_LOCAL,
+        run_dir,
+        "data.name=hf",
+        "data.path=csv",
+        f"data.data_files={{train: {train}, validation: {dev}}}",
+        f"data.tokenizer={model_dir}",
+        "data.max_seq_length=24",
+        "data.metric=f1",
+        "freeze.strategy=alpha_schedule",  # a transition for sure
+        "trainer.epochs=2",
+        "trainer.global_batch_size=32",
+        "optimizer.warmup_steps=2",
+        "optimizer.lr=0.003",
+        "trainer.save_model=true",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["num_frozen_layers"] > 0
     scores = metrics[-1]["scores"]
     assert set(scores) == {"accuracy", "f1", "f1_macro", "mcc"}
     assert metrics[-1]["eval_metric"] == scores["f1"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["metric_name"] == "f1" and summary["final_scores"] == scores
-    closing = result.stderr.strip().splitlines()[-1]
+    closing = stderr.strip().splitlines()[-1]
     assert f"f1 {scores['f1']:.4f} final (accuracy " in closing and "mcc " in closing
     import yaml
 
@@ -424,45 +405,29 @@ def test_a_regression_csv_trains_through_a_transition_and_its_export_predicts_as
     dev_rows = similarity_rows(48, 7)
     dev = write_csv(tmp_path / "dev.csv", dev_rows)
     run_dir = tmp_path / "run"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipetransformer",
-            "train",
-            SST2_LOCAL,
-            "trainer.progress_bar=false",
-            "data.name=hf",
-            "data.path=csv",
-            f"data.data_files={{train: {train}, validation: {dev}}}",
-            "data.label_column=score",
-            f"data.tokenizer={model_dir}",
-            "data.max_seq_length=24",
-            "freeze.strategy=alpha_schedule",  # a transition for sure
-            "trainer.epochs=3",
-            "trainer.global_batch_size=32",
-            "optimizer.warmup_steps=2",
-            "optimizer.lr=0.003",
-            "trainer.save_model=true",
-            "--run-dir",
-            str(run_dir),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=600,
+    stderr, metrics = train_offline(
+        SST2_LOCAL,
+        run_dir,
+        "data.name=hf",
+        "data.path=csv",
+        f"data.data_files={{train: {train}, validation: {dev}}}",
+        "data.label_column=score",
+        f"data.tokenizer={model_dir}",
+        "data.max_seq_length=24",
+        "freeze.strategy=alpha_schedule",  # a transition for sure
+        "trainer.epochs=3",
+        "trainer.global_batch_size=32",
+        "optimizer.warmup_steps=2",
+        "optimizer.lr=0.003",
+        "trainer.save_model=true",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["num_frozen_layers"] > 0
     scores = metrics[-1]["scores"]
     assert set(scores) == {"pearson", "spearman", "mse"}
     assert metrics[-1]["eval_metric"] == scores["pearson"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["metric_name"] == "pearson" and summary["final_scores"] == scores
-    closing = result.stderr.strip().splitlines()[-1]
+    closing = stderr.strip().splitlines()[-1]
     assert f"pearson {scores['pearson']:.4f} final (spearman " in closing
     export_config = json.loads((run_dir / "export" / "config.json").read_text())
     assert export_config["problem_type"] == "regression"

@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_cli
+from helpers import run_cli, train_offline
 from test_failures import one_line_error
 
 from pipetransformer.config import ConfigError, DataConfig, check_config, config_from_dict
@@ -215,37 +212,21 @@ def test_an_image_table_trains_through_a_transition_and_its_timm_export_names_th
         {"train": image_table(0, 320), "validation": image_table(320, 400)}
     ).save_to_disk(str(tmp_path / "digits"))
     run_dir = tmp_path / "run"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipetransformer",
-            "train",
-            QUICKSTART,
-            "trainer.progress_bar=false",
-            "data.name=hf_image",
-            f"data.path={tmp_path / 'digits'}",
-            "data.image_size=16",
-            "data.metric=f1_macro",
-            "freeze.strategy=alpha_schedule",  # a transition for sure
-            "freeze.warmup_epochs=0",
-            "trainer.epochs=3",
-            "trainer.global_batch_size=32",
-            "optimizer.warmup_steps=2",
-            "optimizer.lr=0.004",
-            "trainer.save_model=true",
-            "--run-dir",
-            str(run_dir),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=600,
+    stderr, metrics = train_offline(
+        QUICKSTART,
+        run_dir,
+        "data.name=hf_image",
+        f"data.path={tmp_path / 'digits'}",
+        "data.image_size=16",
+        "data.metric=f1_macro",
+        "freeze.strategy=alpha_schedule",  # a transition for sure
+        "freeze.warmup_epochs=0",
+        "trainer.epochs=3",
+        "trainer.global_batch_size=32",
+        "optimizer.warmup_steps=2",
+        "optimizer.lr=0.004",
+        "trainer.save_model=true",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["num_frozen_layers"] > 0
     # AutoCache served frozen layers' outputs by sample id.
     assert sum(m["cache_hits"] for m in metrics) > 0
