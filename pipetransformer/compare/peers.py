@@ -35,7 +35,7 @@ from torch import nn
 from pipetransformer.compare.report import HF_TRAINER, TORCH_DDP
 from pipetransformer.config import Config
 from pipetransformer.data import DataBundle, build_data
-from pipetransformer.trainer.optim import learning_rate
+from pipetransformer.trainer.optim import decay_groups, learning_rate
 from pipetransformer.trainer.records import EpochMetrics, RunSummary
 from pipetransformer.utils.files import append_jsonl, write_json_atomic
 
@@ -87,21 +87,11 @@ def _set_threads() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
-def _decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """The trainer's groups: no weight decay on biases and norm weights (1-D)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
-    ]
-    return [g for g in groups if g["params"]]
-
-
 def _optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
     """The optimizer the user picks, with the trainer's settings; torch's own default
     implementation (foreach on GPUs, a loop on the CPU), as a user gets it."""
     o = config.optimizer
-    groups = _decay_groups(model, o.weight_decay)
+    groups = decay_groups([p for p in model.parameters() if p.requires_grad], o.weight_decay)
     if o.name == "sgd":
         return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
     cls = torch.optim.Adam if o.name == "adam" else torch.optim.AdamW

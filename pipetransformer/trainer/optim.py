@@ -49,6 +49,16 @@ def implementation_options(config: OptimizerConfig, device_type: str) -> dict[st
     return {choice: True}
 
 
+def decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
+    """Parameter groups: biases and norm weights (1-D) get no weight decay, as is standard
+    for Transformers (and what transformers' Trainer does)."""
+    groups = [
+        {"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
 def build_optimizer(
     config: OptimizerConfig, named_params: Mapping[str, nn.Parameter]
 ) -> torch.optim.Optimizer | None:
@@ -57,14 +67,7 @@ def build_optimizer(
     if not params:
         return None
     options = implementation_options(config, params[0][1].device.type)
-    # Biases and norm weights (1-D) get no weight decay, as is standard for Transformers.
-    decay = [p for _, p in params if p.ndim > 1]
-    no_decay = [p for _, p in params if p.ndim <= 1]
-    groups = [
-        {"params": decay, "weight_decay": config.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    groups = [g for g in groups if g["params"]]
+    groups = decay_groups([p for _, p in params], config.weight_decay)
     if config.name == "sgd":
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, **options)
     cls = torch.optim.Adam if config.name == "adam" else torch.optim.AdamW
