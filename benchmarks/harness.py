@@ -145,18 +145,6 @@ def run_alone(command: list[str], run_dir: Path, wait_s: float = 120.0) -> dict:
     return record
 
 
-def records(out: Path, seeds: list[int], names: list[str], layout: str) -> dict:
-    """{name: {seed: record}} of the finished runs under `out` (`layout`: the run directory
-    below `out` as a format of seed and name, e.g. 'seed-{seed}/{name}')."""
-    found: dict = {}
-    for name in names:
-        for seed in seeds:
-            run_dir = out / layout.format(seed=seed, name=name)
-            if finished(run_dir):
-                found.setdefault(name, {})[seed] = json.loads((run_dir / RECORD).read_text())
-    return found
-
-
 def other_load(found: dict) -> dict:
     """What other work took from the cores over the records: the largest share of one core
     in any run, and how many runs had to be repeated."""

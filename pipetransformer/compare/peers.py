@@ -77,7 +77,7 @@ def run_peer(name: str, config: Config, run_dir: Path, hf_optim: str = "adamw_to
         eval_time_s = time.perf_counter() - started
     peak = _peak_rss_bytes()
     if rank == 0:
-        write_records(config, run_dir, epochs, metric, world_size, peak, eval_time_s)
+        write_records(run_dir, epochs, metric, world_size, peak, eval_time_s)
 
 
 def _set_threads() -> None:
@@ -147,7 +147,6 @@ class EpochClock:
 
 
 def write_records(
-    config: Config,
     run_dir: Path,
     epochs: list[dict],
     metric: float,
