@@ -209,17 +209,26 @@ class FreezeConfig:
         "gradient_norm_inclusive",
         "convergence",
         "signal_to_noise",
+        "autofreeze",
         "alpha_schedule",
         "manual",
     ] = "none"
     alpha: float = 1 / 3
-    # For strategy 'convergence': a bottom layer freezes once its gradient norm changed by
-    # less than this share between two decision points (AutoFreeze's test; still at most
-    # alpha of the active layers per decision).
+    # For strategy 'convergence' (this project's rule): a bottom layer freezes once the RMS
+    # of its per-step gradient norms changed by less than this share between two decision
+    # points (still at most alpha of the active layers per decision).
     convergence_threshold: float = 0.05
     # For strategy 'signal_to_noise': a bottom layer freezes once the share of its gradient
     # that is signal (the rest being minibatch noise) has fallen below this (freeze.py).
     signal_threshold: float = 0.1
+    # For strategy 'autofreeze' (Liu et al. 2021): the layers below the first active layer
+    # whose accumulated gradient changed by at least this percentile of the active layers'
+    # changes freeze (50: the median, AutoFreeze's default).
+    percentile: float = 50.0
+    # With a freezing strategy: the embedding is frozen from the first step (no gradient, no
+    # all-reduce, no optimizer state for it), as fine-tuning often does; the layers freeze as
+    # the strategy decides. The baseline (strategy 'none') trains it.
+    embedding: bool = False
     # Decision every N optimizer steps; null: at the end of every epoch; 'auto': three per
     # epoch of the starting layout's steps (from the data size and the batch: the same on
     # any machine); 'measured' (opt-in): 'auto', spaced further apart when the run's first
@@ -240,6 +249,8 @@ class FreezeConfig:
             _fail("freeze.convergence_threshold", f"must be >= 0, got {self.convergence_threshold}")
         if not 0 <= self.signal_threshold <= 1:  # NaN fails too
             _fail("freeze.signal_threshold", f"must be in [0, 1], got {self.signal_threshold}")
+        if not 0 <= self.percentile <= 100:  # NaN fails too
+            _fail("freeze.percentile", f"must be in [0, 100], got {self.percentile}")
         if isinstance(self.interval_steps, int) and self.interval_steps < 1:
             _fail("freeze.interval_steps", "must be >= 1, 'auto', 'measured' or null")
         if self.warmup_epochs < 0:
@@ -253,6 +264,12 @@ class FreezeConfig:
                 _fail("freeze.manual_schedule", f"must never decrease, got {self.manual_schedule}")
             if any(n < 0 for n in self.manual_schedule):
                 _fail("freeze.manual_schedule", "entries must be >= 0")
+
+    @property
+    def embedding_frozen(self) -> bool:
+        """Whether the embedding is frozen from the start: `embedding` with a strategy that
+        freezes (the baseline trains everything)."""
+        return self.embedding and self.strategy != "none"
 
 
 @dataclass(frozen=True)
@@ -842,6 +859,18 @@ def check_config(config: Config, world_size: int | None = None) -> None:
             "freeze.strategy",
             "signal_to_noise reads the optimizer's moving average of gradients: use "
             "optimizer.name adam or adamw, or sgd with optimizer.momentum > 0",
+        )
+    if (
+        config.freeze.strategy == "signal_to_noise"
+        and optimizer.name in ("adam", "sgd")
+        and optimizer.weight_decay > 0
+    ):
+        _fail(
+            "freeze.strategy",
+            f"signal_to_noise with optimizer.name {optimizer.name} and weight_decay > 0: the "
+            "coupled decay term enters the moving average of gradients but not the measured "
+            "gradient norms, so the signal share is biased; use adamw (decoupled decay) or "
+            "optimizer.weight_decay=0",
         )
     family = config.model.resolved_family()
     image_sets = ("digits", "cifar10", "cifar100", "imagefolder", "synthetic", "hf_image")

@@ -42,7 +42,7 @@ gradient_norm_inclusive (this project's earlier reading of Eq. 1)
     the paper's rule; the measured runs of docs/benchmarks.md made before the paper's
     reading was adopted used it (with the bound rounded down).
 
-convergence (AutoFreeze's test: freeze a layer once its gradient norm has stopped changing)
+convergence (this project's rule: freeze a layer once its gradient norm has stopped changing)
     r_l = | ||g_l||_T - ||g_l||_{T-1} | / ||g_l||_{T-1}
     F_T = min(B(F_{T-1}),  F_{T-1} + c)
 
@@ -59,6 +59,30 @@ convergence (AutoFreeze's test: freeze a layer once its gradient norm has stoppe
     Negative norms, a negative or NaN threshold and norm lists of different lengths are
     errors (ValueError). Against gradient_norm: a layer whose gradient is small but still
     moving does not freeze, and nothing freezes before two decisions have been measured.
+    It is not AutoFreeze's criterion (below), though it was called that here before: it
+    compares RMS norms of single steps, which at small batches are mostly minibatch noise,
+    against an absolute threshold, where AutoFreeze ranks the change of accumulated
+    gradients against the active layers' median.
+
+autofreeze (Liu, Agarwal, Venkataraman, "AutoFreeze: Automatically Freezing Model Blocks to
+Accelerate Fine-tuning", 2021, and its released code)
+    s_l = || sum_t g_{l,t} ||_1 / n     (the interval's gradients summed, then the L1 norm)
+    r_l = | s_l,T - s_l,T-1 | / s_l,T-1
+    m   = percentile_p { r_l : l in [F_{T-1}, L) }     (p = `freeze.percentile`, 50: median)
+    F_T = the first l >= F_{T-1} with r_l >= m
+
+    Each layer's gradient is accumulated over the interval, so steps' noise cancels in the
+    sum and what is left is the drift; the layers below the first active layer whose drift
+    still changes at least as much as the median's freeze: a rank among the active layers,
+    no absolute threshold and no alpha bound (at most about half the active layers freeze
+    at once, since half the ratios reach the median). The released code sums the gradient
+    vectors over the interval and takes their L1 norm; here the sum is divided by the n
+    steps it holds, which changes nothing for equal intervals and keeps an interval that a
+    resume cut short comparable. Percentiles interpolate linearly between ranks (numpy's
+    default, which the released code calls). Its first decision only measures; a layer
+    without a usable ratio (a previous signal of 0, a NaN or infinite one) ranks as
+    unconverged (the released code gives such a layer 0). Its interval in the released code
+    is a tenth of the run's steps: `freeze.interval_steps: auto` gives that for this rule.
 
 signal_to_noise (a layer has converged when its gradient is mostly minibatch noise)
     rho_l = clamp((r_l - c) / (1 - c), 0, 1),  r_l = ||m_l||^2 / E||g_l||^2,
@@ -84,6 +108,15 @@ signal_to_noise (a layer has converged when its gradient is mostly minibatch noi
     stops there. Ratios outside [0, 1] after the noise floor is removed are clamped; a
     negative input is an error.
 
+    What it measures is McCandlish et al.'s simple noise scale, per layer, not the GSNR of
+    the ICLR paper (that one is per parameter, over per-sample gradients): tr(Sigma) is the
+    noise of a *batch* gradient, so rho depends on the global batch size B
+    (B_noise = B (1 - rho) / rho is the batch-free quantity). A threshold chosen at one
+    batch size does not carry to another; at small batches rho is low from the first
+    decision and the rule freezes at the bound. With coupled weight decay (Adam, or SGD with
+    weight_decay) the moving average holds the decay term and the measured gradient norms
+    do not, so such configs are refused (config.py); AdamW decouples it.
+
 alpha_schedule (the closed form the paper's released code ran)
     F_T = ceil(L * (1 - (1 - alpha)^T))
 
@@ -94,7 +127,9 @@ none
     F_T = 0: the baseline.
 
 T counts decision points from 1. The paper's T is an epoch ("iterations (i.e., epoch)",
-Appendix B): `freeze.interval_steps: null` decides at epoch ends (`DecisionSchedule`).
+Appendix B): `freeze.interval_steps: null` decides at epoch ends (`DecisionSchedule`), the
+paper's cadence; 'auto' decides three times an epoch (a tenth of the run for autofreeze),
+three times the paper's pace for Eq. 1.
 """
 
 from __future__ import annotations
@@ -110,6 +145,10 @@ _ROUNDING_SLACK = 1e-6
 
 # Strategies that read per-layer gradient norms.
 GRADIENT_RULES = ("gradient_norm", "gradient_norm_inclusive", "convergence", "signal_to_noise")
+# Strategies that read each layer's gradient summed over the decision interval.
+ACCUMULATED_RULES = ("autofreeze",)
+# 'auto' for autofreeze: its released code's interval, a tenth of the run's steps.
+AUTOFREEZE_DECISIONS_PER_RUN = 10
 
 
 def _clamp(previous: int, proposed: int, max_frozen_layers: int) -> int:
@@ -201,6 +240,52 @@ def signal_to_noise_decision(
     return _clamp(previous, proposed, max_frozen_layers)
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) with linear interpolation between ranks (numpy's
+    default); infinite values sort last and an interpolation that touches one is infinite."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of no values")
+    rank = q / 100 * (len(ordered) - 1)
+    low, high = math.floor(rank), math.ceil(rank)
+    fraction = rank - low
+    if low == high or fraction == 0:
+        return ordered[low]
+    if math.isinf(ordered[high]):
+        return ordered[high]
+    return ordered[low] + (ordered[high] - ordered[low]) * fraction
+
+
+def autofreeze_decision(
+    num_frozen_layers: int,
+    layer_grad_sums: Sequence[float],
+    previous_layer_grad_sums: Sequence[float] | None,
+    percentile_q: float,
+    max_frozen_layers: int,
+) -> int:
+    """The `autofreeze` rule (module docstring): `layer_grad_sums` are this interval's
+    per-layer L1 norms of the accumulated gradient (per step), the previous ones those the
+    previous decision saw (None or empty at the first decision: nothing freezes)."""
+    num_layers = len(layer_grad_sums)
+    previous_sums = [] if previous_layer_grad_sums is None else list(previous_layer_grad_sums)
+    if previous_sums and len(previous_sums) != num_layers:
+        raise ValueError(
+            f"autofreeze: {len(previous_sums)} previous layer gradient sums for {num_layers} layers"
+        )
+    if any(value < 0 for value in (*layer_grad_sums, *previous_sums)):
+        raise ValueError("autofreeze: gradient norms must not be negative")
+    if not 0 <= percentile_q <= 100:
+        raise ValueError(f"autofreeze: percentile must be in [0, 100], got {percentile_q}")
+    previous = num_frozen_layers
+    if not previous_sums or previous >= min(max_frozen_layers, num_layers):
+        return previous
+    active = range(previous, num_layers)
+    ratios = {l: _relative_change(previous_sums[l], layer_grad_sums[l]) for l in active}
+    cut = percentile(list(ratios.values()), percentile_q)
+    proposed = next(l for l in active if ratios[l] >= cut)
+    return _clamp(previous, proposed, max_frozen_layers)
+
+
 def alpha_schedule_decision(
     decision_index: int, num_layers: int, alpha: float, previous: int, max_frozen_layers: int
 ) -> int:
@@ -231,6 +316,11 @@ class FreezeDecider:
     def needs_grad_norms(self) -> bool:
         return self.config.strategy in GRADIENT_RULES
 
+    @property
+    def needs_grad_sums(self) -> bool:
+        """The rule reads each layer's gradient accumulated over the interval."""
+        return self.config.strategy in ACCUMULATED_RULES
+
     def decide(
         self,
         decision_index: int,
@@ -238,10 +328,14 @@ class FreezeDecider:
         layer_grad_norms: Sequence[float] | None = None,
         previous_layer_grad_norms: Sequence[float] | None = None,
         layer_signal_fractions: Sequence[float] | None = None,
+        layer_grad_sums: Sequence[float] | None = None,
+        previous_layer_grad_sums: Sequence[float] | None = None,
     ) -> int:
         """`previous_layer_grad_norms`: the norms the previous decision saw (convergence
         only; the caller keeps them, in the run state, so they survive a resume).
-        `layer_signal_fractions`: per layer, `signal_fraction` (signal_to_noise only)."""
+        `layer_signal_fractions`: per layer, `signal_fraction` (signal_to_noise only).
+        `layer_grad_sums` and the previous decision's: per layer, the L1 norm of the
+        gradient accumulated over the interval, per step (autofreeze only)."""
         if decision_index < 1:
             raise ValueError("decision points are counted from 1")
         strategy = self.config.strategy
@@ -275,6 +369,16 @@ class FreezeDecider:
                 layer_signal_fractions,
                 self.config.alpha,
                 self.config.signal_threshold,
+                self.max_frozen_layers,
+            )
+        if strategy == "autofreeze":
+            if layer_grad_sums is None or len(layer_grad_sums) != self.num_layers:
+                raise ValueError(f"{strategy} needs {self.num_layers} layer gradient sums")
+            return autofreeze_decision(
+                num_frozen_layers,
+                layer_grad_sums,
+                previous_layer_grad_sums,
+                self.config.percentile,
                 self.max_frozen_layers,
             )
         if strategy == "alpha_schedule":
@@ -316,13 +420,20 @@ class DecisionSchedule:
 
     @classmethod
     def for_config(
-        cls, config: FreezeConfig, steps_per_epoch: int, min_interval_steps: int = 1
+        cls,
+        config: FreezeConfig,
+        steps_per_epoch: int,
+        min_interval_steps: int = 1,
+        epochs: int = 1,
     ) -> DecisionSchedule:
         """`steps_per_epoch`: of the layout the run starts in (what 'auto' divides);
         `min_interval_steps`: the lower bound 'measured' has learnt from transition costs
-        ('auto' ignores it: its interval is a function of the config alone)."""
+        ('auto' ignores it: its interval is a function of the config alone); `epochs`: the
+        run's, for autofreeze's 'auto' (a tenth of the run's steps, as its code has it)."""
         interval = config.interval_steps
-        if interval == "auto":
+        if interval == "auto" and config.strategy == "autofreeze":
+            interval = math.ceil(steps_per_epoch * epochs / AUTOFREEZE_DECISIONS_PER_RUN)
+        elif interval == "auto":
             interval = math.ceil(steps_per_epoch / DECISIONS_PER_EPOCH)
         elif interval == "measured":
             interval = max(math.ceil(steps_per_epoch / DECISIONS_PER_EPOCH), min_interval_steps)

@@ -1,6 +1,7 @@
-"""The `convergence` freeze rule (AutoFreeze's test): a bottom layer freezes once the
-relative change of its gradient norm between two decisions is below a threshold. Also how
-a run selects it: the config keys, the decider, and the previous norms in the run state."""
+"""The `convergence` freeze rule (this project's; AutoFreeze's is tests/test_autofreeze.py):
+a bottom layer freezes once the relative change of its gradient norm between two decisions
+is below a threshold. Also how a run selects it: the config keys, the decider, and the
+previous norms in the run state."""
 
 import json
 import math

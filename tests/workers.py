@@ -577,3 +577,37 @@ def runs_under_load(runs: list[tuple[str, dict, float, int | None]], root: str):
         finally:
             time.perf_counter = real
     return results
+
+
+def freeze_signal_run(config_dict: dict, run_dir: str):
+    """A whole Trainer run that also returns what the freeze rules read: the accumulated
+    gradient signal the last decision saw, the frozen counts after each transition, this
+    rank's copy of the embedding unit before and after training (None if it holds none),
+    and the optimizer's parameter names."""
+    from pipetransformer.config import config_from_dict
+    from pipetransformer.trainer.trainer import Trainer
+
+    def embedding(trainer):
+        unit = trainer.stage.units.get(0)
+        if unit is None:
+            return None
+        return {k: v.detach().clone() for k, v in unit.state_dict().items()}
+
+    trainer = Trainer(config_from_dict(config_dict), run_dir)
+    try:
+        trainer.setup()
+        before = embedding(trainer)
+        optimizer = trainer.stage.optimizer
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer else set()
+        optimized = sorted(n for n, p in trainer.stage.named_params().items() if id(p) in held)
+        trainer.train()
+        return {
+            "rank": trainer.world.rank,
+            "sums": list(trainer.state.previous_layer_grad_sums),
+            "frozen": [t.new_num_frozen_layers for t in trainer.transitions],
+            "embedding_before": before,
+            "embedding_after": embedding(trainer),
+            "trainable_at_start": optimized,
+        }
+    finally:
+        trainer.cleanup()

@@ -75,11 +75,12 @@ class PipelinePlan:
     stage_ranges: tuple[tuple[int, int], ...]  # [start, end) per stage, covering [prefix_end, U)
     stage_costs: tuple[float, ...]  # stage 0 includes the preprocessing cost
     num_micro_batches: int = 1
+    frozen_embedding: bool = False  # freeze.embedding: the embedding frozen from the start
 
     @property
     def frozen_end(self) -> int:
         """Units below this are frozen (some may sit inside stages when AutoPipe is off)."""
-        return prefix_end(self.num_frozen_layers)
+        return prefix_end(self.num_frozen_layers, self.frozen_embedding)
 
     @property
     def max_stage_cost(self) -> float:
@@ -191,12 +192,14 @@ def balance(
     pipe_len: int,
     method: str = "greedy",
     prefix_cost: float | None = None,
+    frozen_embedding: bool = False,
 ) -> PipelinePlan:
     """Split the active units over `pipe_len` stages; the frozen prefix precedes stage 0.
 
-    `prefix_cost` overrides the frozen prefix's cost on stage 0 (e.g. a cache read).
+    `prefix_cost` overrides the frozen prefix's cost on stage 0 (e.g. a cache read);
+    `frozen_embedding`: the embedding is frozen from the start (`freeze.embedding`).
     """
-    start = prefix_end(num_frozen_layers)
+    start = prefix_end(num_frozen_layers, frozen_embedding)
     if start >= costs.num_units:
         raise ValueError("the head never freezes")
     head_start = _stage_cost(costs, 0, start, start) if prefix_cost is None else prefix_cost
@@ -208,12 +211,14 @@ def balance(
         _stage_cost(costs, a, b, start) + (head_start if i == 0 else 0.0)
         for i, (a, b) in enumerate(ranges)
     )
-    return PipelinePlan(num_frozen_layers, pipe_len, start, ranges, stage_costs)
+    return PipelinePlan(
+        num_frozen_layers, pipe_len, start, ranges, stage_costs, frozen_embedding=frozen_embedding
+    )
 
 
 def fixed_plan(costs: UnitCosts, initial: PipelinePlan, num_frozen_layers: int) -> PipelinePlan:
     """AutoPipe off (the 'freeze only' ablation): the initial stages, frozen units inside them."""
-    frozen_end = prefix_end(num_frozen_layers)
+    frozen_end = prefix_end(num_frozen_layers, initial.frozen_embedding)
     stage_costs = tuple(_stage_cost(costs, a, b, frozen_end) for a, b in initial.stage_ranges)
     return PipelinePlan(
         num_frozen_layers,
@@ -222,6 +227,7 @@ def fixed_plan(costs: UnitCosts, initial: PipelinePlan, num_frozen_layers: int) 
         initial.stage_ranges,
         stage_costs,
         initial.num_micro_batches,
+        initial.frozen_embedding,
     )
 
 
@@ -248,6 +254,9 @@ class AutoPipePlanner:
     # What the compression criterion compares (Eq. 2): parameter sizes, frozen units at
     # lambda_frozen. None: `costs` themselves (when they are parameter counts already).
     sizes: UnitCosts | None = None
+    # freeze.embedding (with a freezing strategy): the embedding is part of the frozen
+    # prefix from the start.
+    frozen_embedding: bool = False
     initial: PipelinePlan = field(init=False)
 
     def __post_init__(self) -> None:
@@ -257,7 +266,13 @@ class AutoPipePlanner:
             self.sizes = self.costs
         if self.sizes.num_units != self.costs.num_units:
             raise ValueError("one size per unit")
-        self.initial = balance(self.costs, 0, self.initial_pipe_len, self.method)
+        self.initial = balance(
+            self.costs,
+            0,
+            self.initial_pipe_len,
+            self.method,
+            frozen_embedding=self.frozen_embedding,
+        )
 
     @property
     def initial_max_size(self) -> float:
@@ -275,14 +290,20 @@ class AutoPipePlanner:
         `fits`: instead of the planner's own (PlanContext adds the move's memory)."""
         fits = fits or self.fits
         budget = self.initial_max_size * (1 + _TOLERANCE)
-        active_units = self.costs.num_units - prefix_end(num_frozen_layers)
+        active_units = self.costs.num_units - prefix_end(num_frozen_layers, self.frozen_embedding)
         pipe_len = current_pipe_len
         while pipe_len > active_units:  # never more stages than units
             pipe_len //= 2
-        plan = balance(self.costs, num_frozen_layers, pipe_len, self.method, prefix_cost)
+        embedding = self.frozen_embedding
+        plan = balance(self.costs, num_frozen_layers, pipe_len, self.method, prefix_cost, embedding)
         while plan.pipe_len % 2 == 0:
             packed = balance(
-                self.costs, num_frozen_layers, plan.pipe_len // 2, self.method, prefix_cost
+                self.costs,
+                num_frozen_layers,
+                plan.pipe_len // 2,
+                self.method,
+                prefix_cost,
+                embedding,
             )
             if max(stage_sizes(self.sizes, packed)) > budget:
                 break

@@ -314,7 +314,12 @@ class PlanContext:
                 return memory.fits(plan, shape, budget_bytes)
 
         planner = AutoPipePlanner(
-            costs, initial, config.autopipe.partition_method, fits, parameter_sizes(config, spec)
+            costs,
+            initial,
+            config.autopipe.partition_method,
+            fits,
+            parameter_sizes(config, spec),
+            frozen_embedding=config.freeze.embedding_frozen,
         )
         source = "profile" if profile is not None else "params"
         return cls(config, spec, world, costs, memory, source, budget_bytes, planner)
@@ -422,7 +427,12 @@ class PlanContext:
         of micro-batches, or for 'auto' the fewest that fit the budget
         (`sharded_micro_batches`)."""
         plan = balance(
-            self.costs, num_frozen_layers, 1, self.config.autopipe.partition_method, prefix_cost
+            self.costs,
+            num_frozen_layers,
+            1,
+            self.config.autopipe.partition_method,
+            prefix_cost,
+            self.config.freeze.embedding_frozen,
         )
         world = self.world
         layout = Layout(plan, world.world_size, world.devices_per_node, world.world_size, True)
@@ -524,5 +534,6 @@ class PlanContext:
             initial_pipe_len,
             config.autopipe.partition_method,
             sizes=parameter_sizes(config, self.spec),
+            frozen_embedding=config.freeze.embedding_frozen,
         )
         return dataclasses.replace(self, config=config, planner=planner)

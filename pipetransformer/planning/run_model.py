@@ -10,7 +10,9 @@ Gradient-driven rules decide from gradient norms no prediction has. They are rep
 norms that put the smallest at the top layer and never change, so every rule freezes as
 fast as Eq. 1's bound allows: gradient_norm and its inclusive variant take the bound at
 every decision, convergence takes it from its second decision on (its first only measures),
-signal_to_noise (given gradients that are all noise) at every decision.
+signal_to_noise (given gradients that are all noise) at every decision; autofreeze, which
+has no bound, is replayed on drifts whose change grows with height, so from its second
+decision on the layers below the active layers' median freeze.
 
 Owns: `RunShape`, `CachedShares`, `prefix_cost_to_balance`, `Segment`, `simulate_run`. Pure:
 no processes, no torch.
@@ -169,8 +171,12 @@ def simulate_run(
     work of the steps that follow, so a boundary first balanced for filling the cache is
     balanced for reading it once its entries are written (the trainer does the same)."""
     decider = FreezeDecider(freeze, num_layers)
-    schedule = DecisionSchedule.for_config(freeze, shape.steps_per_epoch(start.replicas_per_node))
+    schedule = DecisionSchedule.for_config(
+        freeze, shape.steps_per_epoch(start.replicas_per_node), epochs=shape.epochs
+    )
     norms = synthetic_norms(num_layers)
+    # autofreeze: drifts whose change grows with height, so the median falls mid-way
+    drifts = [n * (1 - (layer + 1) / (num_layers + 1)) for layer, n in enumerate(norms)]
     noise_only = [0.0] * num_layers  # signal_to_noise: every gradient is noise
     shares = CachedShares()
     frozen, layout = 0, start
@@ -220,7 +226,9 @@ def simulate_run(
                 decisions += 1
                 # The previous decision's norms, none at the first (as the run state has).
                 previous = norms if decisions > 1 else None
-                decided = decider.decide(decisions, frozen, norms, previous, noise_only)
+                decided = decider.decide(
+                    decisions, frozen, norms, previous, noise_only, drifts, previous
+                )
                 replan(decided, shares.at_start)
                 since = 0
     return segments

@@ -63,7 +63,9 @@ class FreezeControl:
         self.schedule = self._schedule(state.min_decision_interval)
 
     def _schedule(self, min_interval: int) -> DecisionSchedule:
-        return DecisionSchedule.for_config(self.config.freeze, self.steps_per_epoch, min_interval)
+        return DecisionSchedule.for_config(
+            self.config.freeze, self.steps_per_epoch, min_interval, self.config.trainer.epochs
+        )
 
     @property
     def needs_grad_norms(self) -> bool:
@@ -77,32 +79,69 @@ class FreezeControl:
         )
 
     @property
+    def needs_grad_sums(self) -> bool:
+        """autofreeze reads each layer's gradient summed over the interval."""
+        return self.decider.needs_grad_sums
+
+    @property
     def needs_momentum(self) -> bool:
         """signal_to_noise also reads the optimizer's moving average of gradients."""
         return self.config.freeze.strategy == "signal_to_noise"
 
     def decide(
-        self, num_frozen_layers: int, dp_degree: int, unit_momentum_sq: list[float] | None = None
+        self,
+        num_frozen_layers: int,
+        dp_degree: int,
+        unit_momentum_sq: list[float] | None = None,
+        unit_grad_sums: tuple[list[float], int] | None = None,
     ) -> Decision:
         """The decision at this point (collective); starts the next interval.
         `unit_momentum_sq`: per unit, ||m||^2 of the optimizer's moving average of gradients
-        summed over the ranks (replicas counted once): signal_to_noise reads it."""
+        summed over the ranks (replicas counted once): signal_to_noise reads it.
+        `unit_grad_sums`: per unit, the L1 norm of the gradient summed over the interval
+        (over the whole model, replicas counted once), and the steps the sum holds:
+        autofreeze reads it."""
         self.state.decision_index += 1
         signal = self.metrics.freeze_signal(dp_degree, with_norms=self.needs_grad_norms)
-        fractions = None
+        fractions = sums = None
         if self.needs_momentum:
             fractions = self._signal_fractions(signal.layer_grad_norms, unit_momentum_sq)
+        if self.needs_grad_sums:
+            sums = self._layer_grad_sums(*unit_grad_sums)
         decided = self.decider.decide(
             self.state.decision_index,
             num_frozen_layers,
             signal.layer_grad_norms,
             self.state.previous_layer_grad_norms,
             fractions,
+            sums,
+            self.state.previous_layer_grad_sums,
         )
         self.control.agree(decided, "num_frozen_layers")
         if signal.layer_grad_norms is not None:
             self.state.previous_layer_grad_norms = list(signal.layer_grad_norms)
+        if sums is not None:
+            self.state.previous_layer_grad_sums = sums
         return Decision(decided, signal.layer_grad_norms, signal.step_s)
+
+    def _layer_grad_sums(self, unit_l1: list[float], steps: int) -> list[float]:
+        """Per layer, its attention and MLP units' L1 norms of the interval's summed
+        gradient, per step (autofreeze's signal; freeze.py)."""
+        num_layers = self.decider.num_layers
+        per_layer = [0.0] * num_layers
+        for unit, value in enumerate(unit_l1):
+            layer = layer_of_unit(unit, num_layers)
+            if layer is not None:
+                per_layer[layer] += value
+        sums = [value / max(1, steps) for value in per_layer]
+        if self.control.rank == 0:
+            logger.info(
+                "decision %d: accumulated gradient (L1 per step, %d steps) %s",
+                self.state.decision_index,
+                steps,
+                " ".join(f"{v:.4g}" for v in sums),
+            )
+        return sums
 
     def _signal_fractions(
         self, layer_grad_norms: list[float], unit_momentum_sq: list[float]

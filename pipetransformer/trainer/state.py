@@ -79,6 +79,9 @@ class RunState:
     # compares against them); empty before the first decision, and in checkpoints older
     # than the field.
     previous_layer_grad_norms: list[float] = field(default_factory=list)
+    # Per layer, the accumulated-gradient signal the previous decision saw (the `autofreeze`
+    # rule compares against it); empty before its first decision.
+    previous_layer_grad_sums: list[float] = field(default_factory=list)
     # The epoch in progress, so far: sum of per-sample losses over all replicas, seconds of
     # training, of transitions and of DDP communication.
     epoch_loss_sum: float = 0.0

@@ -58,6 +58,10 @@ class Stage:
     grad_owners: tuple[list[nn.Parameter], torch.Tensor] | None = field(
         default=None, init=False, repr=False
     )
+    # autofreeze: per trained parameter (its local shard when sharded), the gradients
+    # applied since the last decision, summed, and how many steps they hold.
+    grad_sums: list[torch.Tensor] | None = field(default=None, init=False, repr=False)
+    grad_sum_steps: int = field(default=0, init=False, repr=False)
 
     def named_params(self) -> dict[str, nn.Parameter]:
         named = {}
@@ -177,12 +181,14 @@ class StepRunner:
         world: WorldInfo,
         num_units: int,
         grad_norms: bool,
+        grad_sums: bool = False,
     ) -> None:
         self.config = config
         self.batches = batches
         self.world = world
         self.num_units = num_units
         self.grad_norms = grad_norms  # the freeze signal needs each unit's gradient norm
+        self.grad_sums = grad_sums  # autofreeze: each gradient summed over the interval
         self.clock = IntervalTimer(world.device)  # marks a step's start and end on the device
 
     def learning_rate(self, tick: Tick) -> float:
@@ -213,6 +219,8 @@ class StepRunner:
                 scale = self._clip(stage, squares, clip) if clip is not None else None
                 if self.grad_norms:  # the norms of the gradients applied
                     unit_sq = squares if scale is None else squares * scale.square()
+            if self.grad_sums:  # the gradients applied (after clipping), summed
+                self._accumulate(stage)
             if stage.optimizer is not None:
                 stage.optimizer.step()
                 stage.optimizer.zero_grad(set_to_none=True)
@@ -226,13 +234,7 @@ class StepRunner:
             layout, started, (start_mark, self.clock.mark()), samples, replica_loss, unit_sq
         )
 
-    def _unit_grad_squares(self, stage: Stage) -> torch.Tensor:
-        """Squared gradient norm of each unit this rank trains, float64 on the device: one
-        multi-tensor norm kernel over every gradient (float32 norms of float32 gradients),
-        then a scatter-add of their squares by unit. The unit of each gradient is an index
-        built, pinned and copied to the device once per layout (`Stage.grad_owners`). In a
-        sharded layout each rank holds a shard of every gradient: the squares of the shards
-        are summed over the replicas."""
+    def _grad_owners(self, stage: Stage) -> tuple[list[nn.Parameter], torch.Tensor]:
         if stage.grad_owners is None:
             params, owners = [], []
             for index, unit in stage.units.items():
@@ -242,7 +244,44 @@ class StepRunner:
                         owners.append(index)
             owner_index = to_device(torch.tensor(owners, dtype=torch.long), self.world.device)
             stage.grad_owners = params, owner_index
-        params, owner_index = stage.grad_owners
+        return stage.grad_owners
+
+    def _accumulate(self, stage: Stage) -> None:
+        """Adds this step's gradients to the interval's sums (one multi-tensor add)."""
+        params, _ = self._grad_owners(stage)
+        if stage.grad_sums is None:
+            stage.grad_sums = [torch.zeros_like(local(p.detach())) for p in params]
+        pairs = [
+            (s, local(p.grad.detach()))
+            for s, p in zip(stage.grad_sums, params)
+            if p.grad is not None
+        ]
+        if pairs:
+            torch._foreach_add_([s for s, _ in pairs], [g for _, g in pairs])
+        stage.grad_sum_steps += 1
+
+    def take_unit_grad_sums(self, stage: Stage) -> tuple[torch.Tensor, int]:
+        """Per unit, the L1 norm of the gradients summed since the last call (float64 on the
+        device; in a sharded layout this rank's shards', whose sum over the ranks is the
+        unit's), and the steps they hold; starts a new sum."""
+        l1 = torch.zeros(self.num_units, dtype=torch.float64, device=self.world.device)
+        steps = stage.grad_sum_steps
+        if stage.grad_sums:
+            _, owner_index = self._grad_owners(stage)
+            norms = torch.stack(torch._foreach_norm(stage.grad_sums, 1)).double()
+            l1.index_add_(0, owner_index, norms)
+            torch._foreach_zero_(stage.grad_sums)
+        stage.grad_sum_steps = 0
+        return l1, steps
+
+    def _unit_grad_squares(self, stage: Stage) -> torch.Tensor:
+        """Squared gradient norm of each unit this rank trains, float64 on the device: one
+        multi-tensor norm kernel over every gradient (float32 norms of float32 gradients),
+        then a scatter-add of their squares by unit. The unit of each gradient is an index
+        built, pinned and copied to the device once per layout (`Stage.grad_owners`). In a
+        sharded layout each rank holds a shard of every gradient: the squares of the shards
+        are summed over the replicas."""
+        params, owner_index = self._grad_owners(stage)
         grads = [local(p.grad.detach()) for p in params if p.grad is not None]
         squares = torch.zeros(self.num_units, dtype=torch.float64, device=self.world.device)
         if grads:

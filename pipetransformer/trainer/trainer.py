@@ -222,6 +222,7 @@ class Trainer:
             world,
             spec.num_units,
             self.freezer.needs_grad_norms,
+            self.freezer.needs_grad_sums,
         )
         # All ranks stop after the same step; agreed about every second, not every step.
         self.stop_poll = StopPoll(control, self.stop, config.trainer.log_interval_steps)
@@ -582,7 +583,10 @@ class Trainer:
     def _decision_point(self, tick: Tick) -> None:
         layout = self.stage.layout
         momentum = self.unit_momentum_sq() if self.freezer.needs_momentum else None
-        decision = self.freezer.decide(layout.plan.num_frozen_layers, layout.dp_degree, momentum)
+        sums = self.unit_grad_sums() if self.freezer.needs_grad_sums else None
+        decision = self.freezer.decide(
+            layout.plan.num_frozen_layers, layout.dp_degree, momentum, sums
+        )
         # A new boundary, or the same one balanced again now that the cache holds what its
         # stage 0 was balanced to fill (the new plan is the same on every rank).
         new = self.layout_for(decision.num_frozen_layers, layout.pipe_len, layout)
@@ -609,6 +613,17 @@ class Trainer:
         layout = self.stage.layout
         copies = 1 if layout.sharded else layout.dp_degree
         return (self.control.all_sum(squares) / copies).tolist()
+
+    def unit_grad_sums(self) -> tuple[list[float], int]:
+        """Per unit, the L1 norm of the gradient summed since the last decision over the
+        whole model, and the steps the sum holds (collective). Replicas hold the same
+        (averaged) gradients, counted once; the shards of a sharded layout add up."""
+        l1, steps = self.steps.take_unit_grad_sums(self.stage)
+        layout = self.stage.layout
+        copies = 1 if layout.sharded else layout.dp_degree
+        # Idle ranks and later stages hold no sum; every rank that trains holds the count.
+        totals = self.control.all_max([float(steps)])
+        return (self.control.all_sum(l1) / copies).tolist(), int(totals[0])
 
     # ------------------------------------------------------------------ transitions
 

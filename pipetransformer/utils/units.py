@@ -20,9 +20,12 @@ def mlp_unit(layer: int) -> int:
     return 2 + 2 * layer
 
 
-def prefix_end(num_frozen_layers: int) -> int:
-    """First unit after the frozen prefix (the embedding freezes with the first layer)."""
-    return 0 if num_frozen_layers == 0 else 1 + 2 * num_frozen_layers
+def prefix_end(num_frozen_layers: int, frozen_embedding: bool = False) -> int:
+    """First unit after the frozen prefix: the embedding freezes with the first layer, or
+    from the start with `frozen_embedding` (`freeze.embedding`)."""
+    if num_frozen_layers == 0:
+        return 1 if frozen_embedding else 0
+    return 1 + 2 * num_frozen_layers
 
 
 def layer_of_unit(unit: int, num_layers: int) -> int | None:
