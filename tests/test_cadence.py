@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.config import config_from_dict
-from pipetransformer.trainer.control import Control
 from pipetransformer.trainer.freezing import FreezeControl
 from pipetransformer.trainer.state import RunState
 

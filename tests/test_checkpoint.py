@@ -25,11 +25,11 @@ from helpers import run_workers
 from reference import elastic_config, reference_run, step_losses
 from workers import checkpoint_killed_half_way, elastic_run, start_in_run_dir
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.config import CheckpointConfig, config_from_dict
 from pipetransformer.launcher import WorkerFailed
 from pipetransformer.trainer.checkpoint import Checkpointer, complete_checkpoints, find_checkpoint
 from pipetransformer.trainer.clock import Tick
-from pipetransformer.trainer.control import Control
 from pipetransformer.trainer.rundir import RunDirError, RunOptions, prepare_run_dir
 
 ROOT = Path(__file__).resolve().parent.parent

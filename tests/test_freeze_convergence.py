@@ -7,9 +7,9 @@ import math
 
 import pytest
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.config import ConfigError, FreezeConfig, config_from_dict, load_config
 from pipetransformer.freeze import FreezeDecider, convergence_decision
-from pipetransformer.trainer.control import Control
 from pipetransformer.trainer.freezing import FreezeControl
 from pipetransformer.trainer.metrics import FreezeSignal
 from pipetransformer.trainer.state import RunState

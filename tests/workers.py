@@ -375,7 +375,7 @@ def start_in_run_dir(run_dir: str, restarting_ranks: list[int], run_id: str):
     so (TORCHELASTIC_RESTART_COUNT > 0): what each rank got, or the refusal's text."""
     from pathlib import Path
 
-    from pipetransformer.trainer.control import Control
+    from pipetransformer.autodp.control import Control
     from pipetransformer.trainer.resume import start_run_directory
     from pipetransformer.trainer.rundir import RunDirError, RunOptions
 

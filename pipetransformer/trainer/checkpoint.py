@@ -51,9 +51,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.config import CheckpointConfig
 from pipetransformer.trainer.clock import Tick
-from pipetransformer.trainer.control import Control
 from pipetransformer.trainer.state import CheckpointRecord, Stateful
 from pipetransformer.utils.files import write_json_atomic, write_text_atomic
 

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.autodp.sampler import EvalSampler
 from pipetransformer.config import Config
 from pipetransformer.data import DataBundle
@@ -18,7 +19,6 @@ from pipetransformer.data.loader import BatchLoader
 from pipetransformer.pipe.transfer import to_device
 from pipetransformer.trainer.caching import RunCache
 from pipetransformer.trainer.clock import Tick
-from pipetransformer.trainer.control import Control
 from pipetransformer.trainer.distributed import WorldInfo
 from pipetransformer.trainer.records import EvalResult
 from pipetransformer.trainer.state import RunState

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.config import Config
 from pipetransformer.freeze import (
     TRANSITION_TIME_SHARE,
@@ -27,7 +28,6 @@ from pipetransformer.freeze import (
     signal_fraction,
 )
 from pipetransformer.trainer.clock import Tick
-from pipetransformer.trainer.control import Control
 from pipetransformer.trainer.metrics import MetricsTracker
 from pipetransformer.trainer.optim import momentum_decay
 from pipetransformer.trainer.records import CadenceEvent

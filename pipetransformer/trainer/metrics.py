@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.autodp.topology import Layout
 from pipetransformer.pipe.timing import IntervalTimer
 from pipetransformer.trainer.clock import Tick
-from pipetransformer.trainer.control import Control
 from pipetransformer.trainer.records import CacheCounters, EpochMetrics, EvalResult, StepMetrics
 from pipetransformer.trainer.reporting import Reporter
 from pipetransformer.trainer.state import RunState

@@ -17,11 +17,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.autodp.topology import Layout
 from pipetransformer.config import Config, config_yaml
 from pipetransformer.models import ModelSpec
 from pipetransformer.trainer.checkpoint import read_run_state
-from pipetransformer.trainer.control import Control
 from pipetransformer.trainer.records import ResumeEvent
 from pipetransformer.trainer.rundir import (
     RunDirError,

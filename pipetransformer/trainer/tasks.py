@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.pipe.transfer import to_device
-from pipetransformer.trainer.control import Control
 from pipetransformer.trainer.records import EvalResult
 
 

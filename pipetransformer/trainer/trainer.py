@@ -2,7 +2,7 @@
 
 Every rank runs this. Ranks agree on everything by computing it from the same values (the
 resolved config, the sampler, all-reduced gradient norms); the only messages are the
-pipeline's own, DDP's, the control group's small collectives (trainer/control.py), the state
+pipeline's own, DDP's, the control group's small collectives (autodp/control.py), the state
 handoff at transitions and checkpoint writes.
 
 `train()` is the loop: one tick of the clock per step; after it each periodic component
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.autodp.groups import (
     TrainingGroups,
     build_training_groups,
@@ -54,7 +55,6 @@ from pipetransformer.trainer import optim
 from pipetransformer.trainer.caching import RunCache
 from pipetransformer.trainer.checkpoint import PROFILES, Checkpointer
 from pipetransformer.trainer.clock import StepClock, Tick
-from pipetransformer.trainer.control import Control
 from pipetransformer.trainer.distributed import WorldInfo, init_distributed
 from pipetransformer.trainer.evaluation import Evaluator
 from pipetransformer.trainer.freezing import FreezeControl
