@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pipetransformer.trainer.records import RunSummary
+from pipetransformer.runs.records import RunSummary
 from pipetransformer.utils.files import read_jsonl
 
 

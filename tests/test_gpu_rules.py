@@ -411,10 +411,10 @@ class _LoopRun:
 
         from pipetransformer.autodp.control import Control
         from pipetransformer.autodp.sampler import TrainSampler
+        from pipetransformer.runs.state import RunState
         from pipetransformer.trainer import stop_poll
         from pipetransformer.trainer.clock import StepClock
         from pipetransformer.trainer.distributed import WorldInfo
-        from pipetransformer.trainer.state import RunState
         from pipetransformer.trainer.step import Stage, StepRunner
         from pipetransformer.trainer.trainer import Trainer
         from pipetransformer.utils.stopping import StopRequest
@@ -603,9 +603,9 @@ def test_an_evaluation_reads_the_device_once_not_once_a_batch():
     from pipetransformer.autodp.topology import Role
     from pipetransformer.data import DataBundle
     from pipetransformer.data.base import TensorSampleDataset
+    from pipetransformer.runs.state import RunState
     from pipetransformer.trainer.distributed import WorldInfo
     from pipetransformer.trainer.evaluation import Evaluator
-    from pipetransformer.trainer.state import RunState
     from pipetransformer.trainer.step import Stage
     from pipetransformer.trainer.tasks import task_for
 

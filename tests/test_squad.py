@@ -37,8 +37,8 @@ from pipetransformer.data.squad_metric import (
     squad_evaluate,
 )
 from pipetransformer.data.text import WordVocabTokenizer, load_tokenizer
+from pipetransformer.runs.records import EvalResult
 from pipetransformer.trainer.qa import QuestionAnsweringTask
-from pipetransformer.trainer.records import EvalResult
 
 
 @pytest.fixture

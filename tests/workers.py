@@ -357,7 +357,7 @@ def checkpoint_killed_half_way(config_dict: dict, run_dir: str, step: int):
     rank has written its tensors, run_state.json is not there yet."""
     import signal
 
-    from pipetransformer.trainer import checkpoint
+    from pipetransformer.runs import checkpoint
 
     write = checkpoint.write_json_atomic
 
@@ -376,8 +376,8 @@ def start_in_run_dir(run_dir: str, restarting_ranks: list[int], run_id: str):
     from pathlib import Path
 
     from pipetransformer.autodp.control import Control
-    from pipetransformer.trainer.resume import start_run_directory
-    from pipetransformer.trainer.rundir import RunDirError, RunOptions
+    from pipetransformer.runs.resume import start_run_directory
+    from pipetransformer.runs.rundir import RunDirError, RunOptions
 
     world = init_distributed("cpu", 60)
     restart = world.rank in restarting_ranks
@@ -418,7 +418,7 @@ def _continue_from(run_dir, into, step: int) -> None:
     """A copy of `run_dir` as a run interrupted after its checkpoint at `step` leaves it."""
     import shutil
 
-    from pipetransformer.trainer.checkpoint import complete_checkpoints
+    from pipetransformer.runs.checkpoint import complete_checkpoints
 
     shutil.copytree(run_dir, into)
     for path in complete_checkpoints(into):
@@ -435,7 +435,7 @@ def elastic_runs(runs: list[tuple[str, dict]], root: str, resume_at_step: int | 
     ({name-resumed: result})."""
     from pathlib import Path
 
-    from pipetransformer.trainer.rundir import RunOptions
+    from pipetransformer.runs.rundir import RunOptions
 
     root = Path(root)
     results = {}
@@ -548,7 +548,7 @@ def runs_under_load(runs: list[tuple[str, dict, float, int | None]], root: str):
     import time
     from pathlib import Path
 
-    from pipetransformer.trainer.rundir import RunOptions
+    from pipetransformer.runs.rundir import RunOptions
 
     root = Path(root)
     first = root / runs[0][0]

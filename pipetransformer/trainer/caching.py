@@ -25,7 +25,7 @@ from pipetransformer.config import Config, ConfigError
 from pipetransformer.data import DataBundle
 from pipetransformer.models import ModelSpec
 from pipetransformer.pipe.transfer import to_device
-from pipetransformer.trainer.records import CacheCounters
+from pipetransformer.runs.records import CacheCounters
 from pipetransformer.utils.units import prefix_end
 
 logger = logging.getLogger(__name__)

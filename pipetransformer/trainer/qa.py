@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from pipetransformer.autodp.control import Control
 from pipetransformer.data.squad_metric import postprocess_predictions, squad_evaluate
 from pipetransformer.pipe.transfer import to_device
-from pipetransformer.trainer.records import EvalResult
+from pipetransformer.runs.records import EvalResult
 
 logger = logging.getLogger(__name__)
 

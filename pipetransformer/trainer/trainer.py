@@ -11,7 +11,7 @@ decision, a checkpoint; and every rank agrees on whether a stop signal arrived. 
 decision point: freeze decides F (pure) -> AutoPipe plans the layout (planning/, pure) ->
 AutoDP moves units and optimizer state, rebuilds the groups -> the stage is rebuilt.
 Everything that must survive a crash is `self.state` (a RunState) and the statefuls of
-trainer/state.py, which the checkpointer saves and loads the same way.
+runs/state.py and trainer/statefuls.py, which the checkpointer saves and loads the same way.
 """
 
 from __future__ import annotations
@@ -51,16 +51,8 @@ from pipetransformer.planning import (
 )
 from pipetransformer.planning.predict import measured_cluster, step_pricer, unit_times
 from pipetransformer.planning.run_model import prefix_cost_to_balance
-from pipetransformer.trainer import optim
-from pipetransformer.trainer.caching import RunCache
-from pipetransformer.trainer.checkpoint import PROFILES, Checkpointer
-from pipetransformer.trainer.clock import StepClock, Tick
-from pipetransformer.trainer.distributed import WorldInfo, init_distributed
-from pipetransformer.trainer.evaluation import Evaluator
-from pipetransformer.trainer.freezing import FreezeControl
-from pipetransformer.trainer.metrics import MetricsTracker
-from pipetransformer.trainer.profiler import RunProfiler
-from pipetransformer.trainer.records import (
+from pipetransformer.runs.checkpoint import PROFILES, Checkpointer
+from pipetransformer.runs.records import (
     CheckpointEvent,
     ConfigChangeEvent,
     EvalResult,
@@ -69,20 +61,25 @@ from pipetransformer.trainer.records import (
     StartEvent,
     TransitionEvent,
 )
-from pipetransformer.trainer.reporting import Reporter
-from pipetransformer.trainer.resume import Resumption, start_run_directory, write_resolved_config
-from pipetransformer.trainer.rundir import RunOptions
-from pipetransformer.trainer.state import (
+from pipetransformer.runs.reporting import Reporter
+from pipetransformer.runs.resume import Resumption, start_run_directory, write_resolved_config
+from pipetransformer.runs.rundir import RunOptions
+from pipetransformer.runs.state import (
     CheckpointRecord,
     ModelRecord,
-    OptimizerState,
-    RngState,
     RunRecordState,
     RunState,
     Stateful,
-    UnitWeights,
-    reseed,
 )
+from pipetransformer.trainer import optim
+from pipetransformer.trainer.caching import RunCache
+from pipetransformer.trainer.clock import StepClock, Tick
+from pipetransformer.trainer.distributed import WorldInfo, init_distributed
+from pipetransformer.trainer.evaluation import Evaluator
+from pipetransformer.trainer.freezing import FreezeControl
+from pipetransformer.trainer.metrics import MetricsTracker
+from pipetransformer.trainer.profiler import RunProfiler
+from pipetransformer.trainer.statefuls import OptimizerState, RngState, UnitWeights, reseed
 from pipetransformer.trainer.step import Batches, Stage, StepRunner
 from pipetransformer.trainer.stop_poll import StopPoll
 from pipetransformer.trainer.tasks import task_for

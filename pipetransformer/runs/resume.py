@@ -21,9 +21,9 @@ from pipetransformer.autodp.control import Control
 from pipetransformer.autodp.topology import Layout
 from pipetransformer.config import Config, config_yaml
 from pipetransformer.models import ModelSpec
-from pipetransformer.trainer.checkpoint import read_run_state
-from pipetransformer.trainer.records import ResumeEvent
-from pipetransformer.trainer.rundir import (
+from pipetransformer.runs.checkpoint import read_run_state
+from pipetransformer.runs.records import ResumeEvent
+from pipetransformer.runs.rundir import (
     RunDirError,
     RunLock,
     RunOptions,
@@ -32,7 +32,7 @@ from pipetransformer.trainer.rundir import (
     truncate_after,
     write_run_id,
 )
-from pipetransformer.trainer.state import CheckpointRecord, RunState
+from pipetransformer.runs.state import CheckpointRecord, RunState
 from pipetransformer.utils.files import write_text_atomic
 
 logger = logging.getLogger(__name__)
