@@ -286,14 +286,14 @@ def sharded_handoff_snapshots(
     `new_frozen`; on rank 0 the whole state before and after each, gathered in full: per
     parameter name its value and optimizer state, whether it is trained, and the layout's
     frozen end (None elsewhere). Per-step losses are in RUN_DIR/steps.jsonl."""
-    import pipetransformer.trainer.trainer as trainer_module
+    import pipetransformer.trainer.run_plan as run_plan
     from pipetransformer.config import config_from_dict
     from pipetransformer.trainer.trainer import Trainer
     from pipetransformer.utils.units import param_key
 
     if sharded_at is not None:  # priced as on a GPU cluster
-        trainer_module.step_pricer = prefer_sharded_at(sharded_at)
-        Trainer._prices_layouts = lambda self, config, budget: True  # as on a GPU
+        run_plan.step_pricer = prefer_sharded_at(sharded_at)
+        run_plan.prices_layouts = lambda config, budget, device: True  # as on a GPU
 
     def snapshot(trainer) -> dict | None:
         gathered = gather_state(trainer, include_optimizer=True)  # collective

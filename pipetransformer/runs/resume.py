@@ -19,10 +19,10 @@ from pathlib import Path
 
 from pipetransformer.autodp.control import Control
 from pipetransformer.autodp.topology import Layout
-from pipetransformer.config import Config, config_yaml
+from pipetransformer.config import Config, config_changes, config_yaml
 from pipetransformer.models import ModelSpec
 from pipetransformer.runs.checkpoint import read_run_state
-from pipetransformer.runs.records import ResumeEvent
+from pipetransformer.runs.records import ConfigChangeEvent, ResumeEvent
 from pipetransformer.runs.rundir import (
     RunDirError,
     RunLock,
@@ -71,6 +71,25 @@ class Resumption:
         state.previous_attempts_wall_s += self.previous_attempt_wall_s
         state.attempt += 1
         return state
+
+    def config_change(self, config: Config, speak: bool) -> ConfigChangeEvent | None:
+        """The settings this resume changes from the checkpoint's, said (when `speak`) and
+        recorded as an event, never silent; None when there are none. The processes per
+        node follow the world that resumes; that is the resume event's to say."""
+        changes = {
+            key: [before, after]
+            for key, before, after in config_changes(self.record.config, config.to_dict())
+            if key != "trainer.nproc_per_node"
+        }
+        if not changes:
+            return None
+        if speak:
+            logger.warning(
+                "resuming %s with changed settings: %s (recorded in events.jsonl)",
+                self.checkpoint,
+                ", ".join(f"{k} {b!r} -> {a!r}" for k, (b, a) in changes.items()),
+            )
+        return ConfigChangeEvent(self.record.state.global_step, str(self.checkpoint), changes)
 
     def event(self, layout: Layout, world) -> ResumeEvent:
         state = self.record.state

@@ -35,6 +35,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pipetransformer.autodp.topology import Layout
+
 
 STATE_VERSION = 1
 
@@ -98,6 +100,23 @@ class RunState:
     # (RunProfiler.links; kept so that a resumed run decides as the first attempt did).
     cache_read_s_per_sample: float | None = None
     link_costs: dict[str, Any] = field(default_factory=dict)
+
+    def enter_layout(self, layout: Layout, world_size: int, devices_per_node: int) -> None:
+        """Where the run is now: the boundary, the layout and the world it is in."""
+        self.num_frozen_layers = layout.plan.num_frozen_layers
+        self.pipe_len, self.dp_degree = layout.pipe_len, layout.dp_degree
+        self.sharded = layout.sharded
+        self.num_micro_batches = layout.plan.num_micro_batches
+        self.world_size, self.devices_per_node = world_size, devices_per_node
+
+    def resume_pipe_len(self, initial: int, world_size: int, devices_per_node: int) -> int:
+        """The pipeline length to plan the (resumed) layout from: the checkpoint's when it
+        was taken in a world of the same shape (so a resumed run continues exactly as it
+        would have), otherwise the initial one (re-planned for the new world)."""
+        same_world = (self.world_size, self.devices_per_node) == (world_size, devices_per_node)
+        if self.sharded:  # the pipeline AutoPipe would hold there (planning/context.py)
+            return initial
+        return min(self.pipe_len, initial) if same_world and self.pipe_len > 0 else initial
 
     def to_dict(self) -> dict[str, Any]:
         return {"state_version": STATE_VERSION, **dataclasses.asdict(self)}

@@ -12,8 +12,17 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from pipetransformer.runs.state import model_key, optimizer_key, rng_key
+from pipetransformer.runs.state import (
+    CheckpointRecord,
+    RunRecordState,
+    Stateful,
+    model_key,
+    optimizer_key,
+    rng_key,
+)
 from pipetransformer.trainer import optim
+from pipetransformer.trainer.distributed import WorldInfo
+from pipetransformer.trainer.step import Stage
 from pipetransformer.utils.units import param_key
 
 
@@ -98,3 +107,29 @@ def reseed(seed: int, rank: int, global_step: int) -> None:
     """A deterministic fresh stream for a rank whose saved one cannot be used (the world
     size changed): a function of the seed, the rank and where the run resumes."""
     torch.manual_seed((seed * 1_000_003 + global_step) * 65_537 + rank + 1)
+
+
+def seed_streams(seed: int, rank: int, global_step: int, restored: bool | None) -> None:
+    """Each rank's own random stream (dropout) from here on, which simply continues across
+    transitions: a fresh run's from the seed and the rank; a resume's as the checkpoint
+    restored it (`restored`), or reseeded where the world size changed. Last in setup, so
+    nothing there draws from the streams a checkpoint restored. `restored` None: no resume."""
+    if restored is None:
+        torch.manual_seed(seed + 1 + rank)
+    elif not restored:
+        reseed(seed, rank, global_step)
+
+
+def checkpoint_statefuls(
+    stage: Stage, world: WorldInfo, record: CheckpointRecord | None = None, rng: bool = True
+) -> dict[str, Stateful]:
+    """What a checkpoint holds of this rank, in the same order on every rank: the run's
+    record (when saving), its units, its optimizer state and (`rng`) its random streams."""
+    statefuls: dict[str, Stateful] = {}
+    if record is not None:
+        statefuls["run"] = RunRecordState(record)
+    statefuls["units"] = UnitWeights(stage.units)
+    statefuls["optimizer"] = OptimizerState(stage.optimizer, stage.named_params())
+    if rng:
+        statefuls["rng"] = RngState(world.rank, world.device)
+    return statefuls
