@@ -4,9 +4,8 @@ A checkpoint is a directory `RUN_DIR/checkpoints/step-<global step>/` holding DC
 and two small ones written by rank 0: `run_state.json` (a CheckpointRecord: the RunState,
 the resolved config, the model's unit names) and `profiles.json` (what the profilers had
 measured). What goes in is handed over as Stateful objects (runs/state.py,
-trainer/statefuls.py); `save` and
-`load` treat them alike: tensors go through DCP, anything else into run_state.json. Tensors
-are keyed by name, not by rank or layout:
+trainer/statefuls.py); `save` and `load` treat them alike: tensors go through DCP, anything
+else into run_state.json. Tensors are keyed by name, not by rank or layout:
 
     model/units.<u>.<name>                   every parameter and buffer of unit u
     optim/units.<u>.<name>/<state>           optimizer state of a trained parameter

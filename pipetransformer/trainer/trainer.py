@@ -114,13 +114,11 @@ class Trainer:
         resumption = self._join()  # processes, control group, run directory, checkpointer
         full = self._build_model(resumption)  # data, task, skeleton; the run state resumed
         self._plan(full, resumption)  # profiles -> PlanContext: the resolved config
-        self._build_components(
-            fresh=resumption is None
-        )  # reporter, cache, sampler, clock, metrics, freezer, ...
-        units = self._held_units(full)
+        self._build_components(fresh=resumption is None)  # reporter, clock, metrics, ...
+        layout, units = self._first_layout(full)
         del full  # the units this rank does not hold go before the first stage is built
-        self._enter_first_layout(units, resumption)  # a resume's checkpoint loaded into it
-        self._report_setup(resumption)
+        profile_s = self._enter_first_layout(layout, units, resumption)
+        self._report_setup(resumption, profile_s)
         # Last, so nothing in setup draws from the streams a checkpoint restored.
         restored = None if resumption is None else resumption.world_size == self.world.world_size
         seed_streams(self.config.trainer.seed, self.world.rank, self.state.global_step, restored)
@@ -264,32 +262,34 @@ class Trainer:
             config, self.data, self.task, world, control, self.cache, self.state
         )
 
-    def _held_units(self, full: nn.Module) -> dict[int, nn.Module]:
-        """The units this rank holds in the first layout, on its device."""
+    def _first_layout(self, full: nn.Module) -> tuple[Layout, dict[int, nn.Module]]:
+        """The first layout (a resume's boundary, its pipeline where the world is the same)
+        and the units this rank holds in it, on its device."""
         state, world = self.state, self.world
         pipe_len = state.resume_pipe_len(
             self.plan.initial_pipe_len, world.world_size, world.devices_per_node
         )
-        self._first_layout = self.layout_for(state.num_frozen_layers, pipe_len)
-        ranks_units = self._first_layout.units_of_rank(world.rank)
-        return {u: full.units[u].to(world.device) for u in ranks_units}
+        layout = self.layout_for(state.num_frozen_layers, pipe_len)
+        return layout, {u: full.units[u].to(world.device) for u in layout.units_of_rank(world.rank)}
 
     def _enter_first_layout(
-        self, units: dict[int, nn.Module], resumption: Resumption | None
-    ) -> None:
-        """This rank's first stage; a resume's tensors loaded into it (collective)."""
-        self._setup_times: dict[str, float] = {}
-        self.stage = self._enter(self._first_layout, units, {}, self._setup_times)
+        self, layout: Layout, units: dict[int, nn.Module], resumption: Resumption | None
+    ) -> float:
+        """This rank's first stage, a resume's tensors loaded into it (collective). Returns
+        the profiling seconds it took over (unit costs, micro-batches)."""
+        times: dict[str, float] = {}
+        self.stage = self._enter(layout, units, {}, times)
         if resumption is not None:
             started = time.perf_counter()
             same_world = resumption.world_size == self.world.world_size
             self.checkpointer.load(resumption.checkpoint, self._statefuls(rng=same_world))
             resumption.load_s = time.perf_counter() - started
+        return times["profile_s"]
 
-    def _report_setup(self, resumption: Resumption | None) -> None:
+    def _report_setup(self, resumption: Resumption | None, profiled_s: float) -> None:
         """What setup measured and decided, as events: the profiling's seconds (unit costs
         and micro-batches), the resume, and the events made before the reporter existed."""
-        profile_s = self._setup_times["profile_s"] + self.profiler.take_seconds()
+        profile_s = profiled_s + self.profiler.take_seconds()
         if profile_s > 0:
             self.reporter.event(
                 ProfileEvent(self.state.global_step, profile_s, self.plan.costs.source)
