@@ -21,7 +21,7 @@ from pathlib import Path
 
 from harness import machine_line, train_command
 
-from pipetransformer.trainer.records import RunSummary
+from pipetransformer.runs.records import RunSummary
 from pipetransformer.utils.files import read_jsonl
 
 

@@ -70,7 +70,7 @@ from pipetransformer.autopipe.planner import AutoPipePlanner, UnitCosts
 from pipetransformer.config import Config, load_config
 from pipetransformer.data import build_data
 from pipetransformer.planning import describe_model
-from pipetransformer.trainer.checkpoint import find_checkpoint
+from pipetransformer.runs.checkpoint import find_checkpoint
 from pipetransformer.utils.files import read_jsonl
 
 SQUAD = ROOT.parent / "shared" / "data" / "squad"
