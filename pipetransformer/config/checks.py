@@ -4,7 +4,7 @@ whether the sections agree with each other (cache and augmentation, freeze rule 
 optimizer, model and data). Each error names the key.
 
 Owns: check_config and the pipeline lengths a run may start at or reach. Must not: import
-any other part of the package, start processes or measure anything.
+anything outside config/, start processes or measure anything.
 """
 
 from __future__ import annotations
