@@ -12,12 +12,11 @@ repository root:
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import time
 
 import torch
+from harness import machine_line
 
 from pipetransformer.autocache import CacheClient, CacheDaemon
 from pipetransformer.config import load_config
@@ -67,7 +66,7 @@ def main() -> None:
     ids = list(range(args.batch))
     inputs = data.train.fetch(ids)[0]
     print(
-        f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{machine_line()}; "
         f"{args.threads} thread(s); model {config.model.name}, {model.spec.num_layers} layers, "
         f"batch {args.batch}, "
         f"cache dtype {config.cache.dtype}"

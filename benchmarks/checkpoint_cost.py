@@ -14,34 +14,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from pipetransformer.trainer.records import RunSummary
+from harness import machine_line, train_command
+
+from pipetransformer.runs.records import RunSummary
 from pipetransformer.utils.files import read_jsonl
 
 
-def train(config: str, overrides: list[str], run_dir: Path, *extra: str) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "pipetransformer",
-        "train",
-        config,
-        "trainer.progress_bar=false",
-        *overrides,
-    ]
-    subprocess.run(
-        [*command, *extra] if extra else [*command, "--run-dir", str(run_dir)],
-        check=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+def train(config: str, overrides: list[str], run_dir: Path, resume: bool = False) -> None:
+    command = train_command(config, overrides, run_dir, resume=resume)
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def main() -> None:
@@ -59,8 +45,7 @@ def main() -> None:
             args.config,
             [*args.overrides, "checkpoint.interval_epochs=1"],
             with_ckpt,
-            "--resume",
-            str(with_ckpt),
+            resume=True,
         )
         writes = [e for e in read_jsonl(with_ckpt / "events.jsonl") if e["kind"] == "checkpoint"]
         (resume,) = [e for e in read_jsonl(with_ckpt / "events.jsonl") if e["kind"] == "resume"]
@@ -74,10 +59,7 @@ def main() -> None:
             ).training_time_s
             for name, path in (("with", with_ckpt), ("without", without))
         }
-    print(
-        f"machine: {platform.machine()}, {os.cpu_count()} cores; "
-        f"{args.config} {' '.join(args.overrides)}"
-    )
+    print(f"{machine_line()}; {args.config} {' '.join(args.overrides)}")
     print(
         f"checkpoint writes: {len(writes)}, "
         f"{statistics.median(e['write_s'] for e in writes):.3f} s median "

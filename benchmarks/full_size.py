@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -65,15 +64,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from harness import ROOT, machine_line, train_command
 
 from pipetransformer.autopipe.planner import AutoPipePlanner, UnitCosts
 from pipetransformer.config import Config, load_config
 from pipetransformer.data import build_data
 from pipetransformer.planning import describe_model
-from pipetransformer.trainer.checkpoint import find_checkpoint
+from pipetransformer.runs.checkpoint import find_checkpoint
 from pipetransformer.utils.files import read_jsonl
 
-ROOT = Path(__file__).resolve().parent.parent
 SQUAD = ROOT.parent / "shared" / "data" / "squad"
 MIB = 2**20
 
@@ -264,8 +263,7 @@ class Watch:
 def train(
     workload: Workload, overrides: list[str], run_dir: Path, kill: bool, poll_s: float
 ) -> Watch:
-    command = [sys.executable, "-m", "pipetransformer", "train", workload.config]
-    command += [*workload.overrides, *overrides, "--run-dir", str(run_dir)]
+    command = train_command(workload.config, [*workload.overrides, *overrides], run_dir)
     log = run_dir.parent / f"{run_dir.name}.log"
     with open(log, "w") as out:
         process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
@@ -691,9 +689,7 @@ def main() -> None:
     chosen = workloads(args.small)
     gpu = torch.cuda.is_available()  # the runs use CPU processes: say so when a GPU is here
     print(
-        f"machine: {platform.platform()}, {os.cpu_count()} cores, "
-        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB; "
-        f"torch {torch.__version__}, Python {platform.python_version()}; CPU processes, gloo"
+        f"{machine_line()}; CPU processes, gloo"
         + (" (a GPU is present but unused)" if gpu else "")
         + (" [--small]" if args.small else "")
     )

@@ -12,6 +12,11 @@ over 5% of one core) is run once more, and the record says so. Each run's record
 `RUN_DIR/bench.json`; a run with one is finished and kept, so an interrupted benchmark
 resumes where it stopped.
 
+What else a benchmark script shares lives here too, so that a script holds its workload and
+nothing else: the `train` command line (`train_command`), running variants seed by seed
+with resume and a read-only report mode (`over_seeds`), the machine's description
+(`machine`, `machine_line`) and writing the results file beside its table (`write_results`).
+
 Usable as `from harness import ...` from a script in benchmarks/.
 """
 
@@ -24,6 +29,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,13 +68,51 @@ def minilm_sst2(script: str, train: int, epochs: int) -> list[str]:
 
 
 def machine() -> dict:
+    """The machine a benchmark ran on, as its results file records it."""
     import torch
 
     return {
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "load_1min": os.getloadavg()[0],
     }
+
+
+def machine_line() -> str:
+    """`machine()` as the one line a benchmark prints above its table."""
+    found = machine()
+    gpu = f", GPU {found['gpu']}" if found["gpu"] else ""
+    return (
+        f"machine: {found['machine']}, {found['memory_gib']} GiB{gpu}; torch {found['torch']}, "
+        f"Python {found['python']}; 1-minute load {found['load_1min']:.2f}"
+    )
+
+
+def train_command(
+    config: str | Path,
+    overrides: Iterable[str],
+    run_dir: Path,
+    *flags: str,
+    resume: bool = False,
+) -> list[str]:
+    """`pipetransformer train CONFIG ... --run-dir RUN_DIR` (`--resume RUN_DIR` with
+    `resume`) in a fresh interpreter, without the progress bar (a benchmark reads the run
+    directory, not the terminal); `flags` follow, e.g. `--overwrite`."""
+    return [
+        sys.executable,
+        "-m",
+        "pipetransformer",
+        "train",
+        str(config),
+        "trainer.progress_bar=false",
+        *overrides,
+        "--resume" if resume else "--run-dir",
+        str(run_dir),
+        *flags,
+    ]
 
 
 def busy_and_total_s() -> tuple[float, float]:
@@ -154,3 +198,40 @@ def other_load(found: dict) -> dict:
         "max_other_share": max((r["other_cpu_s"] / r["command_wall_s"] for r in runs), default=0),
         "repeated": sum("repeated_after" in r for r in runs),
     }
+
+
+def over_seeds(
+    seeds: Iterable[int],
+    names: Iterable[str],
+    run_one: Callable[[str, int], dict],
+    record_dir: Callable[[str, int], Path],
+    report_only: bool = False,
+) -> dict[str, dict[int, dict]]:
+    """Every variant once per seed, seed by seed (a seed's variants side by side in time, so
+    a change in the machine's load between seeds hits them alike): `run_one(name, seed)` runs
+    one (through `run_alone`, which keeps a finished run, so the same command resumes) and
+    returns its record. With `report_only` nothing runs: the records of the runs that
+    finished (`record_dir(name, seed) / bench.json`) are read back. Records by variant, then
+    seed."""
+    names = list(names)
+    records: dict[str, dict[int, dict]] = {name: {} for name in names}
+    for seed in seeds:
+        for name in names:
+            if report_only:
+                path = record_dir(name, seed) / RECORD
+                if path.is_file():
+                    records[name][seed] = json.loads(path.read_text())
+            else:
+                records[name][seed] = run_one(name, seed)
+    return records
+
+
+def write_results(out: Path, stem: str, results: dict, table: str) -> str:
+    """Write `OUT/STEM.json` (the results with the machine they ran on) and `OUT/STEM.md`
+    (the table, then the machine's line); print the table and return the markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps({**machine(), **results}, indent=2))
+    text = f"{table}\n\n{machine_line()}"
+    (out / f"{stem}.md").write_text(text + "\n")
+    print(text)
+    return text

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 from pathlib import Path
 
 import torch
+from harness import machine_line
 
 from pipetransformer.launcher import launch_local
 
@@ -65,7 +65,7 @@ def main() -> None:
         },
     }
     print(
-        f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
+        f"{machine_line()}; "
         f"ViT embed {args.embed_dim}, depth {args.depth}, 32x32 px, global batch {args.batch}, "
         "AdamW, float32"
     )

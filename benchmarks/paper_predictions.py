@@ -1,4 +1,4 @@
-"""The table of `plan --predict` for the paper's four workloads on two clusters, as the README
+"""The table of `plan --predict` for the paper's four workloads on two clusters, as docs/results.md
 and docs/profiling.md print it ("The paper's workloads, predicted"): one markdown row per
 workload and cluster, from the configs as shipped, no profile file (unit times from the
 analytical profile and a roofline on the named device).
@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = (ROOT / "README.md", ROOT / "docs" / "profiling.md")
+DOCS = (ROOT / "docs" / "results.md", ROOT / "docs" / "profiling.md")
 
 WORKLOADS = {  # name in the table -> config
     "ViT-B/16 ImageNet": "vit_imagenet.yaml",

@@ -32,7 +32,7 @@ import json
 import sys
 from pathlib import Path
 
-from harness import machine, minilm_sst2, other_load, run_alone
+from harness import minilm_sst2, other_load, over_seeds, run_alone, write_results
 
 from pipetransformer.compare.report import read_run
 from pipetransformer.compare.stats import geometric_mean_ratio, mean_std
@@ -197,40 +197,39 @@ def main() -> None:
     args = parser.parse_args()
     out, seeds = Path(args.out), [int(s) for s in args.seeds.split(",")]
     workloads = args.workloads.split(",")
+
+    def run_dir(key: str, seed: int) -> Path:  # key: WORKLOAD/VARIANT
+        workload, name = key.split("/")
+        return out / workload / f"seed-{seed}" / name
+
+    by_key = over_seeds(
+        seeds,
+        [f"{w}/{name}" for w in workloads for name in WORKLOADS[w][1]],
+        lambda key, seed: run_variant(args, *key.split("/"), seed),
+        run_dir,
+        args.report_only,
+    )
     records: dict = {w: {} for w in workloads}
-    for seed in seeds:
-        for workload in workloads:
-            for name in WORKLOADS[workload][1]:
-                record_path = out / workload / f"seed-{seed}" / name / "bench.json"
-                if args.report_only:
-                    if not record_path.exists():
-                        continue
-                    record = json.loads(record_path.read_text())
-                else:
-                    record = run_variant(args, workload, name, seed)
-                records[workload].setdefault(name, {})[seed] = record
+    for key, by_seed in by_key.items():
+        workload, name = key.split("/")
+        if by_seed:
+            records[workload][name] = by_seed
     summary = summarize(records)
+    import transformers
+
     results = {
-        **machine(),
+        "transformers": transformers.__version__,
         "settings": vars(args),
         "other_load": {w: other_load(by_variant) for w, by_variant in records.items()},
         "records": records,
         **summary,
     }
-    import transformers
-
-    results["transformers"] = transformers.__version__
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "plain_step.json").write_text(json.dumps(results, indent=2))
-    text = table(records, summary)
     loads = "; ".join(
         f"{w}: {o['runs']} runs, others took at most {100 * o['max_other_share']:.1f}% of a core, "
         f"{o['repeated']} repeated"
         for w, o in results["other_load"].items()
     )
-    text += f"\n\n{results['machine']}, torch {results['torch']}. Alone: {loads}."
-    (out / "plain_step.md").write_text(text + "\n")
-    print(text)
+    write_results(out, "plain_step", results, f"{table(records, summary)}\n\nAlone: {loads}.")
 
 
 if __name__ == "__main__":

@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from harness import machine
 
 from pipetransformer.autopipe.profiles import ProfileStore
 from pipetransformer.config import load_config
@@ -229,7 +229,7 @@ def main() -> None:
     write_json_atomic(
         args.out,
         {
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+            **machine(),
             "memory_bytes_per_s": memory_bps,
             "link_bytes_per_s": link_bps,
             **collectives,

@@ -16,8 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
+
+from harness import machine_line
 
 from pipetransformer.config import load_config
 from pipetransformer.launcher import launch_local
@@ -72,10 +73,7 @@ def main() -> None:
         launch_local(args.nproc, worker, (config, os.path.join(tmp, "run"), args.frozen, out))
         with open(out) as f:
             transitions = json.load(f)
-    print(
-        f"machine: {platform.machine()}, {os.cpu_count()} cores, {args.nproc} processes, "
-        f"{config.model.name}"
-    )
+    print(f"{machine_line()}; {args.nproc} processes, {config.model.name}")
     print(
         f"{'frozen':>9} {'K':>7} {'R':>7} {'units':>6} " + " ".join(f"{p[:-2]:>11}" for p in PHASES)
     )

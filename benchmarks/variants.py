@@ -9,23 +9,48 @@ time, training throughput, the eval metric and the freeze trajectory of each. Fo
         --variant auto=freeze.interval_steps=auto trainer.seed=1
 
 A variant is NAME=OVERRIDE[,OVERRIDE...]; the remaining arguments apply to every variant.
-`--out DIR` keeps the run directories (default: a temporary directory).
+`--seeds 0,1,2` runs every variant once per seed (`trainer.seed`), seed by seed; without it
+each variant runs once, at the config's seed. Each run is alone on the machine
+(benchmarks/harness.py: idle cores first, once more if other work shared them). `--out DIR`
+keeps the run directories (default: a temporary directory) and writes DIR/variants.json and
+DIR/variants.md; interrupted, the same command with the same `--out` resumes (a finished run
+is kept), and `--report-only` prints the table of the runs that finished.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-import torch
+from harness import other_load, over_seeds, run_alone, train_command, write_results
 
-from pipetransformer.utils.files import read_jsonl
+from pipetransformer.compare.report import read_run
+
+SEED_OF_THE_CONFIG = -1  # the key of a run without --seeds
+
+
+def run_dir_of(out: Path, name: str, seed: int) -> Path:
+    return out / name if seed == SEED_OF_THE_CONFIG else out / f"seed-{seed}" / name
+
+
+def describe(run_dir: Path) -> dict:
+    """What the table shows of one finished run."""
+    run = read_run(run_dir)
+    train_s = sum(run["epoch_time_s"])
+    samples = sum(s * t for s, t in zip(run["samples_per_s"], run["epoch_time_s"]))
+    path: list[str] = []
+    for epoch in run["freeze_trajectory"]:
+        point = f"F{epoch['num_frozen_layers']} {epoch['pipe_len']}x{epoch['dp_degree']}"
+        if not path or path[-1] != point:
+            path.append(point)
+    return {
+        "wall_time_s": run["wall_time_s"],
+        "train_samples_per_s": samples / train_s,
+        "final_eval_metric": run["final_eval_metric"],
+        "metric_name": run["metric_name"],
+        "trajectory": " → ".join(path),
+    }
 
 
 def main() -> None:
@@ -37,58 +62,59 @@ def main() -> None:
     parser.add_argument(
         "--variant", action="append", required=True, help="NAME=OVERRIDE[,OVERRIDE...]"
     )
+    parser.add_argument("--seeds", default=None, help="e.g. 0,1,2 (default: the config's)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--wait", type=float, default=120.0, help="seconds to wait for idle")
+    parser.add_argument("--report-only", action="store_true", help="no runs: the table")
     args = parser.parse_intermixed_args()
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="variants-"))
-    rows = []
-    for variant in args.variant:
-        name, _, extra = variant.partition("=")
-        run_dir = out / name
-        command = [
-            sys.executable,
-            "-m",
-            "pipetransformer",
-            "train",
-            args.config,
-            "trainer.progress_bar=false",
-            *args.overrides,
-            *[e for e in extra.split(",") if e],
-            "--run-dir",
-            str(run_dir),
-        ]
-        result = subprocess.run(
-            command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-        )
-        if result.returncode != 0:
-            sys.exit(f"variant {name} failed:\n{result.stderr[-2000:]}")
-        summary = json.loads((run_dir / "summary.json").read_text())
-        metrics = read_jsonl(run_dir / "metrics.jsonl")
-        samples = sum(m["samples_per_s"] * m["epoch_time_s"] for m in metrics)
-        train_s = sum(m["epoch_time_s"] for m in metrics)
-        path = []
-        for m in metrics:
-            point = f"F{m['num_frozen_layers']} {m['pipe_len']}x{m['dp_degree']}"
-            if not path or path[-1] != point:
-                path.append(point)
-        rows.append(
-            (
-                name,
-                summary.get("training_time_s", summary.get("wall_time_s")),
-                samples / train_s,
-                summary["final_eval_metric"],
-                summary["metric_name"],
-                " → ".join(path),
-            )
-        )
-        print(f"{name}: done", file=sys.stderr)
-    print(
-        f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
-        f"{args.config} {' '.join(args.overrides)}; runs in {out}"
+    variants = {name: extra for name, _, extra in (v.partition("=") for v in args.variant)}
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [SEED_OF_THE_CONFIG]
+
+    def run_one(name: str, seed: int) -> dict:
+        run_dir = run_dir_of(out, name, seed)
+        overrides = [*args.overrides, *[e for e in variants[name].split(",") if e]]
+        if seed != SEED_OF_THE_CONFIG:
+            overrides.append(f"trainer.seed={seed}")
+        # --overwrite: a run cut short, or repeated because other work shared the cores,
+        # starts over in its directory (a finished one is kept before this).
+        command = train_command(args.config, overrides, run_dir, "--overwrite")
+        record = run_alone(command, run_dir, args.wait)
+        print(f"{name}{'' if seed < 0 else f' seed {seed}'}: {record['last_line']}")
+        return record
+
+    records = over_seeds(
+        seeds,
+        variants,
+        run_one,
+        lambda name, seed: run_dir_of(out, name, seed),
+        args.report_only,
     )
-    print(f"| variant | wall time (s) | training samples/s | final {rows[0][4]} | trajectory |")
-    print("| --- | ---: | ---: | ---: | --- |")
-    for name, wall, throughput, metric, _, path in rows:
-        print(f"| {name} | {wall:.1f} | {throughput:.1f} | {metric:.4f} | {path} |")
+    rows = {
+        name: {seed: describe(run_dir_of(out, name, seed)) for seed in by_seed}
+        for name, by_seed in records.items()
+    }
+    metric = next((r["metric_name"] for by_seed in rows.values() for r in by_seed.values()), "")
+    lines = [
+        f"{args.config} {' '.join(args.overrides)}; runs in {out}",
+        "",
+        f"| variant | seed | wall time (s) | training samples/s | final {metric} | trajectory |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for name, by_seed in rows.items():
+        for seed, row in by_seed.items():
+            lines.append(
+                f"| {name} | {'config' if seed < 0 else seed} | {row['wall_time_s']:.1f} | "
+                f"{row['train_samples_per_s']:.1f} | {row['final_eval_metric']:.4f} | "
+                f"{row['trajectory']} |"
+            )
+    results = {
+        "settings": vars(args),
+        "other_load": other_load(records),
+        "records": records,
+        "rows": rows,
+    }
+    write_results(out, "variants", results, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -161,7 +161,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             "--resume RUN_DIR continues in RUN_DIR: leave out --run-dir or give the same directory"
         )
     if args.resume:  # before anything is created or locked in it
-        from pipetransformer.trainer.rundir import check_resumable
+        from pipetransformer.runs.rundir import check_resumable
 
         check_resumable(Path(args.resume))
     config = preflight(config)
@@ -227,13 +227,13 @@ def _train_locally(
     """Start the local workers; restart them from the latest checkpoint when one dies
     (trainer.max_restarts); turn a Ctrl-C or SIGTERM into a checkpoint and a resume line."""
     from pipetransformer.launcher import LaunchInterrupted, WorkerFailed, launch_local
-    from pipetransformer.trainer import RunOptions, run_worker
-    from pipetransformer.trainer.rundir import (
+    from pipetransformer.runs.rundir import (
         RunDirError,
         RunLock,
         ensure_directory,
         prepare_run_dir,
     )
+    from pipetransformer.trainer import RunOptions, run_worker
     from pipetransformer.utils.stopping import exit_code_for
 
     ensure_directory(run_dir)
@@ -306,7 +306,7 @@ def _train_locally(
 
 def _print_closing_line(run_dir: Path) -> None:
     """The run's one closing line (summary.json holds the figures)."""
-    from pipetransformer.trainer.records import RunSummary
+    from pipetransformer.runs.records import RunSummary
 
     path = run_dir / "summary.json"
     if path.exists():
@@ -317,7 +317,7 @@ def _print_closing_line(run_dir: Path) -> None:
 
 def _resume_hint(run_dir: Path, resume_line: str) -> str:
     """'. Resume with: ...' when the run has a complete checkpoint to resume from."""
-    from pipetransformer.trainer.checkpoint import find_checkpoint
+    from pipetransformer.runs.checkpoint import find_checkpoint
 
     return f". Resume with: {resume_line}" if find_checkpoint(run_dir) is not None else ""
 
@@ -325,7 +325,7 @@ def _resume_hint(run_dir: Path, resume_line: str) -> str:
 def _killed_report(run_dir: Path, resume_line: str) -> str:
     """What a second Ctrl-C (the workers killed at once) left: the newest complete
     checkpoint, which may be the one the first Ctrl-C asked for, and how to resume it."""
-    from pipetransformer.trainer.checkpoint import find_checkpoint, read_run_state
+    from pipetransformer.runs.checkpoint import find_checkpoint, read_run_state
 
     checkpoint = find_checkpoint(run_dir)
     if checkpoint is None:
@@ -349,9 +349,9 @@ def _train_under_torchrun(
 ) -> int:
     """This process is one worker; torchrun restarts workers (--max-restarts): a restarted
     worker continues from the latest checkpoint by itself."""
+    from pipetransformer.runs.checkpoint import CheckpointWriteError
+    from pipetransformer.runs.rundir import RunDirError
     from pipetransformer.trainer import RunOptions, run_worker
-    from pipetransformer.trainer.checkpoint import CheckpointWriteError
-    from pipetransformer.trainer.rundir import RunDirError
     from pipetransformer.utils.stopping import RunStopped, exit_code_for
 
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -722,7 +722,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*getattr(args, "overrides", []), *extra]
-    from pipetransformer.trainer.rundir import RunDirError
+    from pipetransformer.runs.rundir import RunDirError
 
     # Exit codes: 0 done, 1 a failure during training, 2 bad input found before training,
     # 128 + signal for a run stopped by SIGINT (130) or SIGTERM (143).

@@ -22,8 +22,8 @@ import torch.distributed.checkpoint as dcp
 from pipetransformer.config import Config, config_from_dict
 from pipetransformer.data import image_normalization, label_names
 from pipetransformer.models import ExportInfo, LayeredModel, build_model, export_model, materialize
-from pipetransformer.trainer.checkpoint import find_checkpoint, read_run_state
-from pipetransformer.trainer.state import CheckpointRecord, model_key
+from pipetransformer.runs.checkpoint import find_checkpoint, read_run_state
+from pipetransformer.runs.state import CheckpointRecord, model_key
 from pipetransformer.utils.units import param_key
 
 logger = logging.getLogger(__name__)

@@ -20,9 +20,9 @@ from workers import elastic_run
 
 from pipetransformer.autodp.sampler import TrainSampler
 from pipetransformer.config import ConfigError, config_from_dict, load_config
+from pipetransformer.runs.rundir import RunOptions
+from pipetransformer.runs.state import RunState
 from pipetransformer.trainer.clock import StepClock
-from pipetransformer.trainer.rundir import RunOptions
-from pipetransformer.trainer.state import RunState
 
 # ---------------------------------------------------------------- sampler and clock
 

@@ -8,10 +8,10 @@ import logging
 
 import pytest
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.config import config_from_dict
-from pipetransformer.trainer.control import Control
+from pipetransformer.runs.state import RunState
 from pipetransformer.trainer.freezing import FreezeControl
-from pipetransformer.trainer.state import RunState
 
 
 def control_for(interval, state: RunState) -> FreezeControl:

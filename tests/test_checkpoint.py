@@ -25,12 +25,12 @@ from helpers import run_workers
 from reference import elastic_config, reference_run, step_losses
 from workers import checkpoint_killed_half_way, elastic_run, start_in_run_dir
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.config import CheckpointConfig, config_from_dict
 from pipetransformer.launcher import WorkerFailed
-from pipetransformer.trainer.checkpoint import Checkpointer, complete_checkpoints, find_checkpoint
+from pipetransformer.runs.checkpoint import Checkpointer, complete_checkpoints, find_checkpoint
+from pipetransformer.runs.rundir import RunDirError, RunOptions, prepare_run_dir
 from pipetransformer.trainer.clock import Tick
-from pipetransformer.trainer.control import Control
-from pipetransformer.trainer.rundir import RunDirError, RunOptions, prepare_run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
@@ -115,8 +115,8 @@ def test_a_full_disk_is_one_line_naming_errno_path_and_the_checkpoint_kept(
     DCP writes a tensor file (every rank learns it) or while rank 0 writes run_state.json."""
     import errno
 
-    from pipetransformer.trainer import checkpoint as checkpoint_module
-    from pipetransformer.trainer.checkpoint import CheckpointWriteError
+    from pipetransformer.runs import checkpoint as checkpoint_module
+    from pipetransformer.runs.checkpoint import CheckpointWriteError
 
     ckpt = Checkpointer(CheckpointConfig(), tmp_path, Control(None))
     kept = ckpt.save(3, {"model": _Weights()}, "epoch", None).path

@@ -17,7 +17,7 @@ from pipetransformer.compare.ideal import (
 )
 from pipetransformer.compare.plots import write_plots
 from pipetransformer.compare.report import build_results, read_run, write_report
-from pipetransformer.trainer.records import RunSummary
+from pipetransformer.runs.records import RunSummary
 from pipetransformer.utils.files import append_jsonl, write_json_atomic
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -36,7 +36,7 @@ from pipetransformer.compare.stats import (
     verdict,
 )
 from pipetransformer.config import ConfigError, load_config
-from pipetransformer.trainer.records import CheckpointEvent, EpochMetrics, RunSummary
+from pipetransformer.runs.records import CheckpointEvent, EpochMetrics, RunSummary
 from pipetransformer.utils.files import append_jsonl, write_json_atomic
 
 ROOT = Path(__file__).resolve().parent.parent

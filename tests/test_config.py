@@ -140,3 +140,31 @@ def test_malformed_yaml_is_one_line_naming_the_file_line_and_column(tmp_path):
     assert message.startswith(f"{bad}: not valid YAML: line 3, column 7: expected ',' or ']'")
     with pytest.raises(ConfigError, match=r"override 'trainer.epochs=\[1': not valid YAML: line 1"):
         load_config(None, ["trainer.epochs=[1"])
+
+
+def test_the_package_re_exports_every_public_name_of_its_modules():
+    """Callers import from `pipetransformer.config`, never from its modules: a section,
+    constant or function added to a module (config/freeze.py, config/checks.py...) must be
+    re-exported by config/__init__.py, and each module says what it owns."""
+    import ast
+    from pathlib import Path
+
+    import pipetransformer.config as package
+
+    missing = []
+    for path in sorted(Path(package.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        assert "Owns:" in (ast.get_docstring(tree) or ""), f"config/{path.name}: docstring"
+        if path.name == "__init__.py":
+            continue
+        for node in tree.body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            else:
+                continue
+            public = [n for n in names if n[0] != "_"]
+            missing += [f"config/{path.name}: {n}" for n in public if n not in package.__all__]
+    assert not missing, "not in config/__init__.py's __all__: " + ", ".join(missing)
+    assert all(hasattr(package, name) for name in package.__all__)

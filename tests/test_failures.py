@@ -75,7 +75,7 @@ def test_a_second_interrupt_names_the_checkpoint_that_exists(tmp_path, elastic_f
     import shutil
 
     from pipetransformer.cli import _killed_report
-    from pipetransformer.trainer.checkpoint import find_checkpoint
+    from pipetransformer.runs.checkpoint import find_checkpoint
 
     run_dir = tmp_path / "run"
     shutil.copytree(elastic_full_run.run_dir, run_dir)

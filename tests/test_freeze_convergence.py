@@ -8,12 +8,12 @@ import math
 
 import pytest
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.config import ConfigError, FreezeConfig, config_from_dict, load_config
 from pipetransformer.freeze import FreezeDecider, convergence_decision
-from pipetransformer.trainer.control import Control
+from pipetransformer.runs.state import RunState
 from pipetransformer.trainer.freezing import FreezeControl
 from pipetransformer.trainer.metrics import FreezeSignal
-from pipetransformer.trainer.state import RunState
 
 L = 6
 STEADY = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]

@@ -29,8 +29,8 @@ from reference import elastic_config, reference_run, step_losses
 from workers import elastic_run, sharded_handoff_snapshots
 
 from pipetransformer.config import config_from_dict
-from pipetransformer.trainer.checkpoint import complete_checkpoints
-from pipetransformer.trainer.rundir import RunOptions
+from pipetransformer.runs.checkpoint import complete_checkpoints
+from pipetransformer.runs.rundir import RunOptions
 
 pytestmark = pytest.mark.distributed
 

@@ -409,12 +409,12 @@ class _LoopRun:
     def __init__(self, monkeypatch, stop_after: int | None = None) -> None:
         from types import SimpleNamespace
 
+        from pipetransformer.autodp.control import Control
         from pipetransformer.autodp.sampler import TrainSampler
+        from pipetransformer.runs.state import RunState
         from pipetransformer.trainer import stop_poll
         from pipetransformer.trainer.clock import StepClock
-        from pipetransformer.trainer.control import Control
         from pipetransformer.trainer.distributed import WorldInfo
-        from pipetransformer.trainer.state import RunState
         from pipetransformer.trainer.step import Stage, StepRunner
         from pipetransformer.trainer.trainer import Trainer
         from pipetransformer.utils.stopping import StopRequest
@@ -599,13 +599,13 @@ def test_an_evaluation_reads_the_device_once_not_once_a_batch():
 
     from gpu_audit import BlockingTransfers
 
+    from pipetransformer.autodp.control import Control
     from pipetransformer.autodp.topology import Role
     from pipetransformer.data import DataBundle
     from pipetransformer.data.base import TensorSampleDataset
-    from pipetransformer.trainer.control import Control
+    from pipetransformer.runs.state import RunState
     from pipetransformer.trainer.distributed import WorldInfo
     from pipetransformer.trainer.evaluation import Evaluator
-    from pipetransformer.trainer.state import RunState
     from pipetransformer.trainer.step import Stage
     from pipetransformer.trainer.tasks import task_for
 
@@ -766,8 +766,8 @@ def test_autocaches_read_measurement_copies_from_pinned_memory_on_a_gpu(monkeypa
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from pipetransformer.autocache import CacheClient, CacheDaemon
+    from pipetransformer.autodp.control import Control
     from pipetransformer.trainer import caching
-    from pipetransformer.trainer.control import Control
     from pipetransformer.trainer.distributed import WorldInfo
 
     pinned, waits = [], []

@@ -1,5 +1,5 @@
-"""Imports go one way: cli -> (compare, export) -> (trainer, launcher) -> planning -> fsdp ->
-(autodp, pipe) -> (freeze, autopipe, autocache, models, data) -> (config, utils). Siblings
+"""Imports go one way: cli -> (compare, export) -> (trainer, launcher) -> runs -> planning ->
+fsdp -> (autodp, pipe) -> (freeze, autopipe, autocache, models, data) -> (config, utils). Siblings
 never import each other, and nothing imports a module that imports it back (no cycle,
 function-local imports included)."""
 
@@ -20,6 +20,7 @@ LAYERS = {
     "pipe": 2,
     "fsdp": 2.5,  # the sharded layout's runtime: shares the first stage's prefix with pipe/
     "planning": 3,
+    "runs": 3.5,  # a run's records, directory, checkpoints and resume: below trainer, launcher
     "trainer": 4,
     "launcher": 4,
     "compare": 5,

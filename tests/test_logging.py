@@ -82,7 +82,7 @@ def test_rank_zero_speaks_for_the_run_and_other_ranks_only_warn():
 
 
 def test_the_closing_line_says_time_metric_freezing_layout_and_outputs():
-    from pipetransformer.trainer.records import RunSummary
+    from pipetransformer.runs.records import RunSummary
 
     summary = RunSummary(
         training_time_s=234.4,

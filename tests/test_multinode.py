@@ -28,7 +28,7 @@ import yaml
 from reference import elastic_config, reference_run
 
 from pipetransformer.config import config_from_dict
-from pipetransformer.trainer.checkpoint import find_checkpoint
+from pipetransformer.runs.checkpoint import find_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 

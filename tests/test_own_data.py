@@ -322,7 +322,7 @@ def test_a_float_label_column_is_a_regression_with_float_targets(tmp_path):
 def test_regression_scores_match_scipy_and_sum_exactly_over_ranks():
     from scipy.stats import pearsonr, spearmanr
 
-    from pipetransformer.trainer.control import Control
+    from pipetransformer.autodp.control import Control
     from pipetransformer.trainer.tasks import RegressionAccumulator, regression_scores
 
     rng = random.Random(5)

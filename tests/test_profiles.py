@@ -169,9 +169,9 @@ def test_second_run_reads_the_profile_instead_of_measuring(tmp_path, monkeypatch
     """The trainer's profiler (in a world of one process) measures what the profile file
     lacks and nothing it has: a second run of the same model measures nothing; another
     model, K or replica batch is measured afresh."""
+    from pipetransformer.autodp.control import Control
     from pipetransformer.planning import describe_model
     from pipetransformer.trainer import profiler as profiler_module
-    from pipetransformer.trainer.control import Control
 
     calls = {"units": 0, "micro": []}
 
@@ -220,9 +220,9 @@ def test_a_micro_batch_timing_taken_under_load_is_measured_again_and_not_kept(
     import itertools
     import logging
 
+    from pipetransformer.autodp.control import Control
     from pipetransformer.planning import describe_model
     from pipetransformer.trainer import profiler as profiler_module
-    from pipetransformer.trainer.control import Control
 
     samples = {1: itertools.cycle([0.010, 0.011]), 2: itertools.cycle([0.010, 0.030, 0.010])}
     monkeypatch.setattr(

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from helpers import run_workers
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.autodp.sampler import EvalSampler
 from pipetransformer.config import DataConfig, ModelConfig
 from pipetransformer.data.squad import (
@@ -36,9 +37,8 @@ from pipetransformer.data.squad_metric import (
     squad_evaluate,
 )
 from pipetransformer.data.text import WordVocabTokenizer, load_tokenizer
-from pipetransformer.trainer.control import Control
+from pipetransformer.runs.records import EvalResult
 from pipetransformer.trainer.qa import QuestionAnsweringTask
-from pipetransformer.trainer.records import EvalResult
 
 
 @pytest.fixture

@@ -286,14 +286,14 @@ def sharded_handoff_snapshots(
     `new_frozen`; on rank 0 the whole state before and after each, gathered in full: per
     parameter name its value and optimizer state, whether it is trained, and the layout's
     frozen end (None elsewhere). Per-step losses are in RUN_DIR/steps.jsonl."""
-    import pipetransformer.trainer.trainer as trainer_module
+    import pipetransformer.trainer.run_plan as run_plan
     from pipetransformer.config import config_from_dict
     from pipetransformer.trainer.trainer import Trainer
     from pipetransformer.utils.units import param_key
 
     if sharded_at is not None:  # priced as on a GPU cluster
-        trainer_module.step_pricer = prefer_sharded_at(sharded_at)
-        Trainer._prices_layouts = lambda self, config, budget: True  # as on a GPU
+        run_plan.step_pricer = prefer_sharded_at(sharded_at)
+        run_plan.prices_layouts = lambda config, budget, device: True  # as on a GPU
 
     def snapshot(trainer) -> dict | None:
         gathered = gather_state(trainer, include_optimizer=True)  # collective
@@ -357,7 +357,7 @@ def checkpoint_killed_half_way(config_dict: dict, run_dir: str, step: int):
     rank has written its tensors, run_state.json is not there yet."""
     import signal
 
-    from pipetransformer.trainer import checkpoint
+    from pipetransformer.runs import checkpoint
 
     write = checkpoint.write_json_atomic
 
@@ -375,9 +375,9 @@ def start_in_run_dir(run_dir: str, restarting_ranks: list[int], run_id: str):
     so (TORCHELASTIC_RESTART_COUNT > 0): what each rank got, or the refusal's text."""
     from pathlib import Path
 
-    from pipetransformer.trainer.control import Control
-    from pipetransformer.trainer.resume import start_run_directory
-    from pipetransformer.trainer.rundir import RunDirError, RunOptions
+    from pipetransformer.autodp.control import Control
+    from pipetransformer.runs.resume import start_run_directory
+    from pipetransformer.runs.rundir import RunDirError, RunOptions
 
     world = init_distributed("cpu", 60)
     restart = world.rank in restarting_ranks
@@ -418,7 +418,7 @@ def _continue_from(run_dir, into, step: int) -> None:
     """A copy of `run_dir` as a run interrupted after its checkpoint at `step` leaves it."""
     import shutil
 
-    from pipetransformer.trainer.checkpoint import complete_checkpoints
+    from pipetransformer.runs.checkpoint import complete_checkpoints
 
     shutil.copytree(run_dir, into)
     for path in complete_checkpoints(into):
@@ -435,7 +435,7 @@ def elastic_runs(runs: list[tuple[str, dict]], root: str, resume_at_step: int | 
     ({name-resumed: result})."""
     from pathlib import Path
 
-    from pipetransformer.trainer.rundir import RunOptions
+    from pipetransformer.runs.rundir import RunOptions
 
     root = Path(root)
     results = {}
@@ -548,7 +548,7 @@ def runs_under_load(runs: list[tuple[str, dict, float, int | None]], root: str):
     import time
     from pathlib import Path
 
-    from pipetransformer.trainer.rundir import RunOptions
+    from pipetransformer.runs.rundir import RunOptions
 
     root = Path(root)
     first = root / runs[0][0]

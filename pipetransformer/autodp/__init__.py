@@ -1,4 +1,5 @@
-"""AutoDP: layouts of replicas (topology), their process groups, state handoff and the sampler."""
+"""AutoDP: layouts of replicas (topology), their process groups and the control group's
+collectives (control), state handoff and the sampler."""
 
 from pipetransformer.autodp.sampler import Batch, EvalSampler, TrainSampler
 from pipetransformer.autodp.topology import Layout, Role, dp_degree_for

@@ -35,8 +35,8 @@ from torch import nn
 from pipetransformer.compare.report import HF_TRAINER, TORCH_DDP
 from pipetransformer.config import Config
 from pipetransformer.data import DataBundle, build_data
+from pipetransformer.runs.records import EpochMetrics, RunSummary
 from pipetransformer.trainer.optim import decay_groups, learning_rate
-from pipetransformer.trainer.records import EpochMetrics, RunSummary
 from pipetransformer.utils.files import append_jsonl, write_json_atomic
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from pipetransformer.compare.stats import (
     SeedRun,
     evaluation_times,
 )
-from pipetransformer.trainer.records import (
+from pipetransformer.runs.records import (
     CheckpointEvent,
     EpochMetrics,
     RunSummary,

@@ -46,8 +46,8 @@ from pipetransformer.compare.report import (
 from pipetransformer.compare.stats import DEFAULT_MARGIN_POINTS, seeded_stats
 from pipetransformer.config import Config, ConfigError, load_config
 from pipetransformer.launcher import WorkerFailed, launch_local
+from pipetransformer.runs.rundir import RunLock, ensure_directory, prepare_run_dir
 from pipetransformer.trainer import RunOptions, run_worker
-from pipetransformer.trainer.rundir import RunLock, ensure_directory, prepare_run_dir
 from pipetransformer.utils.files import write_json_atomic
 
 logger = logging.getLogger(__name__)

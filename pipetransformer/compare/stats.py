@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipetransformer.trainer.records import CheckpointEvent, EpochMetrics
+from pipetransformer.runs.records import CheckpointEvent, EpochMetrics
 
 POINTS_PER_UNIT = 100.0  # a metric of 0.9712 is 97.12 points
 DEFAULT_MARGIN_POINTS = 1.0

@@ -97,7 +97,7 @@ def build_data(
         from pipetransformer.data.squad import load_squad_bundle
 
         return load_squad_bundle(config, model_name_or_path, seed)
-    else:  # config.py's Literal already rejects other names
+    else:  # config/data.py's Literal already rejects other names
         raise ValueError(f"data.name: unknown dataset '{config.name}'")
     if config.train_subset is not None:
         bundle.train = Subset(bundle.train, config.train_subset, seed)

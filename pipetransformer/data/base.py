@@ -126,6 +126,17 @@ class DataBundle:
     # Anything the task's evaluation needs beyond targets (e.g. SQuAD gold answers).
     eval_extras: dict[str, Any] = field(default_factory=dict)
 
+    def model_args(self) -> dict[str, Any]:
+        """What build_model needs to know about the data (task, classes, input shapes)."""
+        return dict(
+            task=self.task,
+            num_classes=self.num_classes,
+            in_chans=self.in_chans,
+            image_size=self.image_size,
+            vocab_size=self.vocab_size,
+            max_seq_length=self.max_seq_length,
+        )
+
 
 def iterate_batches(
     dataset: SampleDataset, id_batches: Sequence[Sequence[int]], num_workers: int = 0

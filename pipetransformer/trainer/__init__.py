@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 from pipetransformer.config import Config
-from pipetransformer.trainer.records import RunSummary
-from pipetransformer.trainer.rundir import RunOptions
+from pipetransformer.runs.records import RunSummary
+from pipetransformer.runs.rundir import RunOptions
 
 logger = logging.getLogger(__name__)
 

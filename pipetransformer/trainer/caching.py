@@ -19,13 +19,13 @@ import numpy as np
 import torch
 
 from pipetransformer.autocache import CacheClient, CacheDaemon, default_memory_budget
+from pipetransformer.autodp.control import Control
 from pipetransformer.autopipe.planner import UnitCosts
 from pipetransformer.config import Config, ConfigError
 from pipetransformer.data import DataBundle
 from pipetransformer.models import ModelSpec
 from pipetransformer.pipe.transfer import to_device
-from pipetransformer.trainer.control import Control
-from pipetransformer.trainer.records import CacheCounters
+from pipetransformer.runs.records import CacheCounters
 from pipetransformer.utils.units import prefix_end
 
 logger = logging.getLogger(__name__)

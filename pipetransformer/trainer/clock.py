@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from pipetransformer.autodp.sampler import TrainSampler
 from pipetransformer.planning.run_model import CachedShares
-from pipetransformer.trainer.state import RunState
+from pipetransformer.runs.state import RunState
 
 
 @dataclass(frozen=True)

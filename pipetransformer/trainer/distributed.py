@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import resource
 import socket
 import time
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.config import ConfigError, World
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,18 @@ class WorldInfo:
     @property
     def num_nodes(self) -> int:
         return self.world_size // self.devices_per_node
+
+    def note_processes_per_node(self, configured: int | None) -> None:
+        """Under torchrun the launcher says how many processes a node runs; a different
+        trainer.nproc_per_node in the config is overruled (said once, by rank 0)."""
+        if configured is not None and configured != self.devices_per_node and self.rank == 0:
+            logger.warning(
+                "trainer.nproc_per_node is %d but the launcher started %d processes per node: "
+                "using %d",
+                configured,
+                self.devices_per_node,
+                self.devices_per_node,
+            )
 
     def describe(self, tf32: bool = True) -> str:
         """The start line: where the processes compute and how they talk."""
@@ -218,3 +232,11 @@ def _loopback_store(rank: int, world_size: int, timeout: datetime.timedelta) -> 
     return dist.TCPStore(
         host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=listener.fileno()
     )
+
+
+def peak_memory(control: Control, device: torch.device) -> tuple[int, int | None]:
+    """(largest resident set, largest CUDA allocation) over the ranks (collective)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    allocated = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    peak_rss, peak_allocated = control.all_max([rss, allocated]).tolist()
+    return int(peak_rss), int(peak_allocated) if device.type == "cuda" else None

@@ -11,17 +11,17 @@ import time
 
 import torch
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.autodp.sampler import EvalSampler
 from pipetransformer.config import Config
 from pipetransformer.data import DataBundle
 from pipetransformer.data.loader import BatchLoader
 from pipetransformer.pipe.transfer import to_device
+from pipetransformer.runs.records import EvalResult
+from pipetransformer.runs.state import RunState
 from pipetransformer.trainer.caching import RunCache
 from pipetransformer.trainer.clock import Tick
-from pipetransformer.trainer.control import Control
 from pipetransformer.trainer.distributed import WorldInfo
-from pipetransformer.trainer.records import EvalResult
-from pipetransformer.trainer.state import RunState
 from pipetransformer.trainer.step import Stage
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.config import Config
 from pipetransformer.freeze import (
     TRANSITION_TIME_SHARE,
@@ -26,12 +27,11 @@ from pipetransformer.freeze import (
     min_interval_for,
     signal_fraction,
 )
+from pipetransformer.runs.records import CadenceEvent
+from pipetransformer.runs.state import RunState
 from pipetransformer.trainer.clock import Tick
-from pipetransformer.trainer.control import Control
 from pipetransformer.trainer.metrics import MetricsTracker
 from pipetransformer.trainer.optim import momentum_decay
-from pipetransformer.trainer.records import CadenceEvent
-from pipetransformer.trainer.state import RunState
 from pipetransformer.utils.units import layer_of_unit
 
 logger = logging.getLogger(__name__)

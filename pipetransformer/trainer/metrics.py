@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.autodp.topology import Layout
 from pipetransformer.pipe.timing import IntervalTimer
+from pipetransformer.runs.records import CacheCounters, EpochMetrics, EvalResult, StepMetrics
+from pipetransformer.runs.reporting import Reporter
+from pipetransformer.runs.state import RunState
 from pipetransformer.trainer.clock import Tick
-from pipetransformer.trainer.control import Control
-from pipetransformer.trainer.records import CacheCounters, EpochMetrics, EvalResult, StepMetrics
-from pipetransformer.trainer.reporting import Reporter
-from pipetransformer.trainer.state import RunState
 from pipetransformer.utils.units import layer_of_unit
 
 

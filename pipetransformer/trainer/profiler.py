@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.autopipe.profiles import ProfileStore, UnitProfile, choose_micro_batches
 from pipetransformer.config import Config
 from pipetransformer.models import ModelSpec
@@ -38,7 +39,6 @@ from pipetransformer.planning.profile_keys import (
     profile_path_for,
     unit_profile_key_for,
 )
-from pipetransformer.trainer.control import Control
 
 logger = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.data.squad_metric import postprocess_predictions, squad_evaluate
 from pipetransformer.pipe.transfer import to_device
-from pipetransformer.trainer.control import Control
-from pipetransformer.trainer.records import EvalResult
+from pipetransformer.runs.records import EvalResult
 
 logger = logging.getLogger(__name__)
 

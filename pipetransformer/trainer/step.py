@@ -274,6 +274,16 @@ class StepRunner:
         stage.grad_sum_steps = 0
         return l1, steps
 
+    def unit_grad_sums(self, stage: Stage, control) -> tuple[list[float], int]:
+        """Per unit, the L1 norm of the gradient summed since the last decision over the
+        whole model, and the steps the sum holds (collective over `control`'s ranks).
+        Replicas hold the same (averaged) gradients, counted once; shards add up."""
+        l1, steps = self.take_unit_grad_sums(stage)
+        copies = 1 if stage.layout.sharded else stage.layout.dp_degree
+        # Idle ranks hold no sum; every rank that trains holds the same count.
+        most = control.all_max([float(steps)])
+        return (control.all_sum(l1) / copies).tolist(), int(most[0])
+
     def _unit_grad_squares(self, stage: Stage) -> torch.Tensor:
         """Squared gradient norm of each unit this rank trains, float64 on the device: one
         multi-tensor norm kernel over every gradient (float32 norms of float32 gradients),

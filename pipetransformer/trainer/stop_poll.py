@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 import time
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.trainer.clock import Tick
-from pipetransformer.trainer.control import Control
 from pipetransformer.utils.stopping import StopRequest
 
 POLL_TARGET_S = 1.0

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.pipe.transfer import to_device
-from pipetransformer.trainer.control import Control
-from pipetransformer.trainer.records import EvalResult
+from pipetransformer.runs.records import EvalResult
 
 
 def loss_weights(valid: Sequence[bool], dp_degree: int, global_num_valid: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Every rank runs this. Ranks agree on everything by computing it from the same values (the
 resolved config, the sampler, all-reduced gradient norms); the only messages are the
-pipeline's own, DDP's, the control group's small collectives (trainer/control.py), the state
+pipeline's own, DDP's, the control group's small collectives (autodp/control.py), the state
 handoff at transitions and checkpoint writes.
 
 `train()` is the loop: one tick of the clock per step; after it each periodic component
@@ -11,14 +11,13 @@ decision, a checkpoint; and every rank agrees on whether a stop signal arrived. 
 decision point: freeze decides F (pure) -> AutoPipe plans the layout (planning/, pure) ->
 AutoDP moves units and optimizer state, rebuilds the groups -> the stage is rebuilt.
 Everything that must survive a crash is `self.state` (a RunState) and the statefuls of
-trainer/state.py, which the checkpointer saves and loads the same way.
+runs/state.py and trainer/statefuls.py, which the checkpointer saves and loads the same way.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import resource
 import signal
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.autodp.groups import (
     TrainingGroups,
     build_training_groups,
@@ -34,57 +34,49 @@ from pipetransformer.autodp.groups import (
 from pipetransformer.autodp.handoff import execute_transfers, plan_transfers
 from pipetransformer.autodp.sampler import TrainSampler
 from pipetransformer.autodp.topology import Layout
-from pipetransformer.autopipe.profiles import unit_costs_from_profile
-from pipetransformer.config import Config, config_changes, decided_by_measured_time, resolve
+from pipetransformer.config import Config, resolve
 from pipetransformer.data import build_data
-from pipetransformer.fsdp import build_sharded_runtime, gather_units, shard_optimizer_states
+from pipetransformer.fsdp import gather_units, shard_optimizer_states
 from pipetransformer.models import build_model
-from pipetransformer.pipe import StageRuntime, build_stage_runtime
+from pipetransformer.pipe import StageRuntime
 from pipetransformer.pipe.prefix import CachedPrefix
 from pipetransformer.pipe.timing import IntervalTimer
 from pipetransformer.planning import (
-    PlanContext,
-    device_memory_budget,
     format_bytes,
-    profiling_micro_batch_size,
 )
-from pipetransformer.planning.predict import measured_cluster, step_pricer, unit_times
 from pipetransformer.planning.run_model import prefix_cost_to_balance
-from pipetransformer.trainer import optim
-from pipetransformer.trainer.caching import RunCache
-from pipetransformer.trainer.checkpoint import PROFILES, Checkpointer
-from pipetransformer.trainer.clock import StepClock, Tick
-from pipetransformer.trainer.control import Control
-from pipetransformer.trainer.distributed import WorldInfo, init_distributed
-from pipetransformer.trainer.evaluation import Evaluator
-from pipetransformer.trainer.freezing import FreezeControl
-from pipetransformer.trainer.metrics import MetricsTracker
-from pipetransformer.trainer.profiler import RunProfiler
-from pipetransformer.trainer.records import (
+from pipetransformer.runs.checkpoint import PROFILES, Checkpointer
+from pipetransformer.runs.records import (
     CheckpointEvent,
-    ConfigChangeEvent,
     EvalResult,
     ProfileEvent,
     RunSummary,
     StartEvent,
     TransitionEvent,
 )
-from pipetransformer.trainer.reporting import Reporter
-from pipetransformer.trainer.resume import Resumption, start_run_directory, write_resolved_config
-from pipetransformer.trainer.rundir import RunOptions
-from pipetransformer.trainer.state import (
+from pipetransformer.runs.reporting import Reporter
+from pipetransformer.runs.resume import Resumption, start_run_directory, write_resolved_config
+from pipetransformer.runs.rundir import RunOptions
+from pipetransformer.runs.state import (
     CheckpointRecord,
     ModelRecord,
-    OptimizerState,
-    RngState,
     RunRecordState,
     RunState,
     Stateful,
-    UnitWeights,
-    reseed,
 )
+from pipetransformer.trainer import optim
+from pipetransformer.trainer.caching import RunCache
+from pipetransformer.trainer.clock import StepClock, Tick
+from pipetransformer.trainer.distributed import WorldInfo, init_distributed, peak_memory
+from pipetransformer.trainer.evaluation import Evaluator
+from pipetransformer.trainer.freezing import FreezeControl
+from pipetransformer.trainer.metrics import MetricsTracker
+from pipetransformer.trainer.run_plan import plan_run
+from pipetransformer.trainer.runtime import build_runtime
+from pipetransformer.trainer.statefuls import checkpoint_statefuls, seed_streams
 from pipetransformer.trainer.step import Batches, Stage, StepRunner
 from pipetransformer.trainer.stop_poll import StopPoll
+from pipetransformer.trainer.summary import run_summary, start_event
 from pipetransformer.trainer.tasks import task_for
 from pipetransformer.utils.stopping import RunStopped, StopRequest
 from pipetransformer.utils.units import parse_param_key
@@ -118,18 +110,33 @@ class Trainer:
     # ------------------------------------------------------------------ setup
 
     def setup(self) -> None:
+        """Named steps, each done by the room that owns it; the order is the dependencies'."""
+        resumption = self._join()  # processes, control group, run directory, checkpointer
+        full = self._build_model(resumption)  # data, task, skeleton; the run state resumed
+        self._plan(full, resumption)  # profiles -> PlanContext: the resolved config
+        self._build_components(fresh=resumption is None)  # reporter, clock, metrics, ...
+        layout, units = self._first_layout(full)
+        del full  # the units this rank does not hold go before the first stage is built
+        profile_s = self._enter_first_layout(layout, units, resumption)
+        self._report_setup(resumption, profile_s)
+        # Last, so nothing in setup draws from the streams a checkpoint restored.
+        restored = None if resumption is None else resumption.world_size == self.world.world_size
+        seed_streams(self.config.trainer.seed, self.world.rank, self.state.global_step, restored)
+
+    def _join(self) -> Resumption | None:
+        """Join the processes; decide once (rank 0 or the launcher) for all ranks whether
+        this run resumes, and load the record of the checkpoint it resumes from."""
         trainer_config = self.config.trainer
         self.world = world = init_distributed(
             trainer_config.device, trainer_config.timeout_s, trainer_config.tf32
         )
-        self.control = control = Control(create_control_group(self.config.trainer.timeout_s))
-        self._note_processes_per_node()
-        self.run_dir = Path(
-            control.broadcast(str(self.run_dir))
-        )  # every node writes where rank 0 does
-        # Whether this run resumes, decided once (by rank 0 or the launcher) for all ranks.
+        self.control = control = Control(create_control_group(trainer_config.timeout_s))
+        world.note_processes_per_node(trainer_config.nproc_per_node)
+        # Every node writes where rank 0 does.
+        self.run_dir = Path(control.broadcast(str(self.run_dir)))
         resumption = start_run_directory(self.run_dir, self.options, control)
-        config = resolve(self.config, world.shape)  # the launcher's processes; K may be 'auto' yet
+        # The launcher's processes; K may be 'auto' yet (the plan resolves it).
+        self.config = config = resolve(self.config, world.shape)
         self.checkpointer = Checkpointer(
             config.checkpoint, self.run_dir, control, config.trainer.save_model
         )
@@ -137,7 +144,13 @@ class Trainer:
             run = RunRecordState()
             self.checkpointer.load(resumption.checkpoint, {"run": run})
             resumption.record = run.record
+        return resumption
 
+    def _build_model(self, resumption: Resumption | None) -> nn.Module:
+        """The data, the task, the model's skeleton on the meta device (every unit's structure
+        without weights: what a rank receives at a transition is materialised from it) and
+        the full model, initialised alike on every rank."""
+        config = self.config
         self.data = build_data(
             config.data,
             seed=config.trainer.seed,
@@ -146,27 +159,51 @@ class Trainer:
         self.task = task_for(
             self.data.task, self.data.num_classes, config.data.metric, len(self.data.eval)
         )
-        self.model_args = dict(
-            task=self.data.task,
-            num_classes=self.data.num_classes,
-            in_chans=self.data.in_chans,
-            image_size=self.data.image_size,
-            vocab_size=self.data.vocab_size,
-            max_seq_length=self.data.max_seq_length,
-        )
-        # The skeleton gives every rank the structure of every unit without weights: what a
-        # rank receives at a transition is materialised from it.
+        self.model_args = self.data.model_args()
         self.skeleton = build_model(config.model, device="meta", **self.model_args)
-        self.spec = spec = self.skeleton.spec
+        self.spec = self.skeleton.spec
         if resumption is not None:
-            self.state = resumption.state(spec)
+            self.state = resumption.state(self.spec)
         # Same seed on every rank: the full model is initialised identically everywhere
         # (and equals single-process training); each rank then keeps only its own units.
         torch.manual_seed(config.trainer.seed)
-        full = build_model(config.model, device="cpu", **self.model_args)
-        self._plan_run(config, full, resumption)
-        config = self.config
+        return build_model(config.model, device="cpu", **self.model_args)
 
+    def _plan(self, full: nn.Module, resumption: Resumption | None) -> None:
+        """The run's plan (trainer/run_plan.py) and with it the resolved config, said where
+        a resume changes it and written to the run directory."""
+        configured = self.config
+        carried = resumption.checkpoint / PROFILES if resumption is not None else None
+        run_plan = plan_run(
+            configured,
+            self.spec,
+            list(full.units),
+            self.world,
+            self.control,
+            self.run_dir,
+            self.state,
+            carried,
+        )
+        self.plan, self.profiler = run_plan.plan, run_plan.profiler
+        self.measured_costs = run_plan.measured_costs
+        self.profile_micro_batch_size = run_plan.profile_micro_batch_size
+        self.config = self.plan.config
+        if self.config.pipeline.initial_pipe_len != configured.pipeline.initial_pipe_len:
+            logger.info(
+                "initial_pipe_len auto: %d (device memory %s)",
+                self.plan.initial_pipe_len,
+                "unlimited" if run_plan.budget is None else format_bytes(run_plan.budget),
+            )
+        if resumption is not None:
+            change = resumption.config_change(self.config, speak=self.world.rank == 0)
+            if change is not None:
+                self._pending_events.append(change)  # reported once the reporter exists
+        if self.world.rank == 0:  # the resolved config says where the run started
+            write_resolved_config(self.run_dir, self.config)
+
+    def _build_components(self, fresh: bool) -> None:
+        """The components the loop asks `due(tick)`, and what they share."""
+        config, world, control, spec = self.config, self.world, self.control, self.spec
         self.reporter = Reporter(
             self.run_dir,
             world.rank == 0,
@@ -211,7 +248,7 @@ class Trainer:
         self.freezer = FreezeControl(
             config, spec.num_layers, steps, self.state, self.metrics, control
         )
-        if world.rank == 0 and resumption is None:
+        if world.rank == 0 and fresh:
             self.freezer.warn_if_nothing_can_freeze()
         self.batches = Batches(
             config, self.data, self.sampler, self.task, world, self.run_dir, self.cache
@@ -230,25 +267,40 @@ class Trainer:
             config, self.data, self.task, world, control, self.cache, self.state
         )
 
-        layout = self.layout_for(self.state.num_frozen_layers, self._resume_pipe_len())
-        units = {u: full.units[u].to(world.device) for u in layout.units_of_rank(world.rank)}
-        del full
+    def _first_layout(self, full: nn.Module) -> tuple[Layout, dict[int, nn.Module]]:
+        """The first layout (a resume's boundary, its pipeline where the world is the same)
+        and the units this rank holds in it, on its device."""
+        state, world = self.state, self.world
+        pipe_len = state.resume_pipe_len(
+            self.plan.initial_pipe_len, world.world_size, world.devices_per_node
+        )
+        layout = self.layout_for(state.num_frozen_layers, pipe_len)
+        return layout, {u: full.units[u].to(world.device) for u in layout.units_of_rank(world.rank)}
+
+    def _enter_first_layout(
+        self, layout: Layout, units: dict[int, nn.Module], resumption: Resumption | None
+    ) -> float:
+        """This rank's first stage, a resume's tensors loaded into it (collective). Returns
+        the profiling seconds it took over (unit costs, micro-batches)."""
         times: dict[str, float] = {}
         self.stage = self._enter(layout, units, {}, times)
         if resumption is not None:
             started = time.perf_counter()
-            same_world = resumption.world_size == world.world_size
+            same_world = resumption.world_size == self.world.world_size
             self.checkpointer.load(resumption.checkpoint, self._statefuls(rng=same_world))
             resumption.load_s = time.perf_counter() - started
-        profile_s = (
-            times["profile_s"] + self.profiler.take_seconds()
-        )  # unit costs and micro-batches
+        return times["profile_s"]
+
+    def _report_setup(self, resumption: Resumption | None, profiled_s: float) -> None:
+        """What setup measured and decided, as events: the profiling's seconds (unit costs
+        and micro-batches), the resume, and the events made before the reporter existed."""
+        profile_s = profiled_s + self.profiler.take_seconds()
         if profile_s > 0:
             self.reporter.event(
                 ProfileEvent(self.state.global_step, profile_s, self.plan.costs.source)
             )
         if resumption is not None:
-            self.reporter.event(resumption.event(self.stage.layout, world))
+            self.reporter.event(resumption.event(self.stage.layout, self.world))
         for event in self._pending_events:
             self.reporter.event(event)
         self._pending_events.clear()
@@ -257,119 +309,6 @@ class Trainer:
             self.stage.layout.describe(),
             self.plan.costs.source,
         )
-        self._seed_streams(resumption)
-
-    def _note_processes_per_node(self) -> None:
-        """Under torchrun the launcher says how many processes a node runs; a different
-        trainer.nproc_per_node in the config is overruled (said once, by rank 0)."""
-        configured = self.config.trainer.nproc_per_node
-        if (
-            configured is not None
-            and configured != self.world.devices_per_node
-            and self.world.rank == 0
-        ):
-            logger.warning(
-                "trainer.nproc_per_node is %d but the launcher started %d processes per node: "
-                "using %d",
-                configured,
-                self.world.devices_per_node,
-                self.world.devices_per_node,
-            )
-
-    def _plan_run(self, config: Config, full: nn.Module, resumption: Resumption | None) -> None:
-        """The run's PlanContext (and with it the resolved config, written to the run
-        directory): measured unit profiles balance the stages (balance: time), tell when
-        the cache pays and what a stage holds in memory."""
-        world = self.world
-        carried = resumption.checkpoint / PROFILES if resumption is not None else None
-        self.profiler = RunProfiler(
-            config, self.spec, self.run_dir, world.device, self.control, carried
-        )
-        budget = device_memory_budget(config, world.device)
-        # Measured at the initial layout's micro-batch size, 'auto' K as the shortest start.
-        self.profile_micro_batch_size = profiling_micro_batch_size(config, world.world_size)
-        profile = None
-        pricing = self._prices_layouts(config, budget)
-        if config.pipeline.balance == "time" or config.cache.enabled or pricing:
-            profile = self.profiler.unit_profile(list(full.units), self.profile_micro_batch_size)
-        elif budget is not None:
-            profile = self.profiler.unit_profile(list(full.units), self.profile_micro_batch_size)
-        self.measured_costs = unit_costs_from_profile(profile) if profile is not None else None
-        self.plan = PlanContext.build(config, self.spec, world.shape, profile, budget)
-        self.config = self.plan.config
-        if pricing:  # sharded layouts where predicted faster (planning/context.py)
-            costs = self.state.link_costs or self.profiler.links()
-            self.state.link_costs = costs
-            cluster = measured_cluster(
-                costs, world.num_nodes, world.devices_per_node, world.device.type
-            )
-            times = unit_times(profile, costs["memory_bytes_per_s"])
-            self.plan = self.plan.with_pricer(step_pricer(times, self.config, cluster))
-        if self.config.pipeline.initial_pipe_len != config.pipeline.initial_pipe_len:
-            logger.info(
-                "initial_pipe_len auto: %d (device memory %s)",
-                self.plan.initial_pipe_len,
-                "unlimited" if budget is None else format_bytes(budget),
-            )
-        if resumption is not None:
-            self._note_config_changes(resumption)
-        if world.rank == 0:  # the resolved config says where the run started
-            write_resolved_config(self.run_dir, self.config)
-
-    def _prices_layouts(self, config: Config, budget: float | None) -> bool:
-        """Whether sharded layouts are priced against pipelines (pipeline.sharding 'auto'):
-        where a replica may not fit (a memory budget), on GPUs. Over gloo on a CPU FSDP2's
-        step costs what the step model cannot price (measured: 1.4x DDP's for MiniLM,
-        docs/benchmarks.md section 13), so a CPU run keeps pipelines."""
-        return (
-            PlanContext.prices(config) and budget is not None and self.world.device.type == "cuda"
-        )
-
-    def _note_config_changes(self, resumption: Resumption) -> None:
-        """A resume with other settings than the checkpoint's is said and recorded (an
-        event, reported once the reporter exists), never silent. The processes per node
-        follow the world that resumes; that is the resume event's to say."""
-        changes = {
-            key: [before, after]
-            for key, before, after in config_changes(
-                resumption.record.config, self.config.to_dict()
-            )
-            if key != "trainer.nproc_per_node"
-        }
-        if not changes:
-            return
-        self._pending_events.append(
-            ConfigChangeEvent(self.state.global_step, str(resumption.checkpoint), changes)
-        )
-        if self.world.rank == 0:
-            logger.warning(
-                "resuming %s with changed settings: %s (recorded in events.jsonl)",
-                resumption.checkpoint,
-                ", ".join(f"{k} {b!r} -> {a!r}" for k, (b, a) in changes.items()),
-            )
-
-    def _seed_streams(self, resumption: Resumption | None) -> None:
-        """Last, so nothing in setup draws from the streams a checkpoint restored."""
-        if resumption is None:
-            # From here on each rank has its own random stream (dropout), which simply
-            # continues across transitions.
-            torch.manual_seed(self.config.trainer.seed + 1 + self.world.rank)
-        elif resumption.world_size != self.world.world_size:
-            reseed(self.config.trainer.seed, self.world.rank, self.state.global_step)
-
-    def _resume_pipe_len(self) -> int:
-        """The pipeline length to plan the (resumed) layout from: the checkpoint's when it
-        was taken in a world of the same shape (so a resumed run continues exactly as it
-        would have), otherwise the initial one (re-planned for the new world)."""
-        initial = self.plan.initial_pipe_len
-        state, world = self.state, self.world
-        same_world = (state.world_size, state.devices_per_node) == (
-            world.world_size,
-            world.devices_per_node,
-        )
-        if state.sharded:  # the pipeline AutoPipe would hold there (planning/context.py)
-            return initial
-        return min(state.pipe_len, initial) if same_world and state.pipe_len > 0 else initial
 
     def cache_serves(self, num_frozen_layers: int) -> bool:
         """Whether AutoCache serves the frozen prefix at this boundary (same on every rank)."""
@@ -445,18 +384,7 @@ class Trainer:
                 self.cache.counts,
                 load_inputs=self.batches.device_inputs,
             )
-        state = self.state
-        state.num_frozen_layers, state.pipe_len, state.dp_degree = (
-            frozen,
-            layout.pipe_len,
-            layout.dp_degree,
-        )
-        state.sharded = layout.sharded
-        state.num_micro_batches = layout.plan.num_micro_batches
-        state.world_size, state.devices_per_node = (
-            self.world.world_size,
-            self.world.devices_per_node,
-        )
+        self.state.enter_layout(layout, self.world.world_size, self.world.devices_per_node)
         self.control.barrier()
         times["rebuild_s"] = time.perf_counter() - started
         return stage
@@ -468,33 +396,8 @@ class Trainer:
         groups: TrainingGroups,
         comm_timer: IntervalTimer | None = None,
     ) -> StageRuntime | None:
-        role = layout.role(self.world.rank)
-        if role is None:
-            return None
-        name = self.config.trainer.autocast_dtype
-        if layout.sharded:
-            return build_sharded_runtime(
-                plan=layout.plan,
-                replica_batch_size=self.config.trainer.replica_batch_size(layout.dp_degree),
-                units=units,
-                loss_fn=self.task.loss_fn,
-                data_group=groups.data,
-                device=self.world.device,
-                autocast_dtype=getattr(torch, name) if name else None,
-            )
-        return build_stage_runtime(
-            plan=layout.plan,
-            stage_index=role.stage,
-            replica_batch_size=self.config.trainer.replica_batch_size(layout.dp_degree),
-            units=units,
-            spec=self.spec,
-            loss_fn=self.task.loss_fn,
-            schedule_name=self.config.pipeline.schedule,
-            pipeline_group=groups.pipeline,
-            data_group=groups.data,
-            device=self.world.device,
-            autocast_dtype=getattr(torch, name) if name else None,
-            comm_timer=comm_timer,
+        return build_runtime(
+            layout, self.world, self.config, units, groups, self.spec, self.task.loss_fn, comm_timer
         )
 
     def _resolve_micro_batches(
@@ -583,7 +486,11 @@ class Trainer:
     def _decision_point(self, tick: Tick) -> None:
         layout = self.stage.layout
         momentum = self.unit_momentum_sq() if self.freezer.needs_momentum else None
-        sums = self.unit_grad_sums() if self.freezer.needs_grad_sums else None
+        sums = (
+            self.steps.unit_grad_sums(self.stage, self.control)
+            if self.freezer.needs_grad_sums
+            else None
+        )
         decision = self.freezer.decide(
             layout.plan.num_frozen_layers, layout.dp_degree, momentum, sums
         )
@@ -613,17 +520,6 @@ class Trainer:
         layout = self.stage.layout
         copies = 1 if layout.sharded else layout.dp_degree
         return (self.control.all_sum(squares) / copies).tolist()
-
-    def unit_grad_sums(self) -> tuple[list[float], int]:
-        """Per unit, the L1 norm of the gradient summed since the last decision over the
-        whole model, and the steps the sum holds (collective). Replicas hold the same
-        (averaged) gradients, counted once; the shards of a sharded layout add up."""
-        l1, steps = self.steps.take_unit_grad_sums(self.stage)
-        layout = self.stage.layout
-        copies = 1 if layout.sharded else layout.dp_degree
-        # Idle ranks and later stages hold no sum; every rank that trains holds the count.
-        totals = self.control.all_max([float(steps)])
-        return (self.control.all_sum(l1) / copies).tolist(), int(totals[0])
 
     # ------------------------------------------------------------------ transitions
 
@@ -729,15 +625,7 @@ class Trainer:
     def _statefuls(
         self, record: CheckpointRecord | None = None, rng: bool = True
     ) -> dict[str, Stateful]:
-        """What a checkpoint holds of this rank, in the same order on every rank."""
-        statefuls: dict[str, Stateful] = {}
-        if record is not None:
-            statefuls["run"] = RunRecordState(record)
-        statefuls["units"] = UnitWeights(self.stage.units)
-        statefuls["optimizer"] = OptimizerState(self.stage.optimizer, self.stage.named_params())
-        if rng:
-            statefuls["rng"] = RngState(self.world.rank, self.world.device)
-        return statefuls
+        return checkpoint_statefuls(self.stage, self.world, record, rng)
 
     def save_checkpoint(self, tick: Tick, reason: str, eval_metric: float | None = None) -> None:
         """A checkpoint of the run as it stands after the step of `tick` (collective)."""
@@ -768,62 +656,27 @@ class Trainer:
 
     # ------------------------------------------------------------------ records
 
-    def _peak_memory(self) -> tuple[int, int | None]:
-        """(largest resident set, largest CUDA allocation) over the ranks (collective)."""
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-        device = self.world.device
-        allocated = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-        peak_rss, peak_allocated = self.control.all_max([rss, allocated]).tolist()
-        return int(peak_rss), int(peak_allocated) if device.type == "cuda" else None
-
     def _finish(self, wall_s: float) -> RunSummary:
-        state, layout = self.state, self.stage.layout
         last = self.checkpointer.last_path
-        peak_rss, peak_allocated = self._peak_memory()
-        summary = RunSummary(
-            training_time_s=state.previous_attempts_wall_s + wall_s,
-            attempts=state.attempt,
-            final_eval_metric=state.last_eval_metric,
-            best_eval_metric=state.best_eval_metric,
+        summary = run_summary(
+            self.state,
+            self.stage.layout,
+            self.world,
+            wall_s,
+            peak_memory(self.control, self.world.device),
             metric_name=self.task.metric_name,
             final_scores=self.evaluator.last_scores,
             epochs=self.config.trainer.epochs,
-            global_steps=state.global_step,
-            num_transitions=state.num_transitions,
-            final_num_frozen_layers=layout.plan.num_frozen_layers,
-            final_pipe_len=layout.pipe_len,
-            final_dp_degree=layout.dp_degree,
-            world_size=self.world.world_size,
-            device=self.world.device.type,
             checkpoint=str(last) if last else None,
-            freeze_decisions=state.decision_index,
             decision_interval_steps=self.freezer.schedule.interval_steps,
             num_layers=self.spec.num_layers,
-            peak_rss_bytes=peak_rss,
-            peak_allocated_bytes=peak_allocated,
         )
         self.reporter.summary(summary)
         return summary
 
     def _start_event(self) -> StartEvent:
-        layout = self.stage.layout
-        return StartEvent(
-            global_step=self.state.global_step,
-            attempt=self.state.attempt,
-            time=time.time(),
-            world_size=self.world.world_size,
-            pipe_len=layout.pipe_len,
-            dp_degree=layout.dp_degree,
-            num_frozen_layers=layout.plan.num_frozen_layers,
-            processes_per_node=self.world.devices_per_node,
-            processes_per_node_from=self.world.devices_per_node_from,
-            cache_daemons=self.cache.daemons if self.cache is not None else [],
-            predicted_stage_bytes=[int(b) for b in self.plan.layout_bytes(layout)],
-            device_memory_bytes=self.plan.budget_bytes,
-            memory_source=self.plan.memory_source,
-            sharded=layout.sharded,
-            decided_by_measured_time=decided_by_measured_time(self.config),
-        )
+        daemons = self.cache.daemons if self.cache is not None else []
+        return start_event(self.state, self.world, self.stage.layout, self.plan, daemons)
 
     # ------------------------------------------------------------------ teardown
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipetransformer.trainer.records import EpochMetrics, Event, RunSummary, StepMetrics
+from pipetransformer.runs.records import EpochMetrics, Event, RunSummary, StepMetrics
 from pipetransformer.utils.files import append_jsonl, write_json_atomic
 
 logger = logging.getLogger(__name__)

@@ -24,12 +24,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipetransformer.trainer.checkpoint import (
+from pipetransformer.runs.checkpoint import (
     CHECKPOINTS,
     find_checkpoint,
     remove_interrupted_writes,
 )
-from pipetransformer.trainer.records import StartEvent, event_from_dict
+from pipetransformer.runs.records import StartEvent, event_from_dict
 from pipetransformer.utils.files import read_jsonl, rewrite_jsonl, write_text_atomic
 
 logger = logging.getLogger(__name__)

@@ -18,6 +18,10 @@ The checkpointer is handed `Stateful` objects (torch.distributed.checkpoint's pr
     OptimizerState  the optimizer state of its trained parameters       optim/...
     RngState        its random streams                                  rng/rank<r>/...
 
+The first is here with the records it carries and the tensors' keys; the three that hold a
+rank's tensors are the trainer's (trainer/statefuls.py), which owns the units, the optimizer
+and the streams.
+
 `state_dict()` gives what to save and, on load, the tensors to fill in place; calling it
 changes nothing a run can observe (the optimizer's lazily created state is made up front
 only on a load, as torch.distributed.checkpoint does). `load_state_dict()` gets the keys
@@ -31,11 +35,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import torch
-from torch import nn
+from pipetransformer.autodp.topology import Layout
 
-from pipetransformer.trainer import optim
-from pipetransformer.utils.units import param_key
 
 STATE_VERSION = 1
 
@@ -102,6 +103,23 @@ class RunState:
     # (RunProfiler.links; kept so that a resumed run decides as the first attempt did).
     cache_read_s_per_sample: float | None = None
     link_costs: dict[str, Any] = field(default_factory=dict)
+
+    def enter_layout(self, layout: Layout, world_size: int, devices_per_node: int) -> None:
+        """Where the run is now: the boundary, the layout and the world it is in."""
+        self.num_frozen_layers = layout.plan.num_frozen_layers
+        self.pipe_len, self.dp_degree = layout.pipe_len, layout.dp_degree
+        self.sharded = layout.sharded
+        self.num_micro_batches = layout.plan.num_micro_batches
+        self.world_size, self.devices_per_node = world_size, devices_per_node
+
+    def resume_pipe_len(self, initial: int, world_size: int, devices_per_node: int) -> int:
+        """The pipeline length to plan the (resumed) layout from: the checkpoint's when it
+        was taken in a world of the same shape (so a resumed run continues exactly as it
+        would have), otherwise the initial one (re-planned for the new world)."""
+        same_world = (self.world_size, self.devices_per_node) == (world_size, devices_per_node)
+        if self.sharded:  # the pipeline AutoPipe would hold there (planning/context.py)
+            return initial
+        return min(self.pipe_len, initial) if same_world and self.pipe_len > 0 else initial
 
     def to_dict(self) -> dict[str, Any]:
         return {"state_version": STATE_VERSION, **dataclasses.asdict(self)}
@@ -194,86 +212,3 @@ def optimizer_key(name: str, entry: str) -> str:
 
 def rng_key(rank: int, stream: str) -> str:
     return f"rng/rank{rank}/{stream}"
-
-
-class UnitWeights:
-    """Every parameter and buffer of the units this rank holds, by global name (buffers
-    include non-persistent ones: a resumed unit is materialised without initialisation)."""
-
-    def __init__(self, units: Mapping[int, nn.Module]) -> None:
-        self.units = units
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        tensors = {}
-        for index, unit in self.units.items():
-            for name, param in unit.named_parameters():
-                tensors[model_key(param_key(index, name))] = param.detach()
-            for name, buffer in unit.named_buffers():
-                tensors[model_key(param_key(index, name))] = buffer
-        return tensors
-
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        missing = sorted(set(self.state_dict()) - set(state_dict))
-        if missing:
-            raise KeyError(
-                f"no {missing[0]} ({len(missing)} tensors missing): "
-                "it was written for another model"
-            )
-
-
-class OptimizerState:
-    """The optimizer state of this rank's trained parameters, by parameter name."""
-
-    def __init__(
-        self, optimizer: torch.optim.Optimizer | None, named_params: Mapping[str, nn.Parameter]
-    ) -> None:
-        self.optimizer = optimizer
-        self.named_params = named_params
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        if self.optimizer is not None and not self.optimizer.state:
-            optim.materialize_state(self.optimizer)  # a load before the first step
-        tensors = {}
-        for name, entries in optim.states_by_name(self.optimizer, self.named_params).items():
-            for entry, value in entries.items():
-                if isinstance(value, torch.Tensor):
-                    tensors[optimizer_key(name, entry)] = value
-        return tensors
-
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Loaded in place; a parameter the checkpoint had no state for goes back to none
-        (as before its first step)."""
-        if self.optimizer is None:
-            return
-        loaded = {key.split("/")[1] for key in state_dict}
-        for name, param in self.named_params.items():
-            if name not in loaded:
-                self.optimizer.state.pop(param, None)
-
-
-class RngState:
-    """This process's random streams: the CPU generator and, on a GPU, the device's."""
-
-    def __init__(self, rank: int, device: torch.device) -> None:
-        self.rank = rank
-        self.device = device
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        states = {rng_key(self.rank, "cpu"): torch.get_rng_state()}
-        if self.device.type == "cuda":
-            states[rng_key(self.rank, "cuda")] = torch.cuda.get_rng_state(self.device)
-        return states
-
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        cpu = state_dict.get(rng_key(self.rank, "cpu"))
-        if cpu is not None:
-            torch.set_rng_state(cpu.cpu())
-        cuda = state_dict.get(rng_key(self.rank, "cuda"))
-        if cuda is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(cuda.cpu(), self.device)
-
-
-def reseed(seed: int, rank: int, global_step: int) -> None:
-    """A deterministic fresh stream for a rank whose saved one cannot be used (the world
-    size changed): a function of the seed, the rank and where the run resumes."""
-    torch.manual_seed((seed * 1_000_003 + global_step) * 65_537 + rank + 1)

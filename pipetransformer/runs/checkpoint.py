@@ -3,9 +3,9 @@
 A checkpoint is a directory `RUN_DIR/checkpoints/step-<global step>/` holding DCP's files
 and two small ones written by rank 0: `run_state.json` (a CheckpointRecord: the RunState,
 the resolved config, the model's unit names) and `profiles.json` (what the profilers had
-measured). What goes in is handed over as Stateful objects (trainer/state.py); `save` and
-`load` treat them alike: tensors go through DCP, anything else into run_state.json. Tensors
-are keyed by name, not by rank or layout:
+measured). What goes in is handed over as Stateful objects (runs/state.py,
+trainer/statefuls.py); `save` and `load` treat them alike: tensors go through DCP, anything
+else into run_state.json. Tensors are keyed by name, not by rank or layout:
 
     model/units.<u>.<name>                   every parameter and buffer of unit u
     optim/units.<u>.<name>/<state>           optimizer state of a trained parameter
@@ -45,16 +45,15 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.config import CheckpointConfig
-from pipetransformer.trainer.clock import Tick
-from pipetransformer.trainer.control import Control
-from pipetransformer.trainer.state import CheckpointRecord, Stateful
+from pipetransformer.runs.state import CheckpointRecord, Stateful
 from pipetransformer.utils.files import write_json_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
@@ -63,6 +62,21 @@ CHECKPOINTS = "checkpoints"
 RUN_STATE = "run_state.json"
 PROFILES = "profiles.json"
 _NAME = re.compile(r"^step-(\d{8,})$")
+
+
+class StepPosition(Protocol):
+    """Where a step leaves the run (the trainer's clock.Tick is one)."""
+
+    global_step: int
+
+    @property
+    def completed_epochs(self) -> int: ...
+
+    @property
+    def epoch_end(self) -> bool: ...
+
+    @property
+    def last(self) -> bool: ...
 
 
 def checkpoint_name(global_step: int) -> str:
@@ -199,7 +213,7 @@ class Checkpointer:
     def last_path(self) -> Path | None:
         return None if self.last_step is None else self.root / checkpoint_name(self.last_step)
 
-    def due(self, tick: Tick) -> bool:
+    def due(self, tick: StepPosition) -> bool:
         """Whether a checkpoint is due after the step of `tick`."""
         if self.last_step == tick.global_step:
             return False

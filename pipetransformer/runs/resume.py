@@ -17,13 +17,13 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.autodp.topology import Layout
-from pipetransformer.config import Config, config_yaml
+from pipetransformer.config import Config, config_changes, config_yaml
 from pipetransformer.models import ModelSpec
-from pipetransformer.trainer.checkpoint import read_run_state
-from pipetransformer.trainer.control import Control
-from pipetransformer.trainer.records import ResumeEvent
-from pipetransformer.trainer.rundir import (
+from pipetransformer.runs.checkpoint import read_run_state
+from pipetransformer.runs.records import ConfigChangeEvent, ResumeEvent
+from pipetransformer.runs.rundir import (
     RunDirError,
     RunLock,
     RunOptions,
@@ -32,7 +32,7 @@ from pipetransformer.trainer.rundir import (
     truncate_after,
     write_run_id,
 )
-from pipetransformer.trainer.state import CheckpointRecord, RunState
+from pipetransformer.runs.state import CheckpointRecord, RunState
 from pipetransformer.utils.files import write_text_atomic
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,25 @@ class Resumption:
         state.previous_attempts_wall_s += self.previous_attempt_wall_s
         state.attempt += 1
         return state
+
+    def config_change(self, config: Config, speak: bool) -> ConfigChangeEvent | None:
+        """The settings this resume changes from the checkpoint's, said (when `speak`) and
+        recorded as an event, never silent; None when there are none. The processes per
+        node follow the world that resumes; that is the resume event's to say."""
+        changes = {
+            key: [before, after]
+            for key, before, after in config_changes(self.record.config, config.to_dict())
+            if key != "trainer.nproc_per_node"
+        }
+        if not changes:
+            return None
+        if speak:
+            logger.warning(
+                "resuming %s with changed settings: %s (recorded in events.jsonl)",
+                self.checkpoint,
+                ", ".join(f"{k} {b!r} -> {a!r}" for k, (b, a) in changes.items()),
+            )
+        return ConfigChangeEvent(self.record.state.global_step, str(self.checkpoint), changes)
 
     def event(self, layout: Layout, world) -> ResumeEvent:
         state = self.record.state

@@ -1,0 +1,80 @@
+"""Typed run configuration: YAML in, checked dataclasses out.
+
+Owns: one small dataclass per component, each in its own module with the checks of its keys
+(trainer.py, optimizer.py, pipeline.py, freeze.py, autopipe.py for AutoPipe and AutoDP,
+cache.py, checkpoint.py, model.py, data.py, logging.py), the Config that holds them
+(run.py), the checks across sections (checks.py), the YAML loader and `key.sub=value`
+overrides (loader.py) and `resolve` (resolve.py): every check that can be made before a
+process starts, each error naming the key. Callers import from here, not from the modules.
+Must not: import any other part of the package (it is the bottom layer), touch torch.
+"""
+
+from pipetransformer.config.autopipe import AutoDPConfig, AutoPipeConfig
+from pipetransformer.config.cache import CacheConfig
+from pipetransformer.config.checkpoint import CheckpointConfig
+from pipetransformer.config.checks import (
+    check_config,
+    initial_pipe_lens,
+    pipe_len_candidates,
+    reachable_pipe_lens,
+)
+from pipetransformer.config.data import (
+    REGRESSION_METRICS,
+    TABLE_DATASETS,
+    DataConfig,
+    DatasetName,
+    MetricName,
+)
+from pipetransformer.config.errors import ConfigError
+from pipetransformer.config.freeze import FreezeConfig
+from pipetransformer.config.loader import (
+    apply_overrides,
+    config_changes,
+    config_from_dict,
+    config_yaml,
+    load_config,
+    parse_override,
+    read_config_data,
+)
+from pipetransformer.config.logging import LoggingConfig
+from pipetransformer.config.model import TEXT_MODEL_TYPES, ModelConfig
+from pipetransformer.config.optimizer import OptimizerConfig
+from pipetransformer.config.pipeline import PipelineConfig
+from pipetransformer.config.resolve import World, decided_by_measured_time, resolve
+from pipetransformer.config.run import Config
+from pipetransformer.config.trainer import TrainerConfig
+
+__all__ = [
+    "REGRESSION_METRICS",
+    "TABLE_DATASETS",
+    "TEXT_MODEL_TYPES",
+    "AutoDPConfig",
+    "AutoPipeConfig",
+    "CacheConfig",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "DatasetName",
+    "FreezeConfig",
+    "LoggingConfig",
+    "MetricName",
+    "ModelConfig",
+    "OptimizerConfig",
+    "PipelineConfig",
+    "TrainerConfig",
+    "World",
+    "apply_overrides",
+    "check_config",
+    "config_changes",
+    "config_from_dict",
+    "config_yaml",
+    "decided_by_measured_time",
+    "initial_pipe_lens",
+    "load_config",
+    "parse_override",
+    "pipe_len_candidates",
+    "read_config_data",
+    "reachable_pipe_lens",
+    "resolve",
+]

@@ -1,0 +1,137 @@
+"""The checks across sections that can be made before a process starts: whether the
+pipeline lengths a run may reach fit the devices, the batch and the micro-batches, and
+whether the sections agree with each other (cache and augmentation, freeze rule and
+optimizer, model and data). Each error names the key.
+
+Owns: check_config and the pipeline lengths a run may start at or reach. Must not: import
+anything outside config/, start processes or measure anything.
+"""
+
+from __future__ import annotations
+
+from pipetransformer.config.errors import _fail
+from pipetransformer.config.run import Config
+
+
+def pipe_len_candidates(devices_per_node: int) -> list[int]:
+    """Pipeline lengths a run with `initial_pipe_len: auto` may start at: the powers of two
+    dividing a node's devices, and the whole node (a pipeline never spans nodes)."""
+    powers = {2**i for i in range(devices_per_node.bit_length()) if devices_per_node % 2**i == 0}
+    return sorted(powers | {devices_per_node})
+
+
+def reachable_pipe_lens(config: Config, initial: int | None = None) -> list[int]:
+    """Every K a run starting at `initial` (default: the configured K) may use: K only
+    halves, and only when AutoPipe and freezing are on."""
+    k = initial if initial is not None else config.pipeline.initial_pipe_len
+    lens = [k]
+    if config.autopipe.enabled and config.freeze.strategy != "none":
+        while k % 2 == 0:
+            k //= 2
+            lens.append(k)
+    return lens
+
+
+def _layout_problem(config: Config, world: int, k0: int) -> tuple[str, str] | None:
+    """(key, message) of the first reason a run cannot start at pipeline length `k0`."""
+    nproc = config.nproc_per_node
+    if nproc % k0 != 0:
+        return (
+            "pipeline.initial_pipe_len",
+            f"{k0} does not divide the {nproc} devices per node (trainer.nproc_per_node)",
+        )
+    trainer = config.trainer
+    batch = trainer.global_batch_size
+    batch_key = "trainer.global_batch_size"
+    if trainer.batch_per_replica is not None:
+        batch_key = "trainer.batch_per_replica"
+    m = config.pipeline.num_micro_batches
+    for k in reachable_pipe_lens(config, k0):
+        replicas = world // k if (config.autodp.enabled or k == k0) else world // k0
+        if trainer.batch_per_replica is None and batch % replicas != 0:
+            return batch_key, (
+                f"{batch} does not split evenly over {replicas} pipeline replicas "
+                f"(pipe_len {k} on {world} devices)"
+            )
+        per_replica = trainer.replica_batch_size(replicas)
+        if isinstance(m, int) and per_replica % m != 0:
+            return "pipeline.num_micro_batches", (
+                f"{m} does not divide the per-replica batch {per_replica} "
+                f"({replicas} replicas at pipe_len {k})"
+            )
+        if m in ("auto", "measured") and per_replica < k:
+            return (batch_key, f"per-replica batch {per_replica} is smaller than pipe_len {k}")
+        if config.pipeline.schedule == "1f1b" and isinstance(m, int) and m < k:
+            return "pipeline.num_micro_batches", f"1f1b needs at least pipe_len ({k}) micro-batches"
+    return None
+
+
+def initial_pipe_lens(config: Config, world_size: int | None = None) -> list[int]:
+    """The pipeline lengths a run may start at: the configured one, or for 'auto' every
+    candidate whose layouts the batch and micro-batch settings allow."""
+    world = world_size or config.nproc_per_node
+    setting = config.pipeline.initial_pipe_len
+    if config.pipeline.sharding == "always":
+        return [1]
+    if isinstance(setting, int):
+        return [setting]
+    return [
+        k
+        for k in pipe_len_candidates(config.nproc_per_node)
+        if _layout_problem(config, world, k) is None
+    ]
+
+
+def check_config(config: Config, world_size: int | None = None) -> None:
+    """Cross-field checks. `world_size` defaults to one node of `nproc_per_node` devices."""
+    nproc = config.nproc_per_node
+    world = world_size or nproc
+    if world % nproc != 0:
+        _fail("trainer.nproc_per_node", f"{nproc} does not divide the world size {world}")
+    setting = config.pipeline.initial_pipe_len
+    candidates = [setting] if isinstance(setting, int) else pipe_len_candidates(nproc)
+    if config.pipeline.sharding == "always":
+        candidates = [1]
+    problems = [_layout_problem(config, world, k0) for k0 in candidates]
+    if all(problems):  # 'auto' needs one possible start; a configured K must work itself
+        _fail(*problems[0])
+    augmented = config.data.augment and config.data.name in (
+        "cifar10",
+        "cifar100",
+        "imagefolder",
+        "hf_image",
+    )
+    if config.cache.enabled and augmented and not config.cache.allow_augmented:
+        _fail(
+            "cache.allow_augmented",
+            "data.augment makes each epoch's inputs differ, so cached frozen-layer outputs "
+            "would be stale; set cache.allow_augmented=true to cache each sample's first view "
+            "(the paper's behaviour), data.augment=false, or cache.enabled=false",
+        )
+    optimizer = config.optimizer
+    if config.freeze.strategy == "signal_to_noise" and not (
+        optimizer.name in ("adam", "adamw") or optimizer.momentum > 0
+    ):
+        _fail(
+            "freeze.strategy",
+            "signal_to_noise reads the optimizer's moving average of gradients: use "
+            "optimizer.name adam or adamw, or sgd with optimizer.momentum > 0",
+        )
+    if (
+        config.freeze.strategy == "signal_to_noise"
+        and optimizer.name in ("adam", "sgd")
+        and optimizer.weight_decay > 0
+    ):
+        _fail(
+            "freeze.strategy",
+            f"signal_to_noise with optimizer.name {optimizer.name} and weight_decay > 0: the "
+            "coupled decay term enters the moving average of gradients but not the measured "
+            "gradient norms, so the signal share is biased; use adamw (decoupled decay) or "
+            "optimizer.weight_decay=0",
+        )
+    family = config.model.resolved_family()
+    image_sets = ("digits", "cifar10", "cifar100", "imagefolder", "synthetic", "hf_image")
+    if family == "bert" and config.data.name in image_sets:
+        _fail("data.name", f"'{config.data.name}' is an image dataset; model.name is BERT")
+    if family == "vit" and config.data.name in ("sst2", "squad", "hf"):
+        _fail("data.name", f"'{config.data.name}' is a text dataset; model.name is a ViT")
