@@ -429,6 +429,7 @@ def _predict(config: Config, args: argparse.Namespace) -> int:
         samples,
         args.trajectory,
         chosen.times,
+        spec=chosen.spec,
         unit_profile_source=chosen.source,
         steps_per_epoch_source=samples_source,
     )

@@ -48,7 +48,7 @@ from pipetransformer.planning import (
     format_bytes,
     profiling_micro_batch_size,
 )
-from pipetransformer.planning.predict import measured_cluster, step_pricer, unit_times
+from pipetransformer.planning.cluster import measured_cluster, step_pricer, unit_times
 from pipetransformer.planning.run_model import prefix_cost_to_balance
 from pipetransformer.trainer import optim
 from pipetransformer.trainer.caching import RunCache
