@@ -25,6 +25,7 @@ from pipetransformer.planning.prediction_inputs import (
     prediction_unit_times,
     train_samples_for,
 )
+from pipetransformer.planning.prediction_run import Variant
 
 CLUSTERS = {
     "paper (2 x 8 Quadro RTX 5000, PCIe 3.0 x16, 5 GB/s IB)": dict(
@@ -34,7 +35,6 @@ CLUSTERS = {
         device_name="h100-sxm", intra_node="nvlink4", inter_node="infiniband-ndr"
     ),
 }
-Variant = predict_module._Variant
 SIZES, LAYOUT_FOR, PREFIX_S = context_module.parameter_sizes, Variant.layout_for, Variant.prefix_s
 
 

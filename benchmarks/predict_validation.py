@@ -28,7 +28,8 @@ from pipetransformer.autopipe.profiles import ProfileStore
 from pipetransformer.config import load_config
 from pipetransformer.launcher import launch_local
 from pipetransformer.planning import describe_model, profiling_micro_batch_size
-from pipetransformer.planning.predict import calibrated_times, layout_epoch_s, unit_times
+from pipetransformer.planning.cluster import layout_epoch_s, unit_times
+from pipetransformer.planning.prediction_inputs import calibrated_times
 from pipetransformer.planning.profile_keys import unit_profile_key_for
 from pipetransformer.planning.step_model import CollectiveCost, Links
 from pipetransformer.utils.files import read_jsonl, write_json_atomic

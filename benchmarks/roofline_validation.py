@@ -35,9 +35,9 @@ from pipetransformer.config import Config, config_from_dict, load_config
 from pipetransformer.models import build_model
 from pipetransformer.pipe.measure import measure_unit_costs
 from pipetransformer.planning.analytical import analytical_profile
+from pipetransformer.planning.cluster import layout_epoch_s, unit_times
 from pipetransformer.planning.context import model_build_args
 from pipetransformer.planning.hardware import device
-from pipetransformer.planning.predict import layout_epoch_s, unit_times
 from pipetransformer.planning.roofline import AchievedFractions, roofline_profile
 from pipetransformer.planning.step_model import Links
 from pipetransformer.utils.files import write_json_atomic

@@ -138,7 +138,7 @@ def test_a_full_disk_is_one_line_naming_errno_path_and_the_checkpoint_kept(
     assert find_checkpoint(tmp_path) == kept  # the failed write left nothing half-done
     assert not (tmp_path / "checkpoints" / ".tmp-step-00000006").exists()
     # The command line's failure line ends with the command that resumes from it.
-    from pipetransformer.cli import _resume_hint
+    from pipetransformer.cli.commands import _resume_hint
 
     assert _resume_hint(tmp_path, "pipetransformer train C --resume R") == (
         ". Resume with: pipetransformer train C --resume R"

@@ -172,7 +172,7 @@ def test_under_torchrun_its_processes_per_node_overrule_the_config(monkeypatch, 
     """torchrun --nproc-per-node 8 with a config of 2 processes per node and an 8-stage
     pipeline: the config is checked with torchrun's 8 (it fails with the config's 2), and
     only global rank 0 warns."""
-    from pipetransformer.cli import _processes_per_node_from_torchrun
+    from pipetransformer.cli.commands import _processes_per_node_from_torchrun
     from pipetransformer.config import ConfigError, load_config
 
     overrides = ["trainer.nproc_per_node=2", "pipeline.initial_pipe_len=8"]

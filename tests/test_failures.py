@@ -74,7 +74,7 @@ def test_a_second_interrupt_names_the_checkpoint_that_exists(tmp_path, elastic_f
     report must not say there is none (a user who believed it would pass --overwrite)."""
     import shutil
 
-    from pipetransformer.cli import _killed_report
+    from pipetransformer.cli.commands import _killed_report
     from pipetransformer.runs.checkpoint import find_checkpoint
 
     run_dir = tmp_path / "run"

@@ -195,7 +195,7 @@ def test_bf16_on_a_gpu_without_it_is_one_line_naming_the_key(monkeypatch):
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert "trainer.precision: bf16 but Quadro RTX 5000 (compute capability 7.5)" in lines[0]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    from pipetransformer.cli import check_devices
+    from pipetransformer.cli.preflight import check_devices
 
     check_devices(
         load_config(

@@ -24,7 +24,7 @@ import pytest
 
 from pipetransformer.autopipe.profiles import UnitProfile
 from pipetransformer.config import config_from_dict
-from pipetransformer.planning.predict import layout_epoch_s, unit_times
+from pipetransformer.planning.cluster import layout_epoch_s, unit_times
 from pipetransformer.planning.step_model import CollectiveCost, Links
 
 RECORDS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "predict_validation.json"

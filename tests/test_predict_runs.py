@@ -1,4 +1,4 @@
-"""`plan --predict` replays the run as the trainer takes it (planning/predict.py over
+"""`plan --predict` replays the run as the trainer takes it (planning/prediction_run.py over
 run_model.py): the freeze rule's own decisions at its cadence (`auto`) or Eq. 1's bound at
 epoch ends (`paper`), epochs that shorten as the paper's per-replica batch grows with the
 replicas, what AutoCache holds each epoch, and peers at the baseline's global batch. The

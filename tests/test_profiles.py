@@ -426,7 +426,7 @@ def test_plan_predict_finds_the_newest_profile_of_the_model_under_runs(tmp_path)
     runs = tmp_path / "runs"
     config = load_config(QUICKSTART, [])
     with pytest.raises(ConfigError) as error:
-        _newest_run_profile(config, runs)
+        _newest_run_profile(config, describe_model(config), runs)
     message = str(error.value)
     assert "\n" not in message and "--device NAME" in message and "quadro-rtx-5000" in message
     assert "--profile RUN_DIR/profiles.json" in message and "profiles/profiles.json" not in message
@@ -444,5 +444,5 @@ def test_plan_predict_finds_the_newest_profile_of_the_model_under_runs(tmp_path)
     profile_of(config, "quickstart-new", 0.03, 2_000)
     other = load_config(QUICKSTART, ["model.kwargs.depth=4"])
     profile_of(other, "another-model", 0.05, 3_000)  # newest, but not this model's
-    path, (profile, _, _) = _newest_run_profile(config, runs)
+    path, (profile, _, _) = _newest_run_profile(config, describe_model(config), runs)
     assert path == runs / "quickstart-new" / "profiles.json" and profile.forward_s[0] == 0.03

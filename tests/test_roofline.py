@@ -157,6 +157,35 @@ def test_a_faster_device_predicts_a_shorter_step(tmp_path):
     assert a100 < quadro / 1.5  # FP32 19.5 against 11.2 TFLOP/s, 2039 against 448 GB/s
 
 
+def test_a_prediction_describes_the_model_once(tmp_path, monkeypatch):
+    """prediction_unit_times builds the model's spec and predict() takes it from there:
+    however many profile files under runs/ it reads (here three of another model), the
+    model is described once (the roofline counts it once more, on the meta device). It
+    was described once per file read, once more for the roofline and again in predict."""
+    from pipetransformer.planning import context
+
+    other = load_config(QUICKSTART, ["model.kwargs.depth=4"])
+    spec = describe_model(other)
+    n, micro = spec.num_units, 8
+    for run in ("a", "b", "c"):
+        store = ProfileStore(tmp_path / "runs" / run / "profiles.json")
+        profile = UnitProfile(micro, (0.01,) * n, (0.02,) * n, (0.009,) * n, *([(4,) * n] * 3))
+        store.put_unit_profile(unit_profile_key_for(other, spec, "cpu", micro), profile)
+        store.save()
+    built = []
+    build_model = context.build_model
+    monkeypatch.setattr(
+        context, "build_model", lambda *a, **k: built.append(a) or build_model(*a, **k)
+    )
+    monkeypatch.chdir(tmp_path)
+    config = load_config(QUICKSTART, [])
+    cluster = cluster_from_flags(1, 2, device_name="cpu-2core")
+    chosen = prediction_unit_times(config, cluster)
+    assert chosen.source.startswith("analytical, roofline on cpu-2core")
+    result = predict(config, chosen.profile, cluster, 64, times=chosen.times, spec=chosen.spec)
+    assert len(built) == 1 and result.rows
+
+
 def test_training_samples_come_from_a_published_size_when_the_data_is_not_on_disk():
     config = load_config(VIT_IMAGENET, ["data.root=/nonexistent/imagenet"])
     samples, source = train_samples_for(config)

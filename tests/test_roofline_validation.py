@@ -24,8 +24,8 @@ import roofline_validation as validation  # noqa: E402
 
 from pipetransformer.autopipe.profiles import UnitProfile  # noqa: E402
 from pipetransformer.config import config_from_dict  # noqa: E402
+from pipetransformer.planning.cluster import layout_epoch_s, unit_times  # noqa: E402
 from pipetransformer.planning.hardware import device  # noqa: E402
-from pipetransformer.planning.predict import layout_epoch_s, unit_times  # noqa: E402
 from pipetransformer.planning.roofline import AchievedFractions  # noqa: E402
 from pipetransformer.planning.step_model import Links  # noqa: E402
 

@@ -15,7 +15,7 @@ process, the trained units sharded over them, the replica batch in the fewest mi
 that fit the budget; a run whose sharded layout does not fit it even at one sample a
 micro-batch, at 0 frozen layers, is refused (`DoesNotFit`). With `auto` (the default) a
 boundary gets the sharded layout instead of AutoPipe's pipeline where only it fits the
-device, or where it fits too and a `pricer` (planning/predict.py's step model over the
+device, or where it fits too and a `pricer` (planning/cluster.py's step model over the
 run's measured unit times and collectives; the trainer has one on GPUs) predicts it faster
 a sample.
 
@@ -72,7 +72,7 @@ class DoesNotFit(ConfigError):
 # (pipe_len, replica batch) -> the number of micro-batches of that layout.
 MicroBatchChooser = Callable[[int, int], int]
 # (layout, the frozen prefix's seconds a micro-batch of the profile's size, None: computed
-# in full) -> predicted seconds of one step of it (planning/predict.py `step_pricer`).
+# in full) -> predicted seconds of one step of it (planning/cluster.py `step_pricer`).
 StepPricer = Callable[[Layout, float | None], float]
 
 

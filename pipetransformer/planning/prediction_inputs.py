@@ -1,7 +1,8 @@
 """`plan --predict`'s flags turned into predict()'s inputs: the cluster (named hardware from
 hardware.yaml or stated bandwidths), the unit profile and its unit times (a measured profile,
 or the model's analytical profile through a roofline on the named device), and the number of
-training samples an epoch, each with a line saying where it came from.
+training samples an epoch, each with a line saying where it came from. The model's spec
+is built once here (`prediction_unit_times`) and handed on with the profile, to predict().
 
 Which unit profile: a measured one wins when a profile file has one for this model (the
 file `--profile` names, else pipeline.profile_path, else the newest of the files runs under
@@ -10,7 +11,8 @@ file `--profile` names, else pipeline.profile_path, else the newest of the files
 there is none, the analytical profile on the named device. Without `--device` a measured
 profile is needed, and the error says how to get one or to name a device.
 
-Owns: `cluster_from_flags`, `prediction_unit_times`, `measured_on`, `train_samples_for`.
+Owns: `cluster_from_flags`, `prediction_unit_times`, `find_unit_profile`, `calibrated_times`,
+`measured_on`, `train_samples_for`.
 Must not: predict (predict.py), measure anything, or download data or weights.
 """
 
@@ -21,37 +23,46 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipetransformer.autopipe.planner import balance
 from pipetransformer.autopipe.profiles import (
     ProfileError,
     ProfileStore,
     UnitProfile,
     UnitProfileKey,
+    unit_costs_from_profile,
 )
 from pipetransformer.config import TABLE_DATASETS, Config, ConfigError, DataConfig, resolve
-from pipetransformer.models import build_model
+from pipetransformer.models import ModelSpec, build_model
 from pipetransformer.planning.analytical import analytical_profile
+from pipetransformer.planning.cluster import (
+    INTER_NODE_GBPS,
+    INTRA_NODE_GBPS,
+    Cluster,
+    unit_times,
+)
 from pipetransformer.planning.context import (
     describe_model,
     model_build_args,
     profiling_micro_batch_size,
 )
 from pipetransformer.planning.hardware import Device, Link, device, link, packaged_hardware
-from pipetransformer.planning.predict import (
-    INTER_NODE_GBPS,
-    INTRA_NODE_GBPS,
-    Cluster,
-    calibrated_times,
-    find_unit_profile,
-    unit_times,
+from pipetransformer.planning.profile_keys import (
+    PLAN_PROFILE_PATH,
+    model_signature_for,
+    profile_path_for,
 )
-from pipetransformer.planning.profile_keys import PLAN_PROFILE_PATH, profile_path_for
 from pipetransformer.planning.roofline import (
     PRECISION_PEAKS,
     AchievedFractions,
     matmul_peak,
     roofline_profile,
 )
-from pipetransformer.planning.step_model import Links, UnitTimes
+from pipetransformer.planning.step_model import (
+    Links,
+    UnitTimes,
+    calibrate_overhead,
+    predict_step,
+)
 
 # A GPU's memory bandwidth when neither --memory-gbps nor --device says it.
 MEMORY_GBPS = 2000.0
@@ -75,11 +86,13 @@ PUBLISHED_TRAIN_SAMPLES: dict[str, tuple[int, str]] = {
 
 @dataclass(frozen=True)
 class PredictionProfile:
-    """The unit profile a prediction uses, its unit times and where they came from."""
+    """The unit profile a prediction uses, its unit times, where they came from and the
+    model's spec they were found by (predict() takes it from here)."""
 
     profile: UnitProfile
     times: UnitTimes
     source: str
+    spec: ModelSpec
 
 
 # ----------------------------------------------------------------------------- the cluster
@@ -159,12 +172,65 @@ def measured_on(named: Device, profile_device: str) -> bool:
     return set(named.name.split("-")) - _FORM_FACTORS <= words
 
 
+def find_unit_profile(
+    config: Config, spec: ModelSpec, path: Path
+) -> tuple[UnitProfile, UnitProfileKey, ProfileStore]:
+    """This model's unit profile from a profile file: (profile, its key, the file's store).
+    Prefers the largest micro-batch measured on a GPU, else any device."""
+    signature = model_signature_for(config, spec)
+    store = ProfileStore(path).load()
+    keys = [k for k in store.unit_profile_keys() if k.model == signature]
+    if not keys:
+        raise ConfigError(
+            f"--profile: {path} has no unit profile of this model ({config.model.name}); "
+            "a run of this config writes one (RUN_DIR/profiles.json)"
+        )
+    keys.sort(key=lambda k: (k.device.startswith("cuda"), k.micro_batch_size))
+    return store.unit_profile(keys[-1]), keys[-1], store
+
+
+def calibrated_times(
+    config: Config, store: ProfileStore, profile_key: UnitProfileKey, times: UnitTimes, links: Links
+) -> UnitTimes:
+    """`times` with the per-step and per-slot overhead calibrated from the whole steps the
+    trainer timed for this model on the profile's device (micro-batch timings: forward and
+    backward of the initial layout, nothing frozen)."""
+    costs = unit_costs_from_profile(store.unit_profile(profile_key))
+    gaps = []
+    for key in store.micro_batch_keys():
+        if (key.model, key.device) != (
+            profile_key.model,
+            profile_key.device,
+        ) or key.num_frozen_layers is not None:
+            continue
+        plan = balance(costs, 0, key.pipe_len)
+        if config.trainer.batch_per_replica is None:
+            replicas = max(1, config.trainer.global_batch_size // key.replica_batch)
+        else:  # the timed layout's replicas, on the run's one node
+            replicas = max(1, config.nproc_per_node // key.pipe_len)
+        for m, seconds in store.micro_batch_timings(key).items():
+            step = predict_step(
+                times,
+                plan,
+                micro_batch_size=key.replica_batch // m,
+                num_micro_batches=m,
+                dp_degree=replicas,
+                replicas_per_node=replicas,
+                links=links,
+                cached_prefix=False,
+            )
+            gaps.append((m + key.pipe_len - 1, seconds - (step.step_s - step.overhead_s)))
+    per_step, per_slot = calibrate_overhead(gaps)
+    return dataclasses.replace(times, step_overhead_s=per_step, slot_overhead_s=per_slot)
+
+
 def roofline_unit_profile(
     config: Config, named: Device, world_size: int, fractions: AchievedFractions | None = None
 ) -> UnitProfile:
     """The config's model counted on the meta device (no weights, no download) at the run's
-    profiling micro-batch size, timed by the roofline on `named` in the run's precision."""
-    describe_model(config)  # a bad model or freeze setting: one ConfigError line
+    profiling micro-batch size, timed by the roofline on `named` in the run's precision.
+    The caller has described the model (describe_model: a bad one is one ConfigError line);
+    counting needs its modules, not its spec."""
     model = build_model(config.model, device="meta", **model_build_args(config))
     micro_batch_size = profiling_micro_batch_size(config, world_size)
     work = analytical_profile(model, micro_batch_size, PRECISION_PEAKS[config.trainer.precision])
@@ -189,8 +255,9 @@ def prediction_unit_times(
     fractions: AchievedFractions | None = None,
 ) -> PredictionProfile:
     """The unit profile and unit times to predict `config` on `cluster` with (see the module
-    docstring for which). The optimizer's memory bandwidth: `memory_gbps`, else the named
-    device's achieved bandwidth, else MEMORY_GBPS."""
+    docstring for which), and the model's spec, built here once. The optimizer's memory
+    bandwidth: `memory_gbps`, else the named device's achieved bandwidth, else MEMORY_GBPS."""
+    spec = describe_model(config)  # a bad model or freeze setting: one ConfigError line
     fractions = fractions or AchievedFractions()
     named = cluster.device
     if named is not None and memory_gbps is not None:
@@ -204,9 +271,9 @@ def prediction_unit_times(
     path = Path(profile_path) if profile_path else profile_path_for(config)
     try:
         if profile_path or config.pipeline.profile_path is not None:
-            profile, key, store = find_unit_profile(config, path)
+            profile, key, store = find_unit_profile(config, spec, path)
         else:
-            path, (profile, key, store) = _newest_run_profile(config)
+            path, (profile, key, store) = _newest_run_profile(config, spec)
     except ConfigError:
         if named is None or profile_path:
             raise  # no device to fall back on, or the file asked for lacks this model
@@ -214,16 +281,16 @@ def prediction_unit_times(
     resolved = resolve(config, cluster.world())
     if profile is not None and (named is None or measured_on(named, key.device)):
         times = calibrated_times(config, store, key, unit_times(profile, bandwidth), cluster.links)
-        return PredictionProfile(profile, times, f"{path} [{key.device}]")
+        return PredictionProfile(profile, times, f"{path} [{key.device}]", spec)
     source = _roofline_source(config, named, fractions)
     if profile is not None:
         source += f"; {path} holds one measured on {key.device}, not a {named.name}"
     profile = roofline_unit_profile(resolved, named, cluster.world_size, fractions)
-    return PredictionProfile(profile, unit_times(profile, bandwidth), source)
+    return PredictionProfile(profile, unit_times(profile, bandwidth), source, spec)
 
 
 def _newest_run_profile(
-    config: Config, runs: Path = PLAN_PROFILE_PATH.parent.parent
+    config: Config, spec: ModelSpec, runs: Path = PLAN_PROFILE_PATH.parent.parent
 ) -> tuple[Path, tuple[UnitProfile, UnitProfileKey, ProfileStore]]:
     """The newest profile file under `runs` (modification time) with a unit profile of this
     model: runs/profiles/profiles.json, a run's RUN_DIR/profiles.json, a compare's variants'.
@@ -241,7 +308,7 @@ def _newest_run_profile(
     )
     for path in files:
         try:
-            return path, find_unit_profile(config, path)
+            return path, find_unit_profile(config, spec, path)
         except (ConfigError, ProfileError):  # another model's, or unreadable: the next
             continue
     where = f"{len(files)} profile file(s) under {runs}/" if files else f"no {runs}/ here"

@@ -8,7 +8,9 @@ Owns: `format_prediction`. Must not: compute anything predict.py has not.
 from __future__ import annotations
 
 from pipetransformer.planning.context import format_bytes
-from pipetransformer.planning.predict import EpochPrediction, PeerPrediction, Prediction
+from pipetransformer.planning.predict import Prediction
+from pipetransformer.planning.prediction_peers import PeerPrediction
+from pipetransformer.planning.prediction_run import EpochPrediction
 
 # compare's variant names (compare/report.py) -> how the table names them.
 PEER_LABELS = {

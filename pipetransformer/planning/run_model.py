@@ -3,7 +3,7 @@ points fall and what the configured freeze rule decides there (the trainer's own
 `DecisionSchedule` and `FreezeDecider`), the layout each frozen boundary gets, how many
 steps an epoch takes under the run's batch semantics, and what AutoCache holds for the
 samples of each step, so that each step's frozen-prefix work is known. `plan --predict`
-prices the steps (predict.py); the trainer keeps the same `CachedShares` to balance a
+prices the steps (prediction_run.py); the trainer keeps the same `CachedShares` to balance a
 boundary for the prefix work its steps will do.
 
 Gradient-driven rules decide from gradient norms no prediction has. They are replayed on

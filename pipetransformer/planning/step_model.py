@@ -1,6 +1,6 @@
 """The step-time model: predicted time of one optimizer step of a layout, from unit times and
-stated link speeds. Pure arithmetic: no processes, no torch (planning/predict.py turns a
-config and a cluster into its inputs).
+stated link speeds. Pure arithmetic: no processes, no torch (planning/cluster.py applies it
+to a planner's layout on a cluster; prediction_inputs.py finds its unit times).
 
 One optimizer step of a layout (K stages, M micro-batches of m samples, R replicas):
 

@@ -21,7 +21,7 @@ from pipetransformer.autopipe.profiles import unit_costs_from_profile
 from pipetransformer.config import Config
 from pipetransformer.models import ModelSpec
 from pipetransformer.planning import PlanContext, device_memory_budget, profiling_micro_batch_size
-from pipetransformer.planning.predict import measured_cluster, step_pricer, unit_times
+from pipetransformer.planning.cluster import measured_cluster, step_pricer, unit_times
 from pipetransformer.runs.state import RunState
 from pipetransformer.trainer.distributed import WorldInfo
 from pipetransformer.trainer.profiler import RunProfiler
