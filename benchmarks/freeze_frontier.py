@@ -83,6 +83,12 @@ VARIANTS: dict[str, tuple[str, str, list[str], list[str]]] = {
         TRAIN,
         EQ1_EPOCH + EMBEDDING,
     ),
+    "eq1_epoch_emb_a12": (
+        "Eq. 1 (gradient_norm)",
+        "alpha 1/2, at epoch ends, embedding frozen",
+        TRAIN,
+        EQ1_EPOCH + ["freeze.alpha=0.5"] + EMBEDDING,
+    ),
     "eq1_fast": ("Eq. 1 (gradient_norm)", "alpha 1/3, 3 an epoch", TRAIN, EQ1_FAST + NO_EMBEDDING),
     "eq1_fast_emb": (
         "Eq. 1 (gradient_norm)",
