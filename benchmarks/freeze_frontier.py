@@ -110,7 +110,7 @@ VARIANTS: dict[str, tuple[str, str, list[str], list[str]]] = {
         CONVERGENCE + ["freeze.convergence_threshold=0.05"] + NO_EMBEDDING,
     ),
 }
-DEFAULT_VARIANTS = "ddp,hf_trainer,eq1_epoch_emb"
+DEFAULT_VARIANTS = "ddp,hf_trainer,eq1_epoch_emb_a12,eq1_epoch_emb,autofreeze_emb"
 
 
 def common_overrides(args: argparse.Namespace) -> list[str]:
