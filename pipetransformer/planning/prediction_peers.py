@@ -71,11 +71,22 @@ def baseline_peer(config: Config, replayed: Config, setting: PeerSetting) -> Pee
     context = PlanContext.build(base_config, setting.spec, cluster.world(), setting.profile)
     context = context.with_pipeline(fixed)
     variant = Variant(base_config, context, cluster, setting.times, setting.node_samples)
-    run = variant.run(None)
+    return _replayed_peer("baseline", variant, context, None, budget)
+
+
+def _replayed_peer(
+    name: str,
+    variant: Variant,
+    context: PlanContext,
+    per_epoch: list[int] | None,
+    budget: float | None,
+) -> PeerPrediction:
+    """A peer's prediction from its replayed run: its first layout, step, run time and peak."""
+    run = variant.run(per_epoch)
     layout = run.segments[0].layout
     peak_bytes = max(context.layout_bytes(layout))
     return PeerPrediction(
-        "baseline",
+        name,
         layout.pipe_len,
         layout.dp_degree,
         layout.plan.num_micro_batches,
@@ -133,16 +144,4 @@ def ddp_peer(
     except DoesNotFit as exc:
         return PeerPrediction(name, 1, world.world_size, 1, None, None, None, False, str(exc))
     variant = Variant(peer, context, cluster, setting.times, setting.node_samples)
-    run = variant.run(per_epoch)
-    layout = run.segments[0].layout
-    peak_bytes = max(context.layout_bytes(layout))
-    return PeerPrediction(
-        name,
-        layout.pipe_len,
-        layout.dp_degree,
-        layout.plan.num_micro_batches,
-        variant.step(layout, None).step_s,
-        run.seconds,
-        peak_bytes,
-        budget is None or peak_bytes <= budget,
-    )
+    return _replayed_peer(name, variant, context, per_epoch, budget)
