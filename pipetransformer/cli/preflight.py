@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipetransformer.config import Config, ConfigError
+from pipetransformer.config import Config, ConfigError, require_executable
 
 
 def preflight(config: Config) -> Config:
@@ -29,6 +29,7 @@ def preflight(config: Config) -> Config:
     from pipetransformer.data.validate import validate_data_files
     from pipetransformer.planning import describe_model
 
+    require_executable(config.pipeline.schedule)  # one line before any process starts
     check_devices(config)
     check_data_config(config.data)
     labelled = config.data.name in ("hf", "hf_image")  # its head's size is read from the data

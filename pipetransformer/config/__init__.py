@@ -3,7 +3,8 @@
 Owns: one small dataclass per component, each in its own module with the checks of its keys
 (trainer.py, optimizer.py, pipeline.py, freeze.py, autopipe.py for AutoPipe and AutoDP,
 cache.py, checkpoint.py, model.py, data.py, logging.py), the Config that holds them
-(run.py), the checks across sections (checks.py), the YAML loader and `key.sub=value`
+(run.py), what each pipeline schedule needs of a layout (schedules.py: torch's rules, the
+chunks a rank holds), the checks across sections (checks.py), the YAML loader and `key.sub=value`
 overrides (loader.py) and `resolve` (resolve.py): every check that can be made before a
 process starts, each error naming the key. Callers import from here, not from the modules.
 Must not: import any other part of the package (it is the bottom layer), touch torch.
@@ -42,12 +43,29 @@ from pipetransformer.config.optimizer import OptimizerConfig
 from pipetransformer.config.pipeline import PipelineConfig
 from pipetransformer.config.resolve import World, decided_by_measured_time, resolve
 from pipetransformer.config.run import Config
+from pipetransformer.config.schedules import (
+    EXECUTABLE_SCHEDULES,
+    MULTI_CHUNK_SCHEDULES,
+    SCHEDULES,
+    TORCH_SCHEDULE_CLASS,
+    ScheduleName,
+    layout_schedule,
+    micro_batch_problem,
+    require_executable,
+    smallest_micro_batches,
+    virtual_stages_for,
+    virtual_stages_problem,
+)
 from pipetransformer.config.trainer import TrainerConfig
 
 __all__ = [
+    "EXECUTABLE_SCHEDULES",
+    "MULTI_CHUNK_SCHEDULES",
     "REGRESSION_METRICS",
+    "SCHEDULES",
     "TABLE_DATASETS",
     "TEXT_MODEL_TYPES",
+    "TORCH_SCHEDULE_CLASS",
     "AutoDPConfig",
     "AutoPipeConfig",
     "CacheConfig",
@@ -62,6 +80,7 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "PipelineConfig",
+    "ScheduleName",
     "TrainerConfig",
     "World",
     "apply_overrides",
@@ -71,10 +90,16 @@ __all__ = [
     "config_yaml",
     "decided_by_measured_time",
     "initial_pipe_lens",
+    "layout_schedule",
     "load_config",
+    "micro_batch_problem",
     "parse_override",
     "pipe_len_candidates",
     "read_config_data",
     "reachable_pipe_lens",
     "resolve",
+    "require_executable",
+    "smallest_micro_batches",
+    "virtual_stages_for",
+    "virtual_stages_problem",
 ]

@@ -1,7 +1,8 @@
 """The checks across sections that can be made before a process starts: whether the
-pipeline lengths a run may reach fit the devices, the batch and the micro-batches, and
-whether the sections agree with each other (cache and augmentation, freeze rule and
-optimizer, model and data). Each error names the key.
+pipeline lengths a run may reach fit the devices, the batch and the micro-batches (as the
+schedule needs them: config/schedules.py), and whether the sections agree with each other
+(cache and augmentation, freeze rule and optimizer, model and data). Each error names the
+key.
 
 Owns: check_config and the pipeline lengths a run may start at or reach. Must not: import
 anything outside config/, start processes or measure anything.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from pipetransformer.config.errors import _fail
 from pipetransformer.config.run import Config
+from pipetransformer.config.schedules import micro_batch_problem, smallest_micro_batches
 
 
 def pipe_len_candidates(devices_per_node: int) -> list[int]:
@@ -61,8 +63,15 @@ def _layout_problem(config: Config, world: int, k0: int) -> tuple[str, str] | No
             )
         if m in ("auto", "measured") and per_replica < k:
             return (batch_key, f"per-replica batch {per_replica} is smaller than pipe_len {k}")
-        if config.pipeline.schedule == "1f1b" and isinstance(m, int) and m < k:
-            return "pipeline.num_micro_batches", f"1f1b needs at least pipe_len ({k}) micro-batches"
+        schedule = config.pipeline.schedule
+        if isinstance(m, int) and (problem := micro_batch_problem(schedule, k, m)):
+            return "pipeline.num_micro_batches", f"{problem} (pipeline.schedule)"
+        if m in ("auto", "measured") and smallest_micro_batches(schedule, k, per_replica) is None:
+            return batch_key, (
+                f"no micro-batch count pipeline.schedule {schedule} runs divides the per-replica "
+                f"batch {per_replica} at pipe_len {k} (it needs M >= {k}, a multiple of "
+                f"max(1, M // {k})); use a batch divisible by {k}"
+            )
     return None
 
 

@@ -1,5 +1,5 @@
-"""The pipeline section: the first pipeline's length, micro-batches, schedule, balance,
-profiles and FSDP2 sharding.
+"""The pipeline section: the first pipeline's length, micro-batches, schedule and its chunks
+a rank, balance, profiles and FSDP2 sharding.
 
 Owns: PipelineConfig and its single-key checks (whether a length fits the devices and the
 batch is checks.py's). Must not: import anything outside config/, touch torch.
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pipetransformer.config.errors import _fail
+from pipetransformer.config.schedules import MULTI_CHUNK_SCHEDULES, ScheduleName
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,14 @@ class PipelineConfig:
     # keeps the fastest (profile file): faster where it wins, but a busy machine may choose
     # another M, and M changes the arithmetic, so the freeze decisions may differ.
     num_micro_batches: int | Literal["auto", "measured"] = "auto"
-    schedule: Literal["gpipe", "1f1b"] = "gpipe"
+    # torch.distributed.pipelining's schedule (config/schedules.py): gpipe, 1f1b, and the
+    # ones that hold several chunks (virtual stages) a rank, interleaved_1f1b and
+    # zero_bubble (planned and predicted; `train` refuses them until the runtime runs them).
+    schedule: ScheduleName = "gpipe"
+    # Chunks a rank holds under interleaved_1f1b and zero_bubble. 'auto': at each layout the
+    # largest v whose K v chunks the active units fill (one sublayer at least each); an int:
+    # that many, fewer at a layout with too few active units. Always 1 for the others.
+    virtual_stages: int | Literal["auto"] = "auto"
     # How stages are balanced: measured forward+backward time per unit, or parameter counts.
     balance: Literal["time", "params"] = "time"
     # JSON file of measured profiles (per-sublayer costs, micro-batch timings). None: the
@@ -59,6 +67,18 @@ class PipelineConfig:
             _fail(
                 "pipeline.device_memory_bytes",
                 f"must be >= 1 or null, got {self.device_memory_bytes}",
+            )
+        if isinstance(self.virtual_stages, int) and self.virtual_stages < 1:
+            _fail("pipeline.virtual_stages", f"must be >= 1 or 'auto', got {self.virtual_stages}")
+        if (
+            isinstance(self.virtual_stages, int)
+            and self.virtual_stages > 1
+            and self.schedule not in MULTI_CHUNK_SCHEDULES
+        ):
+            _fail(
+                "pipeline.virtual_stages",
+                f"{self.virtual_stages} chunks a rank need pipeline.schedule "
+                f"{' or '.join(MULTI_CHUNK_SCHEDULES)}; {self.schedule} runs one",
             )
         if isinstance(self.num_micro_batches, int) and self.num_micro_batches < 1:
             _fail(
