@@ -1,5 +1,9 @@
 """Which rank plays which stage of which replica. Pure arithmetic, no communication.
 
+A stage holds one chunk of units, or under interleaved_1f1b and zero_bubble several: chunk c
+of a replica runs on its stage c mod K (autopipe/planner.py's PipelinePlan), so a rank's
+units are then several non-contiguous ranges.
+
 Ranks are numbered node by node (rank = node * devices_per_node + local_rank). On every
 node, replica j uses local ranks [j*K, (j+1)*K), stage s on local rank j*K + s, so a
 pipeline never spans nodes. Halving K turns the later half of each old pipeline into the
@@ -88,7 +92,9 @@ class Layout:
         return [self.rank_of(r, stage) for r in range(self.dp_degree)]
 
     def units_of_rank(self, rank: int) -> list[int]:
-        """Units whose weights this rank holds: its stage's, plus the frozen prefix on stage 0."""
+        """Units whose weights this rank holds: its stage's (every chunk's, under the
+        multi-chunk schedules: ranges that need not be contiguous), plus the frozen prefix on
+        stage 0."""
         role = self.role(rank)
         if role is None:
             return []
@@ -105,12 +111,19 @@ class Layout:
         return global_batch_size // self.dp_degree
 
     def describe(self) -> str:
-        ranges = ", ".join(f"{a}-{b - 1}" for a, b in self.plan.stage_ranges)
+        plan = self.plan
+        if plan.virtual_stages == 1:
+            units = "stage_units=[" + ", ".join(f"{a}-{b - 1}" for a, b in plan.stage_ranges)
+        else:  # each chunk with the stage (rank of the replica) that runs it
+            chunks = enumerate(plan.stage_ranges)
+            units = f"virtual_stages={plan.virtual_stages} chunk_units=[" + ", ".join(
+                f"{a}-{b - 1}@{plan.stage_of_chunk(c)}" for c, (a, b) in chunks
+            )
         return (
             f"pipe_len={self.pipe_len} dp_degree={self.dp_degree}"
             f"{' sharded' if self.sharded else ''} "
-            f"frozen_layers={self.plan.num_frozen_layers} stage_units=[{ranges}] "
-            f"micro_batches={self.plan.num_micro_batches}"
+            f"frozen_layers={plan.num_frozen_layers} {units}] "
+            f"micro_batches={plan.num_micro_batches}"
         )
 
 

@@ -43,10 +43,20 @@ from pipetransformer.autopipe.planner import (
     fixed_plan,
 )
 from pipetransformer.autopipe.profiles import UnitProfile, unit_costs_from_profile
-from pipetransformer.config import Config, ConfigError, World, initial_pipe_lens, resolve
+from pipetransformer.config import (
+    Config,
+    ConfigError,
+    World,
+    initial_pipe_lens,
+    resolve,
+    smallest_micro_batches,
+    virtual_stages_for,
+    virtual_stages_problem,
+)
 from pipetransformer.data.checks import data_facts
 from pipetransformer.freeze import check_freeze_config
 from pipetransformer.models import ModelSpec, build_model
+from pipetransformer.utils.units import prefix_end
 
 # What a GPU holds besides the tensors the memory model counts (its predictions are
 # allocated bytes, what torch.cuda.max_memory_allocated reports):
@@ -159,16 +169,17 @@ def format_bytes(count: float) -> str:
 # ----------------------------------------------------------------------------- micro-batches
 
 
-def choose_num_micro_batches(setting: int | str, pipe_len: int, replica_batch: int) -> int:
+def choose_num_micro_batches(
+    setting: int | str, pipe_len: int, replica_batch: int, schedule: str = "gpipe"
+) -> int:
     """A configured M; for 'auto' (and 'measured' before any measurement) the smallest
-    divisor of the replica batch >= pipe_len: 1 for plain DDP, and for a pipeline the
-    fewest micro-batches that keep every stage busy in the steady state."""
+    divisor of the replica batch >= pipe_len that `schedule` runs (torch's rule,
+    config/schedules.py): 1 for plain DDP, and for a pipeline the fewest micro-batches that
+    keep every stage busy in the steady state."""
     if isinstance(setting, int):
         return setting
-    for m in range(pipe_len, replica_batch + 1):
-        if replica_batch % m == 0:
-            return m
-    return replica_batch
+    m = smallest_micro_batches(schedule, pipe_len, replica_batch)
+    return replica_batch if m is None else m
 
 
 def profiling_micro_batch_size(config: Config, world_size: int | None = None) -> int:
@@ -182,7 +193,7 @@ def profiling_micro_batch_size(config: Config, world_size: int | None = None) ->
     dp_degree = dp_degree_for(pipe_len, world, world // pipe_len, config.autodp.enabled)
     replica_batch = config.trainer.replica_batch_size(dp_degree)
     return replica_batch // choose_num_micro_batches(
-        config.pipeline.num_micro_batches, pipe_len, replica_batch
+        config.pipeline.num_micro_batches, pipe_len, replica_batch, config.pipeline.schedule
     )
 
 
@@ -193,8 +204,11 @@ def _layout_shape(
     activation bytes do not depend on it), replicas and schedule of a layout with `pipe_len`."""
     dp = dp_degree_for(pipe_len, world_size, world_size // initial_pipe_len, config.autodp.enabled)
     replica_batch = config.trainer.replica_batch_size(dp)
-    m = choose_num_micro_batches(config.pipeline.num_micro_batches, pipe_len, replica_batch)
-    return LayoutShape(replica_batch // m, m, dp, config.pipeline.schedule)
+    pipeline = config.pipeline
+    m = choose_num_micro_batches(
+        pipeline.num_micro_batches, pipe_len, replica_batch, pipeline.schedule
+    )
+    return LayoutShape(replica_batch // m, m, dp, pipeline.schedule)
 
 
 def sharded_shape(config: Config, world_size: int, num_micro_batches: int = 1) -> LayoutShape:
@@ -234,6 +248,23 @@ def _require_sharded_fit(
         )
 
 
+def _initial_virtual_stages(config: Config, costs: UnitCosts, pipe_len: int) -> int:
+    """The chunks a stage of a run starting at `pipe_len` holds, at 0 frozen layers."""
+    pipeline = config.pipeline
+    active = costs.num_units - prefix_end(0, config.freeze.embedding_frozen)
+    return virtual_stages_for(pipeline.schedule, pipeline.virtual_stages, pipe_len, active)
+
+
+def check_virtual_stages(config: Config, num_units: int, pipe_len: int) -> None:
+    """A configured pipeline.virtual_stages must fit the active units at the start (later
+    layouts fall back to fewer chunks): ConfigError naming the key."""
+    pipeline = config.pipeline
+    active = num_units - prefix_end(0, config.freeze.embedding_frozen)
+    problem = virtual_stages_problem(pipeline.schedule, pipeline.virtual_stages, pipe_len, active)
+    if problem:
+        raise ConfigError(f"pipeline.virtual_stages: {problem} ({pipeline.schedule})")
+
+
 def choose_initial_pipe_len(
     config: Config, costs: UnitCosts, memory: MemoryModel, budget: float | None, world_size: int
 ) -> int:
@@ -246,7 +277,13 @@ def choose_initial_pipe_len(
         return candidates[0]  # a sharded start's fit is checked sharded (DoesNotFit)
     peaks = {}
     for pipe_len in candidates:
-        plan = balance(costs, 0, pipe_len, config.autopipe.partition_method)
+        plan = balance(
+            costs,
+            0,
+            pipe_len,
+            config.autopipe.partition_method,
+            virtual_stages=_initial_virtual_stages(config, costs, pipe_len),
+        )
         shape = _layout_shape(config, pipe_len, world_size, pipe_len)
         peaks[pipe_len] = max(memory.peak_bytes(plan, shape))
         if budget is None or peaks[pipe_len] <= budget:
@@ -304,6 +341,7 @@ class PlanContext:
         memory = memory_model(config, spec, profile)
         initial = choose_initial_pipe_len(config, costs, memory, budget_bytes, world.world_size)
         config = resolve(config, world, initial_pipe_len=initial)
+        check_virtual_stages(config, costs.num_units, initial)
         if config.pipeline.sharding == "always" and budget_bytes is not None:
             _require_sharded_fit(config, costs, memory, budget_bytes, world.world_size)
         fits = None
@@ -320,6 +358,8 @@ class PlanContext:
             fits,
             parameter_sizes(config, spec),
             frozen_embedding=config.freeze.embedding_frozen,
+            schedule=config.pipeline.schedule,
+            virtual_stages=config.pipeline.virtual_stages,
         )
         source = "profile" if profile is not None else "params"
         return cls(config, spec, world, costs, memory, source, budget_bytes, planner)
@@ -416,7 +456,10 @@ class PlanContext:
         replica_batch = config.trainer.replica_batch_size(layout.dp_degree)
         if micro_batches is None:
             m = choose_num_micro_batches(
-                config.pipeline.num_micro_batches, plan.pipe_len, replica_batch
+                config.pipeline.num_micro_batches,
+                plan.pipe_len,
+                replica_batch,
+                config.pipeline.schedule,
             )
         else:
             m = micro_batches(plan.pipe_len, replica_batch)
@@ -535,5 +578,7 @@ class PlanContext:
             config.autopipe.partition_method,
             sizes=parameter_sizes(config, self.spec),
             frozen_embedding=config.freeze.embedding_frozen,
+            schedule=config.pipeline.schedule,
+            virtual_stages=config.pipeline.virtual_stages,
         )
         return dataclasses.replace(self, config=config, planner=planner)

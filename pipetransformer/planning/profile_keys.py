@@ -23,7 +23,7 @@ from pipetransformer.autopipe.profiles import (
     model_signature,
     unit_profile_key,
 )
-from pipetransformer.config import Config
+from pipetransformer.config import MULTI_CHUNK_SCHEDULES, Config, micro_batch_problem
 from pipetransformer.models import ModelSpec
 from pipetransformer.planning.context import MicroBatchChooser, choose_num_micro_batches
 
@@ -130,9 +130,15 @@ def micro_batch_key_for(
 
 
 def micro_batch_candidates(config: Config, pipe_len: int, replica_batch: int) -> list[int]:
-    """The M a layout may use: [K, 6K] dividing the replica batch (1F1B needs M >= K)."""
-    minimum = pipe_len if config.pipeline.schedule == "1f1b" else 1
-    return candidate_micro_batches(pipe_len, replica_batch, minimum)
+    """The M a layout may use: [K, 6K] dividing the replica batch, those the schedule runs
+    (1F1B and the multi-chunk schedules need M >= K; those also torch's rounds rule,
+    config/schedules.py)."""
+    schedule = config.pipeline.schedule
+    minimum = pipe_len if schedule == "1f1b" else 1
+    if schedule not in MULTI_CHUNK_SCHEDULES:
+        return candidate_micro_batches(pipe_len, replica_batch, minimum)
+    candidates = candidate_micro_batches(pipe_len, replica_batch, pipe_len)
+    return [m for m in candidates if micro_batch_problem(schedule, pipe_len, m) is None]
 
 
 def stored_micro_batch_chooser(
@@ -150,6 +156,6 @@ def stored_micro_batch_chooser(
             candidates = micro_batch_candidates(config, pipe_len, replica_batch)
             if any(m in timings for m in candidates):
                 return choose_micro_batches(timings, candidates)
-        return choose_num_micro_batches(setting, pipe_len, replica_batch)
+        return choose_num_micro_batches(setting, pipe_len, replica_batch, config.pipeline.schedule)
 
     return chooser

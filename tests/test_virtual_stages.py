@@ -1,0 +1,223 @@
+"""Several chunks (virtual stages) a rank under interleaved_1f1b and zero_bubble: AutoPipe's
+partition into K v chunks placed round-robin, Eq. 2 on what a rank holds, v decided again at
+every transition, and the handoff between layouts whose ranks hold non-contiguous units.
+Pure: no processes."""
+
+import pytest
+
+from pipetransformer.autodp.handoff import Transfer, plan_transfers
+from pipetransformer.autodp.topology import Layout
+from pipetransformer.autopipe.planner import (
+    AutoPipePlanner,
+    PipelinePlan,
+    UnitCosts,
+    balance,
+    fixed_plan,
+    stage_sizes,
+)
+
+
+def vit_like(num_layers=8, embed=2240, attn=16768, mlp=16704, head=778, lam=1 / 6):
+    return UnitCosts.from_param_counts([embed] + [attn, mlp] * num_layers + [head], lam)
+
+
+def uniform(num_units, lam=1 / 6):
+    return UnitCosts.from_param_counts([1] * num_units, lam)
+
+
+def test_chunks_cover_the_active_units_in_order_and_run_round_robin():
+    costs = vit_like()
+    for frozen in (0, 3):
+        for k, v in [(2, 2), (2, 3), (4, 2)]:
+            plan = balance(costs, frozen, k, virtual_stages=v)
+            assert plan.num_chunks == k * v and plan.virtual_stages == v
+            bounds = [a for a, _ in plan.stage_ranges] + [plan.stage_ranges[-1][1]]
+            assert bounds[0] == plan.prefix_end and bounds[-1] == costs.num_units
+            assert all(a < b for a, b in zip(bounds, bounds[1:]))  # contiguous, non-empty
+            for stage in range(k):
+                chunks = plan.chunks_of_stage(stage)
+                assert chunks == [stage + i * k for i in range(v)]
+                assert all(plan.stage_of_chunk(c) == stage for c in chunks)
+                units = plan.stage_units(stage)
+                assert units == [u for c in chunks for u in range(*plan.stage_ranges[c])]
+                assert all(plan.stage_of_unit(u) == stage for u in units)
+                load = sum(plan.stage_costs[c] for c in chunks)
+                assert plan.stage_loads[stage] == pytest.approx(load)
+            every = sorted(u for s in range(k) for u in plan.stage_units(s))
+            assert every == list(range(plan.prefix_end, costs.num_units))
+            assert plan.max_stage_cost == pytest.approx(max(plan.stage_loads))
+            # the first stage's rank runs the frozen prefix too
+            assert plan.units_of_first_stage_rank()[: plan.prefix_end] == list(
+                range(plan.prefix_end)
+            )
+
+
+def test_a_stage_of_several_chunks_holds_non_contiguous_units():
+    plan = balance(uniform(12), 0, 2, virtual_stages=2)
+    assert plan.stage_ranges == ((0, 3), (3, 6), (6, 9), (9, 12))
+    assert plan.stage_units(0) == [0, 1, 2, 6, 7, 8]
+    assert plan.stage_units(1) == [3, 4, 5, 9, 10, 11]
+    assert plan.stage_loads == (6.0, 6.0) and plan.stage_costs == (3.0,) * 4
+
+
+def test_chunks_are_balanced_by_the_same_cost_model_prefix_on_chunk_zero():
+    costs = uniform(18)
+    plan = balance(costs, 2, 2, "optimal", virtual_stages=2)  # prefix: units 0-4 at 1/6
+    prefix = 5 / 6
+    assert plan.prefix_end == 5
+    assert plan.stage_costs[0] == pytest.approx(prefix + plan.stage_ranges[0][1] - 5)
+    # 13 active units + the prefix's 5/6 in 4 chunks: the largest holds 4 units (optimal).
+    assert max(plan.stage_costs) == pytest.approx(4.0)
+    assert stage_sizes(costs, plan) == pytest.approx(list(plan.stage_loads))
+
+
+def test_a_plan_must_hold_k_times_v_chunks():
+    with pytest.raises(ValueError, match="3 chunks for 2 stages of 2 chunks"):
+        PipelinePlan(0, 2, 0, ((0, 1), (1, 2), (2, 3)), (1.0, 1.0, 1.0), virtual_stages=2)
+
+
+def test_records_of_one_chunk_plans_are_unchanged():
+    one = balance(uniform(6), 0, 2)
+    assert "virtual_stages" not in one.to_dict()
+    assert balance(uniform(6), 0, 2, virtual_stages=3).to_dict()["virtual_stages"] == 3
+
+
+def planner(schedule, initial, virtual_stages="auto", costs=None):
+    return AutoPipePlanner(
+        costs or vit_like(), initial, schedule=schedule, virtual_stages=virtual_stages
+    )
+
+
+def test_v_is_decided_again_for_every_layout():
+    """auto: the most chunks the active units fill; a configured v falls back when they are
+    too few; K = 1 is plain DDP: one chunk."""
+    auto = planner("interleaved_1f1b", 2)  # 18 units: 9 chunks a rank at K = 2
+    assert auto.initial.virtual_stages == 9
+    assert [auto.plan(f, 2).virtual_stages for f in range(5)] == [9, 7, 6, 5, 4]
+    assert auto.plan(5, 2).pipe_len == 1 and auto.plan(5, 2).virtual_stages == 1
+    fixed = planner("zero_bubble", 4, virtual_stages=2)
+    plans = [fixed.plan(f, 4) for f in range(8)]
+    assert [p.virtual_stages for p in plans[:5]] == [2] * 5
+    assert all(p.num_chunks <= fixed.active_units(f) for f, p in enumerate(plans))
+    assert plans[7].virtual_stages == 1  # 3 active units on 2 stages: one chunk each
+
+
+def test_one_chunk_schedules_plan_as_before():
+    """gpipe and 1f1b (and 'auto' v, their default) give the plans they gave before."""
+    costs = vit_like()
+    for schedule in ("gpipe", "1f1b"):
+        new, old = planner(schedule, 4, costs=costs), AutoPipePlanner(costs, 4)
+        for frozen in range(8):
+            assert new.plan(frozen, 4) == old.plan(frozen, 4)
+            assert new.plan(frozen, 4).virtual_stages == 1
+
+
+def test_eq2_compares_what_a_rank_holds():
+    """The budget is the initial plan's largest rank (its chunks summed), and a packed plan
+    is compared the same way: interleaved layouts pack at the boundary GPipe packs at."""
+    costs = vit_like()
+    interleaved = planner("interleaved_1f1b", 4, costs=costs)
+    rank_loads = [
+        sum(
+            costs.trained[u] if u >= interleaved.initial.frozen_end else costs.frozen[u]
+            for u in interleaved.initial.stage_units(s)
+        )
+        for s in range(4)
+    ]
+    assert interleaved.initial_max_size == pytest.approx(max(rank_loads))
+    # a chunk's size alone would be a quarter of that: the wrong budget packs far later
+    assert max(interleaved.initial.stage_costs) < 0.5 * interleaved.initial_max_size
+    gpipe = AutoPipePlanner(costs, 4)
+    assert [interleaved.plan(f, 4).pipe_len for f in range(8)] == [
+        gpipe.plan(f, 4).pipe_len for f in range(8)
+    ]
+
+
+def test_a_packed_layout_takes_fewer_chunks_where_more_would_break_eq2():
+    """At 5 of 8 layers frozen, 7 active units and the frozen prefix in 2 x 2 chunks leave the
+    first rank above the budget; in 2 x 1 they pack, as GPipe does."""
+    p = planner("interleaved_1f1b", 4, virtual_stages=2)
+    too_many = p.balanced(5, 2, virtual_stages=2)
+    assert max(stage_sizes(p.sizes, too_many)) > p.initial_max_size
+    packed = p.plan(5, 4)
+    assert (packed.pipe_len, packed.virtual_stages) == (2, 1)
+    assert max(stage_sizes(p.sizes, packed)) <= p.initial_max_size
+
+
+def test_a_memory_limit_still_has_the_last_word():
+    costs = vit_like()
+    refuse_two_stages = AutoPipePlanner(
+        costs, 4, fits=lambda plan: plan.pipe_len != 2, schedule="zero_bubble"
+    )
+    assert refuse_two_stages.plan(6, 4).pipe_len == 4
+
+
+def test_autopipe_off_keeps_the_initial_chunks():
+    initial = planner("interleaved_1f1b", 2, virtual_stages=2).initial
+    frozen = fixed_plan(vit_like(), initial, 3)
+    assert frozen.stage_ranges == initial.stage_ranges and frozen.virtual_stages == 2
+    assert frozen.prefix_end == 0 and frozen.frozen_end == 7
+
+
+# ----------------------------------------------------------------------------- handoff
+
+
+def two_chunk_plan(frozen=0):
+    """12 units in 4 chunks on 2 stages: stage 0 holds 0-2 and 6-8, stage 1 3-5 and 9-11."""
+    costs = uniform(12)
+    return balance(costs, frozen, 2, virtual_stages=2)
+
+
+def test_from_two_chunks_a_rank_to_one():
+    old = Layout(two_chunk_plan(), 2, 2, 1)
+    new = Layout(balance(uniform(12), 0, 2), 2, 2, 1)  # stages 0-5 | 6-11
+    assert new.plan.stage_ranges == ((0, 6), (6, 12))
+    assert plan_transfers(old, new) == [
+        *(Transfer(u, 1, 0, True) for u in (3, 4, 5)),
+        *(Transfer(u, 0, 1, True) for u in (6, 7, 8)),
+    ]
+    # and back: the same units the other way
+    assert plan_transfers(new, old) == [
+        *(Transfer(u, 1, 0, True) for u in (6, 7, 8)),
+        *(Transfer(u, 0, 1, True) for u in (3, 4, 5)),
+    ]
+
+
+def test_from_two_chunks_a_rank_to_ddp():
+    """K = 1, R = 2 with one layer frozen: each rank receives what the other held, the
+    frozen units (0-2, the new prefix) without optimizer state."""
+    old = Layout(two_chunk_plan(), 2, 2, 1)
+    new = Layout(balance(uniform(12), 1, 1), 2, 2, 2)
+    assert new.plan.prefix_end == 3
+    assert plan_transfers(old, new) == [
+        *(Transfer(u, 1, 0, True) for u in (3, 4, 5, 9, 10, 11)),
+        *(Transfer(u, 0, 1, u >= 3) for u in (0, 1, 2, 6, 7, 8)),
+    ]
+
+
+@pytest.mark.parametrize(
+    "old_kv, new_kv", [((4, 2), (2, 2)), ((4, 2), (2, 1)), ((4, 1), (2, 3)), ((2, 3), (1, 1))]
+)
+def test_transfers_on_two_nodes_come_from_the_destinations_old_replica(old_kv, new_kv):
+    costs = vit_like()
+    (k0, v0), (k1, v1) = old_kv, new_kv
+    old = Layout(balance(costs, 0, k0, virtual_stages=v0), 8, 4, 8 // k0)
+    new = Layout(balance(costs, 4, k1, virtual_stages=v1), 8, 4, 8 // k1)
+    transfers = plan_transfers(old, new)
+    assert transfers
+    for rank in range(8):
+        received = {t.unit for t in transfers if t.dst == rank}
+        assert set(new.units_of_rank(rank)) <= set(old.units_of_rank(rank)) | received
+        assert not received & set(old.units_of_rank(rank))
+    for t in transfers:
+        role = old.role(t.dst)
+        source_replica = old.pipeline_ranks(role.replica)
+        assert t.src in source_replica and t.unit in old.units_of_rank(t.src)
+        assert t.with_optimizer_state == (t.unit >= new.plan.frozen_end)
+
+
+def test_a_layout_names_each_chunks_stage():
+    layout = Layout(two_chunk_plan(), 2, 2, 1)
+    assert "virtual_stages=2 chunk_units=[0-2@0, 3-5@1, 6-8@0, 9-11@1]" in layout.describe()
+    assert layout.units_of_rank(1) == [3, 4, 5, 9, 10, 11]
+    assert layout.units_of_rank(0) == [0, 1, 2, 6, 7, 8]
