@@ -184,3 +184,33 @@ def test_a_worker_started_without_the_cli_refuses_it_too(tmp_path):
     with pytest.raises(ConfigError, match=r"^pipeline.schedule: 'zero_bubble' is planned"):
         run_worker(config, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def torch_rank_order(schedule, pipe_len, virtual_stages, num_micro_batches):
+    """Every rank's ops as torch orders them: (kind, the rank's local chunk, micro-batch)."""
+    order = torch_schedule(schedule, pipe_len, virtual_stages, num_micro_batches).pipeline_order
+    return {
+        rank: [
+            (a.computation_type.value, a.stage_index // pipe_len, a.microbatch_index)
+            for a in actions
+            if a is not None
+        ]
+        for rank, actions in order.items()
+    }
+
+
+LAYOUTS = [(2, 1, 2), (2, 2, 2), (2, 2, 4), (2, 3, 6), (2, 4, 3), (4, 2, 4), (4, 2, 6)]
+LAYOUTS += [(4, 2, 10), (4, 3, 8), (4, 4, 4), (8, 2, 8), (8, 2, 12), (4, 1, 8), (2, 8, 4)]
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zero_bubble"])
+@pytest.mark.parametrize("pipe_len, virtual_stages, num_micro_batches", LAYOUTS)
+def test_the_rank_order_is_the_one_torch_builds(
+    schedule, pipe_len, virtual_stages, num_micro_batches
+):
+    from pipetransformer.autopipe.schedule_order import rank_order
+
+    theirs = torch_rank_order(schedule, pipe_len, virtual_stages, num_micro_batches)
+    for rank in range(pipe_len):
+        ours = rank_order(schedule, pipe_len, virtual_stages, num_micro_batches, rank)
+        assert [tuple(op) for op in ours] == theirs[rank], rank

@@ -7,6 +7,7 @@ import pytest
 
 from pipetransformer.autodp.handoff import Transfer, plan_transfers
 from pipetransformer.autodp.topology import Layout
+from pipetransformer.autopipe.memory import LayoutShape, MemoryModel, held_activations
 from pipetransformer.autopipe.planner import (
     AutoPipePlanner,
     PipelinePlan,
@@ -15,6 +16,7 @@ from pipetransformer.autopipe.planner import (
     fixed_plan,
     stage_sizes,
 )
+from pipetransformer.autopipe.schedule_order import rank_order
 
 
 def vit_like(num_layers=8, embed=2240, attn=16768, mlp=16704, head=778, lam=1 / 6):
@@ -221,3 +223,90 @@ def test_a_layout_names_each_chunks_stage():
     assert "virtual_stages=2 chunk_units=[0-2@0, 3-5@1, 6-8@0, 9-11@1]" in layout.describe()
     assert layout.units_of_rank(1) == [3, 4, 5, 9, 10, 11]
     assert layout.units_of_rank(0) == [0, 1, 2, 6, 7, 8]
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def test_activations_in_flight_are_the_papers_counts():
+    """Walking torch's order (checked against torch in test_schedules.py) with equal chunks:
+    interleaved 1F1B holds Megatron's warm-up plus one on rank r, zero bubble (v - 1) R + K on
+    every rank (ZB-H1's K at v = 1), both at most M v."""
+    for k in (2, 4, 8):
+        for v in (1, 2, 3, 4):
+            for m in range(k, 4 * k + 1):
+                if m % max(1, m // k):
+                    continue
+                rounds = m // max(1, m // k)
+                for r in range(k):
+                    interleaved, _ = held_activations(
+                        rank_order("interleaved_1f1b", k, v, m, r), [1.0] * v, "B"
+                    )
+                    warmup = (v - 1) * rounds + 2 * (k - 1 - r)
+                    assert interleaved == min(warmup + 1, m * v), (k, v, m, r)
+                    zero, _ = held_activations(
+                        rank_order("zero_bubble", k, v, m, r), [1.0] * v, "W"
+                    )
+                    assert zero == min((v - 1) * rounds + k, m * v), (k, v, m, r)
+
+
+def chunked_memory(num_units=18, frozen=0, k=2, v=2, m=4, schedule="interleaved_1f1b", dp=1):
+    params = tuple(100 * (u + 1) for u in range(num_units))
+    saved = tuple(1000 for _ in range(num_units))
+    outputs = tuple(10 for _ in range(num_units))
+    model = MemoryModel(params, saved, outputs, 2, 2.0)
+    plan = balance(uniform(num_units), frozen, k, virtual_stages=v)
+    return model, plan, LayoutShape(4, m, dp, schedule)
+
+
+def test_a_rank_holds_the_sum_of_its_chunks():
+    model, plan, shape = chunked_memory(frozen=1, dp=2)
+    assert plan.prefix_end == 3
+    total_params = 0.0
+    for stage in range(plan.pipe_len):
+        memory = model.stage_memory(plan, stage, shape)
+        units = plan.stage_units(stage)
+        held = units + (list(range(plan.prefix_end)) if stage == 0 else [])
+        assert memory.parameters == sum(model.param_bytes[u] for u in held)
+        assert memory.gradients == sum(model.param_bytes[u] for u in units)
+        assert memory.optimizer == 2.0 * memory.gradients == memory.ddp_buckets * 2.0
+        # equal saved bytes a unit: every chunk of 15 active units in 4 holds 3 or 4
+        per_chunk = [2 * 1000 * (b - a) for a, b in plan.stage_unit_ranges(stage)]
+        order = rank_order("interleaved_1f1b", 2, 2, 4, stage)
+        assert memory.activations == held_activations(order, per_chunk, "B")[0]
+        total_params += memory.parameters
+    assert total_params == sum(model.param_bytes)
+
+
+def test_interleaved_at_one_chunk_holds_what_1f1b_holds():
+    model, plan, _ = chunked_memory(k=4, v=1, m=8)
+    for stage in range(4):
+        ours = model.stage_memory(plan, stage, LayoutShape(4, 8, 1, "interleaved_1f1b"))
+        assert ours == model.stage_memory(plan, stage, LayoutShape(4, 8, 1, "1f1b"))
+
+
+def test_zero_bubble_at_one_chunk_holds_k_micro_batches_on_every_stage():
+    model, plan, _ = chunked_memory(num_units=16, k=4, v=1, m=8)
+    one_f_one_b = [
+        model.stage_memory(plan, s, LayoutShape(4, 8, 1, "1f1b")).activations for s in range(4)
+    ]
+    zero = [
+        model.stage_memory(plan, s, LayoutShape(4, 8, 1, "zero_bubble")).activations
+        for s in range(4)
+    ]
+    per_micro_batch = [2 * 1000 * (b - a) for a, b in plan.stage_ranges]
+    assert zero == [4 * b for b in per_micro_batch]
+    assert one_f_one_b[0] == zero[0] and one_f_one_b[3] == per_micro_batch[3]
+
+
+def test_more_chunks_hold_about_as_much_as_1f1b():
+    """K = 4, M = 8 on 16 equal units: 1F1B's first stage holds 4 micro-batches of its
+    stage; interleaved 1F1B with v chunks 4 + 3 / v of them, zero bubble 4."""
+    model, one_chunk, _ = chunked_memory(num_units=16, k=4, v=1, m=8)
+    stage_bytes = model.stage_memory(one_chunk, 0, LayoutShape(4, 8, 1, "1f1b")).activations
+    for v in (2, 4):
+        plan = balance(uniform(16), 0, 4, virtual_stages=v)
+        interleaved = model.stage_memory(plan, 0, LayoutShape(4, 8, 1, "interleaved_1f1b"))
+        zero = model.stage_memory(plan, 0, LayoutShape(4, 8, 1, "zero_bubble"))
+        assert interleaved.activations == pytest.approx(stage_bytes / 4 * (4 + 3 / v))
+        assert zero.activations == pytest.approx(stage_bytes)

@@ -20,6 +20,31 @@ For one rank of a layout (stage s of K, M micro-batches of m samples, R replicas
                     gradients (M, all but the last stage) and the outputs kept for backward;
                     stage 0 also holds the frozen prefix's output for the replica batch
 
+Under interleaved_1f1b and zero_bubble (v chunks a rank, torch's order in
+autopipe/schedule_order.py; `_chunked_stage_memory`; interleaved_1f1b at v = 1 runs 1F1B,
+above) a rank's terms are its chunks' summed:
+
+    activations     the most it holds at once walking its order: a forward adds its chunk's
+                    saved bytes for a micro-batch, that chunk's backward frees them; with
+                    equal chunks, in micro-batches of one chunk, rank r of K (rounds of
+                    R = M // max(1, M // K) micro-batches):
+                      interleaved 1F1B  min((v - 1) R + 2 (K - 1 - r) + 1, M v): Megatron's
+                                        warm-up and the steady phase's forward (Narayanan et
+                                        al. 2021, arXiv:2104.04473, section 2.2); about
+                                        K + (K - 1) / v a rank's worth on rank 0, against
+                                        1F1B's K
+                      zero bubble       min((v - 1) R + K, M v) on every rank: the weight
+                                        gradient (W) of a micro-batch waits r backwards, so
+                                        its activations stay until W (torch's input backward
+                                        keeps the graph for it, retain_graph=True); at v = 1
+                                        K on every rank, 1F1B's first-stage peak (ZB-H1's
+                                        memory, Qi et al. 2023, arXiv:2401.10241)
+                    the gradients kept for W are not counted beyond that
+    boundary        per chunk: received inputs (M, all but chunk 0), received output
+                    gradients (M, all but the last chunk), outputs kept for backward (the
+                    most in flight of that chunk); on stage 0 the prefix's output
+    overlap         none: a forward follows a backward in the steady phase
+
 A sharded layout (FSDP2: one stage, its trained units' parameters, gradients and optimizer
 state sharded over the R replicas; `sharded_memory`) holds on each rank:
 
@@ -59,6 +84,8 @@ from dataclasses import asdict, dataclass
 from typing import Protocol
 
 from pipetransformer.autopipe.planner import PipelinePlan
+from pipetransformer.autopipe.schedule_order import Op, rank_order
+from pipetransformer.config import MULTI_CHUNK_SCHEDULES, layout_schedule
 from pipetransformer.utils.units import layer_of_unit
 
 # Optimizer state per parameter, in multiples of the parameter's own bytes.
@@ -85,6 +112,26 @@ def shard_groups(frozen_end: int, num_units: int) -> list[list[int]]:
         layer = layer_of_unit(unit, num_layers)
         groups.setdefault(("unit", unit) if layer is None else ("layer", layer), []).append(unit)
     return list(groups.values())
+
+
+def held_activations(
+    order: Sequence[Op], saved_bytes: Sequence[float], release: str
+) -> tuple[float, list[int]]:
+    """Walking a rank's `order` (autopipe/schedule_order.py): the most activation bytes it
+    holds at once, a forward adding its chunk's `saved_bytes` until the op of kind `release`
+    of the same chunk frees them ('B', or 'W' when the backward is split), and the most
+    micro-batches each chunk holds at once."""
+    held = [0] * len(saved_bytes)
+    most = [0] * len(saved_bytes)
+    peak = 0.0
+    for op in order:
+        if op.kind == "F":
+            held[op.chunk] += 1
+            most[op.chunk] = max(most[op.chunk], held[op.chunk])
+            peak = max(peak, sum(n * b for n, b in zip(held, saved_bytes)))
+        elif op.kind == release:
+            held[op.chunk] -= 1
+    return peak, most
 
 
 class Move(Protocol):
@@ -154,6 +201,9 @@ class MemoryModel:
         )
 
     def stage_memory(self, plan: PipelinePlan, stage: int, shape: LayoutShape) -> StageMemory:
+        schedule = layout_schedule(shape.schedule, plan.pipe_len, plan.virtual_stages)
+        if schedule in MULTI_CHUNK_SCHEDULES:
+            return self._chunked_stage_memory(plan, stage, shape, schedule)
         start, end = plan.stage_ranges[stage]
         frozen_end = plan.frozen_end
         held = list(range(start, end)) + (list(range(plan.prefix_end)) if stage == 0 else [])
@@ -189,6 +239,47 @@ class MemoryModel:
             activations=activations,
             boundary=scale * boundary,
             overlap=activations + grads - with_gradients,
+        )
+
+    def _chunked_stage_memory(
+        self, plan: PipelinePlan, stage: int, shape: LayoutShape, schedule: str
+    ) -> StageMemory:
+        """A stage of interleaved_1f1b or zero_bubble: its chunks' terms summed, the
+        activations at the most the rank holds at once in its schedule's order (see the
+        module docstring)."""
+        frozen_end, m = plan.frozen_end, shape.num_micro_batches
+        scale = shape.micro_batch_size / self.profile_micro_batch_size
+        chunks = plan.chunks_of_stage(stage)
+        units = plan.stage_units(stage)
+        trained = [u for u in units if u >= frozen_end]
+        held = units + (list(range(plan.prefix_end)) if stage == 0 else [])
+        saved = [
+            scale
+            * sum(self.saved_bytes[u] for u in range(*plan.stage_ranges[c]) if u >= frozen_end)
+            for c in chunks
+        ]
+        order = rank_order(schedule, plan.pipe_len, plan.virtual_stages, m, stage)
+        activations, in_flight = held_activations(
+            order, saved, release="B" if schedule == "interleaved_1f1b" else "W"
+        )
+        boundary = 0.0
+        for chunk, most in zip(chunks, in_flight):
+            start, end = plan.stage_ranges[chunk]
+            boundary += most * self.output_bytes[end - 1]  # outputs kept for their backward
+            if chunk > 0:
+                boundary += m * self.output_bytes[start - 1]  # received inputs
+            if chunk < plan.num_chunks - 1:
+                boundary += m * self.output_bytes[end - 1]  # received output gradients
+        if stage == 0 and plan.prefix_end > 0:
+            boundary += m * self.output_bytes[plan.prefix_end - 1]  # the prefix's output
+        grads = float(sum(self.param_bytes[u] for u in trained))
+        return StageMemory(
+            parameters=float(sum(self.param_bytes[u] for u in held)),
+            gradients=grads,
+            optimizer=grads * self.optimizer_state_factor,
+            ddp_buckets=grads if shape.dp_degree > 1 else 0.0,
+            activations=activations,
+            boundary=scale * boundary,
         )
 
     def sharded_memory(self, plan: PipelinePlan, shape: LayoutShape) -> StageMemory:
