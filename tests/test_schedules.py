@@ -214,3 +214,142 @@ def test_the_rank_order_is_the_one_torch_builds(
     for rank in range(pipe_len):
         ours = rank_order(schedule, pipe_len, virtual_stages, num_micro_batches, rank)
         assert [tuple(op) for op in ours] == theirs[rank], rank
+
+
+# ----------------------------------------------------------------------------- the step model
+
+
+def simulated_compute_s(schedule, plan, forward_s, backward_s, num_micro_batches, weight_share):
+    """The step of torch's own order for `plan` (one rank a stage, each running its ops in
+    order as soon as what they need is done), from each chunk's forward and backward seconds:
+    F after the previous chunk's F, a backward (B or I) after the next chunk's (the last
+    chunk's after its own F), W after its I. No communication."""
+    k, v = plan.pipe_len, plan.virtual_stages
+    order = torch_schedule(schedule, k, v, num_micro_batches).pipeline_order
+    last = k * v - 1
+    pending = {r: [a for a in actions if a is not None] for r, actions in order.items()}
+    done, free = {}, dict.fromkeys(order, 0.0)
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, actions in pending.items():
+            while actions:
+                chunk, mb = actions[0].stage_index, actions[0].microbatch_index
+                kind = actions[0].computation_type.value
+                if kind == "F":
+                    needs, seconds = ("F", chunk - 1, mb) if chunk else None, forward_s[chunk]
+                elif kind in ("B", "I"):
+                    needs = ("F", chunk, mb) if chunk == last else ("B", chunk + 1, mb)
+                    share = 1.0 if kind == "B" else 1.0 - weight_share
+                    seconds = share * backward_s[chunk]
+                else:
+                    needs, seconds = ("I", chunk, mb), weight_share * backward_s[chunk]
+                if needs is not None and needs not in done:
+                    break
+                free[rank] = max(free[rank], done.get(needs, 0.0)) + seconds
+                done["B" if kind == "B" else kind, chunk, mb] = free[rank]
+                if kind == "I":
+                    done["B", chunk, mb] = free[rank]
+                actions.pop(0)
+                progressed = True
+    assert not any(pending.values()), "torch's order deadlocked in the simulation"
+    return max(free.values())
+
+
+def predicted_and_simulated(schedule, trained_s, frozen_s, k, v, m):
+    from pipetransformer.autopipe.planner import UnitCosts, balance
+    from pipetransformer.planning.step_model import (
+        WEIGHT_GRADIENT_SHARE,
+        Links,
+        UnitTimes,
+        predict_step,
+    )
+
+    n = len(trained_s)
+    times = UnitTimes(tuple(trained_s), tuple(frozen_s), (1,) * n, (1,) * n, 1)
+    plan = balance(UnitCosts(tuple(trained_s), tuple(frozen_s)), 0, k, "optimal", virtual_stages=v)
+    step = predict_step(
+        times,
+        plan,
+        micro_batch_size=1,
+        num_micro_batches=m,
+        dp_degree=1,
+        replicas_per_node=1,
+        links=Links(1e12, 1e12, latency_s=0.0),
+        schedule=schedule,
+    )
+    forward = [sum(frozen_s[a:b]) for a, b in plan.stage_ranges]
+    backward = [sum(trained_s[a:b]) - f for (a, b), f in zip(plan.stage_ranges, forward)]
+    simulated = simulated_compute_s(schedule, plan, forward, backward, m, WEIGHT_GRADIENT_SHARE)
+    return step, simulated
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zero_bubble"])
+def test_the_bubble_is_what_torchs_order_gives_for_equal_chunks(schedule):
+    for k, v, m in [(2, 1, 4), (2, 2, 2), (2, 2, 6), (2, 4, 4), (4, 2, 4), (4, 2, 6)]:
+        if schedule == "interleaved_1f1b" and v == 1:
+            continue  # runs 1F1B
+        for forward_share in (1 / 3, 1 / 4):  # of a unit's forward + backward
+            step, simulated = predicted_and_simulated(
+                schedule, [1.0] * (k * v), [forward_share] * (k * v), k, v, m
+            )
+            assert step.compute_s == pytest.approx(simulated), (k, v, m, forward_share)
+            work = m * v  # the busiest rank's forward + backward seconds
+            assert step.bubble_factor == pytest.approx(step.compute_s / work)
+            if schedule == "interleaved_1f1b":  # Narayanan et al.: (K - 1) / (v M + K - 1)
+                assert 1 - 1 / step.bubble_factor == pytest.approx((k - 1) / (v * m + k - 1))
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zero_bubble"])
+def test_unequal_chunks_stay_near_torchs_order(schedule):
+    """Units of random cost, chunks balanced by the optimal partition: the model's compute is
+    an approximation, as (M + K - 1) x the slowest stage is GPipe's; within 30% here."""
+    import random
+
+    rng = random.Random(7)
+    errors = []
+    for _ in range(60):
+        k = rng.choice([2, 4])
+        v = rng.choice([2, 3]) if schedule == "interleaved_1f1b" else rng.choice([1, 2, 3])
+        m = rng.choice([m for m in range(k, 4 * k + 1) if m % max(1, m // k) == 0])
+        forward = [rng.uniform(0.5, 2.0) for _ in range(k * v + rng.randint(0, 8))]
+        trained = [f * rng.uniform(2.5, 3.5) for f in forward]
+        step, simulated = predicted_and_simulated(schedule, trained, forward, k, v, m)
+        errors.append(step.compute_s / simulated - 1)
+    assert max(abs(e) for e in errors) < 0.3, sorted(errors)
+    assert abs(sorted(errors)[len(errors) // 2]) < 0.05
+
+
+def test_more_chunks_shrink_the_bubble_and_multiply_the_sends():
+    from pipetransformer.autopipe.planner import UnitCosts, balance
+    from pipetransformer.planning.step_model import Links, UnitTimes, predict_step
+
+    times = UnitTimes((3.0,) * 16, (1.0,) * 16, (1000,) * 16, (4,) * 16, 1)
+    costs = UnitCosts((3.0,) * 16, (1.0,) * 16)
+    links = Links(1e6, 1e6, latency_s=1e-3)
+
+    def step(schedule, v):
+        plan = balance(costs, 0, 4, virtual_stages=v)
+        return predict_step(
+            times,
+            plan,
+            micro_batch_size=1,
+            num_micro_batches=4,
+            dp_degree=1,
+            replicas_per_node=1,
+            links=links,
+            schedule=schedule,
+        )
+
+    one_f_one_b, gpipe = step("1f1b", 1), step("gpipe", 1)
+    assert one_f_one_b == gpipe and one_f_one_b.bubble_factor is None
+    assert step("interleaved_1f1b", 1) == one_f_one_b  # runs 1F1B
+    assert one_f_one_b.compute_s == 7 * 12.0  # (M + K - 1) x a stage
+    two, four = step("interleaved_1f1b", 2), step("interleaved_1f1b", 4)
+    assert two.compute_s == 4 * 12.0 + 3 * 6.0 and four.compute_s == 4 * 12.0 + 3 * 3.0
+    zero = step("zero_bubble", 2)  # F = 2, I = W = 2 a chunk: a hop costs F
+    assert zero.compute_s == 4 * 12.0 + 3 * 2.0
+    per_send = 1e-3 + 1000 / 1e6
+    assert one_f_one_b.p2p_s == pytest.approx(2 * (4 + 4 - 2) * per_send)
+    assert two.p2p_s == pytest.approx(2 * (2 * 4 + 4 - 2) * per_send)
+    assert four.p2p_s == pytest.approx(2 * (4 * 4 + 4 - 2) * per_send)

@@ -148,6 +148,7 @@ def price_step(
         cached_prefix=cached,
         prefix_s=prefix_s,
         overlap=cluster.overlaps_collectives,
+        schedule=config.pipeline.schedule,
     )
 
 

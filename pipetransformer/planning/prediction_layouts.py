@@ -118,7 +118,18 @@ def _predicted(
         optimizer_s=step.optimizer_s,
         overhead_s=step.overhead_s,
         step_s=step.step_s,
-        bubble=1.0 if layout.sharded else (m + k - 1) / m,
+        bubble=_bubble(layout, step),
         peak_bytes=peak_bytes,
         sharded=layout.sharded,
     )
+
+
+def _bubble(layout: Layout, step: StepPrediction) -> float:
+    """A step's compute over its busiest rank's own work: 1 sharded, (M + K - 1) / M for the
+    one-chunk schedules, the step model's figure for interleaved_1f1b and zero_bubble."""
+    if layout.sharded:
+        return 1.0
+    if step.bubble_factor is not None:
+        return step.bubble_factor
+    m, k = layout.plan.num_micro_batches, layout.pipe_len
+    return (m + k - 1) / m

@@ -4,13 +4,27 @@ to a planner's layout on a cluster; prediction_inputs.py finds its unit times).
 
 One optimizer step of a layout (K stages, M micro-batches of m samples, R replicas):
 
-    compute   GPipe: (M + K - 1) x the slowest stage's time for one micro-batch (forward +
+    compute   GPipe and 1F1B: (M + K - 1) x the slowest stage's time for one micro-batch (forward +
               backward of its trained units; on stage 0 also the frozen prefix's work: its
               forward, a read from AutoCache, or a read and the forward of the layers
               frozen since the entry was written: `prefix_work_s`), the fill and drain of
               the pipeline included
+              interleaved_1f1b (v chunks a rank, v > 1; at v = 1 it runs 1F1B):
+              M x the busiest rank's time (its chunks' summed) + (K - 1) x the slowest
+              chunk's: for equal chunks a bubble of (K - 1) / (v M + K - 1) of the step, 1/v
+              of 1F1B's (Narayanan et al. 2021, arXiv:2104.04473, section 2.2)
+              zero_bubble (any v): M x the busiest rank's time + (K - 1) x the largest
+              max(F_c, I_c, F_c + I_c - W_c), the backward B_c split into input (I) and
+              weight (W) gradients, W_c = WEIGHT_GRADIENT_SHARE x B_c: the weight gradients
+              fill the bubble but not below a forward or an input gradient a hop. For v = 1
+              and F, I >= W that is ZB-H1's (K - 1)(T_F + T_B - T_W) (Qi et al. 2023,
+              arXiv:2401.10241, T_B their input gradient); with T_F = T_I = T_W a third of
+              1F1B's bubble, and 1/v of that with v chunks
+              Both are what the event simulation of torch's own orders gives for M >= K
+              (tests/test_schedules.py), communication aside
     stage p2p the hidden state (and its gradient) sent between stages, per micro-batch,
-              over the intra-node link
+              over the intra-node link; with v chunks a rank v times as many:
+              2 (v M + K - 2) on the critical path
     all-reduce DDP's ring all-reduce of the slowest stage's trained gradients:
               2 (R - 1) / R x bytes / bandwidth (the inter-node link once replicas span nodes).
               With `overlap` (GPUs: DDP reduces each 25 MB bucket while the backward goes
@@ -20,11 +34,12 @@ One optimizer step of a layout (K stages, M micro-batches of m samples, R replic
     optimizer AdamW / SGD touch each trained parameter's bytes about 7 / 4 times (parameter,
               gradient, state read and written): bytes / the device's memory bandwidth
     overhead  what a step costs beyond its units' kernels (Python, the schedule, the loss,
-              data): a + b (M + K - 1), a per step and b per pipeline slot, fitted to the
-              whole steps the trainer times when it chooses M (`calibrate_overhead`), 0
-              without them. Measured here, the gap between those steps and the rest of
-              the model grows linearly with the slots (about 7 ms a slot for the
-              quickstart's ViT on this CPU), so a per-step constant would not do
+              data): a + b (M + K - 1), a per step and b per pipeline slot (v M + K - 1
+              slots with v chunks a rank), fitted to the whole steps the trainer times when
+              it chooses M (`calibrate_overhead`), 0 without them. Measured here, the gap
+              between those steps and the rest of the model grows linearly with the slots
+              (about 7 ms a slot for the quickstart's ViT on this CPU), so a per-step
+              constant would not do
 
 A sharded layout (FSDP2 over R replicas, one stage, the replica batch in M micro-batches
 one after the other; `predict_sharded_step`):
@@ -59,9 +74,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipetransformer.autopipe.planner import PipelinePlan
+from pipetransformer.config import MULTI_CHUNK_SCHEDULES, layout_schedule
 
 # DDP's default bucket_cap_mb: the last bucket's all-reduce starts after the backward ends.
 DDP_BUCKET_BYTES = 25 * 2**20
+# The weight gradients' share of a unit's backward (zero_bubble's W; the rest is I): a linear
+# layer's backward is two matrix multiplies of its forward's size, one for each.
+WEIGHT_GRADIENT_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -115,6 +134,9 @@ class StepPrediction:
     optimizer_s: float = 0.0
     overhead_s: float = 0.0
     hidden_s: float = 0.0  # a sharded layout's collective time that compute hides (not added)
+    # compute over the busiest rank's own work (interleaved_1f1b, zero_bubble); None: the
+    # one-chunk schedules' (M + K - 1) / M
+    bubble_factor: float | None = None
 
     @property
     def step_s(self) -> float:
@@ -156,36 +178,44 @@ def predict_step(
     cached_prefix: bool = False,
     prefix_s: float | None = None,
     overlap: bool = False,
+    schedule: str = "gpipe",
 ) -> StepPrediction:
     """`prefix_s`: the frozen prefix's seconds per micro-batch of the profile's size
     (`prefix_work_s`); None: read from the cache (`cached_prefix`) or computed in full.
-    `overlap`: DDP's all-reduce overlaps the last micro-batch's backward (GPUs)."""
+    `overlap`: DDP's all-reduce overlaps the last micro-batch's backward (GPUs).
+    `schedule`: pipeline.schedule (with `plan.virtual_stages`, what the layout runs)."""
     scale = micro_batch_size / times.micro_batch_size
     frozen_end = plan.frozen_end
     if prefix_s is None:
         prefix_s = prefix_work_s(
             times, plan.prefix_end, {plan.prefix_end: 1.0} if cached_prefix else {}
         )
-    stage_s = []
-    for stage, (start, end) in enumerate(plan.stage_ranges):
-        seconds = sum(
-            times.frozen_s[u] if u < frozen_end else times.trained_s[u] for u in range(start, end)
-        )
-        if stage == 0 and plan.prefix_end > 0:
-            seconds += prefix_s
-        stage_s.append(seconds * scale)
     k, m = plan.pipe_len, num_micro_batches
-    compute = (m + k - 1) * max(stage_s)
+    runs = layout_schedule(schedule, k, plan.virtual_stages)
+    bubble_factor = None
+    if runs in MULTI_CHUNK_SCHEDULES:
+        compute, bubble_factor = _chunked_compute(times, plan, scale, prefix_s, m, runs)
+        slots = plan.virtual_stages * m + k - 1  # a forward and a backward a chunk a slot
+    else:
+        stage_s = []
+        for stage, (start, end) in enumerate(plan.stage_ranges):
+            seconds = sum(
+                times.frozen_s[u] if u < frozen_end else times.trained_s[u]
+                for u in range(start, end)
+            )
+            if stage == 0 and plan.prefix_end > 0:
+                seconds += prefix_s
+            stage_s.append(seconds * scale)
+        compute = (m + k - 1) * max(stage_s)
+        slots = m + k - 1
     p2p = 0.0
     if k > 1:  # forward activation and backward gradient across each boundary, per micro-batch
         boundary_bytes = (
             max(times.output_bytes[end - 1] for _, end in plan.stage_ranges[:-1]) * scale
         )
-        p2p = 2 * (m + k - 2) * (links.latency_s + boundary_bytes / links.intra_node_bytes_per_s)
-    grads = max(
-        sum(times.param_bytes[u] for u in range(start, end) if u >= frozen_end)
-        for start, end in plan.stage_ranges
-    )
+        p2p = 2 * (slots - 1) * (links.latency_s + boundary_bytes / links.intra_node_bytes_per_s)
+    trained = [[u for u in plan.stage_units(s) if u >= frozen_end] for s in range(k)]
+    grads = max(sum(times.param_bytes[u] for u in units) for units in trained)
     allreduce = 0.0
     if dp_degree > 1:
         spans_nodes = dp_degree > replicas_per_node
@@ -199,17 +229,47 @@ def predict_step(
     hidden = 0.0
     if overlap and allreduce > 0:
         backward = max(
-            scale
-            * sum(
-                times.trained_s[u] - times.frozen_s[u] for u in range(start, end) if u >= frozen_end
-            )
-            for start, end in plan.stage_ranges
+            scale * sum(times.trained_s[u] - times.frozen_s[u] for u in units) for units in trained
         )
         last_bucket = min(1.0, DDP_BUCKET_BYTES / grads) * allreduce
         hidden = min(backward, allreduce - last_bucket)
     optimizer = times.optimizer_passes * grads / times.memory_bytes_per_s
-    overhead = times.step_overhead_s + (m + k - 1) * times.slot_overhead_s
-    return StepPrediction(compute, p2p, allreduce - hidden, optimizer, overhead, hidden)
+    overhead = times.step_overhead_s + slots * times.slot_overhead_s
+    return StepPrediction(
+        compute, p2p, allreduce - hidden, optimizer, overhead, hidden, bubble_factor
+    )
+
+
+def _chunked_compute(
+    times: UnitTimes,
+    plan: PipelinePlan,
+    scale: float,
+    prefix_s: float,
+    num_micro_batches: int,
+    schedule: str,
+) -> tuple[float, float]:
+    """(compute seconds, compute over the busiest rank's work) of a step of interleaved_1f1b
+    or zero_bubble (the module docstring): chunk c's forward F_c (its units' forward; the
+    frozen prefix's work on chunk 0) and backward B_c = I_c + W_c, W_c its
+    WEIGHT_GRADIENT_SHARE."""
+    frozen_end = plan.frozen_end
+    chunk_s, fill_s = [], []
+    for chunk, (start, end) in enumerate(plan.stage_ranges):
+        forward = sum(times.frozen_s[u] for u in range(start, end))
+        backward = sum(
+            times.trained_s[u] - times.frozen_s[u] for u in range(start, end) if u >= frozen_end
+        )
+        if chunk == 0 and plan.prefix_end > 0:
+            forward += prefix_s
+        weight = WEIGHT_GRADIENT_SHARE * backward
+        chunk_s.append(scale * (forward + backward))
+        inputs = backward - weight
+        fill_s.append(scale * max(forward, inputs, forward + inputs - weight))
+    busiest = max(sum(chunk_s[c] for c in plan.chunks_of_stage(s)) for s in range(plan.pipe_len))
+    hops = plan.pipe_len - 1
+    fill = max(chunk_s) if schedule == "interleaved_1f1b" else max(fill_s)
+    compute = num_micro_batches * busiest + hops * fill
+    return compute, compute / (num_micro_batches * busiest)
 
 
 def calibrate_overhead(gaps: Sequence[tuple[int, float]]) -> tuple[float, float]:
