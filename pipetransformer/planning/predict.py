@@ -74,6 +74,7 @@ class Prediction:
     inter_node_link: str | None = None
     unit_profile_source: str = ""
     steps_per_epoch_source: str = ""
+    schedule: str = "gpipe"  # pipeline.schedule (each row's v: the chunks a stage holds)
 
     @property
     def speedup(self) -> float:
@@ -195,4 +196,5 @@ def predict(
         inter_node_link=cluster.inter_node_link,
         unit_profile_source=unit_profile_source,
         steps_per_epoch_source=steps_per_epoch_source,
+        schedule=config.pipeline.schedule,
     )

@@ -39,6 +39,7 @@ class PredictedLayout:
     bubble: float
     peak_bytes: float  # the memory model's largest stage
     sharded: bool = False  # FSDP2 over every device (pipeline.sharding)
+    virtual_stages: int = 1  # chunks a stage holds (interleaved_1f1b, zero_bubble)
 
 
 def boundary_rows(elastic: Variant, run: RunPrediction) -> list[PredictedLayout]:
@@ -121,6 +122,7 @@ def _predicted(
         bubble=_bubble(layout, step),
         peak_bytes=peak_bytes,
         sharded=layout.sharded,
+        virtual_stages=layout.plan.virtual_stages,
     )
 
 

@@ -120,6 +120,7 @@ def ddp_peer(
         initial_pipe_len=1,
         num_micro_batches="auto" if sharded else 1,  # sharded: the fewest that fit
         schedule="gpipe",
+        virtual_stages="auto",
         sharding="always" if sharded else "never",
     )
     peer = dataclasses.replace(config, trainer=trainer, pipeline=pipeline)

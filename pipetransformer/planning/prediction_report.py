@@ -7,6 +7,7 @@ Owns: `format_prediction`. Must not: compute anything predict.py has not.
 
 from __future__ import annotations
 
+from pipetransformer.config import MULTI_CHUNK_SCHEDULES, TORCH_SCHEDULE_CLASS
 from pipetransformer.planning.context import format_bytes
 from pipetransformer.planning.predict import Prediction
 from pipetransformer.planning.prediction_peers import PeerPrediction
@@ -86,12 +87,23 @@ def format_prediction(result: Prediction) -> str:
         f"{result.steps_per_epoch} steps an epoch at the start",
         "steady state per frozen boundary (the layout the run holds there, the prefix read "
         "from AutoCache where it serves; s: sharded, FSDP2 over every device):",
-        f"{'frozen':>6} {'K':>3} {'R':>3} {'M':>3} {'bubble':>7} {'compute':>10} {'p2p':>9} "
-        f"{'all-reduce':>10} {'optimizer':>10} {'overhead':>9} {'step':>10} {'memory':>10}",
     ]
-    for r in result.rows:
+    chunked = result.schedule in MULTI_CHUNK_SCHEDULES
+    if chunked:
         lines.append(
-            f"{r.num_frozen_layers:>6} {r.pipe_len:>3} {r.dp_degree:>3}{'s' if r.sharded else ' '}"
+            f"schedule {result.schedule} ({TORCH_SCHEDULE_CLASS[result.schedule]}): v chunks "
+            "a stage; bubble: a step's compute over its busiest rank's work"
+        )
+    v = f" {'v':>2}" if chunked else ""
+    lines.append(
+        f"{'frozen':>6} {'K':>3}{v} {'R':>3} {'M':>3} {'bubble':>7} {'compute':>10} {'p2p':>9} "
+        f"{'all-reduce':>10} {'optimizer':>10} {'overhead':>9} {'step':>10} {'memory':>10}"
+    )
+    for r in result.rows:
+        v = f" {r.virtual_stages:>2}" if chunked else ""
+        lines.append(
+            f"{r.num_frozen_layers:>6} {r.pipe_len:>3}{v} {r.dp_degree:>3}"
+            f"{'s' if r.sharded else ' '}"
             f"{r.num_micro_batches:>3} "
             f"{r.bubble:>7.2f} {1e3 * r.compute_s:>8.2f}ms {1e3 * r.p2p_s:>7.2f}ms "
             f"{1e3 * r.allreduce_s:>8.2f}ms {1e3 * r.optimizer_s:>8.2f}ms "

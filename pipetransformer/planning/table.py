@@ -1,5 +1,6 @@
 """`pipetransformer plan`: the layout a run of a config would use at each frozen boundary and
-the bytes each stage would hold, before any process starts.
+the bytes each stage would hold, before any process starts; under interleaved_1f1b and
+zero_bubble which units each chunk holds and which stage (rank of a replica) runs it.
 
 Owns: `PlanRow`, `plan_table` and its text form. Must not: measure anything (a stored
 profile is used when the profile file has one) or start processes.
@@ -16,7 +17,13 @@ from pathlib import Path
 import torch
 
 from pipetransformer.autopipe.profiles import ProfileStore
-from pipetransformer.config import Config, World
+from pipetransformer.config import (
+    MULTI_CHUNK_SCHEDULES,
+    TORCH_SCHEDULE_CLASS,
+    Config,
+    World,
+    layout_schedule,
+)
 from pipetransformer.planning.context import (
     PlanContext,
     describe_model,
@@ -41,15 +48,20 @@ class PlanRow:
     pipe_len: int
     dp_degree: int
     num_micro_batches: int
-    prefix_units: list[int]  # [0, end) run before stage 0
-    stage_ranges: list[list[int]]
-    stage_names: list[str]
-    stage_costs: list[float]
-    max_stage_cost: float
+    prefix_units: list[int]  # [0, end) run before chunk 0
+    stage_ranges: list[list[int]]  # per chunk (a stage's, with one chunk a stage)
+    stage_names: list[str]  # per chunk
+    stage_costs: list[float]  # per chunk
+    max_stage_cost: float  # the largest stage's: its chunks' summed
     cost_source: str  # 'params' or 'time'
     stage_bytes: list[int]
     memory_source: str  # 'profile' or 'params'
     device_memory_bytes: float | None
+    # The schedule the layout runs (config/schedules.py; None: plain DDP, K = 1), the chunks
+    # a stage holds (v) and, per chunk, the stage (rank of the replica) that runs it.
+    schedule: str | None = None
+    virtual_stages: int = 1
+    chunk_stages: list[int] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -120,6 +132,11 @@ def plan_table(
                 stage_bytes=[int(b) for b in context.stage_bytes(plan)],
                 memory_source=context.memory_source,
                 device_memory_bytes=budget,
+                schedule=layout_schedule(
+                    config.pipeline.schedule, plan.pipe_len, plan.virtual_stages
+                ),
+                virtual_stages=plan.virtual_stages,
+                chunk_stages=[plan.stage_of_chunk(c) for c in range(plan.num_chunks)],
             )
         )
     return rows
@@ -149,21 +166,38 @@ def format_plan_table(config: Config, rows: list[PlanRow]) -> str:
         if first and first.device_memory_bytes
         else "; no device limit"
     )
+    pipeline = config.pipeline
+    chunked = pipeline.schedule in MULTI_CHUNK_SCHEDULES
     lines = [
         f"model {config.model.name}: {len(rows)} layers, initial pipe_len "
-        f"{first.pipe_len if first else config.pipeline.initial_pipe_len}{auto}, "
+        f"{first.pipe_len if first else pipeline.initial_pipe_len}{auto}, "
         f"{config.nproc_per_node} devices per node; costs in {described}",
         f"memory per stage: {memory}{budget}",
-        f"{'frozen':>6} {'K':>3} {'R':>3} {'M':>3}  {'max stage':>12}  {'MiB/stage':>16}  stages",
     ]
+    if chunked:
+        lines.append(
+            f"schedule {pipeline.schedule} ({TORCH_SCHEDULE_CLASS[pipeline.schedule]}), "
+            f"virtual_stages {pipeline.virtual_stages}: v chunks a stage, chunk c on stage "
+            "c mod K (cN@s: chunk N on stage s); 1F1B where v = 1 for interleaved_1f1b"
+        )
+    v = f" {'v':>2}" if chunked else ""
+    chunks = "chunks" if chunked else "stages"
+    lines.append(
+        f"{'frozen':>6} {'K':>3}{v} {'R':>3} {'M':>3}  {'max stage':>12}  {'MiB/stage':>16}  "
+        f"{chunks}"
+    )
     for row in rows:
-        stages = " | ".join(
+        names = [
             f"{name} ({cost:,.0f})" if unit == "params" else f"{name} ({cost:.4g})"
             for name, cost in zip(row.stage_names, row.stage_costs)
-        )
+        ]
+        if chunked:
+            names = [f"c{c}@{s} {name}" for c, (s, name) in enumerate(zip(row.chunk_stages, names))]
         mib = "/".join(f"{b / 2**20:.1f}" for b in row.stage_bytes)
+        v = f" {row.virtual_stages:>2}" if chunked else ""
         lines.append(
-            f"{row.num_frozen_layers:>6} {row.pipe_len:>3} {row.dp_degree:>3} "
-            f"{row.num_micro_batches:>3}  {row.max_stage_cost:>12,.6g}  {mib:>16}  {stages}"
+            f"{row.num_frozen_layers:>6} {row.pipe_len:>3}{v} {row.dp_degree:>3} "
+            f"{row.num_micro_batches:>3}  {row.max_stage_cost:>12,.6g}  {mib:>16}  "
+            + " | ".join(names)
         )
     return "\n".join(lines)
