@@ -3,7 +3,11 @@ partition into K v chunks placed round-robin, Eq. 2 on what a rank holds, v deci
 every transition, and the handoff between layouts whose ranks hold non-contiguous units.
 Pure: no processes."""
 
+import json
+from pathlib import Path
+
 import pytest
+from helpers import run_cli
 
 from pipetransformer.autodp.handoff import Transfer, plan_transfers
 from pipetransformer.autodp.topology import Layout
@@ -310,3 +314,94 @@ def test_more_chunks_hold_about_as_much_as_1f1b():
         zero = model.stage_memory(plan, 0, LayoutShape(4, 8, 1, "zero_bubble"))
         assert interleaved.activations == pytest.approx(stage_bytes / 4 * (4 + 3 / v))
         assert zero.activations == pytest.approx(stage_bytes)
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+QUICKSTART = str(Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml")
+
+
+def test_plan_json_carries_the_chunk_placement():
+    result = run_cli(
+        "plan",
+        QUICKSTART,
+        "--json",
+        "pipeline.balance=params",
+        "pipeline.initial_pipe_len=2",
+        "pipeline.schedule=interleaved_1f1b",
+        "pipeline.virtual_stages=3",
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    for row in rows:
+        k, v = row["pipe_len"], row["virtual_stages"]
+        assert len(row["stage_ranges"]) == len(row["chunk_stages"]) == k * v
+        assert row["chunk_stages"] == [c % k for c in range(k * v)]
+        starts = [a for a, _ in row["stage_ranges"]]
+        assert starts[0] == row["prefix_units"][1] and starts == sorted(starts)
+        assert row["schedule"] == (None if k == 1 else "1f1b" if v == 1 else "interleaved_1f1b")
+        assert row["max_stage_cost"] == pytest.approx(
+            max(
+                sum(c for c, s in zip(row["stage_costs"], row["chunk_stages"]) if s == stage)
+                for stage in range(k)
+            ),
+            abs=1,
+        )
+    assert rows[0]["virtual_stages"] == 3 and rows[0]["pipe_len"] == 2
+    assert rows[-1]["pipe_len"] == 1 and rows[-1]["virtual_stages"] == 1  # plain DDP
+    gpipe = json.loads(
+        run_cli(
+            "plan", QUICKSTART, "--json", "pipeline.balance=params", "pipeline.initial_pipe_len=2"
+        ).stdout
+    )
+    assert all(
+        r["virtual_stages"] == 1 and r["chunk_stages"] == list(range(r["pipe_len"])) for r in gpipe
+    )
+
+
+def test_plan_text_names_each_chunks_stage():
+    result = run_cli(
+        "plan",
+        QUICKSTART,
+        "pipeline.balance=params",
+        "pipeline.initial_pipe_len=2",
+        "pipeline.schedule=zero_bubble",
+        "pipeline.virtual_stages=2",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "schedule zero_bubble (ScheduleInterleavedZeroBubble)" in result.stdout
+    first = next(line for line in result.stdout.splitlines() if line.split()[:1] == ["0"])
+    assert first.split()[1:3] == ["2", "2"]  # K, v
+    assert "c0@0 embedding" in first and "| c1@1 " in first and "| c3@1 " in first
+
+
+def test_a_configured_v_the_model_cannot_hold_is_one_line_naming_the_key():
+    result = run_cli(
+        "plan",
+        QUICKSTART,
+        "pipeline.initial_pipe_len=2",
+        "pipeline.schedule=zero_bubble",
+        "pipeline.virtual_stages=20",
+    )
+    assert result.returncode == 2
+    assert "pipeline.virtual_stages: 20 chunks a rank on pipe_len 2 need 40" in result.stderr
+
+
+def test_predict_gives_each_boundary_its_chunks_and_a_smaller_bubble():
+    """plan --predict on a named GPU: with interleaved 1F1B the rows carry v, and where v > 1
+    the bubble is (K - 1) / (v M + K - 1) of equal chunks' step or near it, below GPipe's."""
+    args = ["--predict", "--device", "h100-sxm", "--json", "pipeline.initial_pipe_len=2"]
+    args += ["pipeline.sharding=never"]
+    gpipe = json.loads(run_cli("plan", QUICKSTART, *args).stdout)
+    result = run_cli("plan", QUICKSTART, *args, "pipeline.schedule=interleaved_1f1b")
+    assert result.returncode == 0, result.stderr
+    interleaved = json.loads(result.stdout)
+    assert interleaved["schedule"] == "interleaved_1f1b" and gpipe["schedule"] == "gpipe"
+    chunked = [r for r in interleaved["rows"] if r["virtual_stages"] > 1]
+    assert chunked
+    for row, plain in zip(interleaved["rows"], gpipe["rows"]):
+        if row["virtual_stages"] > 1:
+            assert row["pipe_len"] == plain["pipe_len"] > 1
+            assert 1 < row["bubble"] < plain["bubble"]
+            assert row["p2p_s"] > plain["p2p_s"]  # v times the sends
