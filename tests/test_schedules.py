@@ -219,14 +219,12 @@ def test_the_rank_order_is_the_one_torch_builds(
 # ----------------------------------------------------------------------------- the step model
 
 
-def simulated_compute_s(schedule, plan, forward_s, backward_s, num_micro_batches, weight_share):
-    """The step of torch's own order for `plan` (one rank a stage, each running its ops in
-    order as soon as what they need is done), from each chunk's forward and backward seconds:
-    F after the previous chunk's F, a backward (B or I) after the next chunk's (the last
-    chunk's after its own F), W after its I. No communication."""
-    k, v = plan.pipe_len, plan.virtual_stages
-    order = torch_schedule(schedule, k, v, num_micro_batches).pipeline_order
-    last = k * v - 1
+def simulated_compute_s(order, forward_s, backward_s, weight_share):
+    """The step of a torch schedule's `order` (its `pipeline_order`: every rank running its
+    ops in order as soon as what they need is done), from each chunk's forward and backward
+    seconds: F after the previous chunk's F, a backward (B or I) after the next chunk's (the
+    last chunk's after its own F), W after its I. No communication."""
+    last = len(forward_s) - 1
     pending = {r: [a for a in actions if a is not None] for r, actions in order.items()}
     done, free = {}, dict.fromkeys(order, 0.0)
     progressed = True
@@ -280,7 +278,8 @@ def predicted_and_simulated(schedule, trained_s, frozen_s, k, v, m):
     )
     forward = [sum(frozen_s[a:b]) for a, b in plan.stage_ranges]
     backward = [sum(trained_s[a:b]) - f for (a, b), f in zip(plan.stage_ranges, forward)]
-    simulated = simulated_compute_s(schedule, plan, forward, backward, m, WEIGHT_GRADIENT_SHARE)
+    order = torch_schedule(schedule, k, v, m).pipeline_order
+    simulated = simulated_compute_s(order, forward, backward, WEIGHT_GRADIENT_SHARE)
     return step, simulated
 
 
@@ -353,3 +352,40 @@ def test_more_chunks_shrink_the_bubble_and_multiply_the_sends():
     assert one_f_one_b.p2p_s == pytest.approx(2 * (4 + 4 - 2) * per_send)
     assert two.p2p_s == pytest.approx(2 * (2 * 4 + 4 - 2) * per_send)
     assert four.p2p_s == pytest.approx(2 * (4 * 4 + 4 - 2) * per_send)
+
+
+def most_held(order, num_chunks):
+    """The most micro-batches of one chunk any rank of torch's `order` holds at once, each
+    from its forward to its weight gradient."""
+    from pipetransformer.autopipe.memory import held_activations
+    from pipetransformer.autopipe.schedule_order import Op
+
+    peaks = []
+    for actions in order.values():
+        ops = [
+            Op(a.computation_type.value, a.stage_index, a.microbatch_index)
+            for a in actions
+            if a is not None
+        ]
+        peaks.append(held_activations(ops, [1.0] * num_chunks, "W")[0])
+    return max(peaks)
+
+
+def test_zbv_would_not_fill_the_bubble_better_with_two_chunks_a_rank():
+    """Why zero_bubble runs the looped ScheduleInterleavedZeroBubble and not the V-shaped
+    ScheduleZBVZeroBubble (docs/architecture.md): with two chunks a rank and equal F, I and W
+    the looped order's step is never longer (equal from M = 2K - 1, shorter below); ZBV
+    holds no more activations, fewer where M is not a multiple of K."""
+    for k in (2, 4, 8):
+        for m in range(k, 3 * k + 1):
+            if micro_batch_problem("zero_bubble", k, m):
+                continue
+            looped = torch_schedule("zero_bubble", k, 2, m)
+            v_shaped = torch_schedules.ScheduleZBVZeroBubble(looped._stages, m).pipeline_order
+            looped = looped.pipeline_order
+            chunk_s = [1.0] * (2 * k)
+            ours = simulated_compute_s(looped, chunk_s, [2.0] * (2 * k), 0.5)
+            theirs = simulated_compute_s(v_shaped, chunk_s, [2.0] * (2 * k), 0.5)
+            assert ours <= theirs + 1e-9 and (m < 2 * k - 1 or ours == pytest.approx(theirs))
+            held, held_v = most_held(looped, 2 * k), most_held(v_shaped, 2 * k)
+            assert held_v < held if m % k else held_v == held
