@@ -389,3 +389,40 @@ def test_zbv_would_not_fill_the_bubble_better_with_two_chunks_a_rank():
             assert ours <= theirs + 1e-9 and (m < 2 * k - 1 or ours == pytest.approx(theirs))
             held, held_v = most_held(looped, 2 * k), most_held(v_shaped, 2 * k)
             assert held_v < held if m % k else held_v == held
+
+
+def test_several_chunks_under_a_one_chunk_schedule_are_refused():
+    with pytest.raises(ValueError, match="gpipe runs one chunk a stage"):
+        layout_schedule("gpipe", 2, 2)
+
+
+def test_autopipes_micro_batch_count_under_each_schedule():
+    """'auto' keeps GPipe's and 1F1B's rule (the smallest divisor >= K); for the multi-chunk
+    schedules it is the smallest divisor >= K torch runs, which is that same divisor wherever
+    torch runs any (none for K = 4 and a batch of 99: 9 and 11 run in two rounds, 33 in eight,
+    99 in 24: refused before any process starts); 'measured' times only what torch runs."""
+    from pipetransformer.config import load_config
+    from pipetransformer.planning.context import choose_num_micro_batches
+    from pipetransformer.planning.profile_keys import micro_batch_candidates
+
+    def old_rule(k, batch):
+        return next((m for m in range(k, batch + 1) if batch % m == 0), batch)
+
+    refused = 0
+    for k in (1, 2, 4, 8):
+        for batch in range(k, 160):
+            for schedule in ("gpipe", "1f1b"):
+                assert choose_num_micro_batches("auto", k, batch, schedule) == old_rule(k, batch)
+            if smallest_micro_batches("interleaved_1f1b", k, batch) is None:
+                refused += 1
+                continue
+            m = choose_num_micro_batches("auto", k, batch, "interleaved_1f1b")
+            assert m == old_rule(k, batch) and micro_batch_problem("interleaved_1f1b", k, m) is None
+            assert choose_num_micro_batches(6, k, batch, "zero_bubble") == 6  # as configured
+    assert refused and smallest_micro_batches("zero_bubble", 4, 99) is None
+    config = load_config(
+        QUICKSTART, ["pipeline.schedule=zero_bubble", "pipeline.num_micro_batches=measured"]
+    )
+    assert micro_batch_candidates(config, 4, 72) == [4, 6, 8, 12, 24]  # 9, 18: not in rounds
+    gpipe = load_config(QUICKSTART, ["pipeline.num_micro_batches=measured"])
+    assert micro_batch_candidates(gpipe, 4, 72) == [4, 6, 8, 9, 12, 18, 24]

@@ -61,7 +61,10 @@ TORCH_SCHEDULE_CLASS = {
 
 def layout_schedule(schedule: str, pipe_len: int, virtual_stages: int) -> str | None:
     """The schedule a layout of `pipe_len` stages with `virtual_stages` chunks a rank runs:
-    None for plain DDP (K = 1), 1f1b for interleaved_1f1b at v = 1, else `schedule`."""
+    None for plain DDP (K = 1), 1f1b for interleaved_1f1b at v = 1, else `schedule`.
+    ValueError for several chunks a rank under a schedule that runs one."""
+    if virtual_stages > 1 and schedule not in MULTI_CHUNK_SCHEDULES:
+        raise ValueError(f"{schedule} runs one chunk a stage, not {virtual_stages}")
     if pipe_len == 1:
         return None
     if schedule == "interleaved_1f1b" and virtual_stages == 1:
