@@ -337,6 +337,7 @@ def test_plan_json_carries_the_chunk_placement():
     for row in rows:
         k, v = row["pipe_len"], row["virtual_stages"]
         assert len(row["stage_ranges"]) == len(row["chunk_stages"]) == k * v
+        assert len(row["stage_bytes"]) == k  # the memory model's bytes of each stage (rank)
         assert row["chunk_stages"] == [c % k for c in range(k * v)]
         starts = [a for a, _ in row["stage_ranges"]]
         assert starts[0] == row["prefix_units"][1] and starts == sorted(starts)
