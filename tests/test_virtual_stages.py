@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from helpers import run_cli
+from test_planner import vit_like
 
 from pipetransformer.autodp.handoff import Transfer, plan_transfers
 from pipetransformer.autodp.topology import Layout
@@ -21,10 +22,6 @@ from pipetransformer.autopipe.planner import (
     stage_sizes,
 )
 from pipetransformer.autopipe.schedule_order import rank_order
-
-
-def vit_like(num_layers=8, embed=2240, attn=16768, mlp=16704, head=778, lam=1 / 6):
-    return UnitCosts.from_param_counts([embed] + [attn, mlp] * num_layers + [head], lam)
 
 
 def uniform(num_units, lam=1 / 6):

@@ -79,6 +79,7 @@ checked against measured peaks in tests/test_memory.py and docs/profiling.md.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Protocol
@@ -164,6 +165,9 @@ class StageMemory:
     overlap: float = 0.0  # subtracted: gradients made while activations are freed
     gathered: float = 0.0  # FSDP2's unsharded parameters and gradients in flight
 
+    def with_overlap(self, overlap: float) -> StageMemory:
+        return dataclasses.replace(self, overlap=overlap)
+
     @property
     def total(self) -> float:
         return (
@@ -220,25 +224,50 @@ class MemoryModel:
         else:
             in_flight = min(m, plan.pipe_len - stage)
         grads = float(sum(self.param_bytes[u] for u in trained))
-        boundary = in_flight * self.output_bytes[end - 1]  # outputs kept for their backward
-        if stage > 0:
-            boundary += m * self.output_bytes[start - 1]  # received inputs
-        if stage < plan.pipe_len - 1:
-            boundary += m * self.output_bytes[end - 1]  # received output gradients
-        if stage == 0 and plan.prefix_end > 0:
-            boundary += m * self.output_bytes[plan.prefix_end - 1]  # the prefix's output
+        boundary = self._chunk_boundary(plan, stage, in_flight, m)
+        boundary += self._prefix_boundary(plan, stage, m)
         activations = in_flight * scale * sum(self.saved_bytes[u] for u in trained)
         with_gradients = activations + grads
         if m == in_flight:  # no forward after the first backward (GPipe; 1F1B with M <= K - s)
             with_gradients = max(activations, activations * (in_flight - 1) / in_flight + grads)
+        return self._terms(held, trained, shape, activations, scale * boundary).with_overlap(
+            activations + grads - with_gradients
+        )
+
+    def _chunk_boundary(self, plan: PipelinePlan, chunk: int, kept: int, m: int) -> int:
+        """A chunk's pipeline buffers: its outputs kept for their backward (`kept` micro-batches),
+        its received inputs (all but chunk 0) and output gradients (all but the last chunk)."""
+        start, end = plan.stage_ranges[chunk]
+        boundary = kept * self.output_bytes[end - 1]
+        if chunk > 0:
+            boundary += m * self.output_bytes[start - 1]
+        if chunk < plan.num_chunks - 1:
+            boundary += m * self.output_bytes[end - 1]
+        return boundary
+
+    def _prefix_boundary(self, plan: PipelinePlan, stage: int, m: int) -> int:
+        """Stage 0 holds the frozen prefix's output for the replica batch."""
+        if stage == 0 and plan.prefix_end > 0:
+            return m * self.output_bytes[plan.prefix_end - 1]
+        return 0
+
+    def _terms(
+        self,
+        held: Sequence[int],
+        trained: Sequence[int],
+        shape: LayoutShape,
+        activations: float,
+        boundary: float,
+    ) -> StageMemory:
+        """A stage's terms from the units it holds and trains (no overlap)."""
+        grads = float(sum(self.param_bytes[u] for u in trained))
         return StageMemory(
             parameters=float(sum(self.param_bytes[u] for u in held)),
             gradients=grads,
             optimizer=grads * self.optimizer_state_factor,
             ddp_buckets=grads if shape.dp_degree > 1 else 0.0,
             activations=activations,
-            boundary=scale * boundary,
-            overlap=activations + grads - with_gradients,
+            boundary=boundary,
         )
 
     def _chunked_stage_memory(
@@ -262,25 +291,11 @@ class MemoryModel:
         activations, in_flight = held_activations(
             order, saved, release="B" if schedule == "interleaved_1f1b" else "W"
         )
-        boundary = 0.0
-        for chunk, most in zip(chunks, in_flight):
-            start, end = plan.stage_ranges[chunk]
-            boundary += most * self.output_bytes[end - 1]  # outputs kept for their backward
-            if chunk > 0:
-                boundary += m * self.output_bytes[start - 1]  # received inputs
-            if chunk < plan.num_chunks - 1:
-                boundary += m * self.output_bytes[end - 1]  # received output gradients
-        if stage == 0 and plan.prefix_end > 0:
-            boundary += m * self.output_bytes[plan.prefix_end - 1]  # the prefix's output
-        grads = float(sum(self.param_bytes[u] for u in trained))
-        return StageMemory(
-            parameters=float(sum(self.param_bytes[u] for u in held)),
-            gradients=grads,
-            optimizer=grads * self.optimizer_state_factor,
-            ddp_buckets=grads if shape.dp_degree > 1 else 0.0,
-            activations=activations,
-            boundary=scale * boundary,
+        boundary = sum(
+            self._chunk_boundary(plan, chunk, most, m) for chunk, most in zip(chunks, in_flight)
         )
+        boundary += self._prefix_boundary(plan, stage, m)
+        return self._terms(held, trained, shape, activations, scale * boundary)
 
     def sharded_memory(self, plan: PipelinePlan, shape: LayoutShape) -> StageMemory:
         """One rank of a sharded layout (FSDP2 over `shape.dp_degree` ranks, `plan` a single
