@@ -2,7 +2,9 @@
 
 `plan_transfers` is pure: for every unit a rank needs in the new layout and does not hold,
 it names a source that held it in the old layout, preferring the destination's own old
-replica (so traffic stays inside the node). Every rank computes the same list.
+replica (so traffic stays inside the node). Every rank computes the same list. A rank's
+units are its stage's, several non-contiguous ranges when it holds several chunks
+(interleaved_1f1b, zero_bubble): the list is per unit, so that changes nothing here.
 
 `execute_transfers` runs that list in order, each rank taking part only in its own
 transfers. A global order of blocking point-to-point messages cannot deadlock: the first

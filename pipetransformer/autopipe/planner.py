@@ -14,7 +14,7 @@ cost.
 Balancing: `greedy` fills each chunk towards the average cost of the chunks still to fill,
 keeping a unit only when that lands closer to the average: the idea of the paper's
 Algorithm 1 (`load_balance`), whose test is `stage + unit < mean + variance`; this one has no
-variance term. `optimal` minimises the largest stage exactly (dynamic programming). Costs
+variance term. `optimal` minimises the largest chunk exactly (dynamic programming). Costs
 are measured seconds (`pipeline.balance: time`) or parameter counts (`params`, the
 paper's), the frozen prefix counted on stage 0.
 
@@ -23,11 +23,11 @@ largest stage of the packed plan, in *parameter size* with the frozen prefix at
 `lambda_frozen` of its size on stage 0 (Algorithm 1, line 28) and a stage's chunks summed
 (what its rank holds), is no larger than the largest stage of the initial plan (F = 0,
 K = initial_pipe_len, with its chunks), and, when memory is limited, every stage of the
-packed plan fits the device (autopipe/memory.py). Parameter size is the
-paper's proxy for a stage's memory; it is compared whatever the stages were balanced on,
-because packing is a question of memory: a packed layout does the same work per sample on
-half the stages with a smaller bubble. K only halves; it always divides the devices of a
-node because the initial K does.
+packed plan fits the device (autopipe/memory.py); with several chunks a stage, the packed
+plan takes the most chunks that pass. Parameter size is the paper's proxy for a stage's
+memory; it is compared whatever the stages were balanced on, because packing is a question
+of memory: a packed layout does the same work per sample on half the stages with a smaller
+bubble. K only halves; it always divides the devices of a node because the initial K does.
 """
 
 from __future__ import annotations
