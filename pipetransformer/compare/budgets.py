@@ -295,9 +295,11 @@ def _curve_lines(found: TimeToAccuracy, records: Sequence[RunRecord], metric: st
     return lines
 
 
-def plot_series(found: TimeToAccuracy, records: Sequence[RunRecord]) -> dict[str, Any]:
+def plot_series(
+    found: TimeToAccuracy, records: Sequence[RunRecord], title=variant_title
+) -> dict[str, Any]:
     """What the accuracy-against-time plot draws (compare/plots.py): DDP's budget points
-    and every variant's final point, mean ± std over the seeds, by title."""
+    and every variant's final point, mean ± std over the seeds, by `title(name)`."""
 
     def spread(runs: list[RunRecord]) -> dict[str, float]:
         times = mean_std([r.training_time_s for r in runs])
@@ -311,9 +313,7 @@ def plot_series(found: TimeToAccuracy, records: Sequence[RunRecord]) -> dict[str
     curve = [spread(runs_of(n)) for n in found.curve_variants if runs_of(n)]
     curve.sort(key=lambda p: p["time_s"])
     variants = {
-        variant_title(v.variant): spread(runs_of(v.variant))
-        for v in found.variants
-        if v.variant != DDP
+        title(v.variant): spread(runs_of(v.variant)) for v in found.variants if v.variant != DDP
     }
     return {"ddp_curve": curve, "variants": variants}
 
