@@ -447,30 +447,9 @@ class FreezeDecider:
         """The rule reads each layer's gradient accumulated over the interval."""
         return self.config.strategy in ACCUMULATED_RULES
 
-    def decide(
-        self,
-        decision_index: int,
-        num_frozen_layers: int,
-        layer_grad_norms: Sequence[float] | None = None,
-        previous_layer_grad_norms: Sequence[float] | None = None,
-        layer_signal_fractions: Sequence[float] | None = None,
-        layer_grad_sums: Sequence[float] | None = None,
-        previous_layer_grad_sums: Sequence[float] | None = None,
-    ) -> int:
-        """`previous_layer_grad_norms`: the norms the previous decision saw (convergence
-        only; the caller keeps them, in the run state, so they survive a resume).
-        `layer_signal_fractions`: per layer, `signal_fraction` (signal_to_noise only).
-        `layer_grad_sums` and the previous decision's: per layer, the L1 norm of the
-        gradient accumulated over the interval, per step (autofreeze only)."""
-        return self.outcome(
-            decision_index,
-            num_frozen_layers,
-            layer_grad_norms,
-            previous_layer_grad_norms,
-            layer_signal_fractions,
-            layer_grad_sums,
-            previous_layer_grad_sums,
-        ).num_frozen_layers
+    def decide(self, decision_index: int, num_frozen_layers: int, *signals, **named) -> int:
+        """The layer count `outcome` decides (the same arguments)."""
+        return self.outcome(decision_index, num_frozen_layers, *signals, **named).num_frozen_layers
 
     def outcome(
         self,
@@ -482,7 +461,12 @@ class FreezeDecider:
         layer_grad_sums: Sequence[float] | None = None,
         previous_layer_grad_sums: Sequence[float] | None = None,
     ) -> FreezeOutcome:
-        """`decide`, with what set the layer count (FreezeOutcome)."""
+        """The decision and what set it. `previous_layer_grad_norms`: the norms the previous
+        decision saw (convergence only; the caller keeps them, in the run state, so they
+        survive a resume). `layer_signal_fractions`: per layer, `signal_fraction`
+        (signal_to_noise only). `layer_grad_sums` and the previous decision's: per layer,
+        the L1 norm of the gradient accumulated over the interval, per step (autofreeze
+        only)."""
         if decision_index < 1:
             raise ValueError("decision points are counted from 1")
         strategy = self.config.strategy
