@@ -1,6 +1,8 @@
 """`pipetransformer compare`: the baseline and the elastic system, one after the other, on the
 same seed, data and machine; with --ablations also the paper's speedup breakdown (Fig. 9);
-with --seeds every variant once per seed (trainer.seed), in `seed-<s>/<variant>/`.
+with --seeds every variant once per seed (trainer.seed), in `seed-<s>/<variant>/`, in an
+order that rotates with the seed (compare/order.py); with --budgets (or --peers) DDP at
+several budgets too, every variant set against their curve (compare/budgets.py).
 
 Owns: the variants' overrides, running them (local worker processes), skipping runs that
 finished earlier (an interrupted comparison resumes), measuring the per-unit costs the ideal
