@@ -261,7 +261,8 @@ def title(name: str) -> str:
     """A run's row label: rule, setting and epochs."""
     variant, _, epochs = name.rpartition("_")
     rule, setting, _, _ = VARIANTS[variant]
-    return f"{rule}, {setting}, {epochs.removesuffix('ep')} epochs"
+    count = int(epochs.removesuffix("ep"))
+    return f"{rule}, {setting}, {count} epoch{'s' if count != 1 else ''}"
 
 
 def collect(out: Path, seeds: list[int], runs: list[Run], margin: float):
@@ -322,6 +323,16 @@ def collect(out: Path, seeds: list[int], runs: list[Run], margin: float):
         records,
         found,
     )
+
+
+def eval_samples(out: Path, seeds: list[int], runs: list[Run]) -> int | None:
+    """How many sentences the runs were scored on (a trainer run's metrics say)."""
+    for seed in seeds:
+        for run in runs:
+            path = out / f"seed-{seed}" / run.name / "metrics.jsonl"
+            if run.variant != HF_TRAINER and path.is_file():
+                return json.loads(path.read_text().splitlines()[-1]).get("eval_samples")
+    return None
 
 
 def _paired(records, name: str, reference: str, margin: float) -> dict | None:
@@ -423,11 +434,11 @@ def main() -> None:
         machine=machine(),
         host=f"{platform.node()}, {os.cpu_count()} CPUs",
         settings=vars(args),
-        dev_sentences=872,
+        eval_samples=eval_samples(out, seeds, runs),  # SST-2's dev split: 872 sentences
     )
     out.mkdir(parents=True, exist_ok=True)
     (out / "frontier.json").write_text(json.dumps(results, indent=2))
-    text = tables(results)
+    text = tables(results) + f"\n\nScored on {results['eval_samples']} dev sentences."
     loads = [
         r["harness"][k] for r in results["runs"] for k in ("load_1min_before", "load_1min_after")
     ]
