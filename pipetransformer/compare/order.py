@@ -32,16 +32,16 @@ def rotated_order(names: Sequence[str], seed: int | None) -> list[str]:
 
 
 def record_order(seed_directory: Path, names: Sequence[str]) -> list[str]:
-    """The seed's planned order: the one recorded there earlier (a resumed comparison runs
-    what is left in the same order), else `names`, recorded now."""
-    path = seed_directory / ORDER_FILE
-    if path.is_file():
-        recorded = json.loads(path.read_text())["order"]
-        if set(recorded) == set(names):
-            return recorded
-    seed_directory.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, {"order": list(names)})
-    return list(names)
+    """The order to run `names` in: as recorded there earlier (a resumed comparison runs
+    what is left in the same order), then the names not recorded yet, in the order given,
+    appended to the record (variants added to a comparison later run after those planned
+    before, and the record keeps every variant the seed was planned with, in order)."""
+    recorded = read_order(seed_directory) or []
+    merged = recorded + [name for name in names if name not in recorded]
+    if merged != recorded:
+        seed_directory.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(seed_directory / ORDER_FILE, {"order": merged})
+    return [name for name in merged if name in names]
 
 
 def read_order(seed_directory: Path) -> list[str] | None:
