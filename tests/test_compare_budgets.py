@@ -130,7 +130,8 @@ def fake_training(monkeypatch):
     launched: list = []
 
     def launch_local(nproc, fn, args):
-        config, run_dir = args[0], args[1]
+        # A trainer run's arguments, or a peer's (its name first).
+        config, run_dir = args[1:3] if isinstance(args[0], str) else args[:2]
         launched.append((run_dir.parent.name, run_dir.name, config.optimizer.warmup_steps))
         variant = run_dir.name if budget_of(run_dir.name) is None else "ddp"
         _fake_run(
@@ -248,3 +249,31 @@ def test_without_seeds_one_curve_and_the_detail_tables_keep_their_variants(tmp_p
     assert elastic["time_to_accuracy"]["mean"] == pytest.approx(10 / 18)
     assert elastic["time_to_accuracy"]["low"] is None  # one seed: no interval
     assert "run_order" not in results
+
+
+def test_budgets_through_the_command_line(tmp_path, fake_training, capsys):
+    from pipetransformer import cli
+
+    def main(*argv):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["compare", QUICKSTART, *argv])
+        return exit_.value.code
+
+    out = tmp_path / "cmp"
+    assert main("trainer.epochs=2", "--budgets", "1", "--out", str(out)) == 0
+    assert [name for _, name, _ in fake_training] == ["baseline", "elastic", "ddp_1ep"]
+    assert "--budgets 1" in json.loads((out / "results.json").read_text())["command"]
+    fake_training.clear()
+    # --peers without --budgets: the default ladder below the config's epochs (1 of 2);
+    # 'none' turns it off.
+    assert (
+        main("trainer.epochs=2", "--peers", "--budgets", "none", "--out", str(tmp_path / "p")) == 0
+    )
+    assert not [name for _, name, _ in fake_training if budget_of(name) is not None]
+    fake_training.clear()
+    assert main("trainer.epochs=2", "--peers", "--out", str(tmp_path / "ladder")) == 0
+    assert [name for _, name, _ in fake_training if budget_of(name) is not None] == ["ddp_1ep"]
+    assert main("--budgets", "0", "--out", str(out)) == 2
+    assert main("--budgets", "1,1", "--out", str(out)) == 2
+    assert main("--out", str(out), "--report-only", "--budgets", "1") == 2
+    assert "leave out --seeds/--repeats/--budgets" in capsys.readouterr().err
