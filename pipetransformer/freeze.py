@@ -240,19 +240,9 @@ def bound_trajectory(
     return values
 
 
-def gradient_norm_decision(
-    num_frozen_layers: int,
-    layer_grad_norms: Sequence[float],
-    alpha: float,
-    max_frozen_layers: int,
-    inclusive: bool = False,
-    bounded: bool = True,
-) -> int:
-    """Eq. 1 (module docstring): `inclusive` freezes the argmin layer too; `bounded` False
-    drops the bound (freeze.eq1_bound)."""
-    return gradient_norm_outcome(
-        num_frozen_layers, layer_grad_norms, alpha, max_frozen_layers, inclusive, bounded
-    ).num_frozen_layers
+def gradient_norm_decision(*args, **kwargs) -> int:
+    """`gradient_norm_outcome`'s layer count (the same arguments)."""
+    return gradient_norm_outcome(*args, **kwargs).num_frozen_layers
 
 
 def gradient_norm_outcome(
@@ -263,7 +253,8 @@ def gradient_norm_outcome(
     inclusive: bool = False,
     bounded: bool = True,
 ) -> FreezeOutcome:
-    """`gradient_norm_decision` with what decided it."""
+    """Eq. 1 (module docstring) and what decided it: `inclusive` freezes the argmin layer
+    too; `bounded` False drops the bound (freeze.eq1_bound)."""
     if any(norm < 0 for norm in layer_grad_norms):
         raise ValueError("gradient_norm: gradient norms must not be negative")
     num_layers = len(layer_grad_norms)
@@ -292,19 +283,9 @@ def signal_fraction(momentum_sq: float, mean_grad_sq: float, beta: float) -> flo
     return min(1.0, max(0.0, (momentum_sq / mean_grad_sq - floor) / (1 - floor)))
 
 
-def signal_to_noise_decision(
-    num_frozen_layers: int,
-    layer_signal_fractions: Sequence[float],
-    alpha: float,
-    threshold: float,
-    max_frozen_layers: int,
-    bounded: bool = True,
-) -> int:
-    """The `signal_to_noise` rule (module docstring): from F up, the layers whose gradient is
-    mostly noise freeze, up to the first that is not, at most B(F)."""
-    return signal_to_noise_outcome(
-        num_frozen_layers, layer_signal_fractions, alpha, threshold, max_frozen_layers, bounded
-    ).num_frozen_layers
+def signal_to_noise_decision(*args, **kwargs) -> int:
+    """`signal_to_noise_outcome`'s layer count (the same arguments)."""
+    return signal_to_noise_outcome(*args, **kwargs).num_frozen_layers
 
 
 def signal_to_noise_outcome(
@@ -315,7 +296,9 @@ def signal_to_noise_outcome(
     max_frozen_layers: int,
     bounded: bool = True,
 ) -> FreezeOutcome:
-    """`signal_to_noise_decision` with what decided it."""
+    """The `signal_to_noise` rule (module docstring) and what decided it: from F up, the
+    layers whose gradient is mostly noise freeze, up to the first that is not, at most
+    B(F)."""
     if not 0 <= threshold <= 1:
         raise ValueError(f"signal_to_noise: threshold must be in [0, 1], got {threshold}")
     if any(rho < 0 for rho in layer_signal_fractions if not math.isnan(rho)):
@@ -354,23 +337,9 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * fraction
 
 
-def autofreeze_decision(
-    num_frozen_layers: int,
-    layer_grad_sums: Sequence[float],
-    previous_layer_grad_sums: Sequence[float] | None,
-    percentile_q: float,
-    max_frozen_layers: int,
-) -> int:
-    """The `autofreeze` rule (module docstring): `layer_grad_sums` are this interval's
-    per-layer L1 norms of the accumulated gradient (per step), the previous ones those the
-    previous decision saw (None or empty at the first decision: nothing freezes)."""
-    return autofreeze_outcome(
-        num_frozen_layers,
-        layer_grad_sums,
-        previous_layer_grad_sums,
-        percentile_q,
-        max_frozen_layers,
-    ).num_frozen_layers
+def autofreeze_decision(*args, **kwargs) -> int:
+    """`autofreeze_outcome`'s layer count (the same arguments)."""
+    return autofreeze_outcome(*args, **kwargs).num_frozen_layers
 
 
 def autofreeze_outcome(
@@ -380,7 +349,10 @@ def autofreeze_outcome(
     percentile_q: float,
     max_frozen_layers: int,
 ) -> FreezeOutcome:
-    """`autofreeze_decision` with what decided it (the rule has no bound)."""
+    """The `autofreeze` rule (module docstring) and what decided it (it has no bound):
+    `layer_grad_sums` are this interval's per-layer L1 norms of the accumulated gradient
+    (per step), the previous ones those the previous decision saw (None or empty at the
+    first decision: nothing freezes)."""
     num_layers = len(layer_grad_sums)
     previous_sums = [] if previous_layer_grad_sums is None else list(previous_layer_grad_sums)
     if previous_sums and len(previous_sums) != num_layers:
@@ -612,26 +584,9 @@ def _relative_change(previous_norm: float, norm: float) -> float:
     return abs(norm - previous_norm) / previous_norm
 
 
-def convergence_decision(
-    num_frozen_layers: int,
-    layer_grad_norms: Sequence[float],
-    previous_layer_grad_norms: Sequence[float] | None,
-    alpha: float,
-    threshold: float,
-    max_frozen_layers: int,
-    bounded: bool = True,
-) -> int:
-    """The `convergence` rule (module docstring): `previous_layer_grad_norms` are the norms
-    the previous decision saw, None or empty at the first decision."""
-    return convergence_outcome(
-        num_frozen_layers,
-        layer_grad_norms,
-        previous_layer_grad_norms,
-        alpha,
-        threshold,
-        max_frozen_layers,
-        bounded,
-    ).num_frozen_layers
+def convergence_decision(*args, **kwargs) -> int:
+    """`convergence_outcome`'s layer count (the same arguments)."""
+    return convergence_outcome(*args, **kwargs).num_frozen_layers
 
 
 def convergence_outcome(
@@ -643,7 +598,9 @@ def convergence_outcome(
     max_frozen_layers: int,
     bounded: bool = True,
 ) -> FreezeOutcome:
-    """`convergence_decision` with what decided it."""
+    """The `convergence` rule (module docstring) and what decided it:
+    `previous_layer_grad_norms` are the norms the previous decision saw, None or empty at
+    the first decision."""
     num_layers = len(layer_grad_norms)
     previous_norms = [] if previous_layer_grad_norms is None else list(previous_layer_grad_norms)
     if previous_norms and len(previous_norms) != num_layers:
