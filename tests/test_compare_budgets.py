@@ -273,6 +273,11 @@ def test_budgets_through_the_command_line(tmp_path, fake_training, capsys):
     fake_training.clear()
     assert main("trainer.epochs=2", "--peers", "--out", str(tmp_path / "ladder")) == 0
     assert [name for _, name, _ in fake_training if budget_of(name) is not None] == ["ddp_1ep"]
+    # --variants without DDP (a model whose replica does not fit): no default ladder.
+    fake_training.clear()
+    only = ["--variants", "fsdp,freeze_fsdp", "--out", str(tmp_path / "fsdp")]
+    assert main("trainer.epochs=2", "--peers", *only) == 0
+    assert not [name for _, name, _ in fake_training if budget_of(name) is not None]
     assert main("--budgets", "0", "--out", str(out)) == 2
     assert main("--budgets", "1,1", "--out", str(out)) == 2
     assert main("--out", str(out), "--report-only", "--budgets", "1") == 2

@@ -195,8 +195,8 @@ def run_compare(
     """Run every variant (once per seed with `seeds`), then write the outputs. A variant whose
     run directory holds a finished run (summary.json) is not run again. `only`: of the
     variants, these (and the baseline and the full system, which the report needs).
-    `budgets`: DDP also at these epochs (compare/budgets.py); None: with `peers` the
-    default ladder below the config's epochs, else none."""
+    `budgets`: DDP also at these epochs (compare/budgets.py); None: with `peers` (and DDP
+    among the variants run) the default ladder below the config's epochs, else none."""
     if config.freeze.strategy == "none":
         raise ConfigError(
             "freeze.strategy: compare needs a freeze strategy (the baseline turns it off)"
@@ -215,8 +215,8 @@ def run_compare(
             )
         variants = {k: v for k, v in variants.items() if k in {*only, BASELINE, ELASTIC}}
     ladder = budgets
-    if ladder is None:
-        ladder = default_ladder(config.trainer.epochs) if peers else []
+    if ladder is None:  # with --peers, DDP's default ladder, unless --variants left DDP out
+        ladder = default_ladder(config.trainer.epochs) if peers and DDP in variants else []
     ddp = variant_overrides(config, ablations=False, peers=True)[DDP]
     variants.update(budget_variants(config, ladder, ddp, peers and DDP in variants))
     # Seed by seed, so that an interrupted comparison leaves whole seeds behind; within a
