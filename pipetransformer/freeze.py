@@ -82,7 +82,13 @@ Accelerate Fine-tuning", 2021, and its released code)
     default, which the released code calls). Its first decision only measures; a layer
     without a usable ratio (a previous signal of 0, a NaN or infinite one) ranks as
     unconverged (the released code gives such a layer 0). Its interval in the released code
-    is a tenth of the run's steps: `freeze.interval_steps: auto` gives that for this rule.
+    is the run's steps over `--num_intervals`, rounded down: 10 by its argparse default, 20
+    in its README's command; `freeze.interval_steps: auto` gives that for this rule, with
+    `freeze.num_intervals` (default 10). Its code sums the raw gradients, before its
+    optimizer clips them, and trains the embedding until the first layer freezes:
+    `freeze.signal_gradients: auto` (raw for this rule) and `freeze.embedding: false` (the
+    default) do the same; `freeze.embedding: true` (frozen from the first step) is this
+    project's option, not AutoFreeze's.
 
 signal_to_noise (a layer has converged when its gradient is mostly minibatch noise)
     rho_l = clamp((r_l - c) / (1 - c), 0, 1),  r_l = ||m_l||^2 / E||g_l||^2,
@@ -128,8 +134,28 @@ none
 
 T counts decision points from 1. The paper's T is an epoch ("iterations (i.e., epoch)",
 Appendix B): `freeze.interval_steps: null` decides at epoch ends (`DecisionSchedule`), the
-paper's cadence; 'auto' decides three times an epoch (a tenth of the run for autofreeze),
-three times the paper's pace for Eq. 1.
+paper's cadence; 'auto' decides three times an epoch (a tenth of the run for autofreeze,
+`freeze.num_intervals`), three times the paper's pace for Eq. 1.
+
+Without the bound (`freeze.eq1_bound: false`)
+    gradient_norm, gradient_norm_inclusive, convergence and signal_to_noise drop B(F): the
+    signal alone decides, up to `max_frozen_layers` (alpha is then unused). The paper's
+    alpha is in (0, 1), so alpha near 1 only raises the bound (F + ceil(alpha (L - F)) is L
+    for alpha > 1 - 1/(L - F)); dropping it is the explicit switch.
+
+Who decided (`FreezeOutcome.decided_by`, every decision recorded in events.jsonl and
+counted in summary.json)
+    Each rule with a signal first computes its own proposal P (the argmin for Eq. 1, the end
+    of the run of converged layers for convergence and signal_to_noise, the first layer at
+    the percentile for autofreeze); then F = max(F_prev, min(P, B, cap)). `signal`: P was
+    below min(B, cap), so the signal held freezing back; `agree`: P equalled it; `bound`:
+    P was above B (B <= cap), so Eq. 1's bound set F and the signal decided nothing;
+    `cap`: max_frozen_layers set it (or nothing was left to freeze); `no_signal`: the rule
+    had nothing to read (a first decision that only measures, no finite norm); `schedule`:
+    alpha_schedule and manual, which read no signal. Where the per-layer norms fall from
+    the bottom layer to the top (the pretrained MiniLM fine-tune of docs/benchmarks.md
+    section 16), Eq. 1's argmin is always the top layer, P = L - 1 exceeds B at every
+    decision, and every decision is `bound`: the rule runs as the bound's fixed schedule.
 """
 
 from __future__ import annotations
@@ -147,12 +173,49 @@ _ROUNDING_SLACK = 1e-6
 GRADIENT_RULES = ("gradient_norm", "gradient_norm_inclusive", "convergence", "signal_to_noise")
 # Strategies that read each layer's gradient summed over the decision interval.
 ACCUMULATED_RULES = ("autofreeze",)
-# 'auto' for autofreeze: its released code's interval, a tenth of the run's steps.
-AUTOFREEZE_DECISIONS_PER_RUN = 10
+
+# Who set a decision's layer count (FreezeOutcome.decided_by; module docstring, "Who decided").
+SIGNAL = "signal"  # the rule's signal, below what the bound and the cap allowed
+AGREE = "agree"  # the signal proposed exactly what the bound (or the cap) allowed
+BOUND = "bound"  # Eq. 1's bound: the signal would have frozen more
+CAP = "cap"  # max_frozen_layers (or every layer it allows is frozen already)
+SCHEDULE = "schedule"  # a rule without a signal: alpha_schedule, manual
+NO_SIGNAL = "no_signal"  # nothing to read yet (a first decision that only measures)
+DECIDERS = (SIGNAL, AGREE, BOUND, CAP, SCHEDULE, NO_SIGNAL)
+
+
+@dataclass(frozen=True)
+class FreezeOutcome:
+    """A decision and what set it: the layer count, the signal's own proposal (None: the
+    rule read no signal), Eq. 1's bound B(F) (None: the rule has none, or freeze.eq1_bound
+    is off), the cap, and which of them decided (`DECIDERS`)."""
+
+    num_frozen_layers: int
+    proposed: int | None
+    bound: int | None
+    cap: int
+    decided_by: str
 
 
 def _clamp(previous: int, proposed: int, max_frozen_layers: int) -> int:
     return max(previous, min(proposed, max_frozen_layers))
+
+
+def _outcome(previous: int, proposed: int | None, bound: int | None, cap: int) -> FreezeOutcome:
+    """F = clamp(min(proposed, bound, cap)) and which term set it."""
+    if previous >= cap:
+        return FreezeOutcome(previous, proposed, bound, cap, CAP)
+    if proposed is None:
+        return FreezeOutcome(previous, None, bound, cap, NO_SIGNAL)
+    allowed = cap if bound is None else min(bound, cap)
+    decided = _clamp(previous, min(proposed, allowed), cap)
+    if proposed < allowed:
+        by = SIGNAL
+    elif proposed == allowed:
+        by = AGREE
+    else:
+        by = BOUND if bound is not None and bound <= cap else CAP
+    return FreezeOutcome(decided, proposed, bound, cap, by)
 
 
 def eq1_bound(num_frozen_layers: int, num_layers: int, alpha: float) -> int:
@@ -177,28 +240,33 @@ def bound_trajectory(
     return values
 
 
-def gradient_norm_decision(
+def gradient_norm_decision(*args, **kwargs) -> int:
+    """`gradient_norm_outcome`'s layer count (the same arguments)."""
+    return gradient_norm_outcome(*args, **kwargs).num_frozen_layers
+
+
+def gradient_norm_outcome(
     num_frozen_layers: int,
     layer_grad_norms: Sequence[float],
     alpha: float,
     max_frozen_layers: int,
     inclusive: bool = False,
-) -> int:
-    """Eq. 1 (module docstring): `inclusive` freezes the argmin layer too."""
+    bounded: bool = True,
+) -> FreezeOutcome:
+    """Eq. 1 (module docstring) and what decided it: `inclusive` freezes the argmin layer
+    too; `bounded` False drops the bound (freeze.eq1_bound)."""
     if any(norm < 0 for norm in layer_grad_norms):
         raise ValueError("gradient_norm: gradient norms must not be negative")
     num_layers = len(layer_grad_norms)
     previous = num_frozen_layers
-    if previous >= min(max_frozen_layers, num_layers):
-        return previous
+    bound = eq1_bound(previous, num_layers, alpha) if bounded else None
+    cap = min(max_frozen_layers, num_layers)
     usable = [l for l in range(previous, num_layers) if math.isfinite(layer_grad_norms[l])]
-    if not usable:
-        return previous
+    if previous >= cap or not usable:
+        return _outcome(previous, None, bound, cap)
     # Ties go to the lower layer: fewer layers freeze when the signal is ambiguous.
     argmin = min(usable, key=lambda layer: (layer_grad_norms[layer], layer))
-    proposed = argmin + 1 if inclusive else argmin
-    bound = eq1_bound(previous, num_layers, alpha)
-    return _clamp(previous, min(bound, proposed), max_frozen_layers)
+    return _outcome(previous, argmin + 1 if inclusive else argmin, bound, cap)
 
 
 def signal_fraction(momentum_sq: float, mean_grad_sq: float, beta: float) -> float:
@@ -215,29 +283,42 @@ def signal_fraction(momentum_sq: float, mean_grad_sq: float, beta: float) -> flo
     return min(1.0, max(0.0, (momentum_sq / mean_grad_sq - floor) / (1 - floor)))
 
 
-def signal_to_noise_decision(
+def signal_to_noise_decision(*args, **kwargs) -> int:
+    """`signal_to_noise_outcome`'s layer count (the same arguments)."""
+    return signal_to_noise_outcome(*args, **kwargs).num_frozen_layers
+
+
+def signal_to_noise_outcome(
     num_frozen_layers: int,
     layer_signal_fractions: Sequence[float],
     alpha: float,
     threshold: float,
     max_frozen_layers: int,
-) -> int:
-    """The `signal_to_noise` rule (module docstring): from F up, the layers whose gradient is
-    mostly noise freeze, up to the first that is not, at most B(F)."""
+    bounded: bool = True,
+) -> FreezeOutcome:
+    """The `signal_to_noise` rule (module docstring) and what decided it: from F up, the
+    layers whose gradient is mostly noise freeze, up to the first that is not, at most
+    B(F)."""
     if not 0 <= threshold <= 1:
         raise ValueError(f"signal_to_noise: threshold must be in [0, 1], got {threshold}")
     if any(rho < 0 for rho in layer_signal_fractions if not math.isnan(rho)):
         raise ValueError("signal_to_noise: signal fractions must not be negative")
     num_layers = len(layer_signal_fractions)
     previous = num_frozen_layers
-    if previous >= min(max_frozen_layers, num_layers):
-        return previous
-    bound = eq1_bound(previous, num_layers, alpha)
-    proposed = previous
+    bound = eq1_bound(previous, num_layers, alpha) if bounded else None
+    cap = min(max_frozen_layers, num_layers)
     # NaN compares false: a layer without a measured gradient stops the freezing.
-    while proposed < min(bound, num_layers) and layer_signal_fractions[proposed] < threshold:
+    proposed = _run_below(previous, [rho < threshold for rho in layer_signal_fractions])
+    return _outcome(previous, proposed, bound, cap)
+
+
+def _run_below(previous: int, converged: Sequence[bool]) -> int:
+    """From `previous` up, the end of the run of consecutive converged layers: the signal's
+    proposal of the rules that freeze up to the first unconverged layer."""
+    proposed = previous
+    while proposed < len(converged) and converged[proposed]:
         proposed += 1
-    return _clamp(previous, proposed, max_frozen_layers)
+    return proposed
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -256,16 +337,22 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * fraction
 
 
-def autofreeze_decision(
+def autofreeze_decision(*args, **kwargs) -> int:
+    """`autofreeze_outcome`'s layer count (the same arguments)."""
+    return autofreeze_outcome(*args, **kwargs).num_frozen_layers
+
+
+def autofreeze_outcome(
     num_frozen_layers: int,
     layer_grad_sums: Sequence[float],
     previous_layer_grad_sums: Sequence[float] | None,
     percentile_q: float,
     max_frozen_layers: int,
-) -> int:
-    """The `autofreeze` rule (module docstring): `layer_grad_sums` are this interval's
-    per-layer L1 norms of the accumulated gradient (per step), the previous ones those the
-    previous decision saw (None or empty at the first decision: nothing freezes)."""
+) -> FreezeOutcome:
+    """The `autofreeze` rule (module docstring) and what decided it (it has no bound):
+    `layer_grad_sums` are this interval's per-layer L1 norms of the accumulated gradient
+    (per step), the previous ones those the previous decision saw (None or empty at the
+    first decision: nothing freezes)."""
     num_layers = len(layer_grad_sums)
     previous_sums = [] if previous_layer_grad_sums is None else list(previous_layer_grad_sums)
     if previous_sums and len(previous_sums) != num_layers:
@@ -277,27 +364,38 @@ def autofreeze_decision(
     if not 0 <= percentile_q <= 100:
         raise ValueError(f"autofreeze: percentile must be in [0, 100], got {percentile_q}")
     previous = num_frozen_layers
-    if not previous_sums or previous >= min(max_frozen_layers, num_layers):
-        return previous
+    cap = min(max_frozen_layers, num_layers)
+    if not previous_sums or previous >= cap:
+        return _outcome(previous, None, None, cap)
     active = range(previous, num_layers)
     ratios = {l: _relative_change(previous_sums[l], layer_grad_sums[l]) for l in active}
     cut = percentile(list(ratios.values()), percentile_q)
-    proposed = next(l for l in active if ratios[l] >= cut)
-    return _clamp(previous, proposed, max_frozen_layers)
+    return _outcome(previous, next(l for l in active if ratios[l] >= cut), None, cap)
 
 
 def alpha_schedule_decision(
     decision_index: int, num_layers: int, alpha: float, previous: int, max_frozen_layers: int
 ) -> int:
-    proposed = math.ceil(num_layers * (1 - (1 - alpha) ** decision_index) - _ROUNDING_SLACK)
-    return _clamp(previous, proposed, max_frozen_layers)
+    proposed = _closed_form(decision_index, num_layers, alpha)
+    return _scheduled(previous, proposed, max_frozen_layers).num_frozen_layers
+
+
+def _closed_form(decision_index: int, num_layers: int, alpha: float) -> int:
+    return math.ceil(num_layers * (1 - (1 - alpha) ** decision_index) - _ROUNDING_SLACK)
 
 
 def manual_decision(
     decision_index: int, schedule: Sequence[int], previous: int, max_frozen_layers: int
 ) -> int:
     proposed = schedule[min(decision_index, len(schedule)) - 1]
-    return _clamp(previous, proposed, max_frozen_layers)
+    return _scheduled(previous, proposed, max_frozen_layers).num_frozen_layers
+
+
+def _scheduled(previous: int, proposed: int, max_frozen_layers: int) -> FreezeOutcome:
+    """A rule without a signal: the schedule decides unless the cap holds it."""
+    decided = _clamp(previous, proposed, max_frozen_layers)
+    by = CAP if proposed > max_frozen_layers or previous >= max_frozen_layers else SCHEDULE
+    return FreezeOutcome(decided, None, None, max_frozen_layers, by)
 
 
 @dataclass
@@ -321,7 +419,11 @@ class FreezeDecider:
         """The rule reads each layer's gradient accumulated over the interval."""
         return self.config.strategy in ACCUMULATED_RULES
 
-    def decide(
+    def decide(self, decision_index: int, num_frozen_layers: int, *signals, **named) -> int:
+        """The layer count `outcome` decides (the same arguments)."""
+        return self.outcome(decision_index, num_frozen_layers, *signals, **named).num_frozen_layers
+
+    def outcome(
         self,
         decision_index: int,
         num_frozen_layers: int,
@@ -330,72 +432,70 @@ class FreezeDecider:
         layer_signal_fractions: Sequence[float] | None = None,
         layer_grad_sums: Sequence[float] | None = None,
         previous_layer_grad_sums: Sequence[float] | None = None,
-    ) -> int:
-        """`previous_layer_grad_norms`: the norms the previous decision saw (convergence
-        only; the caller keeps them, in the run state, so they survive a resume).
-        `layer_signal_fractions`: per layer, `signal_fraction` (signal_to_noise only).
-        `layer_grad_sums` and the previous decision's: per layer, the L1 norm of the
-        gradient accumulated over the interval, per step (autofreeze only)."""
+    ) -> FreezeOutcome:
+        """The decision and what set it. `previous_layer_grad_norms`: the norms the previous
+        decision saw (convergence only; the caller keeps them, in the run state, so they
+        survive a resume). `layer_signal_fractions`: per layer, `signal_fraction`
+        (signal_to_noise only). `layer_grad_sums` and the previous decision's: per layer,
+        the L1 norm of the gradient accumulated over the interval, per step (autofreeze
+        only)."""
         if decision_index < 1:
             raise ValueError("decision points are counted from 1")
         strategy = self.config.strategy
+        cap = self.max_frozen_layers
+        bounded = self.config.eq1_bound
         if strategy == "none":
-            return num_frozen_layers
+            return FreezeOutcome(num_frozen_layers, None, None, cap, SCHEDULE)
         norms_missing = layer_grad_norms is None or len(layer_grad_norms) != self.num_layers
         if self.needs_grad_norms and norms_missing:
             raise ValueError(f"{strategy} needs {self.num_layers} layer gradient norms")
         if strategy in ("gradient_norm", "gradient_norm_inclusive"):
-            return gradient_norm_decision(
+            return gradient_norm_outcome(
                 num_frozen_layers,
                 layer_grad_norms,
                 self.config.alpha,
-                self.max_frozen_layers,
+                cap,
                 inclusive=strategy == "gradient_norm_inclusive",
+                bounded=bounded,
             )
         if strategy == "convergence":
-            return convergence_decision(
+            return convergence_outcome(
                 num_frozen_layers,
                 layer_grad_norms,
                 previous_layer_grad_norms,
                 self.config.alpha,
                 self.config.convergence_threshold,
-                self.max_frozen_layers,
+                cap,
+                bounded,
             )
         if strategy == "signal_to_noise":
             if layer_signal_fractions is None or len(layer_signal_fractions) != self.num_layers:
                 raise ValueError(f"{strategy} needs {self.num_layers} layer signal fractions")
-            return signal_to_noise_decision(
+            return signal_to_noise_outcome(
                 num_frozen_layers,
                 layer_signal_fractions,
                 self.config.alpha,
                 self.config.signal_threshold,
-                self.max_frozen_layers,
+                cap,
+                bounded,
             )
         if strategy == "autofreeze":
             if layer_grad_sums is None or len(layer_grad_sums) != self.num_layers:
                 raise ValueError(f"{strategy} needs {self.num_layers} layer gradient sums")
-            return autofreeze_decision(
+            return autofreeze_outcome(
                 num_frozen_layers,
                 layer_grad_sums,
                 previous_layer_grad_sums,
                 self.config.percentile,
-                self.max_frozen_layers,
+                cap,
             )
         if strategy == "alpha_schedule":
-            return alpha_schedule_decision(
-                decision_index,
-                self.num_layers,
-                self.config.alpha,
-                num_frozen_layers,
-                self.max_frozen_layers,
-            )
+            proposed = _closed_form(decision_index, self.num_layers, self.config.alpha)
+            return _scheduled(num_frozen_layers, proposed, cap)
         if strategy == "manual":
-            return manual_decision(
-                decision_index,
-                self.config.manual_schedule,
-                num_frozen_layers,
-                self.max_frozen_layers,
-            )
+            schedule = self.config.manual_schedule
+            proposed = schedule[min(decision_index, len(schedule)) - 1]
+            return _scheduled(num_frozen_layers, proposed, cap)
         raise ValueError(f"freeze.strategy: unknown strategy '{strategy}'")
 
 
@@ -429,10 +529,12 @@ class DecisionSchedule:
         """`steps_per_epoch`: of the layout the run starts in (what 'auto' divides);
         `min_interval_steps`: the lower bound 'measured' has learnt from transition costs
         ('auto' ignores it: its interval is a function of the config alone); `epochs`: the
-        run's, for autofreeze's 'auto' (a tenth of the run's steps, as its code has it)."""
+        run's, for autofreeze's 'auto' (the run's steps over `freeze.num_intervals`, rounded
+        down, as its code has it)."""
         interval = config.interval_steps
         if interval == "auto" and config.strategy == "autofreeze":
-            interval = math.ceil(steps_per_epoch * epochs / AUTOFREEZE_DECISIONS_PER_RUN)
+            # As AutoFreeze's code cuts the run: int(epochs * steps / num_intervals).
+            interval = max(1, steps_per_epoch * epochs // config.num_intervals)
         elif interval == "auto":
             interval = math.ceil(steps_per_epoch / DECISIONS_PER_EPOCH)
         elif interval == "measured":
@@ -482,16 +584,23 @@ def _relative_change(previous_norm: float, norm: float) -> float:
     return abs(norm - previous_norm) / previous_norm
 
 
-def convergence_decision(
+def convergence_decision(*args, **kwargs) -> int:
+    """`convergence_outcome`'s layer count (the same arguments)."""
+    return convergence_outcome(*args, **kwargs).num_frozen_layers
+
+
+def convergence_outcome(
     num_frozen_layers: int,
     layer_grad_norms: Sequence[float],
     previous_layer_grad_norms: Sequence[float] | None,
     alpha: float,
     threshold: float,
     max_frozen_layers: int,
-) -> int:
-    """The `convergence` rule (module docstring): `previous_layer_grad_norms` are the norms
-    the previous decision saw, None or empty at the first decision."""
+    bounded: bool = True,
+) -> FreezeOutcome:
+    """The `convergence` rule (module docstring) and what decided it:
+    `previous_layer_grad_norms` are the norms the previous decision saw, None or empty at
+    the first decision."""
     num_layers = len(layer_grad_norms)
     previous_norms = [] if previous_layer_grad_norms is None else list(previous_layer_grad_norms)
     if previous_norms and len(previous_norms) != num_layers:
@@ -504,12 +613,12 @@ def convergence_decision(
     if not threshold >= 0:
         raise ValueError(f"convergence: threshold must be >= 0, got {threshold}")
     previous = num_frozen_layers
-    if not previous_norms or previous >= min(max_frozen_layers, num_layers):
-        return previous
-    bound = eq1_bound(previous, num_layers, alpha)
-    proposed = previous
-    while proposed < min(bound, num_layers) and (
-        _relative_change(previous_norms[proposed], layer_grad_norms[proposed]) < threshold
-    ):
-        proposed += 1
-    return _clamp(previous, proposed, max_frozen_layers)
+    bound = eq1_bound(previous, num_layers, alpha) if bounded else None
+    cap = min(max_frozen_layers, num_layers)
+    if not previous_norms:
+        return _outcome(previous, None, bound, cap)
+    converged = [
+        _relative_change(before, now) < threshold
+        for before, now in zip(previous_norms, layer_grad_norms)
+    ]
+    return _outcome(previous, _run_below(previous, converged), bound, cap)

@@ -103,12 +103,32 @@ def test_signal_to_noise_refuses_coupled_weight_decay():
 
 
 def test_auto_interval_is_a_tenth_of_the_run_for_autofreeze():
+    """As AutoFreeze's code cuts the run: int(epochs * steps / num_intervals), 10 by its
+    argparse default, 20 in its README's command."""
     auto = DecisionSchedule.for_config(FreezeConfig(strategy="autofreeze"), 125, epochs=3)
-    assert auto.interval_steps == 38  # ceil(375 / 10)
+    assert auto.interval_steps == 37  # int(375 / 10)
+    twentieth = FreezeConfig(strategy="autofreeze", num_intervals=20)
+    assert DecisionSchedule.for_config(twentieth, 125, epochs=3).interval_steps == 18
+    tiny = FreezeConfig(strategy="autofreeze", num_intervals=20)
+    assert DecisionSchedule.for_config(tiny, 3, epochs=1).interval_steps == 1  # at least 1
     eq1 = DecisionSchedule.for_config(FreezeConfig(strategy="gradient_norm"), 125, epochs=3)
     assert eq1.interval_steps == 42  # three an epoch
     pinned = FreezeConfig(strategy="autofreeze", interval_steps=None)
     assert DecisionSchedule.for_config(pinned, 125, epochs=3).interval_steps is None
+    with pytest.raises(ConfigError, match="freeze.num_intervals"):
+        config_from_dict({"freeze": {"strategy": "autofreeze", "num_intervals": 0}})
+
+
+def test_the_signal_reads_raw_gradients_for_autofreeze_and_clipped_for_the_others():
+    """AutoFreeze's code sums param.grad before its optimizer clips; freeze.signal_gradients
+    picks either for any rule."""
+    assert FreezeConfig(strategy="autofreeze").signal_before_clipping
+    assert not FreezeConfig(strategy="gradient_norm").signal_before_clipping
+    clipped = FreezeConfig(strategy="autofreeze", signal_gradients="clipped")
+    assert not clipped.signal_before_clipping
+    assert FreezeConfig(strategy="gradient_norm", signal_gradients="raw").signal_before_clipping
+    with pytest.raises(ConfigError, match="freeze.signal_gradients"):
+        config_from_dict({"freeze": {"signal_gradients": "unclipped"}})
 
 
 def test_a_frozen_embedding_is_the_frozen_prefix_from_the_start():
@@ -152,3 +172,43 @@ def test_pipeline_hands_the_rule_what_one_process_measures(tmp_path):
                 assert torch.equal(value, result["embedding_after"][key]), key
     holders = [r for r in [*piped, alone] if r["embedding_before"] is not None]
     assert len(holders) == 2  # stage 0's rank and the single process
+
+
+@pytest.mark.distributed
+def test_the_raw_signal_is_the_gradient_before_clipping_and_every_decision_is_recorded(tmp_path):
+    """One process, two steps, one decision after the first: with a clip far below the
+    gradient's norm, the raw signal (AutoFreeze's: param.grad before its optimizer clips)
+    equals an unclipped run's, and the clipped signal is smaller. Each decision is an event
+    (freeze_decision) and summary.json counts what decided it."""
+    import json
+
+    from helpers import run_workers
+    from reference import elastic_config
+    from workers import freeze_signal_run
+
+    def run(name, **changes):
+        config = elastic_config(
+            trainer__nproc_per_node=1,
+            trainer__epochs=1,
+            pipeline__initial_pipe_len=1,
+            freeze__strategy="autofreeze",
+            freeze__manual_schedule=[],
+            freeze__interval_steps=1,
+            data__train_subset=64,
+            **changes,
+        )
+        (result,) = run_workers(freeze_signal_run, 1, config, str(tmp_path / name))
+        return result["sums"]
+
+    unclipped = run("unclipped", freeze__signal_gradients="clipped")
+    raw = run("raw", optimizer__max_grad_norm=1e-4)  # 'auto' is raw for autofreeze
+    clipped = run("clipped", optimizer__max_grad_norm=1e-4, freeze__signal_gradients="clipped")
+    assert raw == pytest.approx(unclipped, rel=1e-6)
+    assert all(c < 0.01 * r for c, r in zip(clipped, raw))
+    events = [json.loads(line) for line in (tmp_path / "raw" / "events.jsonl").open()]
+    decisions = [e for e in events if e["kind"] == "freeze_decision"]
+    assert [(d["decision_index"], d["global_step"], d["decided_by"]) for d in decisions] == [
+        (1, 1, "no_signal")  # autofreeze's first decision only measures
+    ]
+    summary = json.loads((tmp_path / "raw" / "summary.json").read_text())
+    assert summary["freeze_decisions"] == 1 and summary["freeze_decided_by"] == {"no_signal": 1}

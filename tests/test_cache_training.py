@@ -148,3 +148,69 @@ def test_no_shared_memory_left_after_sigkill(tmp_path):
     while time.time() < deadline and any(os.path.lexists(name) for name in started):
         time.sleep(0.2)
     assert [name for name in started if os.path.lexists(name)] == []
+
+
+def tiny_squad(path: Path) -> Path:
+    """A SQuAD v1.1 file written here: 8 short paragraphs, 3 questions each."""
+    paragraphs = []
+    for p in range(8):
+        city, year, king = f"town{p}", str(1700 + 7 * p), f"ruler{p}"
+        context = (
+            f"The treaty number {p} was signed in {city} in {year} by {king} after a long war "
+            f"between the northern and the southern provinces of the old kingdom."
+        )
+        questions = [
+            (f"Where was treaty {p} signed?", city),
+            (f"When was treaty {p} signed?", year),
+            (f"Who signed treaty {p}?", king),
+        ]
+        qas = [
+            {
+                "id": f"{p}-{i}",
+                "question": question,
+                "answers": [{"text": answer, "answer_start": context.index(answer)}],
+            }
+            for i, (question, answer) in enumerate(questions)
+        ]
+        paragraphs.append({"context": context, "qas": qas})
+    path.write_text(
+        json.dumps({"version": "1.1", "data": [{"title": "t", "paragraphs": paragraphs}]})
+    )
+    return path
+
+
+def test_the_shipped_squad_config_caches_and_trains_as_recomputing(tmp_path):
+    """configs/bert_squad_local.yaml enables AutoCache (as the frontier that chose its freeze
+    settings ran): question answering's windows are served from the cache once frozen, and
+    training is the same as recomputing them (float32 storage)."""
+    data = tiny_squad(tmp_path / "squad.json")
+    common = [
+        f"data.root={data}",
+        f"data.eval_root={data}",
+        "data.train_subset=null",
+        "data.eval_subset=null",
+        "trainer.epochs=3",
+        "trainer.global_batch_size=8",
+        "freeze.strategy=manual",
+        "freeze.manual_schedule=[2]",
+        "trainer.progress_bar=false",
+        f"cache.dir={tmp_path / 'cache'}",
+        "cache.profile=false",  # serve even where this tiny model recomputes faster
+    ]
+    shipped = load_config(ROOT / "configs" / "bert_squad_local.yaml")
+    assert shipped.cache.enabled
+    found = {}
+    for name, cache in (("plain", "false"), ("cached", "true")):
+        config = load_config(
+            ROOT / "configs" / "bert_squad_local.yaml", [*common, f"cache.enabled={cache}"]
+        )
+        run_workers(elastic_run, 2, config.to_dict(), str(tmp_path / name))
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        found[name] = [json.loads(line) for line in lines]
+    plain, cached = found["plain"], found["cached"]
+    assert [m["num_frozen_layers"] for m in cached] == [0, 2, 2]  # metrics: before the decision
+    assert cached[-1]["cache_hits"] > 0 and cached[-1]["cache_misses"] == 0
+    for a, b in zip(plain, cached):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-3)
+        assert a["eval_metric"] == pytest.approx(b["eval_metric"], abs=0.02)
+    assert own_stores(tmp_path / "cache") == []

@@ -223,8 +223,9 @@ def test_plots_are_pngs_with_the_expected_series(tmp_path):
 
 @pytest.mark.slow
 def test_compare_command_end_to_end(tmp_path):
-    """Slow: ~150 s on 2 cores (`compare --peers` runs seven variants: the baseline, DDP,
-    the plain timm + DDP loop, freeze + DDP, FSDP2, freeze + FSDP2 and the full system)."""
+    """Slow: ~170 s on 2 cores (`compare --peers` runs seven variants: the baseline, DDP,
+    the plain timm + DDP loop, freeze + DDP, FSDP2, freeze + FSDP2 and the full system, and
+    DDP for 1 epoch, the default budget ladder below the config's 2)."""
     out = tmp_path / "cmp"
     result = subprocess.run(
         [
@@ -279,6 +280,12 @@ def test_compare_command_end_to_end(tmp_path):
         "freeze_fsdp": [(1, 2, 0), (1, 2, 5)],
         "elastic": [(2, 1, 0), (1, 2, 5)],
     }
+    # DDP's budget curve: 1 epoch (its own run, schedule fitted) and the DDP variant's 2.
+    curve = results["time_to_accuracy"]
+    assert curve["curve_variants"] == ["ddp_1ep", "ddp"]
+    assert json.loads((out / "ddp_1ep" / "summary.json").read_text())["epochs"] == 1
+    assert {v["variant"] for v in curve["variants"]} >= {"baseline", "elastic", "torch_ddp"}
+    assert {(r["variant"], len(r["epochs"])) for r in results["runs"]} >= {("ddp_1ep", 1)}
     assert results["variants"]["fsdp"]["sharded"] and results["variants"]["freeze_fsdp"]["sharded"]
     assert not results["variants"]["elastic"]["sharded"]
     matrix = results["speedup_matrix"]

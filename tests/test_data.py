@@ -171,9 +171,12 @@ def test_eval_root_is_checked_before_any_worker(shared_data, tmp_path):
             validate_data_files(DataConfig(name="squad", root=root, eval_root=str(cut)))
 
 
-def test_sst2_holdout_is_one_fixed_test_set_disjoint_from_training(shared_data):
+def test_sst2_holdout_is_one_fixed_test_set_disjoint_from_training(shared_data, caplog):
     """data.holdout: the same held-out sentences for every seed (every variant of a
-    comparison is scored on them), none of them trained on."""
+    comparison is scored on them), none of them trained on; but SST-2's training rows are
+    phrases of the same sentences, so held-out rows share text with training rows (most
+    occur word for word inside another training phrase, where no dev sentence does), and
+    the run says so."""
     from pipetransformer.config import DataConfig
     from pipetransformer.data import build_data
     from pipetransformer.data.text import holdout_split, read_sst2_tsv
@@ -184,8 +187,14 @@ def test_sst2_holdout_is_one_fixed_test_set_disjoint_from_training(shared_data):
     assert not set(map(id, held)) & set(map(id, pool))  # positions, not equal strings
     again = holdout_split(sentences, labels, 5000)[1]
     assert again == (held, held_labels)
+    text = " " + " \n ".join(p.strip() for p in pool) + " "
+    inside = sum(f" {h.strip()} " in text for h in held[:500])
+    dev, _ = read_sst2_tsv(shared_data / "sst2" / "dev.tsv")
+    assert inside > 400 and sum(f" {d.strip()} " in text for d in dev[:500]) < 5
     config = DataConfig(name="sst2", root=str(shared_data / "sst2"), holdout=300, train_subset=64)
-    bundles = [build_data(config, seed=s) for s in (0, 1)]
+    with caplog.at_level("WARNING"):
+        bundles = [build_data(config, seed=s) for s in (0, 1)]
+    assert "share text with the phrases that train" in caplog.text
     assert len(bundles[0].eval) == 300 and len(bundles[0].train) == 64
     # The same sentences (a random model's word vocabulary comes from the training subset,
     # which differs by seed, so compare what does not depend on it).

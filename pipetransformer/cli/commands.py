@@ -336,10 +336,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.report_only:
         if not args.out:
             raise ConfigError("--report-only needs --out DIR: the directory of an earlier compare")
-        if seeds is not None:
+        if seeds is not None or args.budgets is not None:
             raise ConfigError(
-                "--report-only reads the seeds from the seed-<s>/ directories in --out: "
-                "leave out --seeds/--repeats"
+                "--report-only reads the seeds and budgets from the directories in --out: "
+                "leave out --seeds/--repeats/--budgets"
             )
         return rebuild_compare(config, args.config, args.overrides, Path(args.out), args.margin)
     if args.margin is not None and seeds is None:
@@ -362,6 +362,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         seeds=seeds,
         margin_points=args.margin,
         only=args.variants,
+        budgets=args.budgets,
     )
 
 

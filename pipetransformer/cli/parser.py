@@ -22,6 +22,19 @@ def _seed_list(text: str) -> list[int]:
     return seeds
 
 
+def _budget_list(text: str) -> list[int]:
+    """--budgets 1,2,3: distinct epoch counts >= 1; 'none': no budget run."""
+    if text.strip().lower() == "none":
+        return []
+    try:
+        budgets = [int(word) for word in text.split(",") if word.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}': not integers, comma-separated") from None
+    if not budgets or min(budgets) < 1 or len(set(budgets)) != len(budgets):
+        raise argparse.ArgumentTypeError(f"'{text}': give distinct epoch counts >= 1, or none")
+    return sorted(budgets)
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -186,6 +199,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="POINTS",
         help="non-inferiority margin in metric points (default 1.0): a variant is 'not worse' "
         "when the 95%% interval of its difference to the baseline lies above -POINTS",
+    )
+    compare.add_argument(
+        "--budgets",
+        type=_budget_list,
+        default=None,
+        metavar="E,E,...|none",
+        help="also run DDP for these epochs, each with its schedule fitted to its budget, and "
+        "report every variant's time-to-accuracy and accuracy at equal time against DDP's "
+        "curve (default with --peers: a ladder below the config's epochs; 'none': no budget)",
     )
     compare.add_argument(
         "--out", default=None, help="output directory (default: runs/compare/<config>-<time>)"

@@ -175,3 +175,47 @@ def write_seeded_plots(
         ),
         "seeds.png": plot_seed_summary(stats, metric, out / "seeds.png"),
     }
+
+
+def plot_accuracy_time(series: dict[str, Any], metric: str, path: Path) -> dict[str, Any]:
+    """Final metric against training time (compare/budgets.py's `plot_series`): DDP's budget
+    points and its monotone curve through their means, every variant's point; mean ± std
+    over the seeds on both axes."""
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    curve = series["ddp_curve"]
+    if curve:
+        times = [p["time_s"] for p in curve]
+        best, envelope = float("-inf"), []
+        for point in curve:
+            best = max(best, point["metric"])
+            envelope.append(best)
+        ax.errorbar(
+            times,
+            [p["metric"] for p in curve],
+            xerr=[p["time_std"] for p in curve],
+            yerr=[p["metric_std"] for p in curve],
+            fmt="s",
+            color="black",
+            capsize=3,
+            label="DDP at each budget (schedule fitted)",
+        )
+        ax.plot(times, envelope, color="black", linewidth=1, label="DDP's curve (monotone)")
+    for name, point in series["variants"].items():
+        ax.errorbar(
+            point["time_s"],
+            point["metric"],
+            xerr=point["time_std"],
+            yerr=point["metric_std"],
+            fmt="o",
+            capsize=3,
+            label=name,
+        )
+    ax.set_xlabel("training time (s)")
+    ax.set_ylabel(f"final {metric}")
+    ax.set_title(f"Final {metric} against training time (mean ± std over seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return series

@@ -219,7 +219,8 @@ def write_report(
         lines += ["", f"## Seed {results['detail_seed']} in detail"]
     lines += [
         "",
-        f"**Speedup {results['speedup']:.2f}x** (baseline wall time / elastic wall time); "
+        f"**Speedup {results['speedup']:.2f}x** (baseline wall time / elastic wall time, the "
+        "same epochs: a fixed-epoch speedup); "
         f"final {metric} "
         f"{runs[ELASTIC]['final_eval_metric']:.4f} vs {runs[BASELINE]['final_eval_metric']:.4f} "
         f"(delta {100 * results['eval_metric_delta']:+.2f} points).",
@@ -383,7 +384,7 @@ def seeded_section(stats: SeededStats, metric: str) -> list[str]:
 
 # A pair's speedup: the geometric mean of the per-seed ratios with its 95% interval, their
 # range, and the ratio of the mean wall times (compare/stats.py, PairStats).
-SPEEDUP_COLUMN = "speedup: geometric mean [95%] (min - max); of mean times"
+SPEEDUP_COLUMN = "fixed-epoch speedup: geometric mean [95%] (min - max); of mean times"
 
 
 def _pair_rows(pairs: tuple[PairStats, ...]) -> list[str]:

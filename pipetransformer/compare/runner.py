@@ -1,6 +1,8 @@
 """`pipetransformer compare`: the baseline and the elastic system, one after the other, on the
 same seed, data and machine; with --ablations also the paper's speedup breakdown (Fig. 9);
-with --seeds every variant once per seed (trainer.seed), in `seed-<s>/<variant>/`.
+with --seeds every variant once per seed (trainer.seed), in `seed-<s>/<variant>/`, in an
+order that rotates with the seed (compare/order.py); with --budgets (or --peers) DDP at
+several budgets too, every variant set against their curve (compare/budgets.py).
 
 Owns: the variants' overrides, running them (local worker processes), skipping runs that
 finished earlier (an interrupted comparison resumes), measuring the per-unit costs the ideal
@@ -20,6 +22,14 @@ from typing import Any
 
 import torch
 
+from pipetransformer.compare.budgets import (
+    add_to_results,
+    budget_of,
+    budget_variants,
+    default_ladder,
+    variant_title,
+)
+from pipetransformer.compare.order import record_order, rotated_order
 from pipetransformer.compare.peers import peer_for, run_peer
 from pipetransformer.compare.plots import write_plots, write_seeded_plots
 from pipetransformer.compare.report import (
@@ -180,10 +190,13 @@ def run_compare(
     seeds: list[int] | None = None,
     margin_points: float | None = None,
     only: list[str] | None = None,
+    budgets: list[int] | None = None,
 ) -> int:
     """Run every variant (once per seed with `seeds`), then write the outputs. A variant whose
     run directory holds a finished run (summary.json) is not run again. `only`: of the
-    variants, these (and the baseline and the full system, which the report needs)."""
+    variants, these (and the baseline and the full system, which the report needs).
+    `budgets`: DDP also at these epochs (compare/budgets.py); None: with `peers` (and DDP
+    among the variants run) the default ladder below the config's epochs, else none."""
     if config.freeze.strategy == "none":
         raise ConfigError(
             "freeze.strategy: compare needs a freeze strategy (the baseline turns it off)"
@@ -201,20 +214,42 @@ def run_compare(
                 f"--variants: {', '.join(unknown)} is not one of {', '.join(variants)}"
             )
         variants = {k: v for k, v in variants.items() if k in {*only, BASELINE, ELASTIC}}
-    # Seed by seed, so that an interrupted comparison leaves whole seeds behind.
-    plan = [(seed, name, extra) for seed in seeds or [None] for name, extra in variants.items()]
+    ladder = budgets
+    if ladder is None:  # with --peers, DDP's default ladder, unless --variants left DDP out
+        ladder = default_ladder(config.trainer.epochs) if peers and DDP in variants else []
+    ddp = variant_overrides(config, ablations=False, peers=True)[DDP]
+    variants.update(budget_variants(config, ladder, ddp, peers and DDP in variants))
+    # Seed by seed, so that an interrupted comparison leaves whole seeds behind; within a
+    # seed in an order that rotates with the seed (compare/order.py), recorded.
+    plan = [
+        (seed, name, variants[name])
+        for seed in seeds or [None]
+        for name in (
+            list(variants)
+            if seed is None
+            else record_order(seed_dir(out, seed), rotated_order(list(variants), seed))
+        )
+    ]
     for index, (seed, name, extra) in enumerate(plan, start=1):
         seeding = [] if seed is None else [f"trainer.seed={seed}"]
         run_dir = out / name if seed is None else seed_dir(out, seed) / name
-        label = f"[{index}/{len(plan)}] {TITLES[name]}" + ("" if seed is None else f", seed {seed}")
+        label = f"[{index}/{len(plan)}] {variant_title(name)}" + (
+            "" if seed is None else f", seed {seed}"
+        )
         variant_config = load_config(config_path, [*overrides, *extra, *seeding])
         if not _run_variant(variant_config, name, run_dir, label):
             return 1
     costs = measured_unit_costs(config)
     margin = DEFAULT_MARGIN_POINTS if margin_points is None else margin_points
     context = _context(config, config_path, overrides, ablations, peers, seeds, margin_points, only)
+    if budgets is not None:
+        context["command"] += " --budgets " + (",".join(map(str, budgets)) or "none")
     if seeds is None:
-        runs = {name: read_run(out / name) for name in variants if is_finished(out / name)}
+        runs = {
+            name: read_run(out / name)
+            for name in variants
+            if is_finished(out / name) and budget_of(name) is None
+        }
         refused = {name: refusal(out / name) for name in variants if refusal(out / name)}
         context["refused"] = refused
         return _write_outputs(runs, costs, context, config, out)
@@ -373,11 +408,21 @@ def _write_outputs(
 ) -> int:
     results = build_results(runs, costs, config.cache.enabled, context)
     plots = write_plots(runs, out)
-    results["plots"] = sorted(plots)
+    extra, extra_plots = add_to_results(results, out, None, runs[BASELINE]["metric_name"])
+    results["plots"] = sorted([*plots, *extra_plots])
     save_results(results, out)
-    print(write_report(results, out, sorted(plots)))
+    print(_with_section(write_report(results, out, sorted(plots)), extra, extra_plots, out))
     _say_where(out)
     return 0
+
+
+def _with_section(report: str, lines: list[str], plots: list[str], out: Path) -> str:
+    """report.md with the time-to-accuracy section (compare/budgets.py) appended."""
+    if not lines and not plots:
+        return report
+    text = report + "\n".join([*lines, "", *[f"![{p}]({p})" for p in plots]]) + "\n"
+    (out / "report.md").write_text(text)
+    return text
 
 
 def _write_seeded_outputs(
@@ -413,8 +458,11 @@ def _write_seeded_outputs(
     results = build_results(runs_by_seed[detail], costs, config.cache.enabled, context)
     results.update(detail_seed=detail, margin_points=margin_points, seeded=stats.to_dict())
     plots = write_seeded_plots(runs_by_seed, stats, detail, out)
-    results["plots"] = sorted(plots)
+    metric = runs_by_seed[detail][BASELINE]["metric_name"]
+    extra, extra_plots = add_to_results(results, out, list(runs_by_seed), metric)
+    results["plots"] = sorted([*plots, *extra_plots])
     save_results(results, out)
-    print(write_report(results, out, sorted(plots), stats))
+    report = write_report(results, out, sorted(plots), stats)
+    print(_with_section(report, extra, extra_plots, out))
     _say_where(out)
     return 0

@@ -47,9 +47,11 @@ class DataConfig:
     # Keep only the first N samples (after a seeded shuffle) of each split; None: all.
     train_subset: int | None = None
     eval_subset: int | None = None
-    # SST-2: evaluate on this many sentences held out of the training split (one fixed draw,
-    # the same for every trainer.seed, disjoint from what trains) instead of the 872 dev
-    # sentences; train_subset is then drawn from the rest. None: the dev split.
+    # SST-2: evaluate on this many phrases held out of the training split (one fixed draw,
+    # the same for every trainer.seed, no row of them trains) instead of the 872 dev
+    # sentences; train_subset is then drawn from the rest. SST-2's training rows are phrases
+    # of the same sentences, so held-out rows share text with training rows: the dev split
+    # is the clean test (docs/data.md). None: the dev split.
     holdout: int | None = None
     augment: bool = False
     download: bool = False

@@ -43,12 +43,25 @@ class FreezeConfig:
     # all-reduce, no optimizer state for it), as fine-tuning often does; the layers freeze as
     # the strategy decides. The baseline (strategy 'none') trains it.
     embedding: bool = False
+    # Eq. 1's bound B(F) = F + ceil(alpha (L - F)) on gradient_norm(_inclusive), convergence
+    # and signal_to_noise; false drops it: the rule's signal alone decides, up to
+    # max_frozen_layers (alpha unused). freeze.py, "Without the bound".
+    eq1_bound: bool = True
+    # Which gradients a rule's signal reads: 'raw' (after backward, before clipping: what
+    # AutoFreeze's code sums), 'clipped' (what the optimizer applies); 'auto': raw for
+    # autofreeze, clipped for the others.
+    signal_gradients: Literal["auto", "raw", "clipped"] = "auto"
     # Decision every N optimizer steps; null: at the end of every epoch; 'auto': three per
     # epoch of the starting layout's steps (from the data size and the batch: the same on
-    # any machine); 'measured' (opt-in): 'auto', spaced further apart when the run's first
-    # transition cost more than 5% of the time between decisions, which depends on the
-    # machine's load (docs/architecture.md, "Decision cadence").
+    # any machine), for autofreeze the run's steps over num_intervals; 'measured' (opt-in):
+    # 'auto', spaced further apart when the run's first transition cost more than 5% of the
+    # time between decisions, which depends on the machine's load (docs/architecture.md,
+    # "Decision cadence").
     interval_steps: int | Literal["auto", "measured"] | None = "auto"
+    # For strategy 'autofreeze' with interval_steps 'auto': decide every 1/num_intervals of
+    # the run's steps (AutoFreeze's --num_intervals: 10 its argparse default, 20 in the
+    # command its README gives).
+    num_intervals: int = 10
     # No decision before this many epochs have completed (layers must learn something first).
     warmup_epochs: int = 0
     # Most layers that may freeze; None: all but the last layer.
@@ -65,6 +78,8 @@ class FreezeConfig:
             _fail("freeze.signal_threshold", f"must be in [0, 1], got {self.signal_threshold}")
         if not 0 <= self.percentile <= 100:  # NaN fails too
             _fail("freeze.percentile", f"must be in [0, 100], got {self.percentile}")
+        if self.num_intervals < 1:
+            _fail("freeze.num_intervals", f"must be >= 1, got {self.num_intervals}")
         if isinstance(self.interval_steps, int) and self.interval_steps < 1:
             _fail("freeze.interval_steps", "must be >= 1, 'auto', 'measured' or null")
         if self.warmup_epochs < 0:
@@ -78,6 +93,13 @@ class FreezeConfig:
                 _fail("freeze.manual_schedule", f"must never decrease, got {self.manual_schedule}")
             if any(n < 0 for n in self.manual_schedule):
                 _fail("freeze.manual_schedule", "entries must be >= 0")
+
+    @property
+    def signal_before_clipping(self) -> bool:
+        """Whether the rule's signal reads the gradients before clipping (signal_gradients)."""
+        if self.signal_gradients == "auto":
+            return self.strategy == "autofreeze"
+        return self.signal_gradients == "raw"
 
     @property
     def embedding_frozen(self) -> bool:

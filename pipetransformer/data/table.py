@@ -576,6 +576,14 @@ def load_sst2_bundle(config: DataConfig, model_name_or_path: str | None, seed: i
         (train_sentences, train_labels), (eval_sentences, eval_labels) = holdout_split(
             train_sentences, train_labels, config.holdout
         )
+        logger.warning(
+            "data.holdout: SST-2's training split is phrases of the same sentences, so the "
+            "%d held-out phrases share text with the phrases that train (a fragment of one "
+            "training sentence, or a sentence whose fragments train): not an unseen test "
+            "set; unset data.holdout to score on the %d dev sentences",
+            len(eval_labels),
+            len(raw["dev"][1]),
+        )
     # Labels 0/1 index GLUE's names, as a ClassLabel column's values do.
     tables = LabelledTables(
         TextTable(train_sentences, None, train_labels, "sst2 train", SST2_LABELS),

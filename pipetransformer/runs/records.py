@@ -84,6 +84,9 @@ class RunSummary(Record):
     # Classification and regression: every metric of the last evaluation (EvalResult.scores).
     final_scores: dict[str, float] | None = None
     freeze_decisions: int = 0  # decision points the freeze algorithm was asked at
+    # Of them, how many each term set (freeze.py, "Who decided": signal, agree, bound, cap,
+    # schedule, no_signal); empty in summaries before issue 47.
+    freeze_decided_by: dict[str, int] = field(default_factory=dict)
     decision_interval_steps: int | None = None  # steps between them (None: epoch ends)
     num_layers: int = 0  # the model's layers (0: a summary of an older run)
     # The largest resident set of any process (interpreter and libraries included), and on
@@ -302,6 +305,25 @@ class CadenceEvent(Event):
 
 
 @dataclass
+class FreezeDecisionEvent(Event):
+    """One decision point of the freeze algorithm, whatever it decided: the layer count
+    before and after, the signal's own proposal, Eq. 1's bound and the cap, and which of
+    them set the count (freeze.py, "Who decided")."""
+
+    kind: ClassVar[str] = "freeze_decision"
+    decision_index: int  # from 1
+    epoch: int  # 0-based epoch the decision was taken in
+    global_step: int
+    old_num_frozen_layers: int
+    new_num_frozen_layers: int
+    proposed: int | None  # the signal's own proposal (None: the rule read no signal)
+    bound: int | None  # Eq. 1's bound (None: the rule has none, or freeze.eq1_bound false)
+    cap: int
+    decided_by: str  # signal, agree, bound, cap, schedule or no_signal
+    layer_grad_norms: list[float] | None = None  # the per-layer norms it read, if any
+
+
+@dataclass
 class ConfigChangeEvent(Event):
     """A resume with settings that differ from the checkpoint's (e.g. more epochs)."""
 
@@ -315,6 +337,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls
     for cls in (
         TransitionEvent,
+        FreezeDecisionEvent,
         ProfileEvent,
         StartEvent,
         ResumeEvent,

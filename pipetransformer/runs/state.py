@@ -83,6 +83,8 @@ class RunState:
     # Per layer, the accumulated-gradient signal the previous decision saw (the `autofreeze`
     # rule compares against it); empty before its first decision.
     previous_layer_grad_sums: list[float] = field(default_factory=list)
+    # Decisions so far by what set the layer count (freeze.FreezeOutcome.decided_by).
+    decided_by: dict[str, int] = field(default_factory=dict)
     # The epoch in progress, so far: sum of per-sample losses over all replicas, seconds of
     # training, of transitions and of DDP communication.
     epoch_loss_sum: float = 0.0

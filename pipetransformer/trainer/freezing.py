@@ -24,10 +24,11 @@ from pipetransformer.freeze import (
     TRANSITION_TIME_SHARE,
     DecisionSchedule,
     FreezeDecider,
+    FreezeOutcome,
     min_interval_for,
     signal_fraction,
 )
-from pipetransformer.runs.records import CadenceEvent
+from pipetransformer.runs.records import CadenceEvent, FreezeDecisionEvent
 from pipetransformer.runs.state import RunState
 from pipetransformer.trainer.clock import Tick
 from pipetransformer.trainer.metrics import MetricsTracker
@@ -42,6 +43,23 @@ class Decision:
     num_frozen_layers: int
     layer_grad_norms: list[float] | None
     step_s: float  # this rank's mean step time over the interval
+    outcome: FreezeOutcome | None = None  # what set the count (freeze.py, "Who decided")
+
+    def event(self, previous: int, decision_index: int, tick: Tick) -> FreezeDecisionEvent:
+        """The decision as events.jsonl records it."""
+        outcome = self.outcome
+        return FreezeDecisionEvent(
+            decision_index=decision_index,
+            epoch=tick.epoch,
+            global_step=tick.global_step,
+            old_num_frozen_layers=previous,
+            new_num_frozen_layers=self.num_frozen_layers,
+            proposed=outcome.proposed if outcome else None,
+            bound=outcome.bound if outcome else None,
+            cap=outcome.cap if outcome else self.num_frozen_layers,
+            decided_by=outcome.decided_by if outcome else "",
+            layer_grad_norms=self.layer_grad_norms,
+        )
 
 
 class FreezeControl:
@@ -108,7 +126,7 @@ class FreezeControl:
             fractions = self._signal_fractions(signal.layer_grad_norms, unit_momentum_sq)
         if self.needs_grad_sums:
             sums = self._layer_grad_sums(*unit_grad_sums)
-        decided = self.decider.decide(
+        outcome = self.decider.outcome(
             self.state.decision_index,
             num_frozen_layers,
             signal.layer_grad_norms,
@@ -117,12 +135,15 @@ class FreezeControl:
             sums,
             self.state.previous_layer_grad_sums,
         )
+        decided = outcome.num_frozen_layers
         self.control.agree(decided, "num_frozen_layers")
         if signal.layer_grad_norms is not None:
             self.state.previous_layer_grad_norms = list(signal.layer_grad_norms)
         if sums is not None:
             self.state.previous_layer_grad_sums = sums
-        return Decision(decided, signal.layer_grad_norms, signal.step_s)
+        counts = self.state.decided_by
+        counts[outcome.decided_by] = counts.get(outcome.decided_by, 0) + 1
+        return Decision(decided, signal.layer_grad_norms, signal.step_s, outcome)
 
     def _layer_grad_sums(self, unit_l1: list[float], steps: int) -> list[float]:
         """Per layer, its attention and MLP units' L1 norms of the interval's summed

@@ -7,7 +7,8 @@ inputs (first stage) and weighted targets (last stage) for any step of any layou
 ahead with `data.num_workers` workers. `StepRunner.run` takes one step: data, learning
 rate, forward and backward through the schedule, gradient clipping over the pipeline's
 stages, the optimizer, and the per-step values the metrics count: the replica's loss and
-each unit's squared gradient norm, both left on the device (no host synchronisation).
+each unit's squared gradient norm (before or after clipping: `freeze.signal_gradients`),
+both left on the device (no host synchronisation).
 
 Owns: the step. Must not: decide anything about layouts, freezing or checkpoints.
 """
@@ -214,12 +215,15 @@ class StepRunner:
             optim.set_learning_rate(stage.optimizer, self.learning_rate(tick))
             losses = runtime.train_step(inputs, target, ids if runtime.is_first else None)
             clip = self.config.optimizer.max_grad_norm
+            raw = self.config.freeze.signal_before_clipping  # freeze.signal_gradients
+            if self.grad_sums and raw:  # the gradients as backward left them, summed
+                self._accumulate(stage)
             if clip is not None or self.grad_norms:
                 squares = self._unit_grad_squares(stage)  # one pass over the gradients serves both
                 scale = self._clip(stage, squares, clip) if clip is not None else None
-                if self.grad_norms:  # the norms of the gradients applied
-                    unit_sq = squares if scale is None else squares * scale.square()
-            if self.grad_sums:  # the gradients applied (after clipping), summed
+                if self.grad_norms:  # the norms of the raw or of the applied gradients
+                    unit_sq = squares if scale is None or raw else squares * scale.square()
+            if self.grad_sums and not raw:  # the gradients applied (after clipping), summed
                 self._accumulate(stage)
             if stage.optimizer is not None:
                 stage.optimizer.step()

@@ -73,6 +73,7 @@ def run_summary(
         device=world.device.type,
         checkpoint=checkpoint,
         freeze_decisions=state.decision_index,
+        freeze_decided_by=dict(state.decided_by),
         decision_interval_steps=decision_interval_steps,
         num_layers=num_layers,
         peak_rss_bytes=peak_rss,

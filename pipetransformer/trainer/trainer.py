@@ -494,6 +494,9 @@ class Trainer:
         decision = self.freezer.decide(
             layout.plan.num_frozen_layers, layout.dp_degree, momentum, sums
         )
+        self.reporter.event(
+            decision.event(layout.plan.num_frozen_layers, self.state.decision_index, tick)
+        )
         # A new boundary, or the same one balanced again now that the cache holds what its
         # stage 0 was balanced to fill (the new plan is the same on every rank).
         new = self.layout_for(decision.num_frozen_layers, layout.pipe_len, layout)

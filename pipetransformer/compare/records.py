@@ -1,0 +1,175 @@
+"""Every run of a comparison as its results file keeps it: per epoch its training and
+evaluation seconds, the time into the run at which the epoch's evaluation ended, the metric
+and the frozen layers; per freeze decision what set it (freeze.py, "Who decided"). So every
+per-epoch claim a report or a doc makes recomputes from the results file, for every seed,
+not only the seed a report shows in detail.
+
+Owns: `RunRecord` (read back from a run directory's metrics.jsonl, events.jsonl and
+summary.json) and the counts of who decided, summed by variant. Must not: compute
+statistics (stats.py, curve.py) or write files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipetransformer.freeze import DECIDERS, SIGNAL
+from pipetransformer.runs.records import (
+    CheckpointEvent,
+    EpochMetrics,
+    FreezeDecisionEvent,
+    RunSummary,
+    event_from_dict,
+)
+from pipetransformer.utils.files import read_jsonl
+
+
+@dataclass(frozen=True)
+class EpochRecord:
+    epoch: int  # 1-based
+    epoch_time_s: float  # training, evaluation and checkpoints apart
+    eval_time_s: float
+    # Seconds into the run when this epoch's evaluation ended: the epochs' training and
+    # evaluation so far plus the checkpoints written before it (compare/stats.py,
+    # evaluation_times).
+    elapsed_s: float
+    eval_metric: float | None
+    num_frozen_layers: int
+    pipe_len: int
+    dp_degree: int
+    train_loss: float
+    lr: float
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    decision_index: int
+    global_step: int
+    old_num_frozen_layers: int
+    new_num_frozen_layers: int
+    proposed: int | None
+    bound: int | None
+    decided_by: str
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    variant: str
+    seed: int | None
+    training_time_s: float
+    final_eval_metric: float | None
+    best_eval_metric: float | None
+    metric_name: str
+    epochs: tuple[EpochRecord, ...]
+    freeze_decisions: int = 0
+    freeze_decided_by: dict[str, int] = field(default_factory=dict)
+    decisions: tuple[DecisionRecord, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def run_record(run_dir: Path, variant: str, seed: int | None) -> RunRecord:
+    """A finished run's record, from what it wrote."""
+    summary = RunSummary.from_dict(json.loads((run_dir / "summary.json").read_text()))
+    metrics = [EpochMetrics.from_dict(m) for m in read_jsonl(run_dir / "metrics.jsonl")]
+    events_path = run_dir / "events.jsonl"
+    events = [event_from_dict(e) for e in read_jsonl(events_path)] if events_path.is_file() else []
+    checkpoints = [e for e in events if isinstance(e, CheckpointEvent)]
+    epochs, elapsed_s = [], 0.0
+    for line in metrics:
+        elapsed_s += line.epoch_time_s + line.eval_time_s
+        written_s = math.fsum(c.write_s for c in checkpoints if c.global_step < line.global_step)
+        epochs.append(
+            EpochRecord(
+                epoch=line.epoch,
+                epoch_time_s=line.epoch_time_s,
+                eval_time_s=line.eval_time_s,
+                elapsed_s=elapsed_s + written_s,
+                eval_metric=line.eval_metric,
+                num_frozen_layers=line.num_frozen_layers,
+                pipe_len=line.pipe_len,
+                dp_degree=line.dp_degree,
+                train_loss=line.train_loss,
+                lr=line.lr,
+            )
+        )
+    decisions = [
+        DecisionRecord(
+            e.decision_index,
+            e.global_step,
+            e.old_num_frozen_layers,
+            e.new_num_frozen_layers,
+            e.proposed,
+            e.bound,
+            e.decided_by,
+        )
+        for e in events
+        if isinstance(e, FreezeDecisionEvent)
+    ]
+    return RunRecord(
+        variant=variant,
+        seed=seed,
+        training_time_s=summary.training_time_s,
+        final_eval_metric=summary.final_eval_metric,
+        best_eval_metric=summary.best_eval_metric,
+        metric_name=summary.metric_name,
+        epochs=tuple(epochs),
+        freeze_decisions=summary.freeze_decisions,
+        freeze_decided_by=dict(summary.freeze_decided_by),
+        decisions=tuple(decisions),
+    )
+
+
+@dataclass(frozen=True)
+class DecidedBy:
+    """Over every run of one variant: its decisions and how many each term set; `signal`
+    is how often the rule's signal, not its bound or cap, chose the layer count."""
+
+    variant: str
+    runs: int
+    decisions: int
+    counts: dict[str, int]
+
+    @property
+    def signal(self) -> int:
+        return self.counts.get(SIGNAL, 0)
+
+
+def decided_by_variant(records: Iterable[RunRecord]) -> list[DecidedBy]:
+    """Who decided, summed over each variant's runs (variants in order of first record);
+    variants that took no decision are left out."""
+    totals: dict[str, tuple[int, int, dict[str, int]]] = {}
+    for record in records:
+        runs, decisions, counts = totals.get(record.variant, (0, 0, {}))
+        merged = dict(counts)
+        for name, count in record.freeze_decided_by.items():
+            merged[name] = merged.get(name, 0) + count
+        totals[record.variant] = (runs + 1, decisions + record.freeze_decisions, merged)
+    return [
+        DecidedBy(variant, runs, decisions, {k: counts.get(k, 0) for k in DECIDERS})
+        for variant, (runs, decisions, counts) in totals.items()
+        if decisions
+    ]
+
+
+def decided_by_table(rows: list[DecidedBy], title) -> list[str]:
+    """The markdown table of who decided (`title(variant)` names a row)."""
+    if not rows:
+        return []
+    lines = [
+        "| variant | runs | decisions | "
+        + " | ".join(k.replace("_", " ") for k in DECIDERS)
+        + " |",
+        "| --- | ---: | ---: | " + " | ".join("---:" for _ in DECIDERS) + " |",
+    ]
+    for row in rows:
+        cells = " | ".join(str(row.counts[k]) for k in DECIDERS)
+        lines.append(f"| {title(row.variant)} | {row.runs} | {row.decisions} | {cells} |")
+    return lines
