@@ -30,6 +30,12 @@ import torch
 
 from pipetransformer.config import DataConfig
 from pipetransformer.data.base import DataBundle, TensorSampleDataset, subset_indices
+from pipetransformer.data.sources import (
+    FILE_BUILDERS,
+    check_local_paths,
+    json_error_line,
+    path_kind,
+)
 from pipetransformer.data.text import (
     HOLDOUT_SEED,
     SST2_LABELS,
@@ -38,12 +44,9 @@ from pipetransformer.data.text import (
     pick_tokenizer,
     read_sst2,
 )
-from pipetransformer.utils.files import looks_like_path
 
 logger = logging.getLogger(__name__)
 
-# data.path values that name a `datasets` file builder (tsv: csv with tab separators).
-FILE_BUILDERS = {"csv": "csv", "tsv": "csv", "json": "json", "jsonl": "json", "parquet": "parquet"}
 DEFAULT_TEXT_COLUMNS = (["text"], ["sentence"], ["sentence1", "sentence2"])
 EVAL_SPLITS = ("validation", "dev")
 
@@ -175,24 +178,17 @@ def _builder(config: DataConfig, files: dict[str, list[str]] | None) -> tuple[st
 
 
 def hub_dataset(config: DataConfig) -> bool:
-    """Whether data.path names a hub dataset (not a file builder, not a local path)."""
-    path = Path(config.path).expanduser()
-    return (
-        config.path.lower() not in FILE_BUILDERS
-        and not path.exists()
-        and not looks_like_path(config.path)
-    )
+    """Whether data.path names a hub dataset (owner/name: not a file builder, not a local
+    path; data/sources.py)."""
+    return path_kind(config.path) == "hub"
 
 
 def load_splits(config: DataConfig) -> dict[str, Any]:
     """{split name: datasets.Dataset} of data.path (and data.data_files)."""
     import datasets
 
+    check_local_paths(config)  # a missing local path is one line, never a Hub request
     files = _files_of(config)
-    for fs in (files or {}).values():
-        for f in fs:
-            if not Path(f).is_file():
-                raise FileNotFoundError(f"data.data_files: {f} does not exist")
     builder, options = _builder(config, files)
     path = Path(config.path).expanduser()
     with _quiet_datasets():
@@ -217,11 +213,6 @@ def load_splits(config: DataConfig) -> dict[str, Any]:
                 if isinstance(loaded, datasets.DatasetDict)
                 else {config.train_split: loaded}
             )
-        if looks_like_path(config.path) and not path.exists():
-            raise FileNotFoundError(
-                f"data.path: {path} does not exist (a file, a save_to_disk directory, or "
-                "csv/tsv/json/parquet with data.data_files)"
-            )
         try:
             loaded = datasets.load_dataset(config.path, config.config_name, data_files=files)
         except Exception as exc:  # offline, unknown id, a directory of unreadable files
@@ -239,6 +230,11 @@ def _load_files(builder: str, options: dict, split: str, files: list[str]):
     try:
         return datasets.load_dataset(builder, data_files={split: files}, split=split, **options)
     except Exception as first:
+        # JSON: the line at fault, which datasets' parsers do not name ("Trailing data").
+        for f in files if builder == "json" else []:
+            line = json_error_line(f)
+            if line is not None:
+                raise ValueError(f"{f}: cannot be read as json: {line}") from None
         # Name the file at fault: read each alone (a split is usually one file).
         for f in files if len(files) > 1 else []:
             try:
