@@ -154,3 +154,35 @@ def test_runs_of_own_data_are_named_after_it(tmp_path):
     for keys, stem in cases:
         assert data_stem(DataConfig(name="hf", **keys)) == stem, keys
     assert data_stem(DataConfig(name="sst2")) is None
+
+
+def test_run_and_report_names_come_from_ones_own_data(tmp_path):
+    from pipetransformer.cli.commands import _default_run_dir
+    from pipetransformer.compare.report import write_report
+    from pipetransformer.compare.runner import _context
+    from pipetransformer.config import load_config
+
+    reviews = tmp_path / "reviews.csv"
+    reviews.write_text("text,label\na fine film,pos\na dull film,neg\n")
+    config = load_config(SST2_LOCAL, ["data.name=hf", f"data.path={reviews}"])
+    run_dir = _default_run_dir(SST2_LOCAL, config)
+    assert run_dir.parent == Path("runs") and run_dir.name.startswith("reviews-")
+    compare_dir = _default_run_dir(SST2_LOCAL, config, "runs/compare")
+    assert compare_dir.parent == Path("runs/compare") and compare_dir.name.startswith("reviews-")
+    sst2 = load_config(SST2_LOCAL, [])  # the config's own data: named after the config
+    assert _default_run_dir(SST2_LOCAL, sst2).name.startswith("bert_sst2_local-")
+    context = _context(config, SST2_LOCAL, [], ablations=False)
+    assert context["config_name"] == "reviews"
+    run = {
+        "training_time_s": 10.0,
+        "final_eval_metric": 0.5,
+        "best_eval_metric": 0.5,
+        "metric_name": "accuracy",
+        "freeze_trajectory": [{"num_frozen_layers": 0, "pipe_len": 1, "dp_degree": 2}],
+        "ddp_comm_share": 0.0,
+        "transitions": [],
+    }
+    results = {**context, "variants": {"baseline": run, "elastic": run}, "speedup": 1.0}
+    results.update(eval_metric_delta=0.0, speedups={"baseline": 1.0, "elastic": 1.0})
+    title = write_report(results, tmp_path, []).splitlines()[0]
+    assert title == "# reviews: PipeTransformer vs Pipe+DDP baseline"

@@ -8,7 +8,8 @@ here; a Hub id is only what looks like one (`owner/name`, no data suffix). Anyth
 a local path that is missing. So a mistyped local path fails at once, naming what is close
 to it in its directory, instead of after half a minute of retries against the Hub.
 
-Owns: those rules, the messages of a missing path, `data_stem` and `json_error_line`.
+Owns: those rules, the messages of a missing path, the run's name (`run_name`) and
+`json_error_line`.
 Must not: load, fetch or parse a table (table.py and fetch.py do).
 """
 
@@ -125,6 +126,12 @@ def data_stem(config: DataConfig) -> str | None:
         stem = path.resolve().name if path.is_dir() else path.stem
     cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-.")
     return cleaned or None
+
+
+def run_name(config_path: str | None, config: DataConfig) -> str:
+    """What a run and its compare report are named after: one's own data (`data_stem`),
+    else the config file."""
+    return data_stem(config) or (Path(config_path).stem if config_path else "default")
 
 
 def json_error_line(path: str | os.PathLike) -> str | None:
