@@ -112,6 +112,8 @@ class LabelledTables:
     eval: TextTable | ImageTable
     label_names: list[str]  # none for a regression
     task: str = "classification"  # or "regression" (text tables)
+    # The columns read and where evaluation comes from, in words (DataBundle.read_from).
+    read_from: str | None = None
 
 
 # ----------------------------------------------------------------------------- reading
@@ -470,6 +472,7 @@ def read_tables(config: DataConfig) -> LabelledTables:
             f"its splits: {', '.join(splits)}"
         )
     train = read(config, splits[config.train_split], config.train_split)
+    columns = _columns_read(config, splits[config.train_split], train)
     task = table_task(config, train)
     names = [] if task == "regression" else config.label_names or discover_labels(train)
 
@@ -486,6 +489,7 @@ def read_tables(config: DataConfig) -> LabelledTables:
     if eval_split is not None:
         evaluation = read(config, splits[eval_split], eval_split)
         check(evaluation)
+        where = f"split '{eval_split}' ({evaluation.source})"
     else:
         size = config.holdout or max(1, round(config.eval_share * len(train)))
         if size >= len(train):
@@ -496,7 +500,21 @@ def read_tables(config: DataConfig) -> LabelledTables:
         order = subset_indices(len(train), len(train), HOLDOUT_SEED)
         evaluation = train.take(order[:size])
         train = train.take(order[size:])
-    return LabelledTables(train, evaluation, names, task)
+        share = "data.holdout" if config.holdout else f"data.eval_share {config.eval_share:g}"
+        where = f"{size} rows held out of the training split ({share}, one fixed draw)"
+    read_from = f"{columns} of {train.source}; evaluation: {where}"
+    return LabelledTables(train, evaluation, names, task, read_from)
+
+
+def _columns_read(config: DataConfig, dataset, table: TextTable | ImageTable) -> str:
+    """'text column 'review', label column 'stars'' (the pair's two columns, or the image
+    column) of the training split."""
+    if isinstance(table, ImageTable):
+        read = f"image column '{table.column}'"
+    else:
+        names = _text_columns(config, list(dataset.column_names), table.source)
+        read = f"text column{'s' if len(names) > 1 else ''} " + " + ".join(f"'{n}'" for n in names)
+    return f"{read}, label column '{config.label_column}'"
 
 
 def resolved_task(config: DataConfig) -> tuple[str, list[str]]:
@@ -561,7 +579,10 @@ def encode_tables(
 
 
 def load_table_bundle(config: DataConfig, model_name_or_path: str | None, seed: int) -> DataBundle:
-    return encode_tables(read_tables(config), config, model_name_or_path, seed)
+    tables = read_tables(config)
+    bundle = encode_tables(tables, config, model_name_or_path, seed)
+    bundle.read_from = tables.read_from
+    return bundle
 
 
 def load_sst2_bundle(config: DataConfig, model_name_or_path: str | None, seed: int) -> DataBundle:
@@ -578,4 +599,8 @@ def load_sst2_bundle(config: DataConfig, model_name_or_path: str | None, seed: i
         TextTable(eval_sentences, None, eval_labels, "sst2 dev", SST2_LABELS),
         SST2_LABELS,
     )
-    return encode_tables(tables, config, model_name_or_path, seed)
+    bundle = encode_tables(tables, config, model_name_or_path, seed)
+    where = f"{config.root}/train.tsv" if config.root else "GLUE's sst2 through `datasets`"
+    held = f"{config.holdout} sentences held out of the training split (data.holdout)"
+    bundle.read_from = f"SST-2 from {where}; evaluation: {held if config.holdout else 'dev'}"
+    return bundle
