@@ -147,3 +147,64 @@ def test_rank_zero_logs_what_it_read_and_its_progress(tmp_path):
     progress = [line for line in log if ": epoch 1/1: step " in line]
     assert [line.split("step ")[1].split(" ")[0] for line in progress] == ["2/6", "4/6"]
     assert (run_dir / "rank1.log").read_text() == ""
+
+
+@pytest.fixture
+def transformers_records():
+    """What transformers logs (at its default verbosity, warnings), collected."""
+    import logging
+
+    from transformers.utils import logging as transformers_logging
+
+    class Collect(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.records: list[logging.LogRecord] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.records.append(record)
+
+    root = transformers_logging.get_logger("transformers")
+    level = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_warning()
+    collect = Collect()
+    root.addHandler(collect)
+    yield collect.records
+    root.removeHandler(collect)
+    transformers_logging.set_verbosity(level)
+
+
+def test_a_new_head_is_one_line_of_ours_and_anything_else_keeps_the_load_report(
+    tmp_path, caplog, transformers_records
+):
+    """transformers' LOAD REPORT table, which a user reads as an error, is one line when all
+    it says is that the classifier is new; unexpected or missing encoder weights keep it."""
+    import transformers
+
+    from pipetransformer.config import ModelConfig
+    from pipetransformer.models.text_models import create_text_model
+
+    small = transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64
+    )
+    transformers.BertModel(small).save_pretrained(tmp_path / "encoder")  # no head
+    transformers.BertForMaskedLM(small).save_pretrained(tmp_path / "masked_lm")  # another
+
+    def load(name: str) -> list[str]:
+        caplog.clear()
+        transformers_records.clear()
+        config = ModelConfig(name="bert", model_name_or_path=str(tmp_path / name))
+        with caplog.at_level("INFO", logger="pipetransformer"):
+            create_text_model(config, task="classification", num_labels=3, vocab_size=None)
+        return [r.getMessage() for r in caplog.records if r.name.startswith("pipetransformer")]
+
+    ours = load("encoder")
+    assert [m for m in ours if m.startswith("new head: ")] == [
+        f"new head: classifier.weight, classifier.bias (not in {tmp_path / 'encoder'}: "
+        "trained from random weights)"
+    ]
+    assert not [r for r in transformers_records if "LOAD REPORT" in r.getMessage()]
+    ours = load("masked_lm")  # unexpected cls.* weights, no pooler: transformers' table
+    assert not [m for m in ours if m.startswith("new head: ")]
+    (report,) = [r.getMessage() for r in transformers_records if "LOAD REPORT" in r.getMessage()]
+    assert "UNEXPECTED" in report and "classifier.weight" in report
