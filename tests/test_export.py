@@ -154,7 +154,7 @@ def test_vit_export_loads_in_timm_with_the_trained_logits(tmp_path, caplog, monk
 
 
 def test_bert_export_loads_in_transformers_with_the_trained_logits(
-    tmp_path, shared_data, monkeypatch, capsys
+    tmp_path, sst2_dir, monkeypatch, capsys
 ):
     tokenizer = minilm_dir()
     if tokenizer is None:
@@ -174,7 +174,7 @@ def test_bert_export_loads_in_transformers_with_the_trained_logits(
         },
         "data": {
             "name": "sst2",
-            "root": str(shared_data / "sst2"),
+            "root": str(sst2_dir),
             "max_seq_length": 24,
             "train_subset": 96,
             "eval_subset": 32,
@@ -212,7 +212,7 @@ def test_bert_export_loads_in_transformers_with_the_trained_logits(
     # tokenizer (it truncates at the run's max_seq_length), padded to the longest only.
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "export")
     assert tokenizer.model_max_length == 24
-    sentences, labels = read_sst2_tsv(shared_data / "sst2" / "dev.tsv")
+    sentences, labels = read_sst2_tsv(sst2_dir / "dev.tsv")
     keep = subset_indices(len(labels), 32, 0)
     encoded = tokenizer(
         [sentences[i] for i in keep], truncation=True, padding=True, return_tensors="pt"
