@@ -22,16 +22,24 @@ SST2_LOCAL = str(ROOT / "configs" / "bert_sst2_local.yaml")
 
 
 @pytest.fixture
-def no_hub(monkeypatch):
-    """Any question to the Hub fails the test (a closed proxy also keeps a slip offline)."""
+def closed_network(monkeypatch):
+    """A closed local proxy for "no network", whatever the machine can reach; not offline
+    by configuration (that would skip the question to the Hub)."""
+    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
+    for name in ("no_proxy", "NO_PROXY", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def no_hub(monkeypatch, closed_network):
+    """Any question to the Hub fails the test."""
     import pipetransformer.data.fetch as fetch
 
     def refuse(name, timeout_s=10.0):
         raise AssertionError(f"the Hub was asked about {name!r}")
 
     monkeypatch.setattr(fetch, "_hub_reach", refuse)
-    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
-        monkeypatch.setenv(name, "http://127.0.0.1:9")
 
 
 def test_what_a_data_path_names(tmp_path, monkeypatch):
@@ -90,13 +98,9 @@ def test_a_mistyped_local_path_is_one_line_at_once_naming_what_is_close(tmp_path
     one_line_error(result, 2, "data.data_files", "does not exist", str(data / "reviews.csv"))
 
 
-def test_a_hub_failure_is_one_line_without_retry_noise(tmp_path, monkeypatch, capfd):
-    """Out of reach (a closed proxy), the Hub is asked once: no 'Retrying in' warnings, one
-    line saying the Hub is out of reach and the dataset not in the cache, in seconds."""
-    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
-        monkeypatch.setenv(name, "http://127.0.0.1:9")
-    for name in ("no_proxy", "NO_PROXY", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
-        monkeypatch.delenv(name, raising=False)
+def test_a_hub_failure_is_one_line_without_retry_noise(tmp_path, closed_network, capfd):
+    """Out of reach, the Hub is asked once: no 'Retrying in' warnings, one line saying the
+    Hub is out of reach and the dataset not in the cache, in seconds."""
     started = time.monotonic()
     result = run_cli(
         "train",
