@@ -54,6 +54,15 @@ def test_the_data_line_names_columns_labels_with_counts_sizes_and_the_eval_sourc
     line = describe_bundle(build_data(split, seed=0))
     assert f"evaluation: split 'validation' ({dev})" in line
     assert line.endswith("; 20 training samples, 8 evaluation samples")  # after the subset
+    # Classes without names (the digits' ids here), counted the same way; a thousand are
+    # only counted.
+    digits = build_data(DataConfig(name="digits", image_size=8), seed=0)
+    line = describe_bundle(digits)
+    listed = line.split("10 labels: ")[1].split(";")[0].split(", ")
+    assert [item.split()[0] for item in listed] == [str(c) for c in range(10)]
+    assert sum(int(item.split()[1]) for item in listed) == len(digits.train) == 1437
+    synthetic = DataConfig(name="synthetic", image_size=8, train_subset=10, eval_subset=4)
+    assert describe_bundle(build_data(synthetic, seed=0)).startswith("classification, 1000 labels;")
 
 
 def step(loss: float = 0.5) -> StepMetrics:
