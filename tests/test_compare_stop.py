@@ -9,14 +9,13 @@ import json
 import shlex
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import run_cli
+from helpers import TINY_QUICKSTART, run_cli
 from test_checkpoint import start_cli, wait_for_checkpoint
 from test_compare import fake_run
+from test_failures import cli
 
 import pipetransformer.compare.runner as runner
 from pipetransformer.compare.report import EFFICIENCY_MEANING
@@ -137,22 +136,7 @@ def test_ctrl_c_on_a_real_compare_then_the_same_command_resumes_it(tmp_path):
     """Slow: 1-2 min on 2 cores (a real compare of a tiny quickstart, stopped by SIGINT in its
     baseline, then the printed command finishing it)."""
     out = tmp_path / "cmp"
-    args = [
-        "compare",
-        QUICKSTART,
-        "trainer.epochs=2",
-        "data.train_subset=256",
-        "data.eval_subset=64",
-        "freeze.strategy=manual",
-        "freeze.manual_schedule=[5]",
-        "freeze.warmup_epochs=0",
-        "freeze.interval_steps=null",
-        "trainer.progress_bar=false",
-        "pipeline.balance=params",
-        "pipeline.initial_pipe_len=2",
-        "--out",
-        str(out),
-    ]
+    args = ["compare", QUICKSTART, *TINY_QUICKSTART, "--out", str(out)]
     process = start_cli(args)
     wait_for_checkpoint(out / "baseline", 1, process)  # epoch 1's
     process.send_signal(signal.SIGINT)
@@ -163,13 +147,7 @@ def test_ctrl_c_on_a_real_compare_then_the_same_command_resumes_it(tmp_path):
     assert f"checkpoint {checkpoint}" in last
     command = shlex.split(last.split(". Resume with: ", 1)[1])
     assert command == ["pipetransformer", *args]
-    finished = subprocess.run(
-        [sys.executable, "-m", "pipetransformer", *command[1:]],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    finished = cli(*command[1:], timeout=600)
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert f"resuming from {checkpoint}" in finished.stderr
     summary = json.loads((out / "baseline" / "summary.json").read_text())

@@ -98,9 +98,17 @@ def test_a_mistyped_local_path_is_one_line_at_once_naming_what_is_close(tmp_path
     one_line_error(result, 2, "data.data_files", "does not exist", str(data / "reviews.csv"))
 
 
-def test_a_hub_failure_is_one_line_without_retry_noise(tmp_path, closed_network, capfd):
+@pytest.mark.parametrize("offline", [False, True])
+def test_a_hub_failure_is_one_line_at_once_without_retry_noise(
+    tmp_path, closed_network, monkeypatch, capfd, offline
+):
     """Out of reach, the Hub is asked once: no 'Retrying in' warnings, one line saying the
-    Hub is out of reach and the dataset not in the cache, in seconds."""
+    Hub is out of reach and the dataset not in the cache, in seconds; offline by
+    configuration, the cache alone is asked."""
+    import datasets
+
+    if offline:
+        monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     started = time.monotonic()
     result = run_cli(
         "train",
@@ -111,7 +119,9 @@ def test_a_hub_failure_is_one_line_without_retry_noise(tmp_path, closed_network,
         str(tmp_path / "run"),
     )
     assert time.monotonic() - started < 10.0
-    one_line_error(result, 2, "no-such-user/no-such-dataset", "out of reach", "cache")
+    words = ["data.path", "no-such-user/no-such-dataset", "save_to_disk"]
+    one_line_error(result, 2, *words, *([] if offline else ["out of reach", "cache"]))
+    assert not (tmp_path / "run").exists()
     captured = capfd.readouterr()
     assert "Retrying" not in result.stderr + captured.err + captured.out
 
