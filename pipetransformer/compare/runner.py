@@ -3,8 +3,10 @@ same seed, data and machine; with --ablations also the paper's speedup breakdown
 with --seeds every variant once per seed (trainer.seed), in `seed-<s>/<variant>/`.
 
 Owns: the variants' overrides, running them (local worker processes), skipping runs that
-finished earlier (an interrupted comparison resumes), measuring the per-unit costs the ideal
-speedup needs, and writing results.json, report.md and plots.
+finished earlier and resuming one a stop signal cut short from its checkpoint (an
+interrupted comparison resumes), turning SIGINT / SIGTERM into `CompareStopped` (the command
+line says it in one line), recording when each attempt ran (compare/timing.py), measuring
+the per-unit costs the ideal speedup needs, and writing results.json, report.md and plots.
 """
 
 from __future__ import annotations
