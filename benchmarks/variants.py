@@ -45,7 +45,7 @@ def describe(run_dir: Path) -> dict:
         if not path or path[-1] != point:
             path.append(point)
     return {
-        "wall_time_s": run["wall_time_s"],
+        "training_time_s": run["training_time_s"],
         "train_samples_per_s": samples / train_s,
         "final_eval_metric": run["final_eval_metric"],
         "metric_name": run["metric_name"],
@@ -98,13 +98,14 @@ def main() -> None:
     lines = [
         f"{args.config} {' '.join(args.overrides)}; runs in {out}",
         "",
-        f"| variant | seed | wall time (s) | training samples/s | final {metric} | trajectory |",
+        f"| variant | seed | training time (s) | training samples/s | final {metric} "
+        "| trajectory |",
         "| --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for name, by_seed in rows.items():
         for seed, row in by_seed.items():
             lines.append(
-                f"| {name} | {'config' if seed < 0 else seed} | {row['wall_time_s']:.1f} | "
+                f"| {name} | {'config' if seed < 0 else seed} | {row['training_time_s']:.1f} | "
                 f"{row['train_samples_per_s']:.1f} | {row['final_eval_metric']:.4f} | "
                 f"{row['trajectory']} |"
             )

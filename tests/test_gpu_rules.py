@@ -846,7 +846,7 @@ def test_every_gpu_config_names_cuda_uses_tensor_cores_and_fits_its_devices(name
 # ----------------------------------------------------------------------------- whole steps
 
 
-def _audit_config(kind: str, shared_data: Path) -> dict:
+def _audit_config(kind: str, sst2_root: Path) -> dict:
     """2 ranks: a 2-stage pipeline, then (frozen_after layers frozen) one stage x 2
     replicas served by AutoCache; AdamW; M measured ('auto'); BERT in bf16."""
     config = {
@@ -874,7 +874,7 @@ def _audit_config(kind: str, shared_data: Path) -> dict:
         config["model"] = {"name": "bert", "kwargs": dict(TINY_BERT_KWARGS)}
         config["data"] = {
             "name": "sst2",
-            "root": str(shared_data / "sst2"),
+            "root": str(sst2_root),
             "max_seq_length": 16,
             "train_subset": 160,
             "eval_subset": 16,
@@ -891,14 +891,11 @@ TINY_BERT_KWARGS = {
 
 
 @pytest.fixture(scope="module", params=["bert", "vit"])
-def audited(request, tmp_path_factory):
-    from conftest import SHARED_DATA
+def audited(request, tmp_path_factory, sst2_dir):
     from gpu_workers import audited_run
     from helpers import run_workers
 
-    if request.param == "bert" and not SHARED_DATA.is_dir():
-        pytest.skip(f"{SHARED_DATA} is not present")
-    config = _audit_config(request.param, SHARED_DATA)
+    config = _audit_config(request.param, sst2_dir)
     run_dir = tmp_path_factory.mktemp(f"audited-{request.param}")
     # Frozen enough that the active layers pack into one stage (Eq. 2 on parameter sizes).
     return request.param, run_workers(audited_run, 2, config, str(run_dir), 3)
@@ -932,16 +929,13 @@ def test_collectives_are_what_nccl_takes_and_every_rank_makes_the_same_groups(au
 
 
 @pytest.fixture(scope="module")
-def audited_sharded(tmp_path_factory):
+def audited_sharded(tmp_path_factory, sst2_dir):
     """The BERT audit run (bf16) sharded from the start (FSDP2 over both ranks), then 3
     layers frozen: sharded again, the trained layers' shards carried, AutoCache serving."""
-    from conftest import SHARED_DATA
     from gpu_workers import audited_run
     from helpers import run_workers
 
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"{SHARED_DATA} is not present")
-    config = _audit_config("bert", SHARED_DATA)
+    config = _audit_config("bert", sst2_dir)
     config["pipeline"].update(initial_pipe_len=1, sharding="always")
     run_dir = tmp_path_factory.mktemp("audited-sharded")
     return run_workers(audited_run, 2, config, str(run_dir), 3)

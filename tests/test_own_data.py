@@ -201,24 +201,6 @@ def test_bad_data_is_one_line_with_exit_2_and_nothing_created(tmp_path):
         assert not run_dir.exists(), overrides
 
 
-def test_an_unreachable_hub_dataset_is_one_line(tmp_path, monkeypatch):
-    import datasets
-
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    result = run_cli(
-        "train",
-        SST2_LOCAL,
-        "data.name=hf",
-        "data.path=no-such-user/no-such-dataset",
-        "--run-dir",
-        str(tmp_path / "run"),
-    )
-    one_line_error(result, 2, "data.path", "no-such-user/no-such-dataset", "save_to_disk")
-    assert not (tmp_path / "run").exists()
-
-
 @pytest.mark.slow
 def test_pairs_csv_fine_tunes_through_a_transition_and_its_export_answers_with_labels(tmp_path):
     """Slow: ~25 s on 2 cores. `train` with the shipped config and overrides on a CSV of

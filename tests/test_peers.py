@@ -70,17 +70,18 @@ def test_the_torch_ddp_peer_on_two_processes_trains_as_one_does(tmp_path):
     run = read_run(two)
     assert run["final_eval_metric"] == read_run(one)["final_eval_metric"]
     assert run["eval_metric"][:-1] == [None] and 0 < run["final_eval_metric"] <= 1
-    assert read_seed_run(two, "torch_ddp", 0).wall_time_s == run["wall_time_s"] > 0
+    assert read_seed_run(two, "torch_ddp", 0).wall_time_s == run["training_time_s"] > 0
 
 
-def test_the_hf_trainer_peer_writes_a_run_compare_reads(tmp_path, shared_data):
+def test_the_hf_trainer_peer_writes_a_run_compare_reads(tmp_path, sst2_dir):
     """transformers' Trainer on 2 processes (accelerate's multi-process state over gloo), a
-    tiny random BERT on 128 SST-2 sentences: the steps the batch gives, scored on rank 0."""
+    tiny random BERT on 128 SST-2-like sentences: the steps the batch gives, scored on rank
+    0."""
     pytest.importorskip("accelerate")
     config = load_config(
         str(ROOT / "configs" / "bert_sst2_local.yaml"),
         [
-            f"data.root={shared_data / 'sst2'}",
+            f"data.root={sst2_dir}",
             "data.train_subset=128",
             "data.eval_subset=64",
             "data.max_seq_length=16",

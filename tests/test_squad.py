@@ -1,7 +1,8 @@
-"""SQuAD v1.1: the official metric, preprocessing on the shipped mini files (real SQuAD
-articles) and on small inline files for the odd cases (long contexts, absent answers),
-post-processing, the span loss, the distributed reduce and a tiny BERT end to end (unit + 2
-gloo workers)."""
+"""SQuAD v1.1: the official metric, preprocessing on files of SQuAD's format the tests write
+(tests/datagen.py; the shipped mini files of real SQuAD articles are checked for alignment
+where they are present) and on small inline files for the odd cases (long contexts, absent
+answers), post-processing, the span loss, the distributed reduce and a tiny BERT end to end
+(unit + 2 gloo workers)."""
 
 from __future__ import annotations
 
@@ -42,22 +43,16 @@ from pipetransformer.trainer.qa import QuestionAnsweringTask
 
 
 @pytest.fixture
-def mini_file(shared_data: Path) -> Path:
-    """The training mini file: 473 real SQuAD questions over 3 articles."""
-    path = shared_data / "squad" / "train-mini-v1.1.json"
-    if not path.is_file():
-        pytest.skip(f"{path} is not present")
-    return path
+def mini_file(squad_files) -> Path:
+    """A training file in SQuAD v1.1's format: 162 questions over 27 paragraphs of 3
+    articles (tests/datagen.py)."""
+    return squad_files.train
 
 
 @pytest.fixture
-def eval_file(shared_data: Path) -> Path:
-    """The evaluation mini file: 232 questions over 2 other articles, 3 reference answers
-    each but one (2)."""
-    path = shared_data / "squad" / "eval-mini-v1.1.json"
-    if not path.is_file():
-        pytest.skip(f"{path} is not present")
-    return path
+def eval_file(squad_files) -> Path:
+    """An evaluation file: 96 other questions, two or three reference answers each."""
+    return squad_files.eval
 
 
 @pytest.fixture
@@ -258,7 +253,7 @@ def test_preprocessing_maps_answers_back_and_covers_every_question(mini_examples
         == torch.int64
     )
     # Every labelled span round-trips exactly with WordPiece; whole-word tokens hold the
-    # answer ("Rollo's" for "Rollo"); every question of the real file has one.
+    # answer ("Rollo's" for "Rollo"); every question of the file has one.
     labelled = _check_round_trips(
         mini_examples, features, exact=True, whole_words=tokenizer_kind == "word"
     )
@@ -295,7 +290,7 @@ def test_long_contexts_become_overlapping_windows(tmp_path, tokenizer_kind, capl
 
 def test_windows_equal_transformers_overflow_features(mini_examples, tmp_path):
     tokenizer = _minilm_tokenizer()
-    # Two real paragraphs and a 3,000-word context, so that many windows overflow.
+    # Two paragraphs and a 3,000-word context, so that many windows overflow.
     examples = [mini_examples[0], long_context_examples(tmp_path)[0], mini_examples[157]]
     max_seq_length, doc_stride = 128, 32
     features = featurize(examples, tokenizer, max_seq_length, doc_stride)

@@ -146,7 +146,7 @@ def run_cli(config, run_dir, *overrides):
 
 
 @pytest.mark.slow
-def test_bert_sst2_local_elastic_run_reaches_a_transition(tmp_path, shared_data):
+def test_bert_sst2_local_elastic_run_reaches_a_transition(tmp_path, sst2_dir):
     """Slow: ~16 s on 2 cores."""
     metrics = run_cli(
         "bert_sst2_local.yaml",
@@ -155,7 +155,7 @@ def test_bert_sst2_local_elastic_run_reaches_a_transition(tmp_path, shared_data)
         "trainer.epochs=2",
         "data.train_subset=512",
         "data.max_seq_length=32",
-        f"data.root={shared_data / 'sst2'}",
+        f"data.root={sst2_dir}",
     )
     assert len(metrics) == 2 and metrics[-1]["num_frozen_layers"] > 0
     assert (tmp_path / "events.jsonl").exists()
@@ -163,15 +163,14 @@ def test_bert_sst2_local_elastic_run_reaches_a_transition(tmp_path, shared_data)
 
 
 @pytest.mark.slow
-def test_squad_mini_elastic_run_reaches_a_transition(tmp_path, shared_data):
+def test_squad_mini_elastic_run_reaches_a_transition(tmp_path, squad_files):
     """Slow: ~16 s on 2 cores."""
-    squad = shared_data / "squad"
     metrics = run_cli(
         "bert_squad_local.yaml",
         tmp_path,
         "freeze.strategy=alpha_schedule",  # a transition for sure: the closed form needs no signal
-        f"data.root={squad / 'train-mini-v1.1.json'}",
-        f"data.eval_root={squad / 'eval-mini-v1.1.json'}",
+        f"data.root={squad_files.train}",
+        f"data.eval_root={squad_files.eval}",
     )
     assert metrics[-1]["num_frozen_layers"] > 0 and (tmp_path / "events.jsonl").exists()
     assert 0.0 <= metrics[-1]["eval_metric"] <= 1.0 and "exact_match" in metrics[-1]
@@ -186,7 +185,7 @@ def minilm_dir():
 
 
 @pytest.mark.slow
-def test_pretrained_minilm_sst2_offline(tmp_path, shared_data):
+def test_pretrained_minilm_sst2_offline(tmp_path, sst2_dir):
     """Slow: ~28 s on 2 cores. A local pretrained directory trains fully offline with its
     own weights and tokenizer."""
     model_dir = minilm_dir()
@@ -212,7 +211,7 @@ def test_pretrained_minilm_sst2_offline(tmp_path, shared_data):
             "data.max_seq_length=32",
             "optimizer.lr=1e-12",
             "trainer.save_model=true",
-            f"data.root={shared_data / 'sst2'}",
+            f"data.root={sst2_dir}",
         )
     finally:
         if env_before is None:

@@ -611,3 +611,21 @@ def freeze_signal_run(config_dict: dict, run_dir: str):
         }
     finally:
         trainer.cleanup()
+
+
+def logged_run(config_dict: dict, run_dir: str) -> dict:
+    """elastic_run with the CLI's logging, each rank's log also in RUN_DIR/rank<r>.log (the
+    workers' stderr, which is not a terminal)."""
+    import logging
+
+    from pipetransformer.utils.logging import setup_logging
+
+    rank = os.environ["RANK"]
+    setup_logging(rank=rank)
+    handler = logging.FileHandler(Path(run_dir) / f"rank{rank}.log")
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    logging.getLogger("pipetransformer").addHandler(handler)
+    try:
+        return elastic_run(config_dict, run_dir)["summary"]
+    finally:
+        handler.close()

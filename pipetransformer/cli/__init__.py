@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*getattr(args, "overrides", []), *extra]
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed: for the records
     from pipetransformer.runs.rundir import RunDirError
 
     # Exit codes: 0 done, 1 a failure during training, 2 bad input found before training,

@@ -26,11 +26,14 @@ _STARTED = time.monotonic()  # when this command began (its imports are before)
 
 
 def _default_run_dir(
-    config_path: str | None, prefix: str = "runs", run_id: str | None = None
+    config_path: str | None, config: Config, prefix: str = "runs", run_id: str | None = None
 ) -> Path:
-    """runs/<config>-<time>; under torchrun runs/<config>-<rendezvous id>, the same for every
-    node and across restarts (torchrun keeps the id), so a restarted worker finds its run."""
-    stem = Path(config_path).stem if config_path else "default"
+    """runs/<name>-<time> (data/sources.py's `run_name`: one's own data, else the config);
+    under torchrun runs/<name>-<rendezvous id>, the same for every node and across restarts
+    (torchrun keeps the id), so a restarted worker finds its run."""
+    from pipetransformer.data.sources import run_name
+
+    stem = run_name(config_path, config.data)
     return Path(prefix) / f"{stem}-{run_id or time.strftime('%Y%m%d-%H%M%S')}"
 
 
@@ -58,7 +61,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = Path(
         args.resume
         or args.run_dir
-        or _default_run_dir(args.config, run_id=os.environ.get("TORCHELASTIC_RUN_ID"))
+        or _default_run_dir(args.config, config, run_id=os.environ.get("TORCHELASTIC_RUN_ID"))
     )
     resume_line = shlex.join(["pipetransformer", *_train_arguments(args), "--resume", str(run_dir)])
     if under_torchrun():
@@ -327,7 +330,13 @@ def _predict(config: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from pipetransformer.compare import rebuild_compare, run_compare
+    from pipetransformer.compare import (
+        CompareStopped,
+        rebuild_compare,
+        run_compare,
+        stop_signals_raise,
+    )
+    from pipetransformer.utils.stopping import exit_code_for
 
     config = load_config(args.config, args.overrides)
     seeds = list(range(args.repeats)) if args.repeats is not None else args.seeds
@@ -351,19 +360,28 @@ def cmd_compare(args: argparse.Namespace) -> int:
             overrides.append(f"data.task={config.data.task}")
         if config.data.labels is not None:
             overrides.append(f"data.labels={json.dumps(config.data.label_names)}")
-    out = Path(args.out) if args.out else _default_run_dir(args.config, "runs/compare")
-    return run_compare(
-        config,
-        args.config,
-        overrides,
-        out,
-        ablations=args.ablations,
-        peers=args.peers,
-        seeds=seeds,
-        margin_points=args.margin,
-        only=args.variants,
-        budgets=args.budgets,
-    )
+    out = Path(args.out) if args.out else _default_run_dir(args.config, config, "runs/compare")
+    # The command as typed, with the --out a rerun needs to resume this comparison.
+    words = ["pipetransformer", *args.argv] + ([] if args.out else ["--out", str(out)])
+    command = shlex.join(words)
+    try:
+        with stop_signals_raise(out):
+            return run_compare(
+                config,
+                args.config,
+                overrides,
+                out,
+                ablations=args.ablations,
+                peers=args.peers,
+                seeds=seeds,
+                margin_points=args.margin,
+                only=args.variants,
+                budgets=args.budgets,
+                command=command,
+            )
+    except CompareStopped as stopped:  # one line; the run's checkpoint is where it says
+        print(f"pipetransformer compare: {stopped}. Resume with: {command}", file=sys.stderr)
+        return exit_code_for(stopped.signum)
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from pipetransformer.compare.stats import (
     SeedRun,
     evaluation_times,
 )
+from pipetransformer.compare.timing import VariantAttempt, describe_attempt, read_attempts
 from pipetransformer.runs.records import (
     CheckpointEvent,
     EpochMetrics,
@@ -96,7 +97,7 @@ def read_run(run_dir: Path) -> dict[str, Any]:
     comm = sum(m.ddp_comm_s for m in metrics)
     return {
         "run_dir": str(run_dir),
-        "wall_time_s": summary.training_time_s,  # compare's key: the runs' training time
+        "training_time_s": summary.training_time_s,
         "final_eval_metric": summary.final_eval_metric,
         "best_eval_metric": summary.best_eval_metric,
         "metric_name": summary.metric_name,
@@ -128,6 +129,8 @@ def read_run(run_dir: Path) -> dict[str, Any]:
         "sharded": bool(metrics and metrics[-1].sharded),
         "peak_rss_bytes": summary.peak_rss_bytes,
         "peak_allocated_bytes": summary.peak_allocated_bytes,
+        # When it ran and beside how much other work (compare/timing.py), each attempt.
+        "attempts": [a.to_dict() for a in read_attempts(run_dir)],
     }
 
 
@@ -158,14 +161,14 @@ def build_results(
     """results.json: per variant, plus speedup, metric delta, ideal speedup, efficiency."""
     base, elastic = runs[BASELINE], runs[ELASTIC]
     results: dict[str, Any] = {**context, "variants": runs}
-    results["speedup"] = base["wall_time_s"] / elastic["wall_time_s"]
+    results["speedup"] = base["training_time_s"] / elastic["training_time_s"]
     results["eval_metric_delta"] = elastic["final_eval_metric"] - base["final_eval_metric"]
     results["speedups"] = {
-        name: base["wall_time_s"] / run["wall_time_s"] for name, run in runs.items()
+        name: base["training_time_s"] / run["training_time_s"] for name, run in runs.items()
     }
     # How many times faster each variant is than each other one (row / column).
     results["speedup_matrix"] = {
-        a: {b: runs[b]["wall_time_s"] / runs[a]["wall_time_s"] for b in runs} for a in runs
+        a: {b: runs[b]["training_time_s"] / runs[a]["training_time_s"] for b in runs} for a in runs
     }
     if unit_costs is not None:
         steps = base["steps_per_epoch"]
@@ -180,9 +183,9 @@ def build_results(
             frozen=unit_costs["frozen"],
             steps_per_epoch=steps,
             cache=cache_enabled,
-            baseline_wall_s=base["wall_time_s"],
+            baseline_wall_s=base["training_time_s"],
             baseline_eval_s=base["eval_time_s"],
-            elastic_wall_s=elastic["wall_time_s"],
+            elastic_wall_s=elastic["training_time_s"],
             eval_frozen=[point["num_frozen_layers"] for point in elastic["freeze_trajectory"]],
         )
         results["ideal_speedup"] = ideal.ideal_speedup
@@ -219,8 +222,8 @@ def write_report(
         lines += ["", f"## Seed {results['detail_seed']} in detail"]
     lines += [
         "",
-        f"**Speedup {results['speedup']:.2f}x** (baseline wall time / elastic wall time, the "
-        "same epochs: a fixed-epoch speedup); "
+        f"**Speedup {results['speedup']:.2f}x** (baseline training time / elastic training "
+        "time, the same epochs: a fixed-epoch speedup); "
         f"final {metric} "
         f"{runs[ELASTIC]['final_eval_metric']:.4f} vs {runs[BASELINE]['final_eval_metric']:.4f} "
         f"(delta {100 * results['eval_metric_delta']:+.2f} points).",
@@ -228,19 +231,19 @@ def write_report(
     if "ideal_speedup" in results:
         lines.append(
             f"Ideal speedup for this freeze trajectory {results['ideal_speedup']:.2f}x; "
-            f"efficiency {results['efficiency']:.2f} (measured / ideal)."
+            f"efficiency {results['efficiency']:.2f} (measured / ideal). {EFFICIENCY_MEANING}"
         )
     lines += [
         "",
         (
-            f"| variant | wall time (s) | speedup | final {metric} | best {metric} "
+            f"| variant | training time (s) | speedup | final {metric} | best {metric} "
             "| frozen layers | pipe_len x dp_degree | DDP comm share |"
         ),
         "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
     for name, run in runs.items():
         lines.append(
-            f"| {TITLES.get(name, name)} | {run['wall_time_s']:.1f} | "
+            f"| {TITLES.get(name, name)} | {run['training_time_s']:.1f} | "
             f"{results['speedups'][name]:.2f}x | "
             f"{run['final_eval_metric']:.4f} | {run['best_eval_metric']:.4f} | "
             f"{run['freeze_trajectory'][-1]['num_frozen_layers']} | {_fmt_layout(run)} | "
@@ -296,14 +299,52 @@ def write_report(
                 f"{1000 * e.groups_s:.1f} | {1000 * e.profile_s:.1f} | {1000 * e.rebuild_s:.1f} | "
                 f"{1000 * e.total_s:.1f} |"
             )
+    lines += _when_section(runs)
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     machine = results.get("machine")
     if machine:
-        lines += ["", f"Machine: {machine}. Command: `{results.get('command', '')}`."]
+        lines += ["", f"Machine: {machine}. Command: `{results.get('command', '')}`"]
     text = "\n".join(lines) + "\n"
     (out / "report.md").write_text(text)
     return text
+
+
+# What the efficiency is, beside it in the report: compare/ideal.py has the arithmetic.
+EFFICIENCY_MEANING = (
+    "The ideal is the baseline's training time scaled by the compute this run's own freeze "
+    "trajectory leaves (the active layers' forward and backward, the frozen layers' forward "
+    "where the cache does not serve them, the pipeline bubble): the gain of freezing alone, "
+    "with every other cost of the baseline kept in proportion. Efficiency above 1 means the "
+    "full system shed more than that: costs a shorter pipeline drops (activations sent "
+    "between stages, a slower stage holding up the others, many small micro-batches), or a "
+    "machine less busy during its run than during the baseline's (see when each ran)."
+)
+
+
+def _when_section(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """When each variant ran and beside how much other work (the 1-minute load average at
+    its start and end): they ran one after the other, under whatever else the machine did."""
+    rows = [
+        f"| {TITLES.get(name, name)} | "
+        + "; then ".join(describe_attempt(VariantAttempt.from_dict(a)) for a in run["attempts"])
+        + " |"
+        for name, run in runs.items()
+        if run.get("attempts")
+    ]
+    if not rows:
+        return []
+    return [
+        "",
+        "## When each variant ran",
+        "",
+        "The variants ran one after the other: a machine busier during one of them (a load "
+        "average above its cores) slows that one alone, and moves the speedups with it.",
+        "",
+        "| variant | started, 1-minute load average at start -> end |",
+        "| --- | --- |",
+        *rows,
+    ]
 
 
 def _mean_std(value: MeanStd, digits: int) -> str:

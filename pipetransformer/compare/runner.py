@@ -5,8 +5,10 @@ order that rotates with the seed (compare/order.py); with --budgets (or --peers)
 several budgets too, every variant set against their curve (compare/budgets.py).
 
 Owns: the variants' overrides, running them (local worker processes), skipping runs that
-finished earlier (an interrupted comparison resumes), measuring the per-unit costs the ideal
-speedup needs, and writing results.json, report.md and plots.
+finished earlier and resuming one a stop signal cut short from its checkpoint (an
+interrupted comparison resumes), turning SIGINT / SIGTERM into `CompareStopped` (the command
+line says it in one line), recording when each attempt ran (compare/timing.py), measuring
+the per-unit costs the ideal speedup needs, and writing results.json, report.md and plots.
 """
 
 from __future__ import annotations
@@ -15,8 +17,12 @@ import json
 import logging
 import os
 import platform
+import shlex
+import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +60,15 @@ from pipetransformer.compare.report import (
     write_report,
 )
 from pipetransformer.compare.stats import DEFAULT_MARGIN_POINTS, seeded_stats
+from pipetransformer.compare.timing import end_attempt, start_attempt
 from pipetransformer.config import Config, ConfigError, load_config
-from pipetransformer.launcher import WorkerFailed, launch_local
+from pipetransformer.data.sources import run_name
+from pipetransformer.launcher import LaunchInterrupted, WorkerFailed, launch_local
+from pipetransformer.runs.checkpoint import find_checkpoint
 from pipetransformer.runs.rundir import RunLock, ensure_directory, prepare_run_dir
 from pipetransformer.trainer import RunOptions, run_worker
 from pipetransformer.utils.files import write_json_atomic
+from pipetransformer.utils.stopping import STOP_SIGNALS
 
 logger = logging.getLogger(__name__)
 
@@ -191,12 +201,16 @@ def run_compare(
     margin_points: float | None = None,
     only: list[str] | None = None,
     budgets: list[int] | None = None,
+    command: str | None = None,
 ) -> int:
     """Run every variant (once per seed with `seeds`), then write the outputs. A variant whose
-    run directory holds a finished run (summary.json) is not run again. `only`: of the
-    variants, these (and the baseline and the full system, which the report needs).
+    run directory holds a finished run (summary.json) is not run again; one an interrupted
+    comparison stopped resumes from its checkpoint. `only`: of the variants, these (and the
+    baseline and the full system, which the report needs). `command`: the command line
+    that made the comparison, as the report records it (shell-quoted, with --out).
     `budgets`: DDP also at these epochs (compare/budgets.py); None: with `peers` (and DDP
-    among the variants run) the default ladder below the config's epochs, else none."""
+    among the variants run) the default ladder below the config's epochs, else none. Raises
+    CompareStopped on SIGINT or SIGTERM while it runs under `stop_signals_raise`."""
     if config.freeze.strategy == "none":
         raise ConfigError(
             "freeze.strategy: compare needs a freeze strategy (the baseline turns it off)"
@@ -242,7 +256,8 @@ def run_compare(
     costs = measured_unit_costs(config)
     margin = DEFAULT_MARGIN_POINTS if margin_points is None else margin_points
     context = _context(config, config_path, overrides, ablations, peers, seeds, margin_points, only)
-    if budgets is not None:
+    context["command"] = command or context["command"]
+    if command is None and budgets is not None:
         context["command"] += " --budgets " + (",".join(map(str, budgets)) or "none")
     if seeds is None:
         runs = {
@@ -257,7 +272,9 @@ def run_compare(
 
 
 def _run_variant(variant_config: Config, name: str, run_dir: Path, label: str) -> bool:
-    """One variant's run in `run_dir`, unless it finished there earlier; False if it failed."""
+    """One variant's run in `run_dir`, unless it finished there earlier (resumed from the
+    checkpoint an interrupted run left); False if it failed. Raises CompareStopped on a
+    stop signal."""
     if is_finished(run_dir):
         print(f"pipetransformer compare: {label}: finished in {run_dir}, kept", file=sys.stderr)
         return True
@@ -268,21 +285,33 @@ def _run_variant(variant_config: Config, name: str, run_dir: Path, label: str) -
     started = time.perf_counter()
     ensure_directory(run_dir)
     lock = RunLock(run_dir).acquire()  # a second compare into the same --out stops here
+    outcome, attempts = "failed", None
     try:
-        # A run cut short earlier starts over: a resumed run's wall time would not compare.
-        prepare_run_dir(run_dir, resume="never", overwrite=True)
+        checkpoint = _prepare_variant_dir(run_dir, name)
+        if checkpoint is not None:
+            print(
+                f"pipetransformer compare: {label}: resuming from {checkpoint}, which an "
+                "interrupted run left (its training time counts every attempt)",
+                file=sys.stderr,
+            )
+        attempts = start_attempt(run_dir, resumed=checkpoint is not None)
         if name in (HF_TRAINER, TORCH_DDP):
             arguments = (name, variant_config, run_dir)
             launch_local(variant_config.nproc_per_node, run_peer, arguments)
         else:
-            options = RunOptions(prepared_checkpoint="")
+            options = RunOptions(prepared_checkpoint=str(checkpoint or ""))
             arguments = (variant_config, run_dir, options)
             launch_local(variant_config.nproc_per_node, run_worker, arguments)
+        outcome = "finished"
+    except LaunchInterrupted as exc:
+        outcome = "stopped"
+        raise CompareStopped(exc.signum, _stopped_what(name, label, run_dir, exc)) from None
     except WorkerFailed as exc:
         # A peer that cannot fit even sharded is refused in one line, and the comparison goes
         # on without it (planning/context.py's DoesNotFit, the first line of a rank's error).
         reason = str(exc).partition("DoesNotFit: ")[2]
         if reason:
+            outcome = "refused"
             write_json_atomic(run_dir / REFUSED, {"reason": reason})
             print(f"pipetransformer compare: {name} refused: {reason}", file=sys.stderr)
             return True
@@ -293,15 +322,68 @@ def _run_variant(variant_config: Config, name: str, run_dir: Path, label: str) -
         )
         return False
     finally:
+        if attempts is not None:
+            end_attempt(run_dir, attempts, outcome)
         lock.release()
     run = read_run(run_dir)
     print(
         f"pipetransformer compare: {name} done in {time.perf_counter() - started:.0f} s: "
-        f"wall_time_s {run['wall_time_s']:.1f}, "
+        f"training_time_s {run['training_time_s']:.1f}, "
         f"final {run['metric_name']} {run['final_eval_metric']:.4f}",
         file=sys.stderr,
     )
     return True
+
+
+class CompareStopped(Exception):
+    """A stop signal ended the comparison: `what` says where (the run it stopped and its
+    checkpoint, or between runs)."""
+
+    def __init__(self, signum: int, what: str) -> None:
+        super().__init__(what)
+        self.signum = signum
+
+
+@contextmanager
+def stop_signals_raise(out: Path) -> Iterator[None]:
+    """SIGINT and SIGTERM raise CompareStopped while a comparison runs (launch_local forwards
+    them to a run's workers while one runs); the handlers before are restored after."""
+
+    def stop(signum: int, frame) -> None:
+        raise CompareStopped(
+            signum,
+            f"stopped by {signal.Signals(signum).name} between runs; the finished ones are "
+            f"kept in {out}",
+        )
+
+    previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _prepare_variant_dir(run_dir: Path, name: str) -> Path | None:
+    """Make `run_dir` ready for the variant's run; the checkpoint an interrupted run of it
+    left, which it resumes from, or None: a run cut short before its first checkpoint, and
+    the peers outside this trainer (they keep none), start over."""
+    resumable = name not in (HF_TRAINER, TORCH_DDP) and find_checkpoint(run_dir) is not None
+    return prepare_run_dir(
+        run_dir, resume="required" if resumable else "never", overwrite=not resumable
+    )
+
+
+def _stopped_what(name: str, label: str, run_dir: Path, exc: LaunchInterrupted) -> str:
+    """What a stop signal stopped: the run, where it stopped and its checkpoint."""
+    if exc.stopped is not None:
+        return f"{label}: {exc.stopped}"
+    signal_name = signal.Signals(exc.signum).name
+    if name in (HF_TRAINER, TORCH_DDP):
+        return f"{label}: stopped by {signal_name}; it keeps no checkpoint (it starts over)"
+    checkpoint = find_checkpoint(run_dir)
+    left = f"its latest checkpoint {checkpoint}" if checkpoint else "no checkpoint (it starts over)"
+    return f"{label}: workers killed by a second {signal_name}; {left}"
 
 
 def rebuild_compare(
@@ -382,9 +464,11 @@ def _context(
         options += ["--margin", f"{margin_points:g}"]
     return {
         "config": config_path,
-        "config_name": Path(config_path).stem if config_path else "default",
+        "config_name": run_name(config_path, config.data),  # one's own data: named after it
         "overrides": overrides,
-        "command": " ".join(["pipetransformer compare", config_path or "", *overrides, *options]),
+        "command": shlex.join(
+            ["pipetransformer", "compare", config_path or "", *overrides, *options]
+        ),
         "machine": machine_description(config),
     }
 

@@ -27,6 +27,9 @@ class TrainerConfig:
     nproc_per_node: int | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_interval_steps: int = 10
+    # Where stderr is not a terminal (a log file), the progress bar's progress as a log line
+    # at the step log, at most one every this many seconds (0: at every step log).
+    progress_interval_s: float = 30.0
     eval_interval_epochs: int = 1
     # Seconds a collective may wait for a peer before the run fails (gloo's default is 30 min).
     timeout_s: float = 600.0
@@ -62,6 +65,8 @@ class TrainerConfig:
             _fail("trainer.nproc_per_node", f"must be >= 1, got {self.nproc_per_node}")
         if self.log_interval_steps < 1:
             _fail("trainer.log_interval_steps", "must be >= 1")
+        if self.progress_interval_s < 0:
+            _fail("trainer.progress_interval_s", f"must be >= 0, got {self.progress_interval_s}")
         if self.eval_interval_epochs < 1:
             _fail("trainer.eval_interval_epochs", "must be >= 1")
         if self.timeout_s <= 0:

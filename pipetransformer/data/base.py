@@ -125,6 +125,9 @@ class DataBundle:
     label_names: list[str] | None = None
     # Anything the task's evaluation needs beyond targets (e.g. SQuAD gold answers).
     eval_extras: dict[str, Any] = field(default_factory=dict)
+    # A table's columns and where evaluation comes from, for the run's first log line
+    # (data/describe.py); None where the dataset has no columns to name.
+    read_from: str | None = None
 
     def model_args(self) -> dict[str, Any]:
         """What build_model needs to know about the data (task, classes, input shapes)."""

@@ -58,18 +58,74 @@ def fetch_cifar(root: Path, num_classes: int) -> None:
 def fetch_hub_dataset(
     name: str, subset: str | None, local_form: str, key: str = "data.root"
 ) -> None:
+    """`datasets.load_dataset(name, subset)` into datasets' cache, or one ConfigError line.
+    The Hub is asked once, without retries, whether it has the dataset: out of reach, the
+    dataset may still be in the cache (it is loaded offline); not there, the line says so
+    at once instead of after half a minute of huggingface_hub's retry warnings."""
     import datasets
 
+    label = f"{name}/{subset}" if subset else name
+    where = "not set, and the" if key == "data.root" else "the"
+    advice = f"point {key} at a local copy ({local_form})"
+    reach = None if datasets.config.HF_HUB_OFFLINE else _hub_reach(name)
+    if reach is not None and reach.startswith("no dataset"):
+        raise ConfigError(f"{key}: {where} '{name}': {reach}; {advice}")
+    offline = reach is not None  # out of reach: what the cache holds, or nothing
     try:
-        datasets.load_dataset(name, subset) if subset else datasets.load_dataset(name)
+        with _quiet_hub(), _offline(offline):
+            datasets.load_dataset(name, subset) if subset else datasets.load_dataset(name)
     except Exception as exc:  # offline, hub errors, a proxy: one line either way
-        label = f"{name}/{subset}" if subset else name
-        where = "not set, and the" if key == "data.root" else "the"
+        detail = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}"
+        if offline:
+            detail = f"the Hub is out of reach ({reach}) and datasets' cache does not hold it"
         raise ConfigError(
             f"{key}: {where} '{label}' dataset cannot be fetched through `datasets` "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}); "
-            f"point {key} at a local copy ({local_form})"
+            f"({detail}); {advice}"
         ) from None
+
+
+def _hub_reach(name: str, timeout_s: float = 10.0) -> str | None:
+    """None when the Hub answers that it has dataset `name`; else why not, in a few words
+    ('no dataset ... on the Hub', or the connection error)."""
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        huggingface_hub.HfApi().dataset_info(name, timeout=timeout_s)
+    except RepositoryNotFoundError:
+        return "no dataset of that name on the Hub (or a private one: log in with `hf auth login`)"
+    except HfHubHTTPError as exc:
+        return f"the Hub answered {str(exc).splitlines()[0]}"
+    except Exception as exc:  # DNS, a refused connection, a proxy, a timeout
+        text = str(exc).splitlines()[0] if str(exc) else "no detail"
+        return f"{type(exc).__name__}: {text}"
+    return None
+
+
+@contextmanager
+def _quiet_hub() -> Iterator[None]:
+    """huggingface_hub's retry warnings ('Retrying in 8s [Retry 4/5]') kept out of the
+    user's terminal: the one error line says what failed."""
+    hub_logger = logging.getLogger("huggingface_hub")
+    level = hub_logger.level
+    hub_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        hub_logger.setLevel(level)
+
+
+@contextmanager
+def _offline(offline: bool) -> Iterator[None]:
+    """datasets reads only its cache while `offline` (no request, no retry)."""
+    import datasets
+
+    saved = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = saved or offline
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE = saved
 
 
 def fetch_data(config: DataConfig) -> None:
@@ -79,8 +135,13 @@ def fetch_data(config: DataConfig) -> None:
     elif config.name == "sst2" and config.root is None:
         fetch_hub_dataset("glue", "sst2", "a directory with train.tsv and dev.tsv")
     elif config.name in ("hf", "hf_image"):
+        from pipetransformer.data.sources import check_local_paths
         from pipetransformer.data.table import hub_dataset
 
+        try:
+            check_local_paths(config)  # local: never fetched; missing: one line at once
+        except FileNotFoundError as exc:
+            raise ConfigError(str(exc)) from None
         if hub_dataset(config):
             fetch_hub_dataset(
                 config.path,

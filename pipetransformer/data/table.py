@@ -30,6 +30,12 @@ import torch
 
 from pipetransformer.config import DataConfig
 from pipetransformer.data.base import DataBundle, TensorSampleDataset, subset_indices
+from pipetransformer.data.sources import (
+    FILE_BUILDERS,
+    check_local_paths,
+    json_error_line,
+    path_kind,
+)
 from pipetransformer.data.text import (
     HOLDOUT_SEED,
     SST2_LABELS,
@@ -38,12 +44,9 @@ from pipetransformer.data.text import (
     pick_tokenizer,
     read_sst2,
 )
-from pipetransformer.utils.files import looks_like_path
 
 logger = logging.getLogger(__name__)
 
-# data.path values that name a `datasets` file builder (tsv: csv with tab separators).
-FILE_BUILDERS = {"csv": "csv", "tsv": "csv", "json": "json", "jsonl": "json", "parquet": "parquet"}
 DEFAULT_TEXT_COLUMNS = (["text"], ["sentence"], ["sentence1", "sentence2"])
 EVAL_SPLITS = ("validation", "dev")
 
@@ -109,6 +112,8 @@ class LabelledTables:
     eval: TextTable | ImageTable
     label_names: list[str]  # none for a regression
     task: str = "classification"  # or "regression" (text tables)
+    # The columns read and where evaluation comes from, in words (DataBundle.read_from).
+    read_from: str | None = None
 
 
 # ----------------------------------------------------------------------------- reading
@@ -175,24 +180,17 @@ def _builder(config: DataConfig, files: dict[str, list[str]] | None) -> tuple[st
 
 
 def hub_dataset(config: DataConfig) -> bool:
-    """Whether data.path names a hub dataset (not a file builder, not a local path)."""
-    path = Path(config.path).expanduser()
-    return (
-        config.path.lower() not in FILE_BUILDERS
-        and not path.exists()
-        and not looks_like_path(config.path)
-    )
+    """Whether data.path names a hub dataset (owner/name: not a file builder, not a local
+    path; data/sources.py)."""
+    return path_kind(config.path) == "hub"
 
 
 def load_splits(config: DataConfig) -> dict[str, Any]:
     """{split name: datasets.Dataset} of data.path (and data.data_files)."""
     import datasets
 
+    check_local_paths(config)  # a missing local path is one line, never a Hub request
     files = _files_of(config)
-    for fs in (files or {}).values():
-        for f in fs:
-            if not Path(f).is_file():
-                raise FileNotFoundError(f"data.data_files: {f} does not exist")
     builder, options = _builder(config, files)
     path = Path(config.path).expanduser()
     with _quiet_datasets():
@@ -217,11 +215,6 @@ def load_splits(config: DataConfig) -> dict[str, Any]:
                 if isinstance(loaded, datasets.DatasetDict)
                 else {config.train_split: loaded}
             )
-        if looks_like_path(config.path) and not path.exists():
-            raise FileNotFoundError(
-                f"data.path: {path} does not exist (a file, a save_to_disk directory, or "
-                "csv/tsv/json/parquet with data.data_files)"
-            )
         try:
             loaded = datasets.load_dataset(config.path, config.config_name, data_files=files)
         except Exception as exc:  # offline, unknown id, a directory of unreadable files
@@ -239,6 +232,11 @@ def _load_files(builder: str, options: dict, split: str, files: list[str]):
     try:
         return datasets.load_dataset(builder, data_files={split: files}, split=split, **options)
     except Exception as first:
+        # JSON: the line at fault, which datasets' parsers do not name ("Trailing data").
+        for f in files if builder == "json" else []:
+            line = json_error_line(f)
+            if line is not None:
+                raise ValueError(f"{f}: cannot be read as json: {line}") from None
         # Name the file at fault: read each alone (a split is usually one file).
         for f in files if len(files) > 1 else []:
             try:
@@ -474,6 +472,7 @@ def read_tables(config: DataConfig) -> LabelledTables:
             f"its splits: {', '.join(splits)}"
         )
     train = read(config, splits[config.train_split], config.train_split)
+    columns = _columns_read(config, splits[config.train_split], train)
     task = table_task(config, train)
     names = [] if task == "regression" else config.label_names or discover_labels(train)
 
@@ -490,6 +489,7 @@ def read_tables(config: DataConfig) -> LabelledTables:
     if eval_split is not None:
         evaluation = read(config, splits[eval_split], eval_split)
         check(evaluation)
+        where = f"split '{eval_split}' ({evaluation.source})"
     else:
         size = config.holdout or max(1, round(config.eval_share * len(train)))
         if size >= len(train):
@@ -500,7 +500,21 @@ def read_tables(config: DataConfig) -> LabelledTables:
         order = subset_indices(len(train), len(train), HOLDOUT_SEED)
         evaluation = train.take(order[:size])
         train = train.take(order[size:])
-    return LabelledTables(train, evaluation, names, task)
+        share = "data.holdout" if config.holdout else f"data.eval_share {config.eval_share:g}"
+        where = f"{size} rows held out of the training split ({share}, one fixed draw)"
+    read_from = f"{columns} of {train.source}; evaluation: {where}"
+    return LabelledTables(train, evaluation, names, task, read_from)
+
+
+def _columns_read(config: DataConfig, dataset, table: TextTable | ImageTable) -> str:
+    """'text column 'review', label column 'stars'' (the pair's two columns, or the image
+    column) of the training split."""
+    if isinstance(table, ImageTable):
+        read = f"image column '{table.column}'"
+    else:
+        names = _text_columns(config, list(dataset.column_names), table.source)
+        read = f"text column{'s' if len(names) > 1 else ''} " + " + ".join(f"'{n}'" for n in names)
+    return f"{read}, label column '{config.label_column}'"
 
 
 def resolved_task(config: DataConfig) -> tuple[str, list[str]]:
@@ -565,7 +579,10 @@ def encode_tables(
 
 
 def load_table_bundle(config: DataConfig, model_name_or_path: str | None, seed: int) -> DataBundle:
-    return encode_tables(read_tables(config), config, model_name_or_path, seed)
+    tables = read_tables(config)
+    bundle = encode_tables(tables, config, model_name_or_path, seed)
+    bundle.read_from = tables.read_from
+    return bundle
 
 
 def load_sst2_bundle(config: DataConfig, model_name_or_path: str | None, seed: int) -> DataBundle:
@@ -590,4 +607,8 @@ def load_sst2_bundle(config: DataConfig, model_name_or_path: str | None, seed: i
         TextTable(eval_sentences, None, eval_labels, "sst2 dev", SST2_LABELS),
         SST2_LABELS,
     )
-    return encode_tables(tables, config, model_name_or_path, seed)
+    bundle = encode_tables(tables, config, model_name_or_path, seed)
+    where = f"{config.root}/train.tsv" if config.root else "GLUE's sst2 through `datasets`"
+    held = f"{config.holdout} sentences held out of the training split (data.holdout)"
+    bundle.read_from = f"SST-2 from {where}; evaluation: {held if config.holdout else 'dev'}"
+    return bundle

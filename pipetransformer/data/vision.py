@@ -221,6 +221,7 @@ def load_image_table_bundle(config: DataConfig) -> DataBundle:
         in_chans=3,
         image_size=size,
         label_names=list(tables.label_names),
+        read_from=tables.read_from,
     )
 
 

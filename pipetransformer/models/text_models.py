@@ -34,6 +34,7 @@ from pipetransformer.models.layered import (
     count_params,
     layer_unit_names,
 )
+from pipetransformer.models.load_report import load_with_own_report
 from pipetransformer.models.registry import ExportInfo, ModelAdapter, adapter_for_model_type
 from pipetransformer.utils.files import looks_like_path
 from pipetransformer.utils.logging import plain_text_when_redirected
@@ -257,10 +258,15 @@ def create_text_model(
     if config.model_name_or_path is not None and str(device) != "meta":
         from transformers.utils import logging as transformers_logging
 
-        # Its loading report is coloured for a terminal on stdout, written to stderr.
+        # Its loading report is coloured for a terminal on stdout, written to stderr; when
+        # all it says is that the head is new, one line of ours says it (load_report.py).
         plain_text_when_redirected(transformers_logging.get_logger())
-        model = model_class.from_pretrained(config.model_name_or_path, config=hf_config)
-        logger.info("loaded pretrained weights from %s", config.model_name_or_path)
+        name = config.model_name_or_path
+        model = load_with_own_report(
+            lambda **options: model_class.from_pretrained(name, config=hf_config, **options),
+            name,
+        )
+        logger.info("loaded pretrained weights from %s", name)
         return model.to(device), adapter
     with torch.device(device):
         return model_class.from_config(hf_config), adapter

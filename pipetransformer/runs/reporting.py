@@ -4,13 +4,17 @@ and optionally TensorBoard and Weights & Biases.
 Only the reporting rank (global rank 0) writes; every value it writes was reduced over the
 ranks that own it before it got here. The JSON-lines files are always written; TensorBoard
 (`logging.tensorboard`) and W&B (`logging.wandb`, offline with WANDB_MODE=offline) get the
-same step and epoch values when their packages are installed.
+same step and epoch values when their packages are installed. The progress bar is drawn on
+a terminal only; where stderr is a file, the same progress is a log line at the step log
+(every `trainer.log_interval_steps` steps), at most one every `trainer.progress_interval_s`.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,30 @@ def _numbers(record: dict[str, Any], skip: tuple[str, ...]) -> dict[str, float]:
     }
 
 
+def _clock_time(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def progress_line(
+    epoch: int, epochs: int, done: int, steps: int, rate_steps_per_s: float, record: StepMetrics
+) -> str:
+    """What the progress bar shows, as one log line: 'epoch 1/3: step 120/500 (24%), about
+    1:38 left; loss 0.6931, 210.3 samples/s, frozen 0, pipe_len 2, dp_degree 1'."""
+    left = (
+        f", about {_clock_time((steps - done) / rate_steps_per_s)} left"
+        if rate_steps_per_s > 0
+        else ""
+    )
+    return (
+        f"epoch {epoch + 1}/{epochs}: step {done}/{steps} ({100 * done // max(1, steps)}%)"
+        f"{left}; loss {record.loss:.4f}, {record.samples_per_s:.1f} samples/s, "
+        f"frozen {record.num_frozen_layers}, pipe_len {record.pipe_len}, "
+        f"dp_degree {record.dp_degree}"
+    )
+
+
 class Reporter:
     def __init__(
         self,
@@ -37,12 +65,24 @@ class Reporter:
         tensorboard: bool,
         wandb: bool = False,
         wandb_config: dict[str, Any] | None = None,
+        *,
+        progress_interval_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.run_dir = run_dir
         self.enabled = enabled
         # On a terminal only: in a log file its carriage-return updates make one line of
-        # thousands of characters.
+        # thousands of characters. There, a progress line now and then instead.
         self.progress_bar = progress_bar and enabled and sys.stderr.isatty()
+        self.progress_lines = progress_bar and enabled and not self.progress_bar
+        self._progress_interval_s = progress_interval_s
+        self._clock = clock
+        self._last_line_s = clock()
+        # The epoch in progress: (epoch, epochs, steps), steps done, and when and where in
+        # it this attempt began (for the rate).
+        self._epoch = (0, 1, 0)
+        self._done = 0
+        self._epoch_began: tuple[float, int] = (self._last_line_s, 0)
         self._bar = None
         self._tb = None
         self._wandb = None
@@ -77,6 +117,8 @@ class Reporter:
                 )
 
     def start_epoch(self, epoch: int, epochs: int, steps: int, done: int = 0) -> None:
+        self._epoch, self._done = (epoch, epochs, steps), done
+        self._epoch_began = (self._clock(), done)
         if not self.progress_bar:
             return
         from tqdm import tqdm
@@ -92,6 +134,7 @@ class Reporter:
         )
 
     def step(self, **postfix: Any) -> None:
+        self._done += 1
         if self._bar is not None:
             self._bar.update(1)
             if postfix:
@@ -115,12 +158,26 @@ class Reporter:
                 dp_degree=record.dp_degree,
                 refresh=False,
             )
+        if self.progress_lines:
+            self._progress_line(record)
         scalars = _numbers(values, skip=("global_step", "epoch"))
         if self._tb is not None:
             for key, value in scalars.items():
                 self._tb.add_scalar(f"step/{key}", value, record.global_step)
         if self._wandb is not None:
             self._wandb.log({f"step/{k}": v for k, v in scalars.items()}, step=record.global_step)
+
+    def _progress_line(self, record: StepMetrics) -> None:
+        """The bar's progress as a log line, at most one every progress_interval_s; none at
+        an epoch's end (its own line follows)."""
+        epoch, epochs, steps = self._epoch
+        now = self._clock()
+        if self._done >= steps or now - self._last_line_s < self._progress_interval_s:
+            return
+        self._last_line_s = now
+        began_s, began_done = self._epoch_began
+        rate = (self._done - began_done) / max(1e-9, now - began_s)
+        logger.info("%s", progress_line(epoch, epochs, self._done, steps, rate, record))
 
     def metrics(self, record: EpochMetrics) -> None:
         if not self.enabled:

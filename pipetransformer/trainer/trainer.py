@@ -36,6 +36,7 @@ from pipetransformer.autodp.sampler import TrainSampler
 from pipetransformer.autodp.topology import Layout
 from pipetransformer.config import Config, resolve
 from pipetransformer.data import build_data
+from pipetransformer.data.describe import describe_bundle
 from pipetransformer.fsdp import gather_units, shard_optimizer_states
 from pipetransformer.models import build_model
 from pipetransformer.pipe import StageRuntime
@@ -156,6 +157,8 @@ class Trainer:
             seed=config.trainer.seed,
             model_name_or_path=config.model.model_name_or_path,
         )
+        if self.world.rank == 0:  # what it read: before an epoch shows a wrong column
+            logger.info("data: %s", describe_bundle(self.data))
         self.task = task_for(
             self.data.task, self.data.num_classes, config.data.metric, len(self.data.eval)
         )
@@ -211,6 +214,7 @@ class Trainer:
             config.logging.tensorboard,
             config.logging.wandb,
             config.to_dict(),
+            progress_interval_s=config.trainer.progress_interval_s,
         )
         # The cache serves frozen layers: with nothing ever frozen (the baseline) it stays off.
         if config.cache.enabled and config.freeze.strategy != "none":
