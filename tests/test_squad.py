@@ -472,7 +472,7 @@ def test_loss_equals_transformers_bert_qa_loss():
     out = model(input_ids=ids, start_positions=positions[:, 0], end_positions=positions[:, 1])
     logits = torch.stack([out.start_logits, out.end_logits], dim=-1)
     target = QuestionAnsweringTask.make_target(positions, torch.full((4,), 1 / 4))
-    assert target.shape == (4, 3) and target[:, :2].long().tolist() == positions.tolist()
+    assert target.shape == (4, 4) and target[:, :2].long().tolist() == positions.tolist()
     loss = QuestionAnsweringTask.loss_fn(logits, target)
     torch.testing.assert_close(loss, out.loss)
     # Zero weight removes a sample (shape padding).

@@ -21,6 +21,7 @@ from pipetransformer.config.checks import (
 from pipetransformer.config.data import (
     REGRESSION_METRICS,
     TABLE_DATASETS,
+    TEXT_DATASETS,
     DataConfig,
     DatasetName,
     MetricName,
@@ -47,6 +48,7 @@ from pipetransformer.config.trainer import TrainerConfig
 __all__ = [
     "REGRESSION_METRICS",
     "TABLE_DATASETS",
+    "TEXT_DATASETS",
     "TEXT_MODEL_TYPES",
     "AutoDPConfig",
     "AutoPipeConfig",
