@@ -448,12 +448,17 @@ def _continue_from(run_dir, into, step: int) -> None:
     (into / "checkpoints" / "latest").write_text(f"step-{step:08d}\n")
 
 
-def elastic_runs(runs: list[tuple[str, dict]], root: str, resume_at_step: int | None = None):
+def elastic_runs(
+    runs: list[tuple[str, dict]],
+    root: str,
+    resume_at_step: int | None = None,
+    resume_names: set[str] | None = None,
+):
     """Whole Trainer runs one after the other in the same workers (one process start for
     all of them), each in a process group of its own, in ROOT/<name>: {name: elastic_run's
-    result}. With `resume_at_step`, each run is then also continued from a copy of its
-    directory cut back to that step's checkpoint, in ROOT/<name>-resumed
-    ({name-resumed: result})."""
+    result}. With `resume_at_step`, each run (of `resume_names`, if given) is then also
+    continued from a copy of its directory cut back to that step's checkpoint, in
+    ROOT/<name>-resumed ({name-resumed: result})."""
     from pathlib import Path
 
     from pipetransformer.runs.rundir import RunOptions
@@ -464,7 +469,7 @@ def elastic_runs(runs: list[tuple[str, dict]], root: str, resume_at_step: int | 
         if index:
             _fresh_rendezvous(root / f"port-{name}")
         results[name] = elastic_run(config_dict, str(root / name))
-        if resume_at_step is not None:
+        if resume_at_step is not None and (resume_names is None or name in resume_names):
             resumed = root / f"{name}-resumed"
             _fresh_rendezvous(
                 root / f"port-{name}-resumed",

@@ -7,8 +7,14 @@
 
 Both train what the trainer trains: the same model weights (the same seed before the model
 is built, or the same pretrained directory), the same data (`build_data`: the same subsets,
-tokenisation, padding and image transforms), batch, optimizer, weight decay groups, schedule,
+tokenisation and image transforms), batch, optimizer, weight decay groups, schedule,
 clipping and epochs, on the same processes (the local launcher's environment, as torchrun's).
+Text is padded as its users pad it: `Trainer` gets each sample at its real length and
+`DataCollatorWithPadding` pads each batch to its longest, rounded up to
+data.pad_to_multiple_of (or to max_seq_length under data.padding max_length), and groups
+batches by length (`group_by_length`) where the config does; `torch_ddp` fetches batches
+as the trainer does. Each counts the real tokens and the padded tokens it trains (from the
+attention masks) into its epochs' records.
 Their accuracy is scored on rank 0 the way the trainer scores its own (argmax over the
 evaluation split). Each writes the run records `compare` reads (summary.json, metrics.jsonl,
 events.jsonl), so they join the report and the statistics over seeds like any variant.
@@ -132,7 +138,15 @@ class EpochClock:
     def start(self) -> None:
         self._started = time.perf_counter()
 
-    def end(self, global_step: int, samples: int, train_loss: float, lr: float) -> None:
+    def end(
+        self,
+        global_step: int,
+        samples: int,
+        train_loss: float,
+        lr: float,
+        tokens: tuple[int, int] = (0, 0),
+    ) -> None:
+        """`tokens`: the epoch's real and padded tokens (text; 0 for images)."""
         seconds = time.perf_counter() - self._started
         self.records.append(
             {
@@ -142,6 +156,8 @@ class EpochClock:
                 "samples_per_s": samples / seconds if seconds > 0 else 0.0,
                 "epoch_time_s": seconds,
                 "lr": lr,
+                "real_tokens": tokens[0],
+                "padded_tokens": tokens[1],
             }
         )
 
@@ -194,18 +210,82 @@ def write_records(
 
 
 class _TextDataset(torch.utils.data.Dataset):
-    """The trainer's tokenised split as the dicts `Trainer` feeds the model."""
+    """The trainer's tokenised split as the dicts `Trainer` feeds the model: each sample at
+    its real length, as a tokenizer that truncates (and does not pad) leaves it."""
 
     def __init__(self, split) -> None:
         inputs, labels = split.fetch(range(len(split)))
         self.columns = dict(zip(("input_ids", "token_type_ids", "attention_mask"), inputs))
-        self.columns["labels"] = labels
+        self.lengths = split.lengths
+        self.labels = labels
 
     def __len__(self) -> int:
-        return len(self.columns["labels"])
+        return len(self.labels)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {name: column[index] for name, column in self.columns.items()}
+        length = self.lengths[index]
+        row = {name: column[index, :length] for name, column in self.columns.items()}
+        return {**row, "labels": self.labels[index]}
+
+
+def padding_tokenizer(config: Config):
+    """The tokenizer `DataCollatorWithPadding` pads with: the run's (data.tokenizer, or the
+    pretrained model's), else one that only pads, with the word vocabulary's [PAD] id 0
+    (data/text.py), padding on the right as the data is."""
+    from pipetransformer.data.text import WordVocabTokenizer, load_tokenizer
+
+    name = config.data.tokenizer or config.model.model_name_or_path
+    if name is not None:
+        return load_tokenizer(name)
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    pad, unk = WordVocabTokenizer.SPECIALS[:2]
+    vocabulary = Tokenizer(WordLevel({pad: 0, unk: 1}, unk_token=unk))
+    vocabulary.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=vocabulary, pad_token=pad, unk_token=unk)
+
+
+def padding_collator(config: Config):
+    """How a `Trainer` user pads: DataCollatorWithPadding to each batch's longest, rounded up
+    to data.pad_to_multiple_of (data.padding batch), or to max_seq_length (max_length)."""
+    from transformers import DataCollatorWithPadding
+
+    tokenizer = padding_tokenizer(config)
+    tokenizer.padding_side = "right"
+    if config.data.padding == "max_length":
+        return DataCollatorWithPadding(
+            tokenizer, padding="max_length", max_length=config.data.max_seq_length
+        )
+    return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=config.data.pad_to_multiple_of)
+
+
+class TokenCounter:
+    """Real and padded tokens of the batches a model is called with (from the attention
+    mask), summed on the device (no host read per step) and over every rank at `take`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.sums: torch.Tensor | None = None
+        self.counting = True
+        model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module, args, kwargs) -> None:
+        mask = kwargs.get("attention_mask")
+        if not self.counting or mask is None or not module.training:
+            return
+        counts = torch.stack([mask.sum(), torch.tensor(mask.numel(), device=mask.device)])
+        self.sums = counts if self.sums is None else self.sums + counts
+
+    def take(self) -> tuple[int, int]:
+        """(real, padded) since the last call, over every rank (collective); resets."""
+        sums = torch.zeros(2, dtype=torch.long) if self.sums is None else self.sums.long()
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+        self.sums = None
+        real, padded = sums.tolist()
+        return int(real), int(padded)
 
 
 def _text_forward(model: nn.Module, inputs: list[torch.Tensor]) -> torch.Tensor:
@@ -265,25 +345,30 @@ def _run_hf_trainer(
         # Every parameter is used: the default (True) would traverse the graph every step.
         ddp_find_unused_parameters=False,
         bf16=config.trainer.precision == "bf16",
+        group_by_length=config.data.group_by_length,
     )
     _set_threads()  # accelerate's state may have changed it
 
     clock = EpochClock()
+    tokens = TokenCounter(model)
 
     class Epochs(TrainerCallback):
         def on_epoch_begin(self, args, state, control, **kwargs):
             clock.start()
 
         def on_epoch_end(self, args, state, control, **kwargs):
-            clock.end(state.global_step, len(data.train), float("nan"), 0.0)
+            counted = tokens.take()  # before the clock: the step's kernels are done
+            clock.end(state.global_step, len(data.train), float("nan"), 0.0, counted)
 
     trainer = Trainer(
         model=model,
         args=args,
         train_dataset=_TextDataset(data.train),
+        data_collator=padding_collator(config),
         callbacks=[Epochs()],
     )
     output = trainer.train()
+    tokens.counting = False
     for record in clock.records:  # Trainer reports the mean training loss over the run
         record["train_loss"] = float(output.training_loss)
     return trainer.model, trainer.model.device, _text_forward, clock.records
