@@ -3,11 +3,11 @@ counts of its tokens: pure arithmetic, the text dataset, every text family's per
 results under both paddings, question answering's masking, the sampler's grouping, and
 one launch of 2 gloo workers that trains a pipeline of text of several lengths.
 
-The distributed runs (one launch, four runs: about 30 s on 2 busy cores) use text the test writes: short, middling
-and over-long sentences, so a 2-stage pipeline meets batches of 8, 16 and 32 tokens, each
-length a PipelineStage of its own. Every run equals single-process training step by step
-(losses 1e-5, weights rtol 1e-4 / atol 1e-5: float32 sums in another order, as
-tests/test_elastic.py), whatever the padding.
+The distributed runs (one launch, four runs: about 30 s on 2 busy cores) use text the test
+writes: short, middling and over-long sentences, so a 2-stage pipeline meets batches of 8,
+16 and 32 tokens, each length a PipelineStage of its own. Every run equals single-process
+training step by step (losses 1e-5, weights rtol 1e-4 / atol 1e-5: float32 sums in another
+order, as tests/test_elastic.py), whatever the padding.
 """
 
 from __future__ import annotations
@@ -108,6 +108,75 @@ def test_text_is_encoded_padded_on_the_right_whatever_the_tokenizers_side():
     tokenizer.padding_side = "left"
     ids, _, mask = encode(tokenizer, ["x y z", "x"], 6)
     assert real_lengths(mask) == [3, 1] and mask[:, 0].tolist() == [1, 1]
+
+
+def test_a_pipeline_stage_budgets_the_receive_buffers_of_every_bucket():
+    """Text padded per batch keeps a stage per bucket: the memory model counts their receive
+    buffers together (8, 16, 32, 64, 128: 248/128 times the max-length ones), nothing else."""
+    from pipetransformer.autopipe.memory import LayoutShape, MemoryModel
+    from pipetransformer.autopipe.planner import UnitCosts, balance
+    from pipetransformer.planning.context import receive_buffer_share
+
+    model = MemoryModel((100,) * 6, (10,) * 6, (4,) * 6, 2, 2.0)
+    plan = balance(UnitCosts.from_param_counts([1] * 6, 1 / 6), 0, 2)  # [0, 3), [3, 6)
+    share = bucket_buffer_share(8, 128)
+    for stage in (0, 1):
+        one = model.stage_memory(plan, stage, LayoutShape(4, 2, 1))
+        buckets = model.stage_memory(plan, stage, LayoutShape(4, 2, 1, "gpipe", share))
+        # One receive buffer a stage of 2: M = 2 micro-batches of a unit's 4 bytes, at
+        # micro-batches of 4 samples where the profile's held 2.
+        received = 2 * 4 * (4 / 2)
+        assert buckets.boundary - one.boundary == pytest.approx((share - 1) * received)
+        assert buckets.activations == one.activations and buckets.parameters == one.parameters
+    text = {"model": {"name": "bert"}, "data": {"name": "sst2"}}
+    assert receive_buffer_share(config_from_dict(text)) == pytest.approx(share)
+    text["data"]["padding"] = "max_length"
+    assert receive_buffer_share(config_from_dict(text)) == 1.0
+    assert receive_buffer_share(config_from_dict({})) == 1.0  # images
+
+
+def test_the_hf_trainer_peer_pads_as_its_users_do():
+    """Trainer gets each sample at its real length; DataCollatorWithPadding pads a batch to
+    its longest rounded up to data.pad_to_multiple_of (max_seq_length under max_length);
+    the token counter reads real and padded tokens off the masks the model is called with."""
+    from pipetransformer.compare.peers import TokenCounter, _TextDataset, padding_collator
+    from pipetransformer.config import Config
+
+    split = text_split([3, 9, 12, 5])
+    dataset = _TextDataset(split)
+    assert [dataset[i]["input_ids"].shape[0] for i in range(4)] == [3, 9, 12, 5]
+    batch = padding_collator(Config())([dataset[0], dataset[3]])
+    assert batch["input_ids"].shape == (2, 8) and torch.equal(
+        batch["input_ids"], split.fetch([0, 3])[0][0]
+    )
+    assert batch["labels"].tolist() == [0, 1]
+    config = config_from_dict(
+        {
+            "model": {"name": "bert"},
+            "data": {"name": "sst2", "max_seq_length": 16, "padding": "max_length"},
+        }
+    )
+    assert padding_collator(config)([dataset[1]])["attention_mask"].shape == (1, 16)
+    model = torch.nn.Module()
+    model.forward = lambda input_ids, attention_mask: input_ids  # noqa: ARG005
+    counter = TokenCounter(model)
+    model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    model.eval()
+    model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])  # not counted
+    assert counter.take() == (3 + 5, 16) and counter.take() == (0, 0)
+
+
+def test_the_hf_trainer_peer_groups_by_length_where_the_config_does(tmp_path):
+    from transformers import TrainingArguments
+
+    from pipetransformer.compare.peers import _length_grouping
+
+    for grouped in (True, False):
+        args = TrainingArguments(
+            output_dir=str(tmp_path), **_length_grouping(TrainingArguments, grouped)
+        )
+        strategy = getattr(args, "train_sampling_strategy", None)
+        assert (strategy == "group_by_length" or getattr(args, "group_by_length", False)) == grouped
 
 
 # ----------------------------------------------------------------------------- models

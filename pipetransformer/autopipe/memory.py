@@ -18,7 +18,11 @@ For one rank of a layout (stage s of K, M micro-batches of m samples, R replicas
                     steady phase a forward follows a backward: both are held in full
     boundary        the pipeline's buffers: received inputs (M, stage > 0), received output
                     gradients (M, all but the last stage) and the outputs kept for backward;
-                    stage 0 also holds the frozen prefix's output for the replica batch
+                    stage 0 also holds the frozen prefix's output for the replica batch.
+                    Text padded per batch keeps a stage (and its receive buffers) for each
+                    length bucket it meets (pipe/runtime.py): the receive buffers of every
+                    bucket together, `receive_buffer_share` times the max-length ones
+                    (under 2: utils/padding.py), all other terms at max_seq_length
 
 A sharded layout (FSDP2: one stage, its trained units' parameters, gradients and optimizer
 state sharded over the R replicas; `sharded_memory`) holds on each rank:
@@ -104,6 +108,9 @@ class LayoutShape:
     num_micro_batches: int
     dp_degree: int
     schedule: str = "gpipe"
+    # The receive buffers a pipeline stage holds, in multiples of the max-length ones (text
+    # padded per batch: one set per length bucket; module docstring).
+    receive_buffer_share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -171,10 +178,11 @@ class MemoryModel:
             in_flight = min(m, plan.pipe_len - stage)
         grads = float(sum(self.param_bytes[u] for u in trained))
         boundary = in_flight * self.output_bytes[end - 1]  # outputs kept for their backward
+        received = shape.receive_buffer_share * m  # receive buffers of every length bucket
         if stage > 0:
-            boundary += m * self.output_bytes[start - 1]  # received inputs
+            boundary += received * self.output_bytes[start - 1]  # received inputs
         if stage < plan.pipe_len - 1:
-            boundary += m * self.output_bytes[end - 1]  # received output gradients
+            boundary += received * self.output_bytes[end - 1]  # received output gradients
         if stage == 0 and plan.prefix_end > 0:
             boundary += m * self.output_bytes[plan.prefix_end - 1]  # the prefix's output
         activations = in_flight * scale * sum(self.saved_bytes[u] for u in trained)

@@ -25,6 +25,7 @@ step (that is what they are measured against).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -33,6 +34,7 @@ import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -295,6 +297,16 @@ def _text_forward(model: nn.Module, inputs: list[torch.Tensor]) -> torch.Tensor:
     ).logits
 
 
+def _length_grouping(arguments: type, grouped: bool) -> dict[str, Any]:
+    """The TrainingArguments that group batches by length (LengthGroupedSampler): since the
+    sampler unification of transformers 5 (huggingface/transformers#43138),
+    `train_sampling_strategy="group_by_length"`; before it, `group_by_length=True`."""
+    fields = {f.name for f in dataclasses.fields(arguments)}
+    if "train_sampling_strategy" in fields:
+        return {"train_sampling_strategy": "group_by_length" if grouped else "random"}
+    return {"group_by_length": grouped}
+
+
 def _run_hf_trainer(
     config: Config, data: DataBundle, run_dir: Path, world_size: int, hf_optim: str
 ) -> tuple[nn.Module, torch.device, Callable, list[dict]]:
@@ -345,7 +357,7 @@ def _run_hf_trainer(
         # Every parameter is used: the default (True) would traverse the graph every step.
         ddp_find_unused_parameters=False,
         bf16=config.trainer.precision == "bf16",
-        group_by_length=config.data.group_by_length,
+        **_length_grouping(TrainingArguments, config.data.group_by_length),
     )
     _set_threads()  # accelerate's state may have changed it
 

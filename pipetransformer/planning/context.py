@@ -43,10 +43,18 @@ from pipetransformer.autopipe.planner import (
     fixed_plan,
 )
 from pipetransformer.autopipe.profiles import UnitProfile, unit_costs_from_profile
-from pipetransformer.config import Config, ConfigError, World, initial_pipe_lens, resolve
+from pipetransformer.config import (
+    TEXT_DATASETS,
+    Config,
+    ConfigError,
+    World,
+    initial_pipe_lens,
+    resolve,
+)
 from pipetransformer.data.checks import data_facts
 from pipetransformer.freeze import check_freeze_config
 from pipetransformer.models import ModelSpec, build_model
+from pipetransformer.utils.padding import bucket_buffer_share
 
 # What a GPU holds besides the tensors the memory model counts (its predictions are
 # allocated bytes, what torch.cuda.max_memory_allocated reports):
@@ -194,7 +202,18 @@ def _layout_shape(
     dp = dp_degree_for(pipe_len, world_size, world_size // initial_pipe_len, config.autodp.enabled)
     replica_batch = config.trainer.replica_batch_size(dp)
     m = choose_num_micro_batches(config.pipeline.num_micro_batches, pipe_len, replica_batch)
-    return LayoutShape(replica_batch // m, m, dp, config.pipeline.schedule)
+    return LayoutShape(
+        replica_batch // m, m, dp, config.pipeline.schedule, receive_buffer_share(config)
+    )
+
+
+def receive_buffer_share(config: Config) -> float:
+    """A pipeline stage's receive buffers over the max-length ones: text padded per batch
+    keeps a set for each length bucket (pipe/runtime.py); 1 otherwise."""
+    data = config.data
+    if data.name not in TEXT_DATASETS or data.padding != "batch":
+        return 1.0
+    return bucket_buffer_share(data.pad_to_multiple_of, data.max_seq_length)
 
 
 def sharded_shape(config: Config, world_size: int, num_micro_batches: int = 1) -> LayoutShape:
