@@ -9,9 +9,8 @@ masks the padding keys), at any batch length, DeBERTa's table rows included.
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_bert, tiny_vit
-
 from families import FAMILIES, text_batch
+from helpers import tiny_bert, tiny_vit
 
 from pipetransformer.autocache import CacheClient, CacheDaemon
 from pipetransformer.data.base import real_lengths

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from families import FAMILIES, TEXT_FAMILIES
-from helpers import run_workers
+from helpers import TINY_BERT, run_workers
 from reference import reference_run, step_losses
 from workers import elastic_runs
 
@@ -413,17 +413,7 @@ def _text_config(data_dir: Path, **data) -> dict:
         "autopipe": {"lambda_frozen": 0.02},
         "cache": {"enabled": True, "profile": False},
         "checkpoint": {"keep_best": False, "keep_last": 3},
-        "model": {
-            "name": "bert",
-            "kwargs": {
-                "hidden_size": 32,
-                "num_hidden_layers": 4,
-                "num_attention_heads": 2,
-                "intermediate_size": 64,
-                "hidden_dropout_prob": 0.0,
-                "attention_probs_dropout_prob": 0.0,
-            },
-        },
+        "model": {"name": TINY_BERT.name, "kwargs": dict(TINY_BERT.kwargs)},
         "data": {
             "name": "hf",
             "path": "csv",

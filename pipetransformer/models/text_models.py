@@ -345,8 +345,9 @@ def export_text_model(model: LayeredModel, out_dir: Path, info: ExportInfo) -> l
                 tokenizer.pad_token_id,
                 config.pad_token_id,
             )
-        # The run truncated (and padded) every text to max_seq_length tokens: the saved
-        # tokenizer truncates there too (`truncation=True`), and says so in its config.
+        # The run truncated every text to max_seq_length tokens (and padded each batch to
+        # its longest, or to max_seq_length): the saved tokenizer truncates there too
+        # (`truncation=True`), and says so in its config.
         tokenizer.model_max_length = model.spec.input_specs[0].shape[0]
         tokenizer.save_pretrained(str(out_dir))
     else:
