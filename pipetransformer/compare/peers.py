@@ -269,7 +269,8 @@ class TokenCounter:
     mask), summed on the device (no host read per step) and over every rank at `take`."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.sums: torch.Tensor | None = None
+        self.real: torch.Tensor | None = None  # on the model's device
+        self.padded = 0  # the masks' sizes, known on the host
         self.counting = True
         model.register_forward_pre_hook(self._count, with_kwargs=True)
 
@@ -277,17 +278,20 @@ class TokenCounter:
         mask = kwargs.get("attention_mask")
         if not self.counting or mask is None or not module.training:
             return
-        counts = torch.stack([mask.sum(), torch.tensor(mask.numel(), device=mask.device)])
-        self.sums = counts if self.sums is None else self.sums + counts
+        real = mask.sum()
+        self.real = real if self.real is None else self.real + real
+        self.padded += mask.numel()
 
     def take(self) -> tuple[int, int]:
         """(real, padded) since the last call, over every rank (collective); resets."""
-        sums = torch.zeros(2, dtype=torch.long) if self.sums is None else self.sums.long()
+        # On the device the counts are on: NCCL reduces device tensors only.
+        real = torch.zeros((), dtype=torch.long) if self.real is None else self.real.long()
+        sums = torch.stack([real, torch.tensor(self.padded, device=real.device)])
         if dist.is_initialized():
             dist.all_reduce(sums)
-        self.sums = None
-        real, padded = sums.tolist()
-        return int(real), int(padded)
+        self.real, self.padded = None, 0
+        total_real, total_padded = sums.tolist()
+        return int(total_real), int(total_padded)
 
 
 def _text_forward(model: nn.Module, inputs: list[torch.Tensor]) -> torch.Tensor:

@@ -84,7 +84,8 @@ class QuestionAnsweringAccumulator:
         rows = to_device(torch.tensor(keep, dtype=torch.long), logits.device)
         kept = logits.detach()[rows].float()
         if lengths is not None:
-            kept = mask_padding(kept, torch.tensor([lengths[row] for row in keep]))
+            real = to_device(torch.tensor([lengths[row] for row in keep]), logits.device)
+            kept = mask_padding(kept, real)
         if kept.shape[1] < self.max_length:
             kept = F.pad(kept, (0, 0, 0, self.max_length - kept.shape[1]), value=MASKED_LOGIT)
         self.logits.append(kept)
