@@ -436,6 +436,16 @@ def text_runs(tmp_path_factory):
         ("max_length", _text_config(root, padding="max_length")),
         ("grouped", _text_config(root, group_by_length=True)),
     ]
+    # FSDP2 from the start (every rank a replica of the whole model, sharded), batches
+    # grouped by length: the last run's layouts are one stage, every batch at its own length.
+    sharded = _text_config(root, group_by_length=True)
+    sharded["pipeline"] = {
+        "initial_pipe_len": 1,
+        "sharding": "always",
+        "num_micro_batches": 1,
+        "balance": "params",
+    }
+    runs[-1] = ("grouped", sharded)
     # 6 steps an epoch: step 6 is the checkpoint after the transition.
     results = run_workers(elastic_runs, 2, runs, str(root), 6, {"batch"})
     return root, dict(runs), results[0]
@@ -456,12 +466,16 @@ def _assert_state_equal(state: dict, reference: dict) -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["batch", "max_length", "grouped"])
 def test_a_pipeline_of_text_of_several_lengths_trains_as_one_process_does(text_runs, name):
-    """Each run (per-batch padding, max_length padding, grouped by length) equals the whole
-    model trained in one process on the same batches, each padded to its own longest; the
-    same run under both paddings has the same losses at every step."""
+    """Each run (per-batch padding, max_length padding, FSDP2 grouped by length) equals the
+    whole model trained in one process on the same batches, each padded to its own longest;
+    the same run under both paddings has the same losses at every step."""
     root, configs, results = text_runs
     metrics = _metrics(root / name)
-    assert [(m["pipe_len"], m["dp_degree"]) for m in metrics] == [(2, 1), (1, 2), (1, 2)]
+    layouts = [(m["pipe_len"], m["dp_degree"], m["sharded"]) for m in metrics]
+    if name == "grouped":
+        assert layouts == [(1, 2, True)] * 3
+    else:
+        assert layouts == [(2, 1, False), (1, 2, False), (1, 2, False)]
     assert metrics[2]["cache_hits"] > 0  # epoch 3 reads what epoch 2 stored
     reference_losses, reference_state, _ = reference_run(config_from_dict(configs[name]))
     losses = step_losses(root / name)
