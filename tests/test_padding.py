@@ -371,6 +371,36 @@ def test_a_pipeline_runs_a_batch_in_its_bucket_and_one_stage_at_its_own_length()
     assert step_seq_length(wide, two, long, [7]) == 32
 
 
+def test_whether_the_cache_pays_is_judged_at_the_batches_real_lengths():
+    """Recomputing the frozen prefix costs what its units' times at max_seq_length say, times
+    the run's mean padded length over max_seq_length: a read that beats recomputing full
+    batches may lose to recomputing short ones."""
+    from pipetransformer.autopipe.planner import UnitCosts
+    from pipetransformer.trainer.caching import RunCache
+    from pipetransformer.trainer.step import padded_length_share
+
+    cache = RunCache.__new__(RunCache)
+    cache.config, cache._said = config_from_dict({}), {}
+    cache.read_s_per_sample = 0.6e-3
+    # Embedding and layer 0 (units 0-2) take 10 ms a micro-batch of 10 at full length.
+    costs = UnitCosts(trained=(0.0,) * 6, frozen=(4e-3, 3e-3, 3e-3, 0.0, 0.0, 0.0))
+    assert cache.profitable(1, costs, 10)  # 1 ms a sample to recompute: read
+    assert not cache.profitable(1, costs, 10, length_share=0.5)  # 0.5 ms: recompute
+    config = config_from_dict(
+        {
+            "model": {"name": "bert"},
+            "trainer": {"global_batch_size": 4},
+            "data": {"name": "sst2", "max_seq_length": 16},
+        }
+    )
+    split = text_split([3, 3, 3, 3, 12, 3, 3, 3], max_length=16)
+    sampler = TrainSampler(8, 1, 4, seed=0)
+    # Replica batches of 2 (2 replicas): the one with the 12-token sample at 16, three at 8.
+    assert padded_length_share(config, split, sampler, 2) == pytest.approx(40 / 64)
+    images = SimpleNamespace(lengths=None)
+    assert padded_length_share(config, images, sampler, 2) == 1.0
+
+
 # ----------------------------------------------------------------------------- training
 
 WORDS = "the a good bad film plot actor was very not quite fun dull great awful story".split()
