@@ -118,7 +118,7 @@ def run_config(name: str, specs, args: argparse.Namespace, disk_dir: str) -> lis
             CacheClient.attach(daemon.address) as client,
         ):
             fill(client, specs, args.num_samples)
-            batch_bytes = client.layout("train").row_bytes * args.batch_size
+            batch_bytes = client.layout("train").full_sample_bytes * args.batch_size
             if budget is None:
                 scenarios = {
                     "memory": time_reads(client, batches),

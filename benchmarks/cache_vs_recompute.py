@@ -69,13 +69,13 @@ def main() -> None:
         f"{machine_line()}; "
         f"{args.threads} thread(s); model {config.model.name}, {model.spec.num_layers} layers, "
         f"batch {args.batch}, "
-        f"cache dtype {config.cache.dtype}"
+        f"cache dtype {config.cache_dtype}"
     )
     print(f"{'frozen':>6} {'recompute (ms)':>15} {'cache hit (ms)':>15} {'speedup':>8}")
     specs = list(model.spec.activation_specs)
-    with CacheDaemon.start(
-        splits={"train": (len(data.train), specs)}, storage_dtype=config.cache.dtype
-    ) as daemon:
+    # Text at each sample's real length, as a run stores it (autocache/layout.py).
+    split = (len(data.train), specs, data.train.lengths, model.spec.max_seq_length)
+    with CacheDaemon.start(splits={"train": split}, storage_dtype=config.cache_dtype) as daemon:
         with CacheClient.attach(daemon.address) as client:
             for frozen in range(1, model.spec.num_layers):
                 end = prefix_end(frozen)

@@ -6,10 +6,10 @@ import math
 
 import torch
 
-from pipetransformer.autodp.sampler import TrainSampler
 from pipetransformer.data import build_data
 from pipetransformer.models import build_model
 from pipetransformer.trainer import optim
+from pipetransformer.trainer.step import train_sampler
 from pipetransformer.utils.units import prefix_end
 
 
@@ -70,8 +70,9 @@ def step_losses(run_dir) -> list[float]:
 
 def reference_run(config, num_nodes: int = 1, replicas_per_node=None):
     """Single process, whole model, same batches, same freeze points (a classification
-    task: images or text). With several nodes a global batch is every node's batch of the
-    step (each node samples its own subset).
+    task: images or text, each global batch padded as data.padding pads a batch). With
+    several nodes a global batch is every node's batch of the step (each node samples its
+    own subset).
 
     Under trainer.batch_per_replica a step's batch is that of the layout's replicas:
     `replicas_per_node(epoch, step)` says how many a node had at each step (the layouts the
@@ -93,14 +94,8 @@ def reference_run(config, num_nodes: int = 1, replicas_per_node=None):
         f"units.{i}.{n}": p for i, u in enumerate(model.units) for n, p in u.named_parameters()
     }
     optimizer = optim.build_optimizer(config.optimizer, named)
-    per_replica = config.trainer.batch_per_replica
-    sampler = TrainSampler(
-        len(data.train),
-        num_nodes,
-        None if per_replica else config.trainer.global_batch_size,
-        config.trainer.seed,
-        per_replica,
-    )
+    # The trainer's sampler (its batch semantics, and data.group_by_length).
+    sampler = train_sampler(config, data.train, num_nodes)
 
     def replicas(epoch: int, step: int) -> int:
         return 1 if replicas_per_node is None else replicas_per_node(epoch, step)

@@ -28,7 +28,7 @@ import torch
 
 from pipetransformer.autocache import CacheClient, CacheDaemon, default_memory_budget
 from pipetransformer.autocache.daemon import process_alive, shm_dir
-from pipetransformer.autocache.layout import plan_layout, slot_fields
+from pipetransformer.autocache.layout import plan_layout
 from pipetransformer.autocache.private import STALE_WITHOUT_OWNER_S
 
 VIT_SPECS = [((17, 64), torch.float32)]
@@ -39,6 +39,12 @@ BIG_BUDGET = 1 << 30
 class Spec:  # stands in for models.layered.TensorSpec, which autocache must not import
     def __init__(self, shape, dtype):
         self.shape, self.dtype = shape, dtype
+
+
+def full_bytes(specs, storage_dtype: str = "float32") -> int:
+    """Stored bytes of one sample of `specs` at its whole shape."""
+    layout = plan_layout({"s": (1, specs)}, 0, storage_dtype, "/tmp", "/tmp", "x")[0]
+    return layout.full_sample_bytes
 
 
 def residue(name: str) -> list[str]:
@@ -89,28 +95,53 @@ def start_daemon(tmp_path):
 
 def test_plan_layout_fills_the_budget_in_split_order(tmp_path):
     specs = [((17, 64), "float32")]
-    _, slot = slot_fields(specs, "float32")
-    assert slot == 17 * 64 * 4 and slot % 64 == 0
+    sample = full_bytes(specs)
+    assert sample == 17 * 64 * 4 and sample % 64 == 0
     splits = {"train": (10, specs), "eval": (10, specs)}
-    train, evaluation = plan_layout(splits, 13 * slot + 5, "float32", tmp_path, tmp_path, "x")
+    train, evaluation = plan_layout(splits, 13 * sample + 5, "float32", tmp_path, tmp_path, "x")
     assert (train.memory_rows, train.disk_rows) == (10, 0) and train.disk_path is None
     assert (evaluation.memory_rows, evaluation.disk_rows) == (3, 7)
-    assert evaluation.shm_bytes == evaluation.slots_offset + 3 * slot
+    assert evaluation.shm_bytes == evaluation.slots_offset + 3 * sample
     assert evaluation.slots_offset % 4096 == 0 and evaluation.slots_offset >= 10 * 8
 
 
-def test_slot_offsets_are_aligned_and_integers_stay_exact():
-    fields, slot = slot_fields([((3,), "float32"), ((5,), "int64"), ((), "bool")], "bfloat16")
-    assert [f.offset for f in fields] == [0, 64, 128]
-    assert [f.stored_dtype for f in fields] == ["bfloat16", "int64", "bool"]
-    assert [f.returned_dtype for f in fields] == ["float32", "int64", "bool"]
-    assert slot == 192
+def test_field_regions_are_aligned_and_integers_stay_exact(tmp_path):
+    specs = [((3,), "float32"), ((5,), "int64"), ((), "bool")]
+    (layout,) = plan_layout({"s": (3, specs)}, 1 << 20, "bfloat16", tmp_path, tmp_path, "x")
+    assert [f.stored_dtype for f in layout.fields] == ["bfloat16", "int64", "bool"]
+    assert [f.returned_dtype for f in layout.fields] == ["float32", "int64", "bool"]
+    # 3 samples a field, each field's region 64-byte aligned: 18, 120 and 3 bytes.
+    assert layout.region_offsets(0, 3) == [0, 64, 192]
+    assert layout.tier_bytes(0, 3) == 256 and layout.full_sample_bytes == 6 + 40 + 1
 
 
-def test_reduced_precision_halves_float_slots():
-    _, full = slot_fields([((17, 64), "float32")], "float32")
+def test_reduced_precision_halves_float_samples():
+    full = full_bytes([((17, 64), "float32")])
     for dtype in ("float16", "bfloat16"):
-        assert slot_fields([((17, 64), "float32")], dtype)[1] * 2 == full
+        assert full_bytes([((17, 64), "float32")], dtype) * 2 == full
+
+
+def test_text_is_stored_at_each_samples_real_length(tmp_path):
+    """A sequence field takes a sample's real length plus its extra rows (DeBERTa's table),
+    so a budget holds more short samples; the memory tier is counted at real lengths."""
+    specs = [((20, 8), "float32", True), ((16,), "int64", True)]
+    lengths = [3, 5, 16, 1, 0, 8]
+    request = (6, specs, lengths, 16)
+    (layout,) = plan_layout({"s": request}, 1 << 20, "float32", tmp_path, tmp_path, "x")
+    assert [layout.sample_bytes(i) for i in range(6)] == [(v + 4) * 8 * 4 + v * 8 for v in lengths]
+    assert layout.field_rows(layout.fields[0], 0, 6) == sum(lengths) + 6 * 4
+    # The first three samples take (3+5+16) + 3*4 = 36 rows of 32 bytes (1152) and 24
+    # tokens of 8 bytes (192): 1344 bytes; with a fourth (length 1) the regions take 1600.
+    (tight,) = plan_layout({"s": request}, 1344 + 63, "float32", tmp_path, tmp_path, "x")
+    assert tight.memory_rows == 3 and tight.disk_rows == 3
+    for bad, match in (
+        ((6, specs, lengths[:5], 16), "5 lengths"),
+        ((6, specs, [17] * 6, 16), "in \\[0, 16\\]"),
+        ((6, specs, lengths), "max_length"),
+        ((6, [((12, 8), "float32", True)], lengths, 16), "shorter"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            plan_layout({"s": bad}, 0, "float32", tmp_path, tmp_path, "x")
 
 
 def test_bad_requests_fail_in_the_caller(tmp_path):
@@ -164,7 +195,7 @@ def test_reduced_precision_round_trips_and_halves_bytes(start_daemon, storage_dt
             assert torch.equal(hidden, values[0].to(getattr(torch, dtype)).float())
             torch.testing.assert_close(hidden, values[0], rtol=2**-7, atol=1e-6)
             assert torch.equal(mask, values[1])
-            footprint[dtype] = client.layout("vit").slot_bytes * 16
+            footprint[dtype] = client.layout("vit").full_sample_bytes * 16
             assert client.stats().bytes_in_memory >= footprint[dtype]
     assert footprint[storage_dtype] * 2 == footprint["float32"]
 
@@ -215,7 +246,7 @@ def test_stats_count_hits_misses_bytes_and_upgrades(start_daemon):
         assert (stats.hits, stats.misses, stats.upgrades) == (3, 4, 3)
         assert stats.bytes_read == 3 * row_bytes and stats.bytes_written == 3 * row_bytes
         assert stats.read_seconds > 0 and stats.read_bytes_per_s > 0
-        assert stats.bytes_in_memory == 3 * client.layout("train").slot_bytes
+        assert stats.bytes_in_memory == 3 * client.layout("train").full_sample_bytes
         assert stats.bytes_on_disk == 0
         client.reset_stats()
         assert client.stats().hits == 0 and client.stats().bytes_in_memory > 0
@@ -243,7 +274,7 @@ def test_a_row_rewritten_during_a_read_is_reported_absent(start_daemon):
 
 def test_disk_tier_returns_the_same_values_and_prefetch_serves_them(start_daemon):
     specs = BERT_SPECS
-    slot = slot_fields([((128, 384), "float32"), ((128,), "int64")], "float32")[1]
+    slot = full_bytes(BERT_SPECS)
     ids = list(range(48))
     values = sample_values(specs, ids, seed=7)
     reads = {}
@@ -277,7 +308,7 @@ def test_disk_tier_returns_the_same_values_and_prefetch_serves_them(start_daemon
 
 @pytest.mark.parametrize("storage_dtype", ["float32", "float16"])
 def test_read_into_reused_out_buffers(start_daemon, storage_dtype):
-    slot = slot_fields([((128, 384), "float32"), ((128,), "int64")], storage_dtype)[1]
+    slot = full_bytes(BERT_SPECS, storage_dtype)
     daemon = start_daemon(
         {"train": (24, BERT_SPECS)}, memory_budget_bytes=6 * slot, storage_dtype=storage_dtype
     )
@@ -363,7 +394,7 @@ def _second_process(address: str, results) -> None:
 
 
 def test_two_processes_see_each_others_writes(start_daemon, capfd):
-    slot = slot_fields([((128, 384), "float32"), ((128,), "int64")], "float32")[1]
+    slot = full_bytes(BERT_SPECS)
     daemon = start_daemon({"train": (40, BERT_SPECS)}, memory_budget_bytes=10 * slot)
     with CacheClient.attach(daemon.address) as client:
         client.write("train", range(24), 5, sample_values(BERT_SPECS, range(24), seed=10))

@@ -1,11 +1,19 @@
-"""The frozen prefix served from AutoCache equals recomputing it: hits, upgrades, misses."""
+"""The frozen prefix served from AutoCache equals recomputing it: hits, upgrades, misses.
+
+Text is stored at each sample's real length and read back padded with zeros to the batch's
+length, where a recomputed row holds what the prefix made of the padding tokens: the two
+agree on every real token (and the mask), which is all a later unit reads (attention
+masks the padding keys), at any batch length, DeBERTa's table rows included.
+"""
 
 import numpy as np
 import pytest
 import torch
+from families import FAMILIES, text_batch
 from helpers import tiny_bert, tiny_vit
 
 from pipetransformer.autocache import CacheClient, CacheDaemon
+from pipetransformer.data.base import real_lengths
 from pipetransformer.models import UnitSequence
 from pipetransformer.pipe.prefix import CachedPrefix
 from pipetransformer.utils.units import prefix_end
@@ -31,6 +39,21 @@ def bert_batch(n=12):
     return ids * mask, torch.zeros_like(ids), mask
 
 
+def assert_real_rows_equal(got, expected, inputs, atol: float = 0.0):
+    """The prefix's outputs agree on every real token: text outputs are compared with the
+    padding rows of the hidden state zeroed (the tokens' rows, then any table rows)."""
+    if len(inputs) == 1:  # images: no padding
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=0, atol=atol)
+        return
+    mask = inputs[-1]
+    seq = mask.shape[1]
+    keep = torch.cat([mask, torch.ones(mask.shape[0], got[0].shape[1] - seq, dtype=mask.dtype)], 1)
+    hidden = [t * keep[..., None] for t in (got[0], expected[0])]
+    torch.testing.assert_close(hidden[0], hidden[1], rtol=0, atol=atol)
+    assert torch.equal(got[1], expected[1])
+
+
 @pytest.fixture(params=["vit", "bert"])
 def model_and_batch(request):
     model = tiny_vit() if request.param == "vit" else tiny_bert()
@@ -39,9 +62,18 @@ def model_and_batch(request):
     return model, batch
 
 
-def start_cache(model, num_samples, budget=None, dtype="float32"):
+def start_cache(model, num_samples, budget=None, dtype="float32", inputs=None):
+    """A store for the prefix outputs of `model`; text at the real lengths of `inputs`."""
+    lengths = None if inputs is None or len(inputs) == 1 else real_lengths(inputs[-1])
     return CacheDaemon.start(
-        splits={"train": (num_samples, list(model.spec.activation_specs))},
+        splits={
+            "train": (
+                num_samples,
+                list(model.spec.activation_specs),
+                lengths,
+                model.spec.max_seq_length,
+            )
+        },
         memory_budget_bytes=budget if budget is not None else 1 << 26,
         storage_dtype=dtype,
     )
@@ -51,7 +83,10 @@ def test_hits_upgrades_and_misses_equal_recompute(model_and_batch):
     model, inputs = model_and_batch
     units = dict(enumerate(model.units))
     ids = list(range(12))
-    with start_cache(model, 12) as daemon, CacheClient.attach(daemon.address) as client:
+    with (
+        start_cache(model, 12, inputs=inputs) as daemon,
+        CacheClient.attach(daemon.address) as client,
+    ):
         counts = {"hits": 0, "upgrades": 0, "misses": 0}
         # F = 1: everything misses and is stored (by the next call or a flush: a step
         # never waits for its outputs to reach the host).
@@ -66,13 +101,11 @@ def test_hits_upgrades_and_misses_equal_recompute(model_and_batch):
         prefix3 = CachedPrefix(units, 3, client, torch.device("cpu"), counts, defer_writes=True)
         half = [t[:6] for t in inputs]
         out = prefix3("train", ids[:6], half)
-        for got, expected in zip(out, recompute(model, 3, half)):
-            assert torch.equal(got, expected)
+        assert_real_rows_equal(out, recompute(model, 3, half), half)
         assert counts["upgrades"] == 6
         # Whole batch at F = 3: 6 hits (upgraded once, not again) + 6 more upgrades.
         out = prefix3("train", ids, inputs)
-        for got, expected in zip(out, recompute(model, 3, inputs)):
-            torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+        assert_real_rows_equal(out, recompute(model, 3, inputs), inputs, atol=1e-6)
         assert counts == {"hits": 6, "upgrades": 12, "misses": 12}
         prefix3.flush()
         tags, _ = client.read("train", ids)
@@ -84,7 +117,10 @@ def test_padding_repeats_are_looked_up_once(model_and_batch):
     units = dict(enumerate(model.units))
     ids = [0, 1, 2, 3, 0, 1]  # the last two rows repeat samples 0 and 1 (shape padding)
     padded = tuple(torch.cat([t[:4], t[:2]]) for t in inputs)
-    with start_cache(model, 12) as daemon, CacheClient.attach(daemon.address) as client:
+    with (
+        start_cache(model, 12, inputs=inputs) as daemon,
+        CacheClient.attach(daemon.address) as client,
+    ):
         counts = {"hits": 0, "upgrades": 0, "misses": 0}
         out = CachedPrefix(units, 2, client, torch.device("cpu"), counts)("train", ids, padded)
         assert counts["misses"] == 4
@@ -128,7 +164,7 @@ def test_reduced_precision_within_tolerance(dtype, tolerance):
         expected = recompute(model, 2, inputs)[0]
         relative = ((hit[0] - expected).abs().max() / expected.abs().max()).item()
         assert 0 < relative < tolerance  # rounded, but close
-        assert np.isclose(client.layout("train").slot_bytes, 5 * 32 * 2, rtol=0.2)
+        assert np.isclose(client.layout("train").full_sample_bytes, 5 * 32 * 2, rtol=0.2)
 
 
 def test_a_batch_the_loader_did_not_decode(model_and_batch):
@@ -139,11 +175,14 @@ def test_a_batch_the_loader_did_not_decode(model_and_batch):
     units = dict(enumerate(model.units))
     loaded = []
 
-    def load_inputs(split, ids):
+    def load_inputs(split, ids, seq_length):
         loaded.append(list(ids))
         return [t[list(ids)] for t in inputs]
 
-    with start_cache(model, 12) as daemon, CacheClient.attach(daemon.address) as client:
+    with (
+        start_cache(model, 12, inputs=inputs) as daemon,
+        CacheClient.attach(daemon.address) as client,
+    ):
         prefix = CachedPrefix(
             units, 2, client, torch.device("cpu"), load_inputs=load_inputs, defer_writes=True
         )
@@ -152,12 +191,49 @@ def test_a_batch_the_loader_did_not_decode(model_and_batch):
         assert client.serves_all("train", range(6), 2)
         assert not client.serves_all("train", range(7), 2)
         assert not client.serves_all("train", range(6), 3)
-        out = prefix("train", list(range(6)), None)  # all hits: no inputs needed
+        length = None if len(inputs) == 1 else inputs[0].shape[1]
+        out = prefix("train", list(range(6)), None, length)  # all hits: no inputs needed
         assert loaded == []
-        expected = recompute(model, 2, [t[:6] for t in inputs])
-        for got, want in zip(out, expected):
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
-        out = prefix("train", list(range(8)), None)  # 6 and 7 are not cached: loaded
+        six = [t[:6] for t in inputs]
+        assert_real_rows_equal(out, recompute(model, 2, six), six, atol=1e-6)
+        out = prefix("train", list(range(8)), None, length)  # 6 and 7 are not cached: loaded
         assert loaded == [list(range(8))]
-        for got, want in zip(out, recompute(model, 2, [t[:8] for t in inputs])):
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        eight = [t[:8] for t in inputs]
+        assert_real_rows_equal(out, recompute(model, 2, eight), eight, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["bert", "deberta-v2"])
+def test_a_mixed_length_batch_at_its_own_length_equals_recompute(family):
+    """Samples of 4 to 15 tokens stored at their real lengths, read back (hits) and upgraded
+    in batches padded to 16 and to their own longest: the prefix's output is the one
+    recomputed at that length on every real token. DeBERTa's hidden state carries its
+    relative-position table after the tokens: stored once a sample, it follows the padding
+    of whatever length the batch is read at."""
+    model = FAMILIES[family].build().eval()
+    units = dict(enumerate(model.units))
+    inputs = text_batch(12, seed=5)
+    lengths = real_lengths(inputs[-1])
+    short = [i for i, v in enumerate(lengths) if v <= 8]
+    assert len(short) >= 3 and max(lengths) > 8
+    cpu = torch.device("cpu")
+    with (
+        start_cache(model, 12, inputs=inputs) as daemon,
+        CacheClient.attach(daemon.address) as client,
+    ):
+        assert client.layout("train").lengths == tuple(lengths)
+        filling = CachedPrefix(units, 1, client, cpu)
+        filling("train", list(range(12)), inputs, 16)
+        counts = {"hits": 0, "upgrades": 0, "misses": 0}
+        # At F = 1, the short samples at 8 tokens: hits, padded to 8.
+        cut = [t[short, :8] for t in inputs]
+        out = CachedPrefix(units, 1, client, cpu, counts)("train", short, cut, 8)
+        assert out[0].shape[1] == recompute(model, 1, cut)[0].shape[1]
+        # (Computed at 16 tokens, recomputed at 8: float32 rounding of other shapes apart.)
+        assert_real_rows_equal(out, recompute(model, 1, cut), cut, atol=1e-6)
+        # At F = 2: the same batch upgraded from its stored rows at 8 tokens, then the whole
+        # split at 16 (the short ones hits now, the others upgrades).
+        upgrade = CachedPrefix(units, 2, client, cpu, counts)
+        assert_real_rows_equal(upgrade("train", short, cut, 8), recompute(model, 2, cut), cut, 1e-6)
+        out = upgrade("train", list(range(12)), inputs, 16)
+        assert_real_rows_equal(out, recompute(model, 2, inputs), inputs, atol=1e-6)
+        assert counts == {"hits": len(short) * 2, "upgrades": 12, "misses": 0}

@@ -44,7 +44,11 @@ def test_sst2_local_tsv(sst2_dir):
     bundle = build_data(config, seed=0)
     assert len(bundle.train) == 300 and len(bundle.eval) == 120
     sample_id, (ids, types, mask), label = bundle.eval[0]
-    assert ids.shape == types.shape == mask.shape == (32,)
+    # A sample on its own is padded to its length rounded up to 8 (data.padding: batch).
+    length = bundle.eval.lengths[0]
+    assert ids.shape == types.shape == mask.shape == (-(-length // 8) * 8,)
+    assert int(mask.sum()) == length
+    assert bundle.eval.fetch([0], 32)[0][0].shape == (1, 32)
     assert ids[0] == 2 and int(label) in (0, 1)  # [CLS] first
     assert mask.sum() == (ids != 0).sum()
     assert bundle.vocab_size > 30 and bundle.task == "classification"

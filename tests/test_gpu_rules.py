@@ -415,7 +415,7 @@ class _LoopRun:
         from pipetransformer.trainer import stop_poll
         from pipetransformer.trainer.clock import StepClock
         from pipetransformer.trainer.distributed import WorldInfo
-        from pipetransformer.trainer.step import Stage, StepRunner
+        from pipetransformer.trainer.step import Stage, StepData, StepRunner
         from pipetransformer.trainer.trainer import Trainer
         from pipetransformer.utils.stopping import StopRequest
 
@@ -436,7 +436,7 @@ class _LoopRun:
         self.stop = StopRequest()
         self.stop_after = stop_after
 
-        def train_step(inputs, target, ids):
+        def train_step(inputs, target, ids, seq_length=None):
             self.now += self.STEP_S
             FakeEvent.clock_ms = 1000 * self.now
             if len(self.results) + 1 == self.stop_after:
@@ -444,9 +444,13 @@ class _LoopRun:
             return [torch.nn.functional.cross_entropy(model(inputs[0]), target)]
 
         runtime = SimpleNamespace(is_first=True, train_step=train_step)
-        batch = ([torch.randn(8, 4)], torch.zeros(8, dtype=torch.long), list(range(8)))
+        batch = StepData(
+            [torch.randn(8, 4)], torch.zeros(8, dtype=torch.long), tuple(range(8)), None
+        )
         sampler = TrainSampler(8 * 30, 1, 8, 0)  # 30 steps an epoch
-        batches = SimpleNamespace(sampler=sampler, step_data=lambda *a, **kw: batch)
+        batches = SimpleNamespace(
+            sampler=sampler, step_data=lambda *a, **kw: batch, padded_tokens=lambda *a: 0
+        )
         world = WorldInfo(0, 1, 0, 1, torch.device("cuda", 0))
         layout = SimpleNamespace(dp_degree=1, sharded=False, pipe_len=1)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -536,12 +540,14 @@ def _runner_and_stage(units: dict, train_step, grad_norms: bool = True):
     from types import SimpleNamespace
 
     from pipetransformer.trainer.distributed import WorldInfo
-    from pipetransformer.trainer.step import Stage, StepRunner
+    from pipetransformer.trainer.step import Stage, StepData, StepRunner
 
     config = load_config(ROOT / "configs" / "quickstart.yaml")
-    batch = ([torch.randn(8, 4)], torch.zeros(8, dtype=torch.long), list(range(8)))
+    batch = StepData([torch.randn(8, 4)], torch.zeros(8, dtype=torch.long), tuple(range(8)), None)
     sampler = SimpleNamespace(global_num_valid=lambda epoch, step: 8)
-    batches = SimpleNamespace(sampler=sampler, step_data=lambda *a, **kw: batch)
+    batches = SimpleNamespace(
+        sampler=sampler, step_data=lambda *a, **kw: batch, padded_tokens=lambda *a: 0
+    )
     world = WorldInfo(0, 1, 0, 1, torch.device("cpu"))
     runner = StepRunner(config, batches, world, num_units=len(units), grad_norms=grad_norms)
     layout = SimpleNamespace(dp_degree=1, sharded=False, pipe_len=1)
@@ -566,7 +572,7 @@ def test_the_gradient_norms_owner_index_goes_to_the_device_once_a_layout(monkeyp
     units = {0: torch.nn.Linear(4, 4), 1: torch.nn.Linear(4, 2), 2: torch.nn.Linear(2, 2)}
     expected = []
 
-    def train_step(inputs, target, ids):
+    def train_step(inputs, target, ids, seq_length=None):
         x = units[1](units[0](inputs[0]))
         if len(expected) % 2 == 0:  # unit 2 is used every other step
             x = units[2](x)
@@ -612,7 +618,7 @@ def test_an_evaluation_reads_the_device_once_not_once_a_batch():
     config = load_config(ROOT / "configs" / "quickstart.yaml")  # 64 samples a batch
     model = torch.nn.Linear(4, 2)
     world = WorldInfo(0, 1, 0, 1, torch.device("cpu"))
-    runtime = SimpleNamespace(eval_step=lambda inputs, target, ids: model(inputs[0]))
+    runtime = SimpleNamespace(eval_step=lambda inputs, target, ids, length: model(inputs[0]))
     layout = SimpleNamespace(dp_degree=1, role=lambda rank: Role(0, 0, 1))
     stage = Stage(layout, None, {}, None, runtime, False)
     reads = []
@@ -707,10 +713,10 @@ def test_autocache_on_a_gpu_stages_rows_in_two_pinned_buffers_and_writes_after_t
         def layout(self, split):
             return self.client.layout(split)
 
-        def read(self, split, ids, out=None, as_stored=False):
+        def read(self, split, ids, out=None, as_stored=False, length=None):
             log.append(("read", len(self.outs)))
             self.outs.append(out)
-            return self.client.read(split, ids, out=out, as_stored=as_stored)
+            return self.client.read(split, ids, out=out, as_stored=as_stored, length=length)
 
         def write(self, split, ids, layer, tensors):
             log.append(("write", len(self.writes)))

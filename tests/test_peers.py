@@ -10,8 +10,9 @@ from helpers import ROOT, run_workers
 from workers import peer_run
 
 from pipetransformer.compare import runner
-from pipetransformer.compare.report import read_run, read_seed_run
+from pipetransformer.compare.report import read_run, read_seed_run, throughput
 from pipetransformer.config import load_config
+from pipetransformer.data import build_data
 
 TINY_VIT = [
     "model.kwargs={embed_dim: 32, depth: 2, num_heads: 2, patch_size: 4}",
@@ -96,3 +97,9 @@ def test_the_hf_trainer_peer_writes_a_run_compare_reads(tmp_path, sst2_dir):
     assert [t["global_step"] for t in run["freeze_trajectory"]] == [4, 8]
     assert 0 < run["final_eval_metric"] <= 1 and run["metric_name"] == "accuracy"
     assert all(s > 0 for s in run["samples_per_s"])
+    # Each sentence once an epoch, at its real length; batches padded to their longest
+    # rounded up to 8 (DataCollatorWithPadding), so no more than 16 tokens a sentence.
+    lengths = build_data(config.data, seed=config.trainer.seed).train.lengths
+    assert run["real_tokens"] == [sum(lengths)] * 2
+    assert all(sum(lengths) < padded <= 128 * 16 for padded in run["padded_tokens"])
+    assert 0 < throughput(run)["padded_share"] < 1

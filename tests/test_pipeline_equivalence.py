@@ -1,4 +1,6 @@
-"""A K-stage pipeline (x R replicas with DDP) computes the gradients of single-process training.
+"""A K-stage pipeline (x R replicas with DDP) computes the gradients of single-process training,
+text at several sequence lengths in a row (each a stage and schedule of its own, built the
+first time the length comes, over the same DDP module; workers.step_lengths).
 
 Tolerance: float32 sums in another order (micro-batches, DDP's all-reduce) differ by
 rounding only: gradients agree to rtol 1e-4 / atol 1e-6, losses to 1e-5.
@@ -37,9 +39,11 @@ def test_pipeline_matches_single_process(kind, pipe_len, dp_degree, micro, sched
             covered.add(name)
     assert covered == set(ref_grads), "every parameter lives on some rank"
     # Each last stage returns its micro-batch losses weighted by R / batch: their total over
-    # replicas is R times the mean loss.
+    # replicas is R times the mean loss (summed over the steps).
     total = sum(sum(r["losses"]) for r in results if r["role"].is_last)
     assert total / dp_degree == pytest.approx(ref_loss, rel=1e-5)
+    if kind == "bert" and pipe_len > 1:  # a stage for each length, the first one reused
+        assert all(r["lengths_built"] == [16, 8] for r in results)
 
 
 @pytest.mark.parametrize("kind, dp_degree", [("vit", 1), ("bert", 2)])

@@ -358,8 +358,11 @@ def test_bundle_from_single_file_and_from_a_directory(mini_file: Path, tmp_path:
     assert bundle.eval_extras["feature_offsets"].shape == (len(bundle.eval), 128, 2)
     assert len(bundle.eval_extras["feature_example_index"]) == len(bundle.eval)
     inputs, targets = bundle.train.fetch([0, 1])
+    # Padded per batch (data.padding: batch): to the longer window, rounded up to 8.
+    longest = int(inputs[2].sum(dim=1).max())
+    length = min(128, -(-longest // 8) * 8)
     assert (
-        [t.shape for t in inputs] == [(2, 128)] * 3
+        [t.shape for t in inputs] == [(2, length)] * 3
         and targets.shape == (2, 2)
         and targets.dtype == torch.int64
     )
@@ -467,7 +470,7 @@ def test_loss_equals_transformers_bert_qa_loss():
     out = model(input_ids=ids, start_positions=positions[:, 0], end_positions=positions[:, 1])
     logits = torch.stack([out.start_logits, out.end_logits], dim=-1)
     target = QuestionAnsweringTask.make_target(positions, torch.full((4,), 1 / 4))
-    assert target.shape == (4, 3) and target[:, :2].long().tolist() == positions.tolist()
+    assert target.shape == (4, 4) and target[:, :2].long().tolist() == positions.tolist()
     loss = QuestionAnsweringTask.loss_fn(logits, target)
     torch.testing.assert_close(loss, out.loss)
     # Zero weight removes a sample (shape padding).
@@ -592,11 +595,20 @@ def test_tiny_bert_trained_briefly_answers_every_question_with_a_context_span(
             batch_loss(batch).backward()
             optimizer.step()
     model.eval()
+    width = bundle.eval_extras["feature_offsets"].shape[1]  # max_seq_length
+
+    def padded(logits: torch.Tensor) -> torch.Tensor:
+        # A batch is padded to its longest window; scoring takes every feature at
+        # max_seq_length, the extra positions masked (as QuestionAnsweringTask.add does).
+        return torch.nn.functional.pad(
+            logits, (0, 0, 0, width - logits.shape[1]), value=torch.finfo(logits.dtype).min
+        )
+
     with torch.no_grad():
         after = sum(float(batch_loss(b)) for b in batches)
         logits = torch.cat(
             [
-                model(*bundle.eval.fetch(range(i, min(i + 512, len(bundle.eval))))[0])
+                padded(model(*bundle.eval.fetch(range(i, min(i + 512, len(bundle.eval))))[0]))
                 for i in range(0, len(bundle.eval), 512)
             ]
         )

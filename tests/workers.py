@@ -34,6 +34,18 @@ def build(kind: str):
     return tiny_vit(seed=0) if kind == "vit" else tiny_bert(seed=0)
 
 
+def step_lengths(kind: str) -> tuple[int | None, ...]:
+    """The sequence length of each step the gradient tests take: text at its full 16
+    tokens, then cut to 8 (another bucket: a pipeline builds a stage for it), then 16 again
+    (the first bucket's stage, reused); one step for images."""
+    return (16, 8, 16) if kind == "bert" else (None,)
+
+
+def cut(inputs, length: int | None):
+    """Text inputs cut to their first `length` tokens (images as they are)."""
+    return inputs if length is None else tuple(t[:, :length].contiguous() for t in inputs)
+
+
 def pipeline_gradients(
     kind: str,
     pipe_len: int,
@@ -43,7 +55,8 @@ def pipeline_gradients(
     batch_size: int,
     autocast_dtype: torch.dtype | None = None,
 ):
-    """One step of a K-stage x R-replica pipeline; return this rank's gradients and losses."""
+    """The steps of `step_lengths(kind)` of a K-stage x R-replica pipeline, gradients summed
+    over them (never zeroed); return this rank's gradients and losses."""
     world = init_distributed("cpu", 60)
     model = build(kind)
     plan = balance(UnitCosts.from_param_counts(model.spec.unit_param_counts, 1 / 6), 0, pipe_len)
@@ -79,7 +92,10 @@ def pipeline_gradients(
         target = ClassificationTask.make_target(
             labels[window], loss_weights([True] * share, dp_degree, batch_size)
         )
-    losses = runtime.train_step([t[window] for t in inputs] if role.is_first else None, target)
+    losses = []
+    for length in step_lengths(kind):
+        step_inputs = [t[window] for t in cut(inputs, length)] if role.is_first else None
+        losses += runtime.train_step(step_inputs, target, seq_length=length)
     grads = {}
     for index, unit in units.items():
         for name, p in unit_param_names(unit, index).items():
@@ -91,23 +107,28 @@ def pipeline_gradients(
         "grads": grads,
         "losses": [float(l) for l in losses],
         "linear_dtypes": linear_dtypes,
+        "lengths_built": runtime.seq_lengths_built,
     }
 
 
 def reference_gradients(kind: str, batch_size: int, autocast_dtype: torch.dtype | None = None):
+    """The whole model's summed loss and gradients over the steps of `step_lengths(kind)`."""
     model = build(kind)
     inputs, labels = fixed_batch(kind, batch_size)
-    with torch.autocast(
-        "cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None
-    ):
-        logits = model(*inputs)
-    loss = torch.nn.functional.cross_entropy(logits.float(), labels)
-    loss.backward()
+    total = 0.0
+    for length in step_lengths(kind):
+        with torch.autocast(
+            "cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None
+        ):
+            logits = model(*cut(inputs, length))
+        loss = torch.nn.functional.cross_entropy(logits.float(), labels)
+        loss.backward()
+        total += float(loss.detach())
     grads = {}
     for index, unit in enumerate(model.units):
         for name, p in unit_param_names(unit, index).items():
             grads[name] = p.grad.clone()
-    return float(loss.detach()), grads
+    return total, grads
 
 
 def env_rank() -> int:
@@ -427,12 +448,17 @@ def _continue_from(run_dir, into, step: int) -> None:
     (into / "checkpoints" / "latest").write_text(f"step-{step:08d}\n")
 
 
-def elastic_runs(runs: list[tuple[str, dict]], root: str, resume_at_step: int | None = None):
+def elastic_runs(
+    runs: list[tuple[str, dict]],
+    root: str,
+    resume_at_step: int | None = None,
+    resume_names: set[str] | None = None,
+):
     """Whole Trainer runs one after the other in the same workers (one process start for
     all of them), each in a process group of its own, in ROOT/<name>: {name: elastic_run's
-    result}. With `resume_at_step`, each run is then also continued from a copy of its
-    directory cut back to that step's checkpoint, in ROOT/<name>-resumed
-    ({name-resumed: result})."""
+    result}. With `resume_at_step`, each run (of `resume_names`, if given) is then also
+    continued from a copy of its directory cut back to that step's checkpoint, in
+    ROOT/<name>-resumed ({name-resumed: result})."""
     from pathlib import Path
 
     from pipetransformer.runs.rundir import RunOptions
@@ -443,7 +469,7 @@ def elastic_runs(runs: list[tuple[str, dict]], root: str, resume_at_step: int | 
         if index:
             _fresh_rendezvous(root / f"port-{name}")
         results[name] = elastic_run(config_dict, str(root / name))
-        if resume_at_step is not None:
+        if resume_at_step is not None and (resume_names is None or name in resume_names):
             resumed = root / f"{name}-resumed"
             _fresh_rendezvous(
                 root / f"port-{name}-resumed",
@@ -512,7 +538,7 @@ def one_stage_against_gpipe(kind: str, micro_batches: int, batch_size: int):
                 p.grad = None
         return [float(loss) for loss in losses], grads
 
-    one_stage = step(runtime.schedule)
+    one_stage = step(runtime.schedule())
     micro = share // micro_batches
     stage = PipelineStage(
         runtime.wrapped,

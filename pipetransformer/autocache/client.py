@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from pipetransformer.autocache.layout import ABSENT, CacheManifest, SplitLayout
-from pipetransformer.autocache.prefetch import SplitPrefetcher
+from pipetransformer.autocache.prefetch import Chunk, SplitPrefetcher
 from pipetransformer.autocache.private import open_private_file
 from pipetransformer.autocache.store import SplitStore, torch_dtype
 
@@ -43,13 +43,13 @@ class CacheStats:
     hits: int = 0  # rows read with a tag (>= 0)
     misses: int = 0  # rows read without one (-1)
     upgrades: int = 0  # set by the trainer through `count_upgrades`
-    bytes_read: int = 0  # stored bytes of the hit rows
+    bytes_read: int = 0  # stored bytes of the hit samples (at their real lengths)
     bytes_written: int = 0
     read_seconds: float = 0.0
     disk_rows_read: int = 0  # disk-tier rows read by `read` itself
     prefetched_rows: int = 0  # disk-tier rows served from the prefetch buffer
-    bytes_in_memory: int = 0  # whole store: slots with a tag in the memory tier
-    bytes_on_disk: int = 0  # whole store: slots with a tag in the disk tier
+    bytes_in_memory: int = 0  # whole store: stored bytes of samples with a tag in memory
+    bytes_on_disk: int = 0  # whole store: stored bytes of samples with a tag on disk
 
     @property
     def read_bytes_per_s(self) -> float:
@@ -101,18 +101,21 @@ class CacheClient:
         ids: Ids,
         out: Sequence[torch.Tensor] | None = None,
         as_stored: bool = False,
+        length: int | None = None,
     ) -> tuple[np.ndarray, tuple[torch.Tensor, ...]]:
-        """Tags (int64, -1 = absent) and batch-first tensors of `ids`; floats as float32, or
-        in the dtype the store holds them in with `as_stored` (half the bytes of a bfloat16
-        store to copy to a device, which converts them there).
+        """Tags (int64, -1 = absent) and batch-first tensors of `ids`, text padded to
+        `length` tokens (default the longest of `ids`; zeros past each sample's length);
+        floats as float32, or in the dtype the store holds them in with `as_stored` (half
+        the bytes of a bfloat16 store to copy to a device, which converts them there).
 
         Rows whose tag is -1 hold undefined values. `out`: CPU tensors (e.g. pinned, reused
         every step) to fill instead of allocating; they are returned.
         """
         store = self._store(split)
         ids = store.check_ids(ids)
+        length = store.batch_length(ids, length)
         if out is not None:
-            self._check_out(store, ids.size, out, as_stored)
+            self._check_out(store, ids.size, out, as_stored, length)
         start = time.perf_counter()
         tags = store.read_tags(ids)
         on_disk = ids >= store.layout.memory_rows
@@ -124,17 +127,17 @@ class CacheClient:
             from_buffer = np.fromiter(
                 (i in taken for i in ids.tolist()), dtype=bool, count=ids.size
             )
-            tensors = self._assemble(store, ids, from_buffer, taken, out, as_stored)
+            tensors = self._assemble(store, ids, from_buffer, taken, out, as_stored, length)
         else:
             from_buffer = np.zeros(ids.size, dtype=bool)
-            tensors = store.gather(ids, convert=not as_stored, out=out)
+            tensors = store.gather(ids, length, convert=not as_stored, out=out)
         # A row rewritten while it was copied may be torn: report it as absent.
         tags[store.read_tags(ids) != tags] = ABSENT
         elapsed = time.perf_counter() - start
         hits = int(np.count_nonzero(tags >= 0))
         self._stats.hits += hits
         self._stats.misses += ids.size - hits
-        self._stats.bytes_read += hits * store.layout.row_bytes
+        self._stats.bytes_read += int(store.sample_bytes[ids[tags >= 0]].sum())
         self._stats.read_seconds += elapsed
         self._stats.prefetched_rows += int(np.count_nonzero(from_buffer))
         self._stats.disk_rows_read += int(np.count_nonzero(on_disk & ~from_buffer))
@@ -147,34 +150,50 @@ class CacheClient:
         store: SplitStore,
         ids: np.ndarray,
         from_buffer: np.ndarray,
-        taken: dict[int, tuple[list[torch.Tensor], int]],
+        taken: dict[int, tuple[Chunk, int]],
         out: Sequence[torch.Tensor] | None,
         as_stored: bool,
+        length: int,
     ) -> list[torch.Tensor]:
         """A batch from prefetched rows plus rows read from the store now."""
         if out is None:
             out = [
-                torch.empty((ids.size, *field.shape), dtype=_read_dtype(field, as_stored))
+                torch.empty(
+                    (ids.size, *field.shape_at(length)), dtype=_read_dtype(field, as_stored)
+                )
                 for field in store.fields
             ]
         rest = np.flatnonzero(~from_buffer)
         if rest.size:
-            store.gather(ids[rest], convert=not as_stored, out=out, positions=rest)
-        # Row by row: no intermediate batch, and copy_ converts from the stored dtype.
+            store.gather(ids[rest], length, convert=not as_stored, out=out, positions=rest)
+        # Row by row: no intermediate batch, and copy_ converts from the stored dtype. A
+        # chunk is padded to its own longest sample: a sample's real rows, and the extra
+        # rows after the padding, go where the batch's length puts them.
         for position in np.flatnonzero(from_buffer).tolist():
-            chunk, row = taken[int(ids[position])]
-            for batch, rows in zip(out, chunk):
-                batch[position].copy_(rows[row])
+            sample = int(ids[position])
+            (chunk, chunk_length), row = taken[sample]
+            real = int(store.lengths[sample])
+            for field, batch, rows in zip(store.fields, out, chunk):
+                if field.extra_rows is None:
+                    batch[position].copy_(rows[row])
+                    continue
+                batch[position].zero_()
+                batch[position, :real].copy_(rows[row, :real])
+                batch[position, length:].copy_(rows[row, chunk_length:])
         return list(out)
 
     @staticmethod
     def _check_out(
-        store: SplitStore, batch_size: int, out: Sequence[torch.Tensor], as_stored: bool
+        store: SplitStore,
+        batch_size: int,
+        out: Sequence[torch.Tensor],
+        as_stored: bool,
+        length: int,
     ) -> None:
         if len(out) != len(store.fields):
             raise ValueError(f"out: expected {len(store.fields)} tensors, got {len(out)}")
         for index, (tensor, field) in enumerate(zip(out, store.fields)):
-            shape, dtype = (batch_size, *field.shape), _read_dtype(field, as_stored)
+            shape, dtype = (batch_size, *field.shape_at(length)), _read_dtype(field, as_stored)
             if (
                 tuple(tensor.shape) != shape
                 or tensor.dtype != dtype
@@ -192,7 +211,8 @@ class CacheClient:
         return bool(np.all(store.read_tags(store.check_ids(ids)) == layer))
 
     def write(self, split: str, ids: Ids, layer: int, tensors: Sequence[torch.Tensor]) -> None:
-        """Store batch-first `tensors` as rows `ids`, tagged with `layer` (>= 0)."""
+        """Store batch-first `tensors` as rows `ids`, tagged with `layer` (>= 0); text
+        padded to any length that holds the samples (each is stored at its real length)."""
         store = self._store(split)
         ids = store.check_ids(ids)
         if isinstance(layer, bool) or int(layer) != layer or layer < 0:
@@ -203,8 +223,9 @@ class CacheClient:
             raise ValueError(
                 f"split {split!r} stores {len(store.fields)} tensors per sample, got {len(tensors)}"
             )
+        length = store.tensors_length(tensors)
         for index, (tensor, field) in enumerate(zip(tensors, store.fields)):
-            expected = (ids.size, *field.shape)
+            expected = (ids.size, *field.shape_at(length))
             if tuple(tensor.shape) != expected:
                 raise ValueError(
                     f"split {split!r} tensor {index}: expected shape {expected}, "
@@ -216,7 +237,7 @@ class CacheClient:
         )
         if split in self._prefetchers:
             self._prefetchers[split].invalidate(ids)
-        self._stats.bytes_written += ids.size * store.layout.row_bytes
+        self._stats.bytes_written += int(store.sample_bytes[ids].sum())
 
     def prefetch(self, split: str, ids: Ids, window_rows: int | None = None) -> None:
         """Hint: `ids` will be read next, in this order. Loads disk-tier rows ahead.
@@ -245,8 +266,8 @@ class CacheClient:
         stats = dataclasses.replace(self._stats)
         for store in self._stores.values():
             in_memory, on_disk = store.count_present()
-            stats.bytes_in_memory += in_memory * store.layout.slot_bytes
-            stats.bytes_on_disk += on_disk * store.layout.slot_bytes
+            stats.bytes_in_memory += in_memory
+            stats.bytes_on_disk += on_disk
         return stats
 
     def reset_stats(self) -> None:

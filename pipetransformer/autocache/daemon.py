@@ -45,7 +45,7 @@ from pipetransformer.autocache.layout import (
     TAG_BYTES,
     CacheManifest,
     SplitLayout,
-    normalize_specs,
+    SplitRequest,
     plan_layout,
 )
 from pipetransformer.autocache.private import (
@@ -184,8 +184,11 @@ class CacheDaemon:
     ) -> CacheDaemon:
         """Start the node's daemon and wait until its files exist.
 
-        `splits` maps a split name to (num_samples, specs); a spec is any object with
-        `.shape` and `.dtype` or a (shape, dtype) pair. `memory_budget_bytes` None: a
+        `splits` maps a split name to (num_samples, specs) or, for text, (num_samples,
+        specs, lengths, max_length): a spec is any object with `.shape`, `.dtype` (and
+        `.sequence` when its first dimension holds the tokens) or a (shape, dtype[,
+        sequence]) tuple; sequence fields are stored at each sample's real length
+        (layout.py). `memory_budget_bytes` None: a
         quarter of the available memory. `disk_dir` None: the system temporary directory.
         The store's own private directory `<disk_dir>/ptcache-<uid>-<random>-disk` is
         removed at cleanup unless `keep`. Stale stores of this user, under /dev/shm and
@@ -198,7 +201,7 @@ class CacheDaemon:
         disk_parent = Path(disk_dir if disk_dir is not None else tempfile.gettempdir()).absolute()
         budget = default_memory_budget() if memory_budget_bytes is None else memory_budget_bytes
         request = {
-            "splits": {k: [n, normalize_specs(specs)] for k, (n, specs) in splits.items()},
+            "splits": {k: SplitRequest.of(v).to_json() for k, v in splits.items()},
             "memory_budget_bytes": int(budget),
             "storage_dtype": storage_dtype,
             "keep": keep,
@@ -317,7 +320,7 @@ def _create_store(request: dict[str, Any], shm_fd: int, disk_fd: int) -> CacheMa
     splits = request["splits"]
     budget = request["memory_budget_bytes"]
     usage = shutil.disk_usage(shm_store)
-    tag_bytes = sum(n * TAG_BYTES for n, _ in splits.values())
+    tag_bytes = sum(SplitRequest.of(v).num_samples * TAG_BYTES for v in splits.values())
     reserve = int(request.get("shm_reserve_bytes", 0))
     shm_cap = shm_capacity(usage.free, reserve, tag_bytes)
     if budget > shm_cap:
@@ -360,10 +363,10 @@ def _create_store(request: dict[str, Any], shm_fd: int, disk_fd: int) -> CacheMa
 def _log_layout(layouts: Sequence[SplitLayout]) -> None:
     for layout in layouts:
         logger.debug(
-            "split %s: %d samples, %d bytes per slot, %d in memory, %d on disk",
+            "split %s: %d samples, %d bytes at full length, %d in memory, %d on disk",
             layout.name,
             layout.num_samples,
-            layout.slot_bytes,
+            layout.full_sample_bytes,
             layout.memory_rows,
             layout.disk_rows,
         )

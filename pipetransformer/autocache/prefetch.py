@@ -28,8 +28,9 @@ logger = logging.getLogger(__name__)
 # that the first rows of a window arrive early.
 CHUNK_ROWS = 32
 
-# Buffered rows of one chunk: a tensor per field, stored dtype, batch-first.
-Chunk = list[torch.Tensor]
+# Buffered rows of one chunk: a tensor per field, stored dtype, batch-first, padded to the
+# chunk's longest sample (store.py), and that length.
+Chunk = tuple[list[torch.Tensor], int]
 
 
 class SplitPrefetcher:
@@ -146,8 +147,9 @@ class SplitPrefetcher:
         """
         ids = np.sort(plan_ids[self._store.read_tags(plan_ids) >= 0])  # sequential reads
         if ids.size == 0:
-            return ids, ids, []
+            return ids, ids, ([], 0)
         tags = self._store.read_tags(ids)
-        chunk = self._store.gather(ids, convert=False)
+        length = self._store.batch_length(ids)
+        chunk = (self._store.gather(ids, length, convert=False), length)
         tags[self._store.read_tags(ids) != tags] = -1
         return ids, tags, chunk

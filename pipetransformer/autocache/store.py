@@ -1,9 +1,10 @@
 """One split of the store as seen from one client process: mappings and row copies.
 
-Owns: the mappings of a split's shared-memory file (tags + memory-tier slots) and of its
-disk-tier file, the torch views over them (one per tensor per tier, zero-copy: reads and
-writes go straight into the shared pages), gathering rows for a read, scattering rows for
-a write, and the order in which a write publishes its rows.
+Owns: the mappings of a split's shared-memory file (tags + memory tier) and of its
+disk-tier file, the torch views over them (one per field per tier, zero-copy: reads and
+writes go straight into the shared pages), gathering a batch's rows padded to the length
+it asks for, taking each sample's real rows out of a padded batch for a write (layout.py
+says how samples are packed), and the order in which a write publishes its rows.
 Must not: create, resize or remove files (the daemon owns them), keep statistics or
 prefetch state (the client does).
 
@@ -48,25 +49,31 @@ def _map(path: str, size: int) -> mmap.mmap:
         os.close(fd)
 
 
-def _field_views(
-    buffer: mmap.mmap, offset: int, rows: int, layout: SplitLayout
+def _region_views(
+    buffer: mmap.mmap, offset: int, first: int, end: int, layout: SplitLayout
 ) -> list[torch.Tensor]:
-    """One (rows, *shape) view per tensor over `rows` slots starting at byte `offset`."""
-    if rows == 0:
+    """One (rows, *row_shape) view per field over the regions of samples first .. end - 1,
+    a tier starting at byte `offset` of `buffer`."""
+    if end <= first:
         return []
-    slots = torch.frombuffer(
-        buffer, dtype=torch.uint8, count=rows * layout.slot_bytes, offset=offset
-    )
-    slots = slots.view(rows, layout.slot_bytes)
     views = []
-    for field in layout.fields:
-        raw = slots[:, field.offset : field.offset + field.nbytes]
-        views.append(raw.view(torch_dtype(field.stored_dtype)).view(rows, *field.shape))
+    for field, region in zip(layout.fields, layout.region_offsets(first, end)):
+        rows = layout.field_rows(field, first, end)
+        raw = torch.frombuffer(
+            buffer, dtype=torch.uint8, count=rows * field.row_bytes, offset=offset + region
+        )
+        views.append(raw.view(torch_dtype(field.stored_dtype)).view(rows, *field.row_shape))
     return views
 
 
+def ragged_arange(counts: np.ndarray) -> np.ndarray:
+    """0 .. c - 1 for each c of `counts`, concatenated."""
+    ends = np.cumsum(counts)
+    return np.arange(int(ends[-1]) if ends.size else 0) - np.repeat(ends - counts, counts)
+
+
 class SplitStore:
-    """Tags and slots of one split, mapped into this process."""
+    """Tags and rows of one split, mapped into this process."""
 
     def __init__(self, layout: SplitLayout) -> None:
         self.layout = layout
@@ -74,12 +81,28 @@ class SplitStore:
         self.tags: np.ndarray = np.frombuffer(
             self._maps[0], dtype=np.int64, count=layout.num_samples
         )
-        self.memory = _field_views(self._maps[0], layout.slots_offset, layout.memory_rows, layout)
+        n, m = layout.num_samples, layout.memory_rows
+        self.memory = _region_views(self._maps[0], layout.slots_offset, 0, m, layout)
         self.disk: list[torch.Tensor] = []
         self._scratch_buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         if layout.disk_path is not None:
             self._maps.append(_map(layout.disk_path, layout.disk_bytes))
-            self.disk = _field_views(self._maps[1], 0, layout.disk_rows, layout)
+            self.disk = _region_views(self._maps[1], 0, m, n, layout)
+        # Per sample: real length, and per field its rows and first row in its tier.
+        self.lengths = np.fromiter((layout.length(i) for i in range(n)), np.int64, count=n)
+        self.rows: list[np.ndarray] = []
+        self.starts: list[np.ndarray] = []
+        for field in layout.fields:
+            rows = (
+                np.ones(n, np.int64)
+                if field.extra_rows is None
+                else self.lengths + field.extra_rows
+            )
+            starts = np.cumsum(rows) - rows
+            starts[m:] -= starts[m] if m < n else 0
+            self.rows.append(rows)
+            self.starts.append(starts)
+        self.sample_bytes = sum(r * f.row_bytes for r, f in zip(self.rows, layout.fields))
 
     @property
     def fields(self) -> tuple[FieldLayout, ...]:
@@ -100,93 +123,129 @@ class SplitStore:
     def read_tags(self, ids: np.ndarray) -> np.ndarray:
         return self.tags[ids]  # fancy indexing copies
 
+    def batch_length(self, ids: np.ndarray, length: int | None = None) -> int:
+        """`length`, checked to hold every one of `ids`; default the longest of them."""
+        longest = int(self.lengths[ids].max()) if ids.size else 0
+        if length is None:
+            return longest
+        if not longest <= length <= (self.layout.max_length or length):
+            raise ValueError(
+                f"split {self.layout.name!r}: a batch of {length} tokens must hold its "
+                f"longest sample ({longest}) and at most max_length ({self.layout.max_length})"
+            )
+        return length
+
+    def shapes(self, length: int) -> list[tuple[int, ...]]:
+        """Each field's per-sample shape in a batch padded to `length` tokens."""
+        return [field.shape_at(length) for field in self.fields]
+
+    def _rows(
+        self, index: int, ids: np.ndarray, positions: np.ndarray, length: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(rows in the tier's region, rows in a flat (batch * rows_at_length) view) of field
+        `index` for samples `ids` at batch `positions`: a sample's real rows, the extra rows
+        (DeBERTa's table) after the padding."""
+        field = self.fields[index]
+        counts = self.rows[index][ids]
+        offsets = ragged_arange(counts)
+        source = np.repeat(self.starts[index][ids], counts) + offsets
+        if field.extra_rows is None:
+            return source, np.repeat(positions, counts) + offsets
+        real = np.repeat(self.lengths[ids], counts)
+        padding = np.where(offsets >= real, length - real, 0)
+        batch_rows = field.rows(length)
+        return source, np.repeat(positions * batch_rows, counts) + offsets + padding
+
     def gather(
         self,
         ids: np.ndarray,
+        length: int | None = None,
         convert: bool = True,
         out: Sequence[torch.Tensor] | None = None,
         positions: np.ndarray | None = None,
     ) -> list[torch.Tensor]:
-        """Batch-first tensors of the rows `ids`, in the returned (or stored) dtype.
+        """Batch-first tensors of the samples `ids` padded to `length` tokens (default their
+        longest; zeros past each sample's own), in the returned (or stored) dtype.
 
-        Fresh tensors, or `out` (one per tensor of the slot, shape and dtype checked by the
-        caller) filled in place: row k goes to `out[...][positions[k]]` (default: k).
+        Fresh tensors, or `out` (one per field, shape and dtype checked by the caller)
+        filled in place: sample k goes to `out[...][positions[k]]` (default: k).
         Intermediate copies go through reused scratch tensors, because a fresh
         multi-megabyte tensor costs more in first-touch page faults than the copy itself.
         """
+        length = self.batch_length(ids, length)
+        where = np.arange(ids.size) if positions is None else positions
         in_memory = ids < self.layout.memory_rows
-        if in_memory.all():
-            parts = [(self.memory, ids, positions)]
-        elif not in_memory.any():
-            parts = [(self.disk, ids - self.layout.memory_rows, positions)]
-        else:
-            if positions is None:
-                positions = np.arange(ids.size)
-            parts = [
-                (self.memory, ids[in_memory], positions[in_memory]),
-                (self.disk, ids[~in_memory] - self.layout.memory_rows, positions[~in_memory]),
-            ]
         result = []
         for index, field in enumerate(self.fields):
             dtype = torch_dtype(field.returned_dtype if convert else field.stored_dtype)
-            if out is None and len(parts) == 1 and parts[0][2] is None:
-                # Fresh tensors: one copy (two when the dtype changes).
-                source, rows = parts[0][0][index], torch.from_numpy(parts[0][1])
-                result.append(torch.index_select(source, 0, rows).to(dtype))
-                continue
             target = (
                 out[index]
                 if out is not None
-                else torch.empty((ids.size, *field.shape), dtype=dtype)
+                else torch.empty((ids.size, *field.shape_at(length)), dtype=dtype)
             )
-            for views, rows, where in parts:
-                source, rows = views[index], torch.from_numpy(rows)
-                if where is None and source.dtype == dtype:
-                    torch.index_select(source, 0, rows, out=target)
+            if positions is None:
+                target.zero_()
+            else:
+                target.index_fill_(0, torch.from_numpy(positions), 0)
+            flat = target.view(-1, *field.row_shape)
+            for views, tier in ((self.memory, in_memory), (self.disk, ~in_memory)):
+                if not tier.any():
                     continue
-                scratch = self._scratch(index, source.dtype, rows.numel())
-                selected = torch.index_select(source, 0, rows, out=scratch)
-                if where is None:
-                    target.copy_(selected)
-                    continue
-                if source.dtype != dtype:
-                    selected = self._scratch(index, dtype, rows.numel()).copy_(selected)
-                target.index_copy_(0, torch.from_numpy(where), selected)
+                source_rows, batch_rows = self._rows(index, ids[tier], where[tier], length)
+                source = views[index]
+                scratch = self._scratch(index, source.dtype, source_rows.size)
+                selected = torch.index_select(source, 0, torch.from_numpy(source_rows), out=scratch)
+                flat.index_copy_(0, torch.from_numpy(batch_rows), selected.to(dtype))
             result.append(target)
         return result
 
     def _scratch(self, index: int, dtype: torch.dtype, rows: int) -> torch.Tensor:
-        """A reused (rows, *shape) tensor. Only the reading thread gathers through it (the
-        prefetch thread gathers whole disk-tier chunks into fresh tensors)."""
+        """A reused (rows, *row_shape) tensor. Only the reading thread gathers through it
+        (the prefetch thread gathers whole disk-tier chunks into fresh tensors)."""
         buffer = self._scratch_buffers.get((index, dtype))
         if buffer is None or buffer.shape[0] < rows:
-            buffer = torch.empty((rows, *self.fields[index].shape), dtype=dtype)
+            buffer = torch.empty((rows, *self.fields[index].row_shape), dtype=dtype)
             self._scratch_buffers[(index, dtype)] = buffer
         return buffer[:rows]
 
     def write(self, ids: np.ndarray, layer: int, tensors: Sequence[torch.Tensor]) -> None:
-        """Store rows and publish them with tag `layer` (ordering: see the module docstring)."""
+        """Store each sample's real rows of batch-first `tensors` (padded to any length that
+        holds them) and publish them with tag `layer` (ordering: see the module docstring)."""
+        length = self.tensors_length(tensors)
+        self.batch_length(ids, length)
         self.tags[ids] = ABSENT
         in_memory = ids < self.layout.memory_rows
-        parts = [
-            (self.memory, ids[in_memory], in_memory),
-            (self.disk, ids[~in_memory] - self.layout.memory_rows, ~in_memory),
-        ]
-        for views, rows, selected in parts:
-            if rows.size == 0:
-                continue
-            select_all = rows.size == ids.size
-            mask = torch.from_numpy(selected)
-            for view, tensor in zip(views, tensors):
-                source = tensor if select_all else tensor[mask]
-                view.index_copy_(0, torch.from_numpy(rows), source.to(view.dtype))
+        positions = np.arange(ids.size)
+        for index, (field, tensor) in enumerate(zip(self.fields, tensors)):
+            flat = tensor.reshape(-1, *field.row_shape)
+            for views, tier in ((self.memory, in_memory), (self.disk, ~in_memory)):
+                if not tier.any():
+                    continue
+                store_rows, batch_rows = self._rows(index, ids[tier], positions[tier], length)
+                view = views[index]
+                rows = flat.index_select(0, torch.from_numpy(batch_rows)).to(view.dtype)
+                view.index_copy_(0, torch.from_numpy(store_rows), rows)
         self.tags[ids] = layer
 
+    def tensors_length(self, tensors: Sequence[torch.Tensor]) -> int:
+        """The token length batch-first `tensors` of this split are padded to (checked to be
+        one for every sequence field; max_length without any)."""
+        lengths = {
+            int(t.shape[1]) - f.extra_rows
+            for f, t in zip(self.fields, tensors)
+            if f.extra_rows is not None and t.dim() > 1
+        }
+        if len(lengths) > 1:
+            raise ValueError(f"split {self.layout.name!r}: tensors of several lengths {lengths}")
+        return lengths.pop() if lengths else self.layout.max_length or 0
+
     def count_present(self) -> tuple[int, int]:
-        """Rows with a tag, in the memory tier and in the disk tier."""
+        """Stored bytes of the samples with a tag, in the memory tier and in the disk tier."""
         present = self.tags >= 0
-        in_memory = int(np.count_nonzero(present[: self.layout.memory_rows]))
-        return in_memory, int(np.count_nonzero(present)) - in_memory
+        m = self.layout.memory_rows
+        return int(self.sample_bytes[:m][present[:m]].sum()), int(
+            self.sample_bytes[m:][present[m:]].sum()
+        )
 
     def drop_disk_page_cache(self) -> None:
         """Write back and evict the disk tier's pages, so the next read is cold (benchmarks)."""

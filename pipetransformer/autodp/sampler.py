@@ -19,15 +19,46 @@ Which batch applies from which step is a `Segment`: the trainer tells the sample
 the run is each time the layout changes (`continue_at`); steps of a later epoch start from
 offset 0 with the newest segment's batch.
 
-Batches keep a fixed shape (the pipeline's buffers are sized once): the last step of an
-epoch is topped up with repeats marked invalid, which the loss weights to zero.
+Batches keep a fixed number of samples (the pipeline's buffers are sized for it): the last
+step of an epoch is topped up with repeats marked invalid, which the loss weights to zero.
+
+Length grouping (`data.group_by_length`, text): a node's epoch order, once shuffled, is cut
+into megabatches of 50 batches (fewer when the epoch is short), each sorted by length,
+longest first, and the longest sample of the epoch moved to the front (transformers'
+`LengthGroupedSampler`, which users know: the first step is the longest, so a batch that
+does not fit fails at once). The batch it counts in is the config's (`group_batch_size`:
+a node's share of the global batch, or the batch per replica), never the layout's, so the
+order of an epoch is the same whatever the layout, across a change in the middle of an
+epoch or a resume at another world size, and every sample is still trained once an epoch.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+# Batches per megabatch of length grouping (transformers' default).
+MEGABATCH_BATCHES = 50
+
+
+def length_grouped(order: list[int], lengths: Sequence[int], batch_size: int) -> list[int]:
+    """`order` (already shuffled) regrouped: megabatches of up to MEGABATCH_BATCHES
+    batches of `batch_size`, each sorted longest first (stable: ties keep their shuffled
+    order), the longest sample of all moved to the front (module docstring)."""
+    batches = min(len(order) // (4 * batch_size), MEGABATCH_BATCHES) or 1
+    size = batches * batch_size
+    megabatches = [
+        sorted(order[i : i + size], key=lambda sample: -lengths[sample])
+        for i in range(0, len(order), size)
+    ]
+    if not megabatches:
+        return []
+    longest = max(range(len(megabatches)), key=lambda k: lengths[megabatches[k][0]])
+    megabatches[0][0], megabatches[longest][0] = megabatches[longest][0], megabatches[0][0]
+    return [sample for megabatch in megabatches for sample in megabatch]
 
 
 @dataclass(frozen=True)
@@ -67,6 +98,10 @@ class TrainSampler:
     seed: int
     batch_per_replica: int | None = None  # set: the paper's semantics (module docstring)
     replicas_per_node: int = 1  # of the layout the run starts in
+    # data.group_by_length: each sample's length, and the batch the megabatches count in
+    # (module docstring); None: no grouping.
+    lengths: Sequence[int] | None = None
+    group_batch_size: int | None = None
     _orders: dict[tuple[int, int], list[int]] = field(default_factory=dict, repr=False)
     segment: Segment = field(init=False)
 
@@ -75,6 +110,10 @@ class TrainSampler:
             raise ValueError("give a global batch or a batch per replica, not both")
         if self.batch_per_replica is None and self.global_batch_size % self.num_nodes:
             raise ValueError("the global batch must split evenly over the nodes")
+        if (self.lengths is None) != (self.group_batch_size is None):
+            raise ValueError("length grouping needs both the lengths and the batch it counts in")
+        if self.lengths is not None and len(self.lengths) != self.num_samples:
+            raise ValueError(f"{len(self.lengths)} lengths for {self.num_samples} samples")
         if self.num_samples < self.num_nodes:
             raise ValueError(
                 f"{self.num_samples} samples cannot be shared by {self.num_nodes} nodes"
@@ -151,6 +190,8 @@ class TrainSampler:
         if key not in self._orders:
             order = list(self.node_subsets[node])
             random.Random(f"{self.seed}/{node}/{epoch}").shuffle(order)
+            if self.lengths is not None:
+                order = length_grouped(order, self.lengths, self.group_batch_size)
             self._orders = {k: v for k, v in self._orders.items() if k[1] >= epoch}
             self._orders[key] = order
         return self._orders[key]
@@ -182,18 +223,26 @@ class TrainSampler:
 
 @dataclass(frozen=True)
 class EvalSampler:
-    """The whole eval set in order, each step's batch split over all replicas."""
+    """The whole eval set in order (with `lengths`, longest first: each batch then holds
+    samples of similar length), each step's batch split over all replicas."""
 
     num_samples: int
     global_batch_size: int
+    lengths: Sequence[int] | None = None
 
     @property
     def steps(self) -> int:
         return math.ceil(self.num_samples / self.global_batch_size)
 
+    @functools.cached_property
+    def order(self) -> Sequence[int]:
+        if self.lengths is None:
+            return range(self.num_samples)
+        return sorted(range(self.num_samples), key=lambda sample: -self.lengths[sample])
+
     def replica_batch(self, replica: int, dp_degree: int, step: int) -> Batch:
         start = step * self.global_batch_size
-        ids = list(range(start, min(start + self.global_batch_size, self.num_samples)))
+        ids = list(self.order[start : min(start + self.global_batch_size, self.num_samples)])
         valid = [True] * len(ids) + [False] * (self.global_batch_size - len(ids))
-        ids += [0] * (self.global_batch_size - len(ids))
+        ids += [ids[0] if ids else 0] * (self.global_batch_size - len(ids))
         return _split(Batch(tuple(ids), tuple(valid)), dp_degree, replica)

@@ -18,7 +18,11 @@ For one rank of a layout (stage s of K, M micro-batches of m samples, R replicas
                     steady phase a forward follows a backward: both are held in full
     boundary        the pipeline's buffers: received inputs (M, stage > 0), received output
                     gradients (M, all but the last stage) and the outputs kept for backward;
-                    stage 0 also holds the frozen prefix's output for the replica batch
+                    stage 0 also holds the frozen prefix's output for the replica batch.
+                    Text padded per batch keeps a stage (and its receive buffers) for each
+                    length bucket it meets (pipe/runtime.py): the receive buffers of every
+                    bucket together, `receive_buffer_share` times the max-length ones
+                    (under 2: utils/padding.py), all other terms at max_seq_length
 
 Under interleaved_1f1b and zero_bubble (v chunks a rank, torch's order in
 autopipe/schedule_order.py; `_chunked_stage_memory`; interleaved_1f1b at v = 1 runs 1F1B,
@@ -152,6 +156,9 @@ class LayoutShape:
     num_micro_batches: int
     dp_degree: int
     schedule: str = "gpipe"
+    # The receive buffers a pipeline stage holds, in multiples of the max-length ones (text
+    # padded per batch: one set per length bucket; module docstring).
+    receive_buffer_share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -224,7 +231,7 @@ class MemoryModel:
         else:
             in_flight = min(m, plan.pipe_len - stage)
         grads = float(sum(self.param_bytes[u] for u in trained))
-        boundary = self._chunk_boundary(plan, stage, in_flight, m)
+        boundary = self._chunk_boundary(plan, stage, in_flight, m, shape.receive_buffer_share)
         boundary += self._prefix_boundary(plan, stage, m)
         activations = in_flight * scale * sum(self.saved_bytes[u] for u in trained)
         with_gradients = activations + grads
@@ -234,15 +241,20 @@ class MemoryModel:
             activations + grads - with_gradients
         )
 
-    def _chunk_boundary(self, plan: PipelinePlan, chunk: int, kept: int, m: int) -> int:
+    def _chunk_boundary(
+        self, plan: PipelinePlan, chunk: int, kept: int, m: int, receive_share: float = 1.0
+    ) -> float:
         """A chunk's pipeline buffers: its outputs kept for their backward (`kept` micro-batches),
-        its received inputs (all but chunk 0) and output gradients (all but the last chunk)."""
+        its received inputs (all but chunk 0) and output gradients (all but the last chunk),
+        the receive buffers `receive_share` times the max-length ones (one set per length
+        bucket of text padded per batch)."""
         start, end = plan.stage_ranges[chunk]
         boundary = kept * self.output_bytes[end - 1]
+        received = receive_share * m
         if chunk > 0:
-            boundary += m * self.output_bytes[start - 1]
+            boundary += received * self.output_bytes[start - 1]
         if chunk < plan.num_chunks - 1:
-            boundary += m * self.output_bytes[end - 1]
+            boundary += received * self.output_bytes[end - 1]
         return boundary
 
     def _prefix_boundary(self, plan: PipelinePlan, stage: int, m: int) -> int:
@@ -292,7 +304,8 @@ class MemoryModel:
             order, saved, release="B" if schedule == "interleaved_1f1b" else "W"
         )
         boundary = sum(
-            self._chunk_boundary(plan, chunk, most, m) for chunk, most in zip(chunks, in_flight)
+            self._chunk_boundary(plan, chunk, most, m, shape.receive_buffer_share)
+            for chunk, most in zip(chunks, in_flight)
         )
         boundary += self._prefix_boundary(plan, stage, m)
         return self._terms(held, trained, shape, activations, scale * boundary)

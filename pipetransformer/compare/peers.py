@@ -7,8 +7,14 @@
 
 Both train what the trainer trains: the same model weights (the same seed before the model
 is built, or the same pretrained directory), the same data (`build_data`: the same subsets,
-tokenisation, padding and image transforms), batch, optimizer, weight decay groups, schedule,
+tokenisation and image transforms), batch, optimizer, weight decay groups, schedule,
 clipping and epochs, on the same processes (the local launcher's environment, as torchrun's).
+Text is padded as its users pad it: `Trainer` gets each sample at its real length and
+`DataCollatorWithPadding` pads each batch to its longest, rounded up to
+data.pad_to_multiple_of (or to max_seq_length under data.padding max_length), and groups
+batches by length (`group_by_length`) where the config does; `torch_ddp` fetches batches
+as the trainer does. Each counts the real tokens and the padded tokens it trains (from the
+attention masks) into its epochs' records.
 Their accuracy is scored on rank 0 the way the trainer scores its own (argmax over the
 evaluation split). Each writes the run records `compare` reads (summary.json, metrics.jsonl,
 events.jsonl), so they join the report and the statistics over seeds like any variant.
@@ -19,6 +25,7 @@ step (that is what they are measured against).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -27,6 +34,7 @@ import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -132,7 +140,15 @@ class EpochClock:
     def start(self) -> None:
         self._started = time.perf_counter()
 
-    def end(self, global_step: int, samples: int, train_loss: float, lr: float) -> None:
+    def end(
+        self,
+        global_step: int,
+        samples: int,
+        train_loss: float,
+        lr: float,
+        tokens: tuple[int, int] = (0, 0),
+    ) -> None:
+        """`tokens`: the epoch's real and padded tokens (text; 0 for images)."""
         seconds = time.perf_counter() - self._started
         self.records.append(
             {
@@ -142,6 +158,8 @@ class EpochClock:
                 "samples_per_s": samples / seconds if seconds > 0 else 0.0,
                 "epoch_time_s": seconds,
                 "lr": lr,
+                "real_tokens": tokens[0],
+                "padded_tokens": tokens[1],
             }
         )
 
@@ -194,18 +212,86 @@ def write_records(
 
 
 class _TextDataset(torch.utils.data.Dataset):
-    """The trainer's tokenised split as the dicts `Trainer` feeds the model."""
+    """The trainer's tokenised split as the dicts `Trainer` feeds the model: each sample at
+    its real length, as a tokenizer that truncates (and does not pad) leaves it."""
 
     def __init__(self, split) -> None:
         inputs, labels = split.fetch(range(len(split)))
         self.columns = dict(zip(("input_ids", "token_type_ids", "attention_mask"), inputs))
-        self.columns["labels"] = labels
+        self.lengths = split.lengths
+        self.labels = labels
 
     def __len__(self) -> int:
-        return len(self.columns["labels"])
+        return len(self.labels)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {name: column[index] for name, column in self.columns.items()}
+        length = self.lengths[index]
+        row = {name: column[index, :length] for name, column in self.columns.items()}
+        return {**row, "labels": self.labels[index]}
+
+
+def padding_tokenizer(config: Config):
+    """The tokenizer `DataCollatorWithPadding` pads with: the run's (data.tokenizer, or the
+    pretrained model's), else one that only pads, with the word vocabulary's [PAD] id 0
+    (data/text.py), padding on the right as the data is."""
+    from pipetransformer.data.text import WordVocabTokenizer, load_tokenizer
+
+    name = config.data.tokenizer or config.model.model_name_or_path
+    if name is not None:
+        return load_tokenizer(name)
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    pad, unk = WordVocabTokenizer.SPECIALS[:2]
+    vocabulary = Tokenizer(WordLevel({pad: 0, unk: 1}, unk_token=unk))
+    vocabulary.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=vocabulary, pad_token=pad, unk_token=unk)
+
+
+def padding_collator(config: Config):
+    """How a `Trainer` user pads: DataCollatorWithPadding to each batch's longest, rounded up
+    to data.pad_to_multiple_of (data.padding batch), or to max_seq_length (max_length)."""
+    from transformers import DataCollatorWithPadding
+
+    tokenizer = padding_tokenizer(config)
+    tokenizer.padding_side = "right"
+    if config.data.padding == "max_length":
+        return DataCollatorWithPadding(
+            tokenizer, padding="max_length", max_length=config.data.max_seq_length
+        )
+    return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=config.data.pad_to_multiple_of)
+
+
+class TokenCounter:
+    """Real and padded tokens of the batches a model is called with (from the attention
+    mask), summed on the device (no host read per step) and over every rank at `take`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.real: torch.Tensor | None = None  # on the model's device
+        self.padded = 0  # the masks' sizes, known on the host
+        self.counting = True
+        model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module, args, kwargs) -> None:
+        mask = kwargs.get("attention_mask")
+        if not self.counting or mask is None or not module.training:
+            return
+        real = mask.sum()
+        self.real = real if self.real is None else self.real + real
+        self.padded += mask.numel()
+
+    def take(self) -> tuple[int, int]:
+        """(real, padded) since the last call, over every rank (collective); resets."""
+        # On the device the counts are on: NCCL reduces device tensors only.
+        real = torch.zeros((), dtype=torch.long) if self.real is None else self.real.long()
+        sums = torch.stack([real, torch.tensor(self.padded, device=real.device)])
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+        self.real, self.padded = None, 0
+        total_real, total_padded = sums.tolist()
+        return int(total_real), int(total_padded)
 
 
 def _text_forward(model: nn.Module, inputs: list[torch.Tensor]) -> torch.Tensor:
@@ -213,6 +299,16 @@ def _text_forward(model: nn.Module, inputs: list[torch.Tensor]) -> torch.Tensor:
     return model(
         input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask
     ).logits
+
+
+def _length_grouping(arguments: type, grouped: bool) -> dict[str, Any]:
+    """The TrainingArguments that group batches by length (LengthGroupedSampler): since the
+    sampler unification of transformers 5 (huggingface/transformers#43138),
+    `train_sampling_strategy="group_by_length"`; before it, `group_by_length=True`."""
+    fields = {f.name for f in dataclasses.fields(arguments)}
+    if "train_sampling_strategy" in fields:
+        return {"train_sampling_strategy": "group_by_length" if grouped else "random"}
+    return {"group_by_length": grouped}
 
 
 def _run_hf_trainer(
@@ -265,25 +361,30 @@ def _run_hf_trainer(
         # Every parameter is used: the default (True) would traverse the graph every step.
         ddp_find_unused_parameters=False,
         bf16=config.trainer.precision == "bf16",
+        **_length_grouping(TrainingArguments, config.data.group_by_length),
     )
     _set_threads()  # accelerate's state may have changed it
 
     clock = EpochClock()
+    tokens = TokenCounter(model)
 
     class Epochs(TrainerCallback):
         def on_epoch_begin(self, args, state, control, **kwargs):
             clock.start()
 
         def on_epoch_end(self, args, state, control, **kwargs):
-            clock.end(state.global_step, len(data.train), float("nan"), 0.0)
+            counted = tokens.take()  # before the clock: the step's kernels are done
+            clock.end(state.global_step, len(data.train), float("nan"), 0.0, counted)
 
     trainer = Trainer(
         model=model,
         args=args,
         train_dataset=_TextDataset(data.train),
+        data_collator=padding_collator(config),
         callbacks=[Epochs()],
     )
     output = trainer.train()
+    tokens.counting = False
     for record in clock.records:  # Trainer reports the mean training loss over the run
         record["train_loss"] = float(output.training_loss)
     return trainer.model, trainer.model.device, _text_forward, clock.records

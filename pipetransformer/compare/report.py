@@ -103,6 +103,9 @@ def read_run(run_dir: Path) -> dict[str, Any]:
         "metric_name": summary.metric_name,
         "final_scores": summary.final_scores,
         "samples_per_s": [m.samples_per_s for m in metrics],
+        # Text: real and padded tokens an epoch (real tokens per second: real / epoch time).
+        "real_tokens": [m.real_tokens for m in metrics],
+        "padded_tokens": [m.padded_tokens for m in metrics],
         "epoch_time_s": [m.epoch_time_s for m in metrics],
         "eval_time_s": sum(m.eval_time_s for m in metrics),
         "eval_metric": [m.eval_metric for m in metrics],
@@ -209,6 +212,40 @@ def _fmt_layout(run: dict[str, Any]) -> str:
     return " → ".join(path)
 
 
+def throughput(run: dict[str, Any]) -> dict[str, float]:
+    """A run's training throughput over all its epochs, recomputed from its records:
+    samples/s, real tokens/s and the share of its padded tokens that were padding (text)."""
+    seconds = sum(run["epoch_time_s"])
+    samples = sum(s * t for s, t in zip(run["samples_per_s"], run["epoch_time_s"]))
+    real, padded = sum(run.get("real_tokens", [])), sum(run.get("padded_tokens", []))
+    return {
+        "samples_per_s": samples / seconds if seconds > 0 else 0.0,
+        "real_tokens_per_s": real / seconds if seconds > 0 else 0.0,
+        "padded_share": 1 - real / padded if padded > 0 else 0.0,
+    }
+
+
+def throughput_section(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """Samples and real tokens per second of training, for text runs (none for images)."""
+    if not any(sum(run.get("real_tokens", [])) for run in runs.values()):
+        return []
+    lines = [
+        "",
+        "Training throughput (real tokens: before padding; padded share: of the tokens the "
+        "batches held):",
+        "",
+        "| variant | samples/s | real tokens/s | padded share |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name, run in runs.items():
+        rate = throughput(run)
+        lines.append(
+            f"| {TITLES.get(name, name)} | {rate['samples_per_s']:.1f} | "
+            f"{rate['real_tokens_per_s']:.0f} | {100 * rate['padded_share']:.1f}% |"
+        )
+    return lines
+
+
 def write_report(
     results: dict[str, Any], out: Path, plots: list[str], seeded: SeededStats | None = None
 ) -> str:
@@ -251,6 +288,7 @@ def write_report(
         )
     for name, reason in results.get("refused", {}).items():
         lines.append(f"| {TITLES.get(name, name)} | refused: {reason} | | | | | | |")
+    lines += throughput_section(runs)
     scored = {name: run["final_scores"] for name, run in runs.items() if run.get("final_scores")}
     if scored:
         names = list(next(iter(scored.values())))

@@ -22,6 +22,7 @@ from pipetransformer.config.checks import (
 from pipetransformer.config.data import (
     REGRESSION_METRICS,
     TABLE_DATASETS,
+    TEXT_DATASETS,
     DataConfig,
     DatasetName,
     MetricName,
@@ -64,6 +65,7 @@ __all__ = [
     "REGRESSION_METRICS",
     "SCHEDULES",
     "TABLE_DATASETS",
+    "TEXT_DATASETS",
     "TEXT_MODEL_TYPES",
     "TORCH_SCHEDULE_CLASS",
     "AutoDPConfig",

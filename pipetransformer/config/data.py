@@ -18,6 +18,8 @@ DatasetName = Literal[
 # The names whose data is a labelled table read through `datasets` (data/table.py): text
 # classification, and image classification from a table with an image column.
 TABLE_DATASETS = ("hf", "hf_image")
+# The names whose samples are token sequences (padded: data.padding, data.group_by_length).
+TEXT_DATASETS = ("sst2", "squad", "hf")
 # data.metric: what eval_metric is (the best checkpoint and the compare report follow it);
 # every metric of the task is recorded beside it (docs/data.md, "Metrics"). Higher is better
 # for each (a regression's mean squared error is recorded, never followed).
@@ -39,6 +41,14 @@ class DataConfig:
     # Side length images are resized to; None: the dataset's default (16 for digits).
     image_size: int | None = None
     max_seq_length: int = 128
+    # Text: 'batch' pads each batch to its longest sample, rounded up to a multiple of
+    # pad_to_multiple_of (transformers' DataCollatorWithPadding); 'max_length' pads every
+    # batch to max_seq_length. Per-sample results are the same (docs/data.md, "Padding").
+    padding: Literal["batch", "max_length"] = "batch"
+    pad_to_multiple_of: int = 8
+    # Text: draw each epoch's batches from pools of samples of similar length (transformers'
+    # group_by_length: megabatches of 50 batches sorted longest first).
+    group_by_length: bool = False
     # SQuAD: tokens of overlap between windows of a long context; None: max_seq_length // 4.
     doc_stride: int | None = None
     # Tokenizer (hub id or directory); None: the model's, or a word vocabulary built from
@@ -110,6 +120,16 @@ class DataConfig:
                 _fail(f"data.{key}", f"must be >= 1 or null, got {value}")
         if self.max_seq_length < 8:
             _fail("data.max_seq_length", "must be >= 8")
+        if self.padding not in ("batch", "max_length"):
+            _fail("data.padding", f"'batch' or 'max_length', got {self.padding!r}")
+        if isinstance(self.pad_to_multiple_of, bool) or self.pad_to_multiple_of < 1:
+            _fail("data.pad_to_multiple_of", f"must be >= 1, got {self.pad_to_multiple_of}")
+        if self.group_by_length and self.name not in TEXT_DATASETS:
+            _fail(
+                "data.group_by_length",
+                f"groups text by its length; '{self.name}' is not text "
+                f"({', '.join(TEXT_DATASETS)} are)",
+            )
         if self.doc_stride is not None and self.doc_stride < 0:
             _fail("data.doc_stride", "must be >= 0 or null")
         if self.num_workers < 0:

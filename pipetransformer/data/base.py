@@ -4,8 +4,14 @@ A dataset is indexed by sample id (0..len-1, its position in the split after any
 selection). `fetch(ids)` returns the batched model inputs and targets for those ids;
 `dataset[i]` returns `(sample_id, inputs, target)` for one sample.
 
-Owns: the `SampleDataset` interface, the in-memory and per-sample implementations and the
-`DataBundle` that describes a task's two splits.
+Text is held at `max_seq_length` tokens a sample, with each sample's real length
+(`lengths`): `fetch` cuts a batch to `batch_length(ids)` (data.padding: its longest sample
+rounded up to data.pad_to_multiple_of, or max_seq_length), or to the `length` it is given
+(a pipeline's bucket, utils/padding.py). Every rank holds the dataset, so every rank
+computes a batch's length from its sample ids alone.
+
+Owns: the `SampleDataset` interface, the in-memory, text and per-sample implementations
+and the `DataBundle` that describes a task's two splits.
 Must not: know about ranks, replicas or samplers (AutoDP decides which ids go where).
 """
 
@@ -17,17 +23,29 @@ from typing import Any
 
 import torch
 
+from pipetransformer.utils.padding import batch_length
+
 
 class SampleDataset:
     """Random access by sample id, batched."""
 
     # True when inputs differ between two reads of the same id (random augmentation).
     random_inputs: bool = False
+    # Text: each sample's real length in tokens; None: inputs without a sequence (images).
+    lengths: Sequence[int] | None = None
 
     def __len__(self) -> int:
         raise NotImplementedError
 
-    def fetch(self, ids: Sequence[int]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    def batch_length(self, ids: Sequence[int]) -> int | None:
+        """The sequence length `fetch(ids)` pads the batch to; None without a sequence."""
+        return None
+
+    def fetch(
+        self, ids: Sequence[int], length: int | None = None
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """Inputs and targets of `ids`; text padded to `length` tokens (default
+        `batch_length(ids)`), which must hold every sample of the batch."""
         raise NotImplementedError
 
     def targets(self, ids: Sequence[int]) -> torch.Tensor:
@@ -51,12 +69,53 @@ class TensorSampleDataset(SampleDataset):
     def __len__(self) -> int:
         return self.target_tensor.shape[0]
 
-    def fetch(self, ids):
+    def fetch(self, ids, length=None):
         index = torch.as_tensor(list(ids), dtype=torch.long)
         return tuple(t[index] for t in self.inputs), self.target_tensor[index]
 
     def targets(self, ids):
         return self.target_tensor[torch.as_tensor(list(ids), dtype=torch.long)]
+
+
+def real_lengths(attention_mask: torch.Tensor) -> list[int]:
+    """Each row's real length: one past its last attended position (text is padded on the
+    right)."""
+    positions = torch.arange(1, attention_mask.shape[1] + 1)
+    return (attention_mask.ne(0) * positions).amax(dim=1).tolist()
+
+
+class TextSampleDataset(TensorSampleDataset):
+    """Token sequences (input_ids, token_type_ids, attention_mask), held at max_seq_length
+    and fetched cut to the batch's padded length (module docstring)."""
+
+    def __init__(
+        self,
+        inputs: Sequence[torch.Tensor],
+        targets: torch.Tensor,
+        padding: str = "batch",
+        pad_to_multiple_of: int = 8,
+    ) -> None:
+        super().__init__(inputs, targets)
+        self.max_length = inputs[-1].shape[1]
+        self.lengths = real_lengths(inputs[-1])
+        self.padding = padding
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def batch_length(self, ids):
+        return batch_length(
+            self.lengths, ids, self.padding, self.pad_to_multiple_of, self.max_length
+        )
+
+    def fetch(self, ids, length=None):
+        length = self.batch_length(ids) if length is None else length
+        longest = max((self.lengths[i] for i in ids), default=0)
+        if not longest <= length <= self.max_length:
+            raise ValueError(
+                f"a batch padded to {length} tokens must hold its longest sample ({longest}) "
+                f"and at most max_seq_length ({self.max_length})"
+            )
+        index = torch.as_tensor(list(ids), dtype=torch.long)
+        return tuple(t[:, :length][index] for t in self.inputs), self.target_tensor[index]
 
 
 class ItemSampleDataset(SampleDataset):
@@ -77,7 +136,7 @@ class ItemSampleDataset(SampleDataset):
     def __len__(self) -> int:
         return self.target_tensor.shape[0]
 
-    def fetch(self, ids):
+    def fetch(self, ids, length=None):
         images = torch.stack([self._transform(self._load(i)) for i in ids])
         return (images,), self.targets(ids)
 
@@ -98,12 +157,17 @@ class Subset(SampleDataset):
         self.base = base
         self.index = subset_indices(len(base), size, seed)
         self.random_inputs = base.random_inputs
+        if base.lengths is not None:
+            self.lengths = [base.lengths[i] for i in self.index]
 
     def __len__(self) -> int:
         return len(self.index)
 
-    def fetch(self, ids):
-        return self.base.fetch([self.index[i] for i in ids])
+    def batch_length(self, ids):
+        return self.base.batch_length([self.index[i] for i in ids])
+
+    def fetch(self, ids, length=None):
+        return self.base.fetch([self.index[i] for i in ids], length)
 
     def targets(self, ids):
         return self.base.targets([self.index[i] for i in ids])

@@ -5,7 +5,9 @@ epoch or a transition's new data split starts another pass over the same workers
 of forking them again. Batches come out in pinned memory when they are bound for a GPU, so
 the copy to the device is asynchronous (from pageable memory the host waits for the
 stream). A pass may be told which batches it need not decode (`skip`): the first stage asks
-it for batches whose every sample AutoCache already serves, and gets None for them.
+it for batches whose every sample AutoCache already serves, and gets None for them; and the
+sequence length of each text batch (`lengths`: a pipeline's bucket; default each batch's
+own, data/base.py).
 
 Owns: the workers and the order of a pass. Must not: know about devices beyond pinning,
 replicas or the cache (the caller's `skip` decides).
@@ -28,16 +30,17 @@ def pin(inputs: Inputs) -> Inputs:
 
 
 class _Requests:
-    """The pass in progress, iterated by the DataLoader in this process: (ids, skip?) per
-    batch, `skip` asked when the request is made (a few batches ahead)."""
+    """The pass in progress, iterated by the DataLoader in this process: (ids, skip?, length)
+    per batch, `skip` asked when the request is made (a few batches ahead)."""
 
     def __init__(self) -> None:
         self.id_batches: list[list[int]] = []
         self.skip: Skip | None = None
+        self.lengths: list[int | None] = []
 
     def __iter__(self):
-        for ids in self.id_batches:
-            yield ids, bool(self.skip is not None and self.skip(ids))
+        for ids, length in zip(self.id_batches, self.lengths):
+            yield ids, bool(self.skip is not None and self.skip(ids)), length
 
     def __len__(self) -> int:
         return len(self.id_batches)
@@ -48,8 +51,8 @@ class _Fetch(torch.utils.data.Dataset):
         self.dataset = dataset
 
     def __getitem__(self, request) -> Inputs | None:
-        ids, skip = request
-        return None if skip else self.dataset.fetch(ids)[0]
+        ids, skip, length = request
+        return None if skip else self.dataset.fetch(ids, length)[0]
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -72,22 +75,27 @@ class BatchLoader:
             )
 
     def start(
-        self, id_batches: Sequence[Sequence[int]], skip: Skip | None = None
+        self,
+        id_batches: Sequence[Sequence[int]],
+        skip: Skip | None = None,
+        lengths: Sequence[int | None] | None = None,
     ) -> Iterator[Inputs | None]:
         """A pass over `id_batches` in order (abandoning any pass in progress): each
-        batch's inputs, or None where `skip(ids)` was true."""
+        batch's inputs (text padded to `lengths[k]` tokens), or None where `skip(ids)` was
+        true."""
         self._requests.id_batches = [list(ids) for ids in id_batches]
+        self._requests.lengths = list(lengths) if lengths is not None else [None] * len(id_batches)
         self._requests.skip = skip
         if self._loader is not None:
             return iter(self._loader)
         return self._in_process()
 
     def _in_process(self) -> Iterator[Inputs | None]:
-        for ids, skip in iter(self._requests):
+        for ids, skip, length in iter(self._requests):
             if skip:
                 yield None
                 continue
-            inputs = self.dataset.fetch(ids)[0]
+            inputs = self.dataset.fetch(ids, length)[0]
             yield pin(inputs) if self.pin_memory else inputs
 
     def close(self) -> None:

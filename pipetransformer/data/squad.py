@@ -1,7 +1,8 @@
 """SQuAD v1.1 question answering data: examples, features and what evaluation needs.
 
 An *example* is one question with its context and gold answers; a *feature* is one
-fixed-length model input cut from it: `[CLS] question [SEP] context window [SEP] [PAD]...`.
+model input cut from it: `[CLS] question [SEP] context window [SEP] [PAD]...`, held at
+max_seq_length and cut to its batch's padded length when fetched (data/base.py).
 A context longer than the room left after the question is covered by several windows that
 overlap by `doc_stride` tokens (the `stride` of transformers' tokenizers with
 `truncation="only_second"` and `return_overflowing_tokens=True`, as in its run_qa
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 from pipetransformer.config import DataConfig
-from pipetransformer.data.base import DataBundle, TensorSampleDataset, subset_indices
+from pipetransformer.data.base import DataBundle, TextSampleDataset, subset_indices
 from pipetransformer.data.text import WordVocabTokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -476,8 +477,8 @@ def load_squad_bundle(config: DataConfig, model_name_or_path: str | None, seed: 
         len(eval_features),
     )
     return DataBundle(
-        train=_dataset(train_features),
-        eval=_dataset(eval_features),
+        train=_dataset(train_features, config),
+        eval=_dataset(eval_features, config),
         task="question_answering",
         num_classes=2,
         vocab_size=len(encoder),
@@ -486,7 +487,10 @@ def load_squad_bundle(config: DataConfig, model_name_or_path: str | None, seed: 
     )
 
 
-def _dataset(features: SquadFeatures) -> TensorSampleDataset:
-    return TensorSampleDataset(
-        (features.input_ids, features.token_type_ids, features.attention_mask), features.positions
+def _dataset(features: SquadFeatures, config: DataConfig) -> TextSampleDataset:
+    return TextSampleDataset(
+        (features.input_ids, features.token_type_ids, features.attention_mask),
+        features.positions,
+        config.padding,
+        config.pad_to_multiple_of,
     )

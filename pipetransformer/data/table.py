@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from pipetransformer.config import DataConfig
-from pipetransformer.data.base import DataBundle, TensorSampleDataset, subset_indices
+from pipetransformer.data.base import DataBundle, TextSampleDataset, subset_indices
 from pipetransformer.data.sources import (
     FILE_BUILDERS,
     check_local_paths,
@@ -544,8 +544,9 @@ def encode_tables(
     seed: int,
 ) -> DataBundle:
     """The tables as a classification (or regression) DataBundle: subsets drawn before
-    tokenising (seeded), texts encoded to fixed-length tensors (pairs as the tokenizer joins
-    them), class ids (or float targets) as targets."""
+    tokenising (seeded), texts encoded to max_seq_length tensors (pairs as the tokenizer
+    joins them) and fetched as data.padding pads them, class ids (or float targets) as
+    targets."""
     regression = tables.task == "regression"
     splits = {}
     for name, table, size in (
@@ -562,8 +563,11 @@ def encode_tables(
     train = splits["train"][0]
     tokenizer = pick_tokenizer(config, model_name_or_path, train.first + (train.second or []))
     datasets_ = {
-        name: TensorSampleDataset(
-            encode(tokenizer, table.first, config.max_seq_length, table.second), targets
+        name: TextSampleDataset(
+            encode(tokenizer, table.first, config.max_seq_length, table.second),
+            targets,
+            config.padding,
+            config.pad_to_multiple_of,
         )
         for name, (table, targets) in splits.items()
     }

@@ -4,7 +4,8 @@ encodes with.
 
 Owns: reading SST-2's sentences and labels, choosing a tokenizer (a pretrained one, or a
 word vocabulary built from the training text for random BERTs) and pre-tokenising texts or
-text pairs to fixed-length tensors (input_ids, token_type_ids, attention_mask).
+text pairs to max_seq_length tensors (input_ids, token_type_ids, attention_mask), padded
+on the right (a batch is cut to its own length when fetched: data/base.py).
 Must not: know about ranks or samplers.
 """
 
@@ -87,8 +88,9 @@ class WordVocabTokenizer:
 def encode(
     tokenizer, sentences: Sequence[str], max_length: int, second: Sequence[str] | None = None
 ):
-    """Fixed-length tensors of texts, or of text pairs when `second` is given (joined as the
-    tokenizer's family joins them, second segment token type 1 where the family has types)."""
+    """max_length tensors of texts, or of text pairs when `second` is given (joined as the
+    tokenizer's family joins them, second segment token type 1 where the family has types),
+    padded on the right whatever the tokenizer's own side (a batch is cut from the right)."""
     if isinstance(tokenizer, WordVocabTokenizer):
         return tokenizer.encode_pairs(sentences, second, max_length)
     out = tokenizer(
@@ -97,6 +99,7 @@ def encode(
         max_length=max_length,
         truncation=True,
         padding="max_length",
+        padding_side="right",
         return_tensors="pt",
         return_token_type_ids=True,
     )

@@ -247,7 +247,7 @@ class SyntheticImages(SampleDataset):
     def _label(generator: torch.Generator) -> int:  # the first draw: no image needed for it
         return int(torch.randint(SYNTHETIC_CLASSES, (1,), generator=generator))
 
-    def fetch(self, ids):
+    def fetch(self, ids, length=None):
         images, labels = [], []
         for index in ids:
             generator = self._generator(index)

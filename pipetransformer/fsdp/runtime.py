@@ -63,10 +63,9 @@ class ShardedRuntime:
     micro_batch_size: int
     num_micro_batches: int = 1
     autocast_dtype: torch.dtype | None = None
-    # (split, sample ids, inputs) -> the frozen prefix's output, served from AutoCache.
-    cached_prefix: (
-        Callable[[str, Sequence[int], Sequence[torch.Tensor]], tuple[torch.Tensor, ...]] | None
-    ) = None
+    # (split, sample ids, inputs, sequence length) -> the frozen prefix's output, served
+    # from AutoCache.
+    cached_prefix: Callable[..., tuple[torch.Tensor, ...]] | None = None
     stage_index: int = 0
     pipe_len: int = 1
     comm_timer: None = None  # FSDP2's collectives are not timed (DDP's all-reduce is)
@@ -85,10 +84,14 @@ class ShardedRuntime:
         )
 
     def run_prefix(
-        self, inputs: Sequence[torch.Tensor], ids: Sequence[int] | None = None, split: str = "train"
+        self,
+        inputs: Sequence[torch.Tensor] | None,
+        ids: Sequence[int] | None = None,
+        split: str = "train",
+        seq_length: int | None = None,
     ) -> tuple[torch.Tensor, ...]:
         return prefix_output(
-            self.preprocess, self.cached_prefix, self._autocast(), inputs, ids, split
+            self.preprocess, self.cached_prefix, self._autocast(), inputs, ids, split, seq_length
         )
 
     def train_step(
@@ -96,12 +99,14 @@ class ShardedRuntime:
         inputs: Sequence[torch.Tensor] | None,
         target: torch.Tensor | None,
         ids: Sequence[int] | None = None,
+        seq_length: int | None = None,
     ) -> list[torch.Tensor]:
-        """Forward and backward of the replica batch, micro-batch after micro-batch; each
-        backward reduce-scatters into the sharded gradients, which sum them (averaged over
-        the replicas as DDP averages them). Returns each micro-batch's loss."""
+        """Forward and backward of the replica batch (of any sequence length: `seq_length`
+        only tells AutoCache the batch's), micro-batch after micro-batch; each backward
+        reduce-scatters into the sharded gradients, which sum them (averaged over the
+        replicas as DDP averages them). Returns each micro-batch's loss."""
         self.module.train()
-        activations = self.run_prefix(inputs, ids, "train")
+        activations = self.run_prefix(inputs, ids, "train", seq_length)
         pieces = zip(
             *(t.split(self.micro_batch_size) for t in activations),
             target.split(self.micro_batch_size),
@@ -120,6 +125,7 @@ class ShardedRuntime:
         inputs: Sequence[torch.Tensor] | None,
         target: torch.Tensor | None,
         ids: Sequence[int] | None = None,
+        seq_length: int | None = None,
     ) -> torch.Tensor:
         """Forward only (collective: every rank gathers every trained group). Every group is
         resharded after it: between steps a unit's parameters are its shards, the objects
@@ -128,7 +134,7 @@ class ShardedRuntime:
         self.module.eval()
         try:
             with torch.no_grad():
-                activations = self.run_prefix(inputs, ids, "eval")
+                activations = self.run_prefix(inputs, ids, "eval", seq_length)
                 with self._autocast():
                     return self.module(*activations).float()
         finally:

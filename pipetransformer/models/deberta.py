@@ -14,7 +14,9 @@ DeBERTa's disentangled attention reads two things besides the hidden state:
   back), MLP units and the head touch only the first `seq` rows. The cost is activation
   bytes: (seq + 2 * span) / seq times a BERT's of the same size (deberta-v3-base: span 256,
   so 5x at seq 128, 2x at seq 512). Once the embedding freezes (with layer 0) the table
-  freezes with it, in training and in the single-process reference alike.
+  freezes with it, in training and in the single-process reference alike. `seq` is the
+  batch's own (read from the mask's width): a batch padded to its longest sample runs as
+  one padded to max_seq_length.
 - the 2-D padding mask, which rides along as BERT's does; each attention unit expands it
   to DeBERTa's (batch, 1, seq, seq) mask as DebertaV2Encoder.get_attention_mask does.
 The ConvLayer of DeBERTa-v2-xlarge/xxlarge (conv_kernel_size > 0) mixes the embedding
@@ -34,7 +36,10 @@ from pipetransformer.models.registry import ModelAdapter, register_adapter
 from pipetransformer.models.text_models import check_fits, text_spec, text_task
 
 
-def _split(x: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _split(x: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the tokens' hidden state, the table's copy) of a hidden state; the batch's length is
+    the mask's."""
+    seq = attention_mask.shape[1]
     return x[:, :seq], x[:, seq:]
 
 
@@ -66,17 +71,16 @@ class DebertaEmbedding(nn.Module):
 class DebertaAttention(nn.Module):
     """Disentangled self-attention + output dense/dropout/LayerNorm with the residual."""
 
-    def __init__(self, layer: nn.Module, encoder: nn.Module, seq: int) -> None:
+    def __init__(self, layer: nn.Module, encoder: nn.Module) -> None:
         super().__init__()
         self.attention = layer.attention
-        self.seq = seq
         self.relative_attention = encoder.relative_attention
         if self.relative_attention:
             self.position_buckets = encoder.position_buckets
             self.max_relative_positions = encoder.max_relative_positions
 
     def forward(self, x, attention_mask):
-        hidden, tail = _split(x, self.seq)
+        hidden, tail = _split(x, attention_mask)
         mask = attention_mask.unsqueeze(1).unsqueeze(2)
         mask = mask * mask.squeeze(-2).unsqueeze(-1)  # DebertaV2Encoder.get_attention_mask
         relative_pos, table = None, None
@@ -95,14 +99,13 @@ class DebertaAttention(nn.Module):
 class DebertaMlp(nn.Module):
     """Intermediate dense + activation, output dense/dropout/LayerNorm with the residual."""
 
-    def __init__(self, layer: nn.Module, seq: int) -> None:
+    def __init__(self, layer: nn.Module) -> None:
         super().__init__()
         self.intermediate = layer.intermediate
         self.output = layer.output
-        self.seq = seq
 
     def forward(self, x, attention_mask):
-        hidden, tail = _split(x, self.seq)
+        hidden, tail = _split(x, attention_mask)
         output = self.output(self.intermediate(hidden), hidden)
         return torch.cat([output, tail], dim=1), attention_mask
 
@@ -110,23 +113,21 @@ class DebertaMlp(nn.Module):
 class DebertaClassificationHead(nn.Module):
     """ContextPooler (first token, dropout, dense, activation), dropout, classifier."""
 
-    def __init__(self, model: nn.Module, seq: int) -> None:
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.pooler, self.dropout, self.classifier = model.pooler, model.dropout, model.classifier
-        self.seq = seq
 
     def forward(self, x, attention_mask):
-        return self.classifier(self.dropout(self.pooler(x[:, : self.seq])))
+        return self.classifier(self.dropout(self.pooler(_split(x, attention_mask)[0])))
 
 
 class DebertaQuestionAnsweringHead(nn.Module):
-    def __init__(self, qa_outputs: nn.Module, seq: int) -> None:
+    def __init__(self, qa_outputs: nn.Module) -> None:
         super().__init__()
         self.qa_outputs = qa_outputs
-        self.seq = seq
 
     def forward(self, x, attention_mask):
-        return self.qa_outputs(x[:, : self.seq])
+        return self.qa_outputs(_split(x, attention_mask)[0])
 
 
 def layered_deberta(model: nn.Module, max_seq_length: int | None) -> LayeredModel:
@@ -146,11 +147,11 @@ def layered_deberta(model: nn.Module, max_seq_length: int | None) -> LayeredMode
     seq = max_seq_length
     units: list[nn.Module] = [DebertaEmbedding(deberta)]
     for layer in encoder.layer:
-        units += [DebertaAttention(layer, encoder, seq), DebertaMlp(layer, seq)]
+        units += [DebertaAttention(layer, encoder), DebertaMlp(layer)]
     if task == "question_answering":
-        units.append(DebertaQuestionAnsweringHead(model.qa_outputs, seq))
+        units.append(DebertaQuestionAnsweringHead(model.qa_outputs))
     else:
-        units.append(DebertaClassificationHead(model, seq))
+        units.append(DebertaClassificationHead(model))
     span = encoder.rel_embeddings.num_embeddings if encoder.relative_attention else 0
     spec = text_spec(
         family="deberta-v2",

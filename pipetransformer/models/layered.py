@@ -17,6 +17,7 @@ Must not: know any concrete architecture (the adapters registered in registry.py
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,10 +39,19 @@ __all__ = ["attention_unit", "layer_of_unit", "mlp_unit", "prefix_end"]
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Shape (without the batch dimension) and dtype of one tensor in a batch."""
+    """Shape (without the batch dimension) and dtype of one tensor in a batch. `sequence`:
+    its first dimension holds the text's tokens (max_seq_length of them, then any rows that
+    do not depend on the length, as DeBERTa's table), so it follows the batch's length."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    sequence: bool = False
+
+    def at_length(self, length: int, max_length: int) -> TensorSpec:
+        """This spec for a batch padded to `length` tokens instead of `max_length`."""
+        if not self.sequence:
+            return self
+        return TensorSpec((self.shape[0] - max_length + length, *self.shape[1:]), self.dtype, True)
 
     def example(self, batch_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.zeros((batch_size, *self.shape), dtype=self.dtype, device=device)
@@ -65,6 +75,24 @@ class ModelSpec:
     input_specs: tuple[TensorSpec, ...]
     activation_specs: tuple[TensorSpec, ...]
     output_spec: TensorSpec
+    # Text: the tokens the specs are sized for (data.max_seq_length); None: no sequence.
+    max_seq_length: int | None = None
+
+    def at_length(self, length: int | None) -> ModelSpec:
+        """The spec of a batch padded to `length` tokens (itself for None or no sequence)."""
+        if length is None or self.max_seq_length is None or length == self.max_seq_length:
+            return self
+
+        def resized(specs: Sequence[TensorSpec]) -> tuple[TensorSpec, ...]:
+            return tuple(s.at_length(length, self.max_seq_length) for s in specs)
+
+        return dataclasses.replace(
+            self,
+            input_specs=resized(self.input_specs),
+            activation_specs=resized(self.activation_specs),
+            output_spec=self.output_spec.at_length(length, self.max_seq_length),
+            max_seq_length=length,
+        )
 
     @property
     def num_units(self) -> int:

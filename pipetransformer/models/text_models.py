@@ -285,14 +285,17 @@ def text_spec(
 ) -> ModelSpec:
     """The spec of a text model: inputs (input_ids, token_type_ids, attention_mask), each
     (seq,) int64; activations (hidden (hidden_tokens, hidden_size) float32, the mask, then
-    `extra_activations`); output (num_labels,) or, for question answering, (seq, 2)."""
-    tokens = TensorSpec((max_seq_length,), torch.long)
+    `extra_activations`); output (num_labels,) or, for question answering, (seq, 2). Every
+    spec with a sequence dimension follows a batch's length (`ModelSpec.at_length`)."""
+    tokens = TensorSpec((max_seq_length,), torch.long, sequence=True)
     if task == "question_answering":
-        output = TensorSpec((max_seq_length, 2), torch.float32)
+        output = TensorSpec((max_seq_length, 2), torch.float32, sequence=True)
     else:
         output = TensorSpec((num_labels,), torch.float32)
     num_layers = (len(units) - 2) // 2
-    hidden = TensorSpec((hidden_tokens or max_seq_length, hidden_size), torch.float32)
+    hidden = TensorSpec(
+        (hidden_tokens or max_seq_length, hidden_size), torch.float32, sequence=True
+    )
     return ModelSpec(
         family=family,
         task=task,
@@ -302,6 +305,7 @@ def text_spec(
         input_specs=(tokens, tokens, tokens),
         activation_specs=(hidden, tokens, *extra_activations),
         output_spec=output,
+        max_seq_length=max_seq_length,
     )
 
 
@@ -347,8 +351,9 @@ def export_text_model(model: LayeredModel, out_dir: Path, info: ExportInfo) -> l
                 tokenizer.pad_token_id,
                 config.pad_token_id,
             )
-        # The run truncated (and padded) every text to max_seq_length tokens: the saved
-        # tokenizer truncates there too (`truncation=True`), and says so in its config.
+        # The run truncated every text to max_seq_length tokens (and padded each batch to
+        # its longest, or to max_seq_length): the saved tokenizer truncates there too
+        # (`truncation=True`), and says so in its config.
         tokenizer.model_max_length = model.spec.input_specs[0].shape[0]
         tokenizer.save_pretrained(str(out_dir))
     else:

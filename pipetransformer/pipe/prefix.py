@@ -10,7 +10,10 @@ one of:
 
 so no sample runs through a frozen layer twice. Frozen units run in eval mode without
 autograd (no dropout: the output is a pure function of the input, which is what makes a
-cached value valid).
+cached value valid). Text runs at the batch's padded length: the store keeps each sample's
+real rows and pads a read to that length with zeros (autocache/layout.py), where a
+recomputed row holds what the prefix made of the padding tokens; no real token's output
+depends on either (attention masks every padding key), so the step computes the same.
 
 Owns: that decision and the computation for one batch. Must not: decide whether caching
 is on (the trainer's profiler does), own the store (the AutoCache daemon does).
@@ -18,6 +21,7 @@ is on (the trainer's profiler does), own the store (the AutoCache daemon does).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -44,17 +48,18 @@ def _run(
 class _Staging:
     """Host buffers for one split's cached rows, reused every step: pinned on a GPU (so the
     copy to the device is asynchronous), two of them in turn, each reused only once the
-    device has finished copying out of it."""
+    device has finished copying out of it. Sized for the largest batch at full length,
+    viewed at the shapes of each batch's length."""
 
-    def __init__(self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]], device) -> None:
-        self.specs = specs
+    def __init__(self, fields: Sequence, device) -> None:
+        self.fields = fields  # autocache FieldLayouts
         self.on_cuda = device.type == "cuda"
         self.rows = 0
         self.buffers: list[tuple[torch.Tensor, ...]] = []
         self.copied: list[object | None] = [None, None]  # per buffer: the copy's CUDA event
         self.turn = 0
 
-    def take(self, rows: int) -> tuple[torch.Tensor, ...]:
+    def take(self, rows: int, length: int) -> tuple[torch.Tensor, ...]:
         if rows > self.rows:
             self.rows = rows
             self.buffers = [self._allocate(rows) for _ in range(2)]
@@ -62,12 +67,18 @@ class _Staging:
         self.turn = 1 - self.turn
         if self.copied[self.turn] is not None:
             self.copied[self.turn].synchronize()  # long done: it was two steps ago
-        return tuple(t[:rows] for t in self.buffers[self.turn])
+        views = []
+        for field, flat in zip(self.fields, self.buffers[self.turn]):
+            shape = field.shape_at(length)
+            views.append(flat[: rows * math.prod(shape)].view(rows, *shape))
+        return tuple(views)
 
     def _allocate(self, rows: int) -> tuple[torch.Tensor, ...]:
         return tuple(
-            torch.empty((rows, *shape), dtype=dtype, pin_memory=self.on_cuda)
-            for shape, dtype in self.specs
+            torch.empty(
+                rows * field.numel, dtype=torch_dtype(field.stored_dtype), pin_memory=self.on_cuda
+            )
+            for field in self.fields
         )
 
     def sent(self) -> None:
@@ -117,8 +128,8 @@ class CachedPrefix:
         load_inputs: Callable[[str, Sequence[int]], Sequence[torch.Tensor]] | None = None,
         defer_writes: bool | None = None,
     ) -> None:
-        """`load_inputs(split, ids)`: the inputs of a batch on the device, for a batch the
-        loader did not decode (every sample was cached when it was asked) that needs them.
+        """`load_inputs(split, ids, seq_length)`: the inputs of a batch on the device, for a
+        batch the loader did not decode (every sample was cached when it was asked) that needs them.
         `defer_writes` (default: on a GPU) writes a call's computed rows at the next call or
         `flush()`, once their copy to the host is done, instead of waiting for it: another
         replica of the node may then compute a sample of the step just before once more
@@ -142,17 +153,19 @@ class CachedPrefix:
             write.write(self.client, self.num_frozen_layers)
 
     def _read_to_device(
-        self, split: str, unique_ids: np.ndarray
+        self, split: str, unique_ids: np.ndarray, length: int
     ) -> tuple[np.ndarray, tuple[torch.Tensor, ...] | None]:
         """Tags of `unique_ids`, and (when any is cached) their stored rows on the device in
-        float32 (read in the stored dtype, converted on the device)."""
+        float32 padded to `length` tokens (read in the stored dtype, converted on the
+        device)."""
         staging = self._staging.get(split)
         if staging is None:
-            layout = self.client.layout(split)
-            specs = [(f.shape, torch_dtype(f.stored_dtype)) for f in layout.fields]
-            staging = self._staging[split] = _Staging(specs, self.device)
-        buffers = staging.take(unique_ids.size)
-        tags, cached = self.client.read(split, unique_ids, out=buffers, as_stored=True)
+            fields = self.client.layout(split).fields
+            staging = self._staging[split] = _Staging(fields, self.device)
+        buffers = staging.take(unique_ids.size, length)
+        tags, cached = self.client.read(
+            split, unique_ids, out=buffers, as_stored=True, length=length
+        )
         if not (tags >= 1).any():
             return tags, None
         on_device = tuple(t.to(self.device, non_blocking=True) for t in cached)
@@ -160,15 +173,29 @@ class CachedPrefix:
         return tags, tuple(t.float() if t.is_floating_point() else t for t in on_device)
 
     def __call__(
-        self, split: str, ids: Sequence[int], inputs: Sequence[torch.Tensor] | None
+        self,
+        split: str,
+        ids: Sequence[int],
+        inputs: Sequence[torch.Tensor] | None,
+        seq_length: int | None = None,
     ) -> tuple[torch.Tensor, ...]:
+        """The prefix's output for the batch `ids` of `split` at `seq_length` tokens (text;
+        default the inputs' width, else the store's longest of `ids`)."""
         self.flush()  # the previous batch's rows: copied to the host by now
         ids_array = np.asarray(ids, dtype=np.int64)
         # Shape padding repeats samples: look each id up once, then scatter back.
         unique_ids, first_index, inverse = np.unique(
             ids_array, return_index=True, return_inverse=True
         )
-        tags, cached = self._read_to_device(split, unique_ids)
+        layout = self.client.layout(split)
+        if seq_length is None and layout.lengths is not None:
+            seq_length = (
+                inputs[-1].shape[1]
+                if inputs is not None
+                else max(layout.lengths[i] for i in unique_ids.tolist())
+            )
+        length = seq_length if seq_length is not None else layout.max_length or 0
+        tags, cached = self._read_to_device(split, unique_ids, length)
         frozen = self.num_frozen_layers
         hit = tags == frozen
         upgrade = (tags >= 1) & (tags < frozen)
@@ -189,7 +216,7 @@ class CachedPrefix:
             computed.append((rows, _run(self.units, prefix_end(int(tag)), self.end, start)))
         if miss.any():
             if inputs is None:
-                inputs = self.load_inputs(split, ids)
+                inputs = self.load_inputs(split, ids, seq_length)
             rows = np.flatnonzero(miss)
             positions = to_device(torch.from_numpy(first_index[rows]), inputs[0].device)
             computed.append(
@@ -199,7 +226,7 @@ class CachedPrefix:
 
         if computed:
             written_rows = np.concatenate([rows for rows, _ in computed])
-            stored = [torch_dtype(f.stored_dtype) for f in self.client.layout(split).fields]
+            stored = [torch_dtype(f.stored_dtype) for f in layout.fields]
             written = tuple(
                 torch.cat([values[i] for _, values in computed]).to(dtype)
                 for i, dtype in enumerate(stored)

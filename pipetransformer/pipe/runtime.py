@@ -1,9 +1,20 @@
 """Pipeline execution for one rank in one layout, over torch.distributed.pipelining.
 
 Owns: the stage module (a UnitSequence of this stage's units), its DDP wrapper over the
-data group (active parameters only), the PipelineStage with declared shapes, the schedule,
-and the frozen prefix that the first stage runs as input preprocessing.
-Must not: create process groups, choose layouts, or move state between ranks.
+data group (active parameters only), the PipelineStage with declared shapes and the
+schedule for each sequence length a step brings, and the frozen prefix that the first
+stage runs as input preprocessing.
+Must not: create process groups, choose layouts or a batch's length (trainer/step.py does,
+from the sample ids: every stage of a replica computes the same), or move state between
+ranks.
+
+Text of several lengths: a PipelineStage's receive buffers are sized from its declared
+shapes the first time it runs, and a step of another shape fails (PYTORCH_NOTES.md). So a
+pipeline of K > 1 stages keeps one PipelineStage and schedule per sequence length it has
+met, built the first time a step brings that length (`PipelineSchedules`, around the same
+DDP-wrapped module): the trainer rounds a text batch's length up to one of a few buckets
+(utils/padding.py) for such layouts, every micro-batch of a step in its replica batch's
+bucket. A one-stage layout (OneStageSchedule) and a sharded one take any length.
 
 Facts this rests on (measured on torch 2.14; re-check them on another release): shapes are
 declared, because DDP with inferred shapes crashes; the stage module handed to
@@ -15,6 +26,7 @@ one stage needs none of the pipelining machinery: `OneStageSchedule` runs it as 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,7 +38,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.nn.parallel import DistributedDataParallel
 
 from pipetransformer.autopipe.planner import PipelinePlan
-from pipetransformer.models.layered import ModelSpec, TensorSpec, UnitSequence
+from pipetransformer.models.layered import ModelSpec, UnitSequence
 from pipetransformer.pipe.timing import IntervalTimer
 
 logger = logging.getLogger(__name__)
@@ -150,7 +162,66 @@ def boundary_specs(specs, dtype: torch.dtype | None):
     """Specs of what crosses a stage boundary: floating tensors in `dtype` when given."""
     if dtype is None:
         return specs
-    return tuple(TensorSpec(s.shape, dtype) if s.dtype.is_floating_point else s for s in specs)
+    return tuple(
+        dataclasses.replace(s, dtype=dtype) if s.dtype.is_floating_point else s for s in specs
+    )
+
+
+@dataclass
+class PipelineSchedules:
+    """What `schedule_for(seq_length)` needs: one rank's stage of a K-stage pipeline (K > 1),
+    its shapes following the model spec at a given length."""
+
+    wrapped: nn.Module
+    stage_index: int
+    pipe_len: int
+    unit_range: tuple[int, int]
+    frozen_end: int
+    spec: ModelSpec
+    micro_batch_size: int
+    num_micro_batches: int
+    schedule_name: str
+    loss_fn: LossFn
+    pipeline_group: dist.ProcessGroup
+    device: torch.device
+    autocast_dtype: torch.dtype | None = None
+
+    def schedule_for(self, seq_length: int | None) -> object:
+        """A PipelineStage with the shapes of a batch of `seq_length` tokens (the spec's
+        own for None) and its schedule: the stage and schedule for shape S, in one place
+        (a rank with several stages builds them all here)."""
+        spec = self.spec.at_length(seq_length)
+        start, end = self.unit_range
+        is_last = self.stage_index == self.pipe_len - 1
+        # The hidden state carries gradients into a stage when a trained unit precedes it.
+        input_specs = spec.unit_input_specs(start)
+        input_args = _examples(
+            boundary_specs(input_specs, self.autocast_dtype)
+            if self.stage_index > 0
+            else input_specs,
+            self.micro_batch_size,
+            self.device,
+            grad_first=self.stage_index > 0 and self.frozen_end < start,
+        )
+        output_specs = spec.unit_output_specs(end - 1)
+        output_args = _examples(
+            output_specs if is_last else boundary_specs(output_specs, self.autocast_dtype),
+            self.micro_batch_size,
+            self.device,
+            grad_first=self.frozen_end < end,
+        )
+        stage = PipelineStage(
+            self.wrapped,
+            self.stage_index,
+            self.pipe_len,
+            self.device,
+            input_args=input_args,
+            output_args=output_args,
+            group=self.pipeline_group,
+        )
+        return SCHEDULES[self.schedule_name](
+            stage, n_microbatches=self.num_micro_batches, loss_fn=self.loss_fn, scale_grads=False
+        )
 
 
 @dataclass
@@ -160,17 +231,16 @@ class StageRuntime:
     module: UnitSequence
     wrapped: nn.Module
     device: torch.device
-    stage: PipelineStage | None  # None for one stage (OneStageSchedule)
-    schedule: object
+    # One stage: the OneStageSchedule every length runs; else how to build one per length.
+    schedules: OneStageSchedule | PipelineSchedules
     preprocess: UnitSequence | None
     micro_batch_size: int
     num_micro_batches: int
     comm_timer: CommTimer | None = None
     autocast_dtype: torch.dtype | None = None
-    # (split, sample ids, inputs) -> the frozen prefix's output, served from AutoCache.
-    cached_prefix: (
-        Callable[[str, Sequence[int], Sequence[torch.Tensor]], tuple[torch.Tensor, ...]] | None
-    ) = None
+    # (split, sample ids, inputs, sequence length) -> the frozen prefix's output, served
+    # from AutoCache.
+    cached_prefix: Callable[..., tuple[torch.Tensor, ...]] | None = None
 
     @property
     def is_first(self) -> bool:
@@ -182,6 +252,23 @@ class StageRuntime:
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
+
+    def schedule(self, seq_length: int | None = None) -> object:
+        """The schedule of a step whose batch is `seq_length` tokens long (built the first
+        time that length is met: module docstring)."""
+        if isinstance(self.schedules, OneStageSchedule):
+            return self.schedules
+        if seq_length not in self._built:
+            self._built[seq_length] = self.schedules.schedule_for(seq_length)
+        return self._built[seq_length]
+
+    @property
+    def seq_lengths_built(self) -> list[int | None]:
+        """The sequence lengths this rank's pipeline stage has been built for."""
+        return list(self._built)
+
+    def __post_init__(self) -> None:
+        self._built: dict[int | None, object] = {}
 
     def _autocast(self):
         """One autocast region for a whole step: autocast caches the low-precision copy of
@@ -199,22 +286,25 @@ class StageRuntime:
         inputs: Sequence[torch.Tensor] | None,
         target: torch.Tensor | None,
         ids: Sequence[int] | None = None,
+        seq_length: int | None = None,
     ) -> list[torch.Tensor]:
-        """One optimizer step's forward and backward; returns the last stage's micro-batch
-        losses."""
+        """One optimizer step's forward and backward of a batch of `seq_length` tokens (every
+        stage is told: only the first holds the inputs); returns the last stage's
+        micro-batch losses."""
         if not self.module.training:  # an evaluation switched it (a walk of every module)
             self.module.train()
         losses: list[torch.Tensor] = []
+        schedule = self.schedule(seq_length)
         if self.is_first:
-            activations = self.run_prefix(inputs, ids, "train")
+            activations = self.run_prefix(inputs, ids, "train", seq_length)
             with self._autocast():
-                self.schedule.step(*activations, target=target, losses=losses, return_outputs=False)
+                schedule.step(*activations, target=target, losses=losses, return_outputs=False)
             return losses
         with self._autocast():
             if self.is_last:
-                self.schedule.step(target=target, losses=losses, return_outputs=False)
+                schedule.step(target=target, losses=losses, return_outputs=False)
             else:
-                self.schedule.step()
+                schedule.step()
         return losses
 
     def eval_step(
@@ -222,32 +312,38 @@ class StageRuntime:
         inputs: Sequence[torch.Tensor] | None,
         target: torch.Tensor | None,
         ids: Sequence[int] | None = None,
+        seq_length: int | None = None,
     ) -> torch.Tensor | None:
         """Forward only; returns the merged outputs on the last stage. Without gradients:
         the schedule's forward-only step builds an autograd graph otherwise, which the
         stage keeps (activations and all) until the next training step."""
         self.module.eval()
+        schedule = self.schedule(seq_length)
         try:
             with torch.no_grad():
                 if self.is_first:
-                    activations = self.run_prefix(inputs, ids, "eval")
+                    activations = self.run_prefix(inputs, ids, "eval", seq_length)
                     with self._autocast():
-                        return self.schedule.eval(*activations, target=target)
+                        return schedule.eval(*activations, target=target)
                 with self._autocast():
                     if self.is_last:
-                        return self.schedule.eval(target=target)
-                    self.schedule.eval()
+                        return schedule.eval(target=target)
+                    schedule.eval()
                 return None
         finally:
             self.module.train()
 
     def run_prefix(
-        self, inputs: Sequence[torch.Tensor], ids: Sequence[int] | None = None, split: str = "train"
+        self,
+        inputs: Sequence[torch.Tensor] | None,
+        ids: Sequence[int] | None = None,
+        split: str = "train",
+        seq_length: int | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """The frozen prefix's output (computed, or served by AutoCache), in float32: what
         stage 0 takes in."""
         return prefix_output(
-            self.preprocess, self.cached_prefix, self._autocast(), inputs, ids, split
+            self.preprocess, self.cached_prefix, self._autocast(), inputs, ids, split, seq_length
         )
 
 
@@ -255,19 +351,21 @@ def prefix_output(
     preprocess: UnitSequence | None,
     cached_prefix: Callable | None,
     autocast,
-    inputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor] | None,
     ids: Sequence[int] | None,
     split: str,
+    seq_length: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """The frozen prefix's output for `inputs` (samples `ids` of `split`): read from AutoCache
-    when `cached_prefix` serves, computed without autograd otherwise (under `autocast`, the
-    step's region), in float32; the inputs themselves when nothing is frozen. Shared by the
-    pipeline's first stage and the sharded layout's every rank (fsdp/runtime.py)."""
+    """The frozen prefix's output for `inputs` (samples `ids` of `split`, a batch of
+    `seq_length` tokens): read from AutoCache when `cached_prefix` serves, computed without
+    autograd otherwise (under `autocast`, the step's region), in float32; the inputs
+    themselves when nothing is frozen. Shared by the pipeline's first stage and the sharded
+    layout's every rank (fsdp/runtime.py)."""
     if preprocess is None:
         return tuple(inputs)
     with autocast:
         if cached_prefix is not None and ids is not None:
-            out = cached_prefix(split, ids, inputs)
+            out = cached_prefix(split, ids, inputs, seq_length)
         else:
             with torch.no_grad():
                 out = preprocess(*inputs)
@@ -331,35 +429,22 @@ def build_stage_runtime(
             hook = CommTimer(comm_timer)
             wrapped.register_comm_hook(data_group, hook.hook)
     if plan.pipe_len == 1:
-        stage = None
-        schedule = OneStageSchedule(wrapped, num_micro_batches, loss_fn)
+        schedules = OneStageSchedule(wrapped, num_micro_batches, loss_fn)
     else:
-        # The hidden state carries gradients into a stage when a trained unit precedes it.
-        input_specs = spec.unit_input_specs(start)
-        input_args = _examples(
-            boundary_specs(input_specs, autocast_dtype) if stage_index > 0 else input_specs,
-            micro,
-            device,
-            grad_first=stage_index > 0 and frozen_end < start,
-        )
-        output_specs = spec.unit_output_specs(end - 1)
-        output_args = _examples(
-            output_specs if is_last else boundary_specs(output_specs, autocast_dtype),
-            micro,
-            device,
-            grad_first=frozen_end < end,
-        )
-        stage = PipelineStage(
-            wrapped,
-            stage_index,
-            plan.pipe_len,
-            device,
-            input_args=input_args,
-            output_args=output_args,
-            group=pipeline_group,
-        )
-        schedule = SCHEDULES[schedule_name](
-            stage, n_microbatches=num_micro_batches, loss_fn=loss_fn, scale_grads=False
+        schedules = PipelineSchedules(
+            wrapped=wrapped,
+            stage_index=stage_index,
+            pipe_len=plan.pipe_len,
+            unit_range=(start, end),
+            frozen_end=frozen_end,
+            spec=spec,
+            micro_batch_size=micro,
+            num_micro_batches=num_micro_batches,
+            schedule_name=schedule_name,
+            loss_fn=loss_fn,
+            pipeline_group=pipeline_group,
+            device=device,
+            autocast_dtype=autocast_dtype,
         )
     return StageRuntime(
         stage_index,
@@ -367,8 +452,7 @@ def build_stage_runtime(
         module,
         wrapped,
         device,
-        stage,
-        schedule,
+        schedules,
         preprocess,
         micro,
         num_micro_batches,

@@ -44,6 +44,7 @@ from pipetransformer.autopipe.planner import (
 )
 from pipetransformer.autopipe.profiles import UnitProfile, unit_costs_from_profile
 from pipetransformer.config import (
+    TEXT_DATASETS,
     Config,
     ConfigError,
     World,
@@ -56,6 +57,7 @@ from pipetransformer.config import (
 from pipetransformer.data.checks import data_facts
 from pipetransformer.freeze import check_freeze_config
 from pipetransformer.models import ModelSpec, build_model
+from pipetransformer.utils.padding import bucket_buffer_share
 from pipetransformer.utils.units import prefix_end
 
 # What a GPU holds besides the tensors the memory model counts (its predictions are
@@ -208,7 +210,16 @@ def _layout_shape(
     m = choose_num_micro_batches(
         pipeline.num_micro_batches, pipe_len, replica_batch, pipeline.schedule
     )
-    return LayoutShape(replica_batch // m, m, dp, pipeline.schedule)
+    return LayoutShape(replica_batch // m, m, dp, pipeline.schedule, receive_buffer_share(config))
+
+
+def receive_buffer_share(config: Config) -> float:
+    """A pipeline stage's receive buffers over the max-length ones: text padded per batch
+    keeps a set for each length bucket (pipe/runtime.py); 1 otherwise."""
+    data = config.data
+    if data.name not in TEXT_DATASETS or data.padding != "batch":
+        return 1.0
+    return bucket_buffer_share(data.pad_to_multiple_of, data.max_seq_length)
 
 
 def sharded_shape(config: Config, world_size: int, num_micro_batches: int = 1) -> LayoutShape:

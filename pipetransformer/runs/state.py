@@ -86,11 +86,12 @@ class RunState:
     # Decisions so far by what set the layer count (freeze.FreezeOutcome.decided_by).
     decided_by: dict[str, int] = field(default_factory=dict)
     # The epoch in progress, so far: sum of per-sample losses over all replicas, seconds of
-    # training, of transitions and of DDP communication.
+    # training, of transitions and of DDP communication, tokens computed (text).
     epoch_loss_sum: float = 0.0
     epoch_train_s: float = 0.0
     epoch_transition_s: float = 0.0
     epoch_comm_s: float = 0.0
+    epoch_padded_tokens: int = 0
     last_eval_metric: float | None = None
     best_eval_metric: float | None = None
     num_transitions: int = 0

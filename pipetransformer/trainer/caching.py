@@ -5,7 +5,11 @@ of the node (if they all die, SIGKILL included, the daemon removes the store); e
 attaches a client. Whether the cache serves the frozen prefix at boundary F is decided by
 measurement, identically on every rank: a cache read of a batch (timed here, averaged
 over ranks) against recomputing the prefix (the measured no-grad forward times of its
-units). The paper found recomputation faster while few layers are frozen.
+units). The paper found recomputation faster while few layers are frozen. Text is stored
+at each sample's real length (so the memory budget holds more of it, and a read moves
+only real rows), and the prefix recomputes a batch at its padded length: the recompute
+side scales the units' times, measured at max_seq_length, by the run's mean padded length
+over max_seq_length (`length_share`); the read is timed on stored samples as they are.
 """
 
 from __future__ import annotations
@@ -76,7 +80,10 @@ class RunCache:
         if world.rank == node_ranks[0]:
             specs = list(spec.activation_specs)
             self.daemon = CacheDaemon.start(
-                splits={"train": (len(data.train), specs), "eval": (len(data.eval), specs)},
+                splits={
+                    name: (len(split), specs, split.lengths, spec.max_seq_length)
+                    for name, split in (("train", data.train), ("eval", data.eval))
+                },
                 memory_budget_bytes=config.cache.memory_budget_bytes or default_memory_budget(),
                 disk_dir=config.cache.dir,
                 storage_dtype=config.cache_dtype,
@@ -135,12 +142,20 @@ class RunCache:
         self.client.reset_stats()
         return self.control.sum(statistics.median(times) / rows) / self.world.world_size
 
-    def profitable(self, num_frozen_layers: int, costs: UnitCosts, micro_batch_size: int) -> bool:
+    def profitable(
+        self,
+        num_frozen_layers: int,
+        costs: UnitCosts,
+        micro_batch_size: int,
+        length_share: float = 1.0,
+    ) -> bool:
         """Does reading beat recomputing the frozen prefix? (`costs` measured, in seconds
-        per micro-batch of `micro_batch_size`.)"""
+        per micro-batch of `micro_batch_size` at max_seq_length; `length_share`: the mean
+        padded length of the run's batches over max_seq_length, 1 for images.)"""
         if num_frozen_layers == 0 or not self.config.cache.profile:
             return num_frozen_layers > 0
-        recompute = sum(costs.frozen[: prefix_end(num_frozen_layers)]) / micro_batch_size
+        frozen = sum(costs.frozen[: prefix_end(num_frozen_layers)])
+        recompute = frozen * length_share / micro_batch_size
         decision = self.read_s_per_sample < recompute
         if self._said.get(num_frozen_layers) == decision:
             return decision  # asked again for the same boundary: said once

@@ -1,5 +1,8 @@
 """Evaluation: when it is due, and a forward pass over the whole eval set, split over every
-replica of the current layout, scored the same on every rank.
+replica of the current layout, scored the same on every rank. Text batches run at their
+padded length (a bucket in a pipeline of several stages), as training batches do
+(trainer/step.py); with data.group_by_length the eval set goes longest first, so each batch
+holds samples of similar length.
 
 Owns: `Evaluator` (its cadence, the pass, the run's last and best metric). Must not: know
 how a task scores (trainer/tasks.py, trainer/qa.py do) or write records.
@@ -22,7 +25,7 @@ from pipetransformer.runs.state import RunState
 from pipetransformer.trainer.caching import RunCache
 from pipetransformer.trainer.clock import Tick
 from pipetransformer.trainer.distributed import WorldInfo
-from pipetransformer.trainer.step import Stage
+from pipetransformer.trainer.step import Stage, step_seq_length
 
 
 class Evaluator:
@@ -75,25 +78,32 @@ class Evaluator:
         if role is not None:
             # The training batch of this layout (it grows with R under batch_per_replica).
             replica_batch = self.config.trainer.replica_batch_size(layout.dp_degree)
-            sampler = EvalSampler(len(self.data.eval), replica_batch * layout.dp_degree)
+            dataset = self.data.eval
+            grouped = self.config.data.group_by_length and dataset.lengths is not None
+            sampler = EvalSampler(
+                len(dataset), replica_batch * layout.dp_degree, dataset.lengths if grouped else None
+            )
             batches = [
                 sampler.replica_batch(role.replica, layout.dp_degree, s)
                 for s in range(sampler.steps)
             ]
+            seq_lengths = [step_seq_length(self.config, layout, dataset, b.ids) for b in batches]
             loader = None
             if role.is_first:
-                loader = self._loader.start([b.ids for b in batches])
+                loader = self._loader.start([b.ids for b in batches], lengths=seq_lengths)
                 if stage.cache_active:
                     self.cache.client.prefetch("eval", [i for b in batches for i in b.ids])
-            for batch in batches:
-                inputs = target = labels = None
+            for batch, seq_length in zip(batches, seq_lengths):
+                inputs = target = labels = lengths = None
                 if role.is_first:
                     inputs = [to_device(t, device) for t in next(loader)]
                 if role.is_last:
-                    labels = self.data.eval.targets(batch.ids)
-                    target = self.task.make_target(labels, torch.zeros(len(batch.ids)))
+                    labels = dataset.targets(batch.ids)
+                    if dataset.lengths is not None:
+                        lengths = [dataset.lengths[i] for i in batch.ids]
+                    target = self.task.make_target(labels, torch.zeros(len(batch.ids)), lengths)
                     target = to_device(target, device)
-                outputs = stage.runtime.eval_step(inputs, target, batch.ids)
+                outputs = stage.runtime.eval_step(inputs, target, batch.ids, seq_length)
                 if role.is_last:
-                    accumulator.add(outputs.detach(), batch.ids, batch.valid, labels)
+                    accumulator.add(outputs.detach(), batch.ids, batch.valid, labels, lengths)
         return accumulator.reduce(self.control)

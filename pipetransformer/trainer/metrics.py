@@ -48,6 +48,7 @@ class StepResult:
     unit_grad_sq: (
         torch.Tensor | None
     )  # per unit, squared norm of the gradients applied, on the device
+    padded_tokens: int = 0  # tokens the global step computed (text; every rank counts them)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class MetricsTracker:
         num_units: int,
         num_train_samples: int,
         device: torch.device,
+        num_train_tokens: int = 0,
         log_interval_steps: int,
         carried: RunState,
     ) -> None:
@@ -77,6 +79,7 @@ class MetricsTracker:
         self.num_layers = num_layers
         self.num_units = num_units
         self.num_train_samples = num_train_samples
+        self.num_train_tokens = num_train_tokens  # real tokens of an epoch (text)
         self.device = device
         self.log_interval_steps = log_interval_steps
         # Device time, read only where the counters are (decisions, epoch ends): a step's
@@ -96,9 +99,11 @@ class MetricsTracker:
         grad_sq = carried.interval_grad_sq
         self._carried_grad_sq = list(grad_sq) if len(grad_sq) == num_units else [0.0] * num_units
         self._carried_steps = carried.interval_steps
+        self._epoch_padded_tokens = carried.epoch_padded_tokens
         carried.epoch_loss_sum = carried.epoch_train_s = carried.epoch_transition_s = (
             carried.epoch_comm_s
         ) = 0.0
+        carried.epoch_padded_tokens = 0
         carried.interval_grad_sq, carried.interval_steps = [], 0
 
     # ------------------------------------------------------------------ resets, one each
@@ -114,6 +119,7 @@ class MetricsTracker:
         self._epoch_excluded_s = 0.0
         self._epoch_transition_s = 0.0
         self._epoch_comm_s = 0.0
+        self._epoch_padded_tokens = 0  # every rank counts the global step's
         self._carried_epoch = (0.0, 0.0, 0.0, 0.0)
         self._bar_epoch: int | None = None
 
@@ -142,6 +148,7 @@ class MetricsTracker:
         if result.unit_grad_sq is not None:
             self._grad_sq += result.unit_grad_sq
         self._log_samples += result.samples
+        self._epoch_padded_tokens += result.padded_tokens
         self._decision_steps += 1
         self.step_timer.add(*result.marks)
         layout = result.layout
@@ -234,6 +241,8 @@ class MetricsTracker:
                 lr=lr,
                 cache_active=cache_active,
                 sharded=layout.sharded,
+                real_tokens=self.num_train_tokens,
+                padded_tokens=self._epoch_padded_tokens,
                 **dataclasses.asdict(cache),
             )
         )
@@ -293,6 +302,7 @@ class MetricsTracker:
             epoch_train_s=train,
             epoch_transition_s=transition,
             epoch_comm_s=comm,
+            epoch_padded_tokens=self._epoch_padded_tokens,
             interval_grad_sq=self._grad_squares(dp_degree),
             interval_steps=self.steps_since_decision,
         )

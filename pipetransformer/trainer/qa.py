@@ -1,7 +1,10 @@
 """The question-answering task: span targets, the span loss and SQuAD evaluation.
 
-Targets travel to the last stage as (start, end, weight) per feature, the weight as in
-`tasks.py` (so the update is the mean over the global batch's real features). Evaluation
+Targets travel to the last stage as (start, end, weight, real length) per feature, the
+weight as in `tasks.py` (so the update is the mean over the global batch's real features).
+Padding positions take no part in the span softmax: their logits are masked out of the
+loss, and out of the logits evaluation keeps, so a batch padded to its longest feature
+trains and scores exactly as one padded to max_seq_length (data.padding). Evaluation
 cannot be reduced by sums: a question's answer is chosen over all of its features, which
 the eval sampler spreads over replicas. So every last-stage rank keeps its features'
 logits, rank 0 of the control group gathers them all, post-processes and scores the whole
@@ -30,6 +33,16 @@ from pipetransformer.runs.records import EvalResult
 logger = logging.getLogger(__name__)
 
 EXTRAS_KEYS = ("feature_example_index", "feature_offsets", "examples")
+# The logit a padding position gets: no span starts or ends there.
+MASKED_LOGIT = torch.finfo(torch.float32).min
+
+
+def mask_padding(logits: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """(n, seq, 2) float32 span logits with every position at or past its feature's real
+    length set to MASKED_LOGIT."""
+    positions = torch.arange(logits.shape[1], device=logits.device)
+    padding = positions[None, :] >= lengths.to(logits.device)[:, None]
+    return logits.masked_fill(padding.unsqueeze(-1), MASKED_LOGIT)
 
 
 class QuestionAnsweringAccumulator:
@@ -44,6 +57,8 @@ class QuestionAnsweringAccumulator:
                 f"question answering evaluation needs eval_extras {missing} (from data.squad)"
             )
         self.extras = eval_extras
+        # Every feature's logits are kept at max_seq_length (its offsets' width).
+        self.max_length = np.asarray(eval_extras["feature_offsets"]).shape[1]
         self.n_best_size = n_best_size
         self.max_answer_length = max_answer_length
         self.feature_ids: list[int] = []
@@ -58,13 +73,22 @@ class QuestionAnsweringAccumulator:
         ids: Sequence[int],
         valid: Sequence[bool],
         targets: torch.Tensor | None = None,
+        lengths: Sequence[int] | None = None,
     ) -> None:
-        """Keep the (seq, 2) logits of the valid features in this batch (targets unused)."""
+        """Keep the (seq, 2) logits of the valid features in this batch, padding positions
+        masked (`lengths`: each feature's real length) and padded to max_seq_length
+        (targets unused)."""
         keep = [row for row, is_valid in enumerate(valid) if is_valid]
         if not keep:
             return
         rows = to_device(torch.tensor(keep, dtype=torch.long), logits.device)
-        self.logits.append(logits.detach()[rows].float())
+        kept = logits.detach()[rows].float()
+        if lengths is not None:
+            real = to_device(torch.tensor([lengths[row] for row in keep]), logits.device)
+            kept = mask_padding(kept, real)
+        if kept.shape[1] < self.max_length:
+            kept = F.pad(kept, (0, 0, 0, self.max_length - kept.shape[1]), value=MASKED_LOGIT)
+        self.logits.append(kept)
         self.feature_ids.extend(int(ids[row]) for row in keep)
 
     def reduce(self, control: Control) -> EvalResult:
@@ -129,15 +153,22 @@ class QuestionAnsweringTask:
     metric_name = "f1"
 
     @staticmethod
-    def make_target(positions: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """(n, 2) start/end token positions + (n,) weights -> (n, 3) float."""
-        return torch.cat([positions.float(), weights.float().unsqueeze(1)], dim=1)
+    def make_target(
+        positions: torch.Tensor, weights: torch.Tensor, lengths: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """(n, 2) start/end token positions + (n,) weights + the features' real lengths ->
+        (n, 4) float (without lengths, nothing is masked: every position counts)."""
+        if lengths is None:
+            lengths = [torch.iinfo(torch.int32).max] * positions.shape[0]
+        real = torch.tensor(list(lengths), dtype=torch.float32).unsqueeze(1)
+        return torch.cat([positions.float(), weights.float().unsqueeze(1), real], dim=1)
 
     @staticmethod
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Sum over features of weight * (start CE + end CE) / 2, as BertForQuestionAnswering
-        averages the two (its batch mean is the weight 1/batch)."""
-        logits = logits.float()
+        averages the two (its batch mean is the weight 1/batch), over the real positions
+        only (padding masked: module docstring)."""
+        logits = mask_padding(logits.float(), target[:, 3])
         start, end, weights = target[:, 0].long(), target[:, 1].long(), target[:, 2].float()
         start_loss = F.cross_entropy(logits[..., 0], start, reduction="none")
         end_loss = F.cross_entropy(logits[..., 1], end, reduction="none")

@@ -3,12 +3,16 @@ its share of the step's batch.
 
 `Stage` is what this rank runs in the current layout (units, optimizer, training groups,
 the pipeline runtime); a transition replaces it. `Batches` gives a rank its replica's
-inputs (first stage) and weighted targets (last stage) for any step of any layout, loading
-ahead with `data.num_workers` workers. `StepRunner.run` takes one step: data, learning
-rate, forward and backward through the schedule, gradient clipping over the pipeline's
-stages, the optimizer, and the per-step values the metrics count: the replica's loss and
-each unit's squared gradient norm (before or after clipping: `freeze.signal_gradients`),
-both left on the device (no host synchronisation).
+inputs (first stage), weighted targets (last stage) and, for text, the sequence length
+every stage of the replica runs the step at, for any step of any layout, loading ahead
+with `data.num_workers` workers. The length is the replica batch's padded length
+(data.padding), rounded up to a bucket in a pipeline of several stages (utils/padding.py):
+a function of the sample ids, so every rank of a replica computes the same without a word.
+`StepRunner.run` takes one step: data, learning rate, forward and backward through the
+schedule, gradient clipping over the pipeline's stages, the optimizer, and the per-step
+values the metrics count: the replica's loss and each unit's squared gradient norm (before
+or after clipping: `freeze.signal_gradients`), both left on the device (no host
+synchronisation), and the tokens the step computed.
 
 Owns: the step. Must not: decide anything about layouts, freezing or checkpoints.
 """
@@ -28,7 +32,7 @@ from pipetransformer.autodp.groups import TrainingGroups
 from pipetransformer.autodp.sampler import TrainSampler
 from pipetransformer.autodp.topology import Layout, Role
 from pipetransformer.config import Config
-from pipetransformer.data import DataBundle
+from pipetransformer.data import DataBundle, SampleDataset
 from pipetransformer.data.loader import BatchLoader
 from pipetransformer.fsdp import local
 from pipetransformer.models import unit_param_names
@@ -42,6 +46,63 @@ from pipetransformer.trainer.distributed import WorldInfo
 from pipetransformer.trainer.metrics import StepResult
 from pipetransformer.trainer.tasks import loss_weights
 from pipetransformer.utils.files import append_jsonl
+from pipetransformer.utils.padding import bucket_length
+
+
+def step_seq_length(
+    config: Config, layout: Layout, dataset: SampleDataset, ids: Sequence[int]
+) -> int | None:
+    """The sequence length a replica of `layout` runs the batch `ids` of `dataset` at (None
+    without a sequence): its padded length, in a bucket when the pipeline has several
+    stages (the stages' receive buffers are built per length: pipe/runtime.py)."""
+    length = dataset.batch_length(ids)
+    if length is None or layout.pipe_len == 1:
+        return length
+    return bucket_length(length, config.data.pad_to_multiple_of, config.data.max_seq_length)
+
+
+def train_sampler(config: Config, train: SampleDataset, num_nodes: int) -> TrainSampler:
+    """The run's sampler of the training split: the config's batch semantics and seed, and
+    with data.group_by_length the samples' lengths, grouped in batches of the config's
+    node batch (autodp/sampler.py)."""
+    per_replica = config.trainer.batch_per_replica
+    grouped = config.data.group_by_length and train.lengths is not None
+    return TrainSampler(
+        len(train),
+        num_nodes,
+        None if per_replica else config.trainer.global_batch_size,
+        config.trainer.seed,
+        per_replica,
+        lengths=train.lengths if grouped else None,
+        group_batch_size=(per_replica or config.trainer.global_batch_size // num_nodes)
+        if grouped
+        else None,
+    )
+
+
+def padded_length_share(
+    config: Config, train: SampleDataset, sampler: TrainSampler, replicas_per_node: int
+) -> float:
+    """The mean padded length of an epoch's replica batches over max_seq_length (node 0's
+    first epoch, `replicas_per_node` replicas a node); 1 without a sequence. What recomputing
+    a frozen prefix costs against its cost at max_seq_length (trainer/caching.py)."""
+    if train.lengths is None:
+        return 1.0
+    order = sampler.epoch_order(0, 0)
+    replica = config.trainer.replica_batch_size(replicas_per_node * sampler.num_nodes)
+    lengths = [train.batch_length(order[i : i + replica]) for i in range(0, len(order), replica)]
+    return sum(lengths) / (len(lengths) * config.data.max_seq_length)
+
+
+@dataclass(frozen=True)
+class StepData:
+    """One rank's share of a step: inputs (first stage), weighted targets (last stage), the
+    replica's sample ids and the sequence length every stage runs it at."""
+
+    inputs: list[torch.Tensor] | None
+    target: torch.Tensor | None
+    ids: tuple[int, ...]
+    seq_length: int | None
 
 
 @dataclass
@@ -104,11 +165,31 @@ class Batches:
         self._loader = None
         self._batch_loader.close()
 
-    def device_inputs(self, split: str, ids: Sequence[int]) -> list[torch.Tensor]:
-        """Inputs of `ids` on the device, loaded now (what a batch the loader skipped needs
-        when the cache turns out not to serve all of it)."""
+    def device_inputs(
+        self, split: str, ids: Sequence[int], seq_length: int | None = None
+    ) -> list[torch.Tensor]:
+        """Inputs of `ids` on the device at `seq_length` tokens, loaded now (what a batch the
+        loader skipped needs when the cache turns out not to serve all of it)."""
         dataset = self.data.train if split == "train" else self.data.eval
-        return [to_device(t, self.world.device) for t in dataset.fetch(ids)[0]]
+        return [to_device(t, self.world.device) for t in dataset.fetch(ids, seq_length)[0]]
+
+    def seq_length(self, layout: Layout, ids: Sequence[int]) -> int | None:
+        """The sequence length of training batch `ids` in `layout`."""
+        return step_seq_length(self.config, layout, self.data.train, ids)
+
+    def padded_tokens(self, layout: Layout, epoch: int, step: int) -> int:
+        """Tokens the step computes over every replica (rows times their batch's length,
+        shape padding included); 0 without a sequence."""
+        if self.data.train.lengths is None:
+            return 0
+        total = 0
+        for replica in range(layout.dp_degree):
+            node, local_replica = divmod(replica, layout.replicas_per_node)
+            ids = self.sampler.replica_batch(
+                node, local_replica, layout.replicas_per_node, epoch, step
+            ).ids
+            total += len(ids) * (self.seq_length(layout, ids) or 0)
+        return total
 
     def step_data(
         self,
@@ -117,20 +198,21 @@ class Batches:
         step: int,
         prefetched: bool = False,
         cache_active: bool = False,
-    ) -> tuple[list[torch.Tensor] | None, torch.Tensor | None, tuple[int, ...]]:
-        """This rank's (inputs, target, sample ids) for one step in `layout` (None where not
-        needed). `prefetched`: take the inputs from the loader that reads ahead (training)."""
+    ) -> StepData:
+        """This rank's share of one step in `layout` (None where not needed). `prefetched`:
+        take the inputs from the loader that reads ahead (training)."""
         role = layout.role(self.world.rank)
         node, local_replica = divmod(role.replica, layout.replicas_per_node)
         batch = self.sampler.replica_batch(
             node, local_replica, layout.replicas_per_node, epoch, step
         )
+        seq_length = self.seq_length(layout, batch.ids)
         inputs = target = None
         if role.is_first:
             if prefetched:
                 raw = self._next_inputs(layout, role, epoch, step, cache_active)
             else:
-                raw = self.data.train.fetch(batch.ids)[0]
+                raw = self.data.train.fetch(batch.ids, seq_length)[0]
             # None: every sample is served by AutoCache, nothing was decoded.
             inputs = None if raw is None else [to_device(t, self.world.device) for t in raw]
             if prefetched and self.config.trainer.record_sample_ids:
@@ -143,9 +225,14 @@ class Batches:
             weights = loss_weights(
                 batch.valid, layout.dp_degree, self.sampler.global_num_valid(epoch, step)
             )
-            target = self.task.make_target(self.data.train.targets(batch.ids), weights)
+            lengths = self.data.train.lengths
+            target = self.task.make_target(
+                self.data.train.targets(batch.ids),
+                weights,
+                None if lengths is None else [lengths[i] for i in batch.ids],
+            )
             target = to_device(target, self.world.device)
-        return inputs, target, batch.ids
+        return StepData(inputs, target, batch.ids, seq_length)
 
     def _next_inputs(
         self, layout: Layout, role: Role, epoch: int, step: int, cache_active: bool
@@ -168,7 +255,8 @@ class Batches:
                 frozen = layout.plan.num_frozen_layers
                 client = self.cache.client
                 skip = lambda ids: client.serves_all("train", ids, frozen)  # noqa: E731
-            self._loader = self._batch_loader.start(id_batches, skip)
+            lengths = [self.seq_length(layout, ids) for ids in id_batches]
+            self._loader = self._batch_loader.start(id_batches, skip, lengths)
         inputs = next(self._loader)
         self._position = (epoch, step + 1)
         return inputs
@@ -202,10 +290,11 @@ class StepRunner:
         started = time.perf_counter()
         start_mark = self.clock.mark()
         samples = self.batches.sampler.global_num_valid(tick.epoch, tick.step_in_epoch)
+        padded_tokens = self.batches.padded_tokens(layout, tick.epoch, tick.step_in_epoch)
         replica_loss = unit_sq = None
         runtime = stage.runtime
         if runtime is not None:
-            inputs, target, ids = self.batches.step_data(
+            data = self.batches.step_data(
                 layout,
                 tick.epoch,
                 tick.step_in_epoch,
@@ -213,7 +302,12 @@ class StepRunner:
                 cache_active=stage.cache_active,
             )
             optim.set_learning_rate(stage.optimizer, self.learning_rate(tick))
-            losses = runtime.train_step(inputs, target, ids if runtime.is_first else None)
+            losses = runtime.train_step(
+                data.inputs,
+                data.target,
+                data.ids if runtime.is_first else None,
+                data.seq_length,
+            )
             clip = self.config.optimizer.max_grad_norm
             raw = self.config.freeze.signal_before_clipping  # freeze.signal_gradients
             if self.grad_sums and raw:  # the gradients as backward left them, summed
@@ -235,7 +329,13 @@ class StepRunner:
                     samples / layout.dp_degree
                 )
         return StepResult(
-            layout, started, (start_mark, self.clock.mark()), samples, replica_loss, unit_sq
+            layout,
+            started,
+            (start_mark, self.clock.mark()),
+            samples,
+            replica_loss,
+            unit_sq,
+            padded_tokens,
         )
 
     def _grad_owners(self, stage: Stage) -> tuple[list[nn.Parameter], torch.Tensor]:

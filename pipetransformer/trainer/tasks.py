@@ -1,10 +1,11 @@
 """Tasks: how targets, losses and evaluation metrics look for each kind of model head.
 
-Targets travel to the last stage as one float tensor per micro-batch whose last column is
-the sample's loss weight: `replicas / valid samples in the global batch` for real samples,
-0 for shape padding. With gradients summed over micro-batches and averaged by DDP over the
-replicas, the update is exactly the mean over the global batch's real samples, whatever
-the layout.
+Targets travel to the last stage as one float tensor per micro-batch that carries the
+sample's loss weight (`make_target` also takes each sample's real length, which only
+question answering needs: trainer/qa.py): `replicas / valid samples in the global batch`
+for real samples, 0 for shape padding. With gradients summed over micro-batches and
+averaged by DDP over the replicas, the update is exactly the mean over the global batch's
+real samples, whatever the layout.
 """
 
 from __future__ import annotations
@@ -54,7 +55,12 @@ class ClassificationAccumulator:
         self.totals: torch.Tensor | None = None  # flat confusion + loss sum, float64
 
     def add(
-        self, logits: torch.Tensor, ids: Sequence[int], valid: Sequence[bool], labels: torch.Tensor
+        self,
+        logits: torch.Tensor,
+        ids: Sequence[int],
+        valid: Sequence[bool],
+        labels: torch.Tensor,
+        lengths: Sequence[int] | None = None,
     ) -> None:
         k = self.num_classes
         if self.totals is None:
@@ -92,7 +98,9 @@ class ClassificationTask:
         self.metric_name = "accuracy" if metric == "auto" else metric
 
     @staticmethod
-    def make_target(labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def make_target(
+        labels: torch.Tensor, weights: torch.Tensor, lengths: Sequence[int] | None = None
+    ) -> torch.Tensor:
         return torch.stack([labels.float(), weights], dim=1)
 
     @staticmethod
@@ -137,7 +145,12 @@ class RegressionAccumulator:
         self.columns: torch.Tensor | None = None
 
     def add(
-        self, outputs: torch.Tensor, ids: Sequence[int], valid: Sequence[bool], labels: torch.Tensor
+        self,
+        outputs: torch.Tensor,
+        ids: Sequence[int],
+        valid: Sequence[bool],
+        labels: torch.Tensor,
+        lengths: Sequence[int] | None = None,
     ) -> None:
         device = outputs.device
         if self.columns is None:
@@ -181,7 +194,9 @@ class RegressionTask:
         self.metric_name = "pearson" if metric == "auto" else metric
 
     @staticmethod
-    def make_target(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def make_target(
+        values: torch.Tensor, weights: torch.Tensor, lengths: Sequence[int] | None = None
+    ) -> torch.Tensor:
         return torch.stack([values.float(), weights], dim=1)
 
     @staticmethod

@@ -32,7 +32,6 @@ from pipetransformer.autodp.groups import (
     create_control_group,
 )
 from pipetransformer.autodp.handoff import execute_transfers, plan_transfers
-from pipetransformer.autodp.sampler import TrainSampler
 from pipetransformer.autodp.topology import Layout
 from pipetransformer.config import Config, resolve
 from pipetransformer.data import build_data
@@ -75,7 +74,13 @@ from pipetransformer.trainer.metrics import MetricsTracker
 from pipetransformer.trainer.run_plan import plan_run
 from pipetransformer.trainer.runtime import build_runtime
 from pipetransformer.trainer.statefuls import checkpoint_statefuls, seed_streams
-from pipetransformer.trainer.step import Batches, Stage, StepRunner
+from pipetransformer.trainer.step import (
+    Batches,
+    Stage,
+    StepRunner,
+    padded_length_share,
+    train_sampler,
+)
 from pipetransformer.trainer.stop_poll import StopPoll
 from pipetransformer.trainer.summary import run_summary, start_event
 from pipetransformer.trainer.tasks import task_for
@@ -227,17 +232,14 @@ class Trainer:
                 read_s_per_sample=self.state.cache_read_s_per_sample,
             )
             self.state.cache_read_s_per_sample = self.cache.read_s_per_sample
-        batch_per_replica = config.trainer.batch_per_replica
-        self.sampler = TrainSampler(
-            len(self.data.train),
-            world.num_nodes,
-            None if batch_per_replica else config.trainer.global_batch_size,
-            config.trainer.seed,
-            batch_per_replica,
-        )
+        self.sampler = train_sampler(config, self.data.train, world.num_nodes)
         # Replicas a node has at the start (R = W / K0 with or without AutoDP).
         start_replicas = world.devices_per_node // self.plan.initial_pipe_len
         steps = self.sampler.steps_per_epoch_at(start_replicas)
+        # What recomputing the frozen prefix costs at the batches' lengths (caching.py).
+        self.length_share = padded_length_share(
+            config, self.data.train, self.sampler, start_replicas
+        )
         self.clock = StepClock(self.state, self.sampler, config.trainer.epochs, start_replicas)
         self.metrics = MetricsTracker(
             control=control,
@@ -245,6 +247,7 @@ class Trainer:
             num_layers=spec.num_layers,
             num_units=spec.num_units,
             num_train_samples=len(self.data.train),
+            num_train_tokens=sum(self.data.train.lengths or ()),
             device=world.device,
             log_interval_steps=config.trainer.log_interval_steps,
             carried=self.state,
@@ -319,7 +322,10 @@ class Trainer:
         if self.cache is None or not self.config.autopipe.enabled:
             return False  # without AutoPipe frozen layers stay inside stages: nothing to serve
         return self.cache.profitable(
-            num_frozen_layers, self.measured_costs, self.profile_micro_batch_size
+            num_frozen_layers,
+            self.measured_costs,
+            self.profile_micro_batch_size,
+            self.length_share,
         )
 
     def layout_for(
@@ -421,10 +427,10 @@ class Trainer:
             runtime = self._runtime(trial, units, groups)
             if runtime is None:
                 return lambda: None
-            inputs, target, _ = self.batches.step_data(trial, epoch, step)
+            data = self.batches.step_data(trial, epoch, step)
 
             def run() -> None:
-                runtime.train_step(inputs, target)
+                runtime.train_step(data.inputs, data.target, seq_length=data.seq_length)
                 for p in runtime.module.parameters():
                     p.grad = None
 
