@@ -152,3 +152,68 @@ def audited_run(config_dict: dict, run_dir: str, frozen_after: int):
         audit.uninstall()
         trainer_module.create_control_group = make_control
         trainer.cleanup()
+
+
+def sharded_stream_dtypes(cuda_policy: bool) -> dict:
+    """A real one-rank FSDP2 sharded runtime (gloo) of a tiny BERT, built with the policy
+    `gather_policy` gives a CUDA device under bf16 (`cuda_policy`) or the CPU's, one training
+    step under bf16 autocast with layer norm run in float32 as CUDA autocast runs it (CPU
+    autocast refuses bfloat16 weights under a float32 input). Returns the dtype of the hidden
+    state each trained unit received, in forward order, and the gathered weights' dtype."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from helpers import tiny_bert
+    from torch.overrides import TorchFunctionMode
+
+    from pipetransformer.autopipe.planner import PipelinePlan
+    from pipetransformer.fsdp import runtime
+
+    class LayerNormInFloat32(TorchFunctionMode):
+        """CUDA autocast's rule for layer norm: every floating input in float32."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.layer_norm:
+                args = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
+                kwargs = {
+                    k: v.float() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()
+                }
+            return func(*args, **kwargs)
+
+    dist.init_process_group("gloo")
+    try:
+        model = tiny_bert()
+        units = dict(enumerate(model.units))
+        received: list[str] = []
+        weights: list[str] = []
+        for index in range(1, len(units)):  # the trained units; the embedding is the prefix
+            units[index].register_forward_pre_hook(
+                lambda module, args: received.append(str(args[0].dtype))
+            )
+        for module in units[1].modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(
+                    lambda module, args: weights.append(str(module.weight.dtype))
+                )
+                break
+        if cuda_policy:
+            policy = runtime.gather_policy(torch.device("cuda", 0), torch.bfloat16)
+            runtime.gather_policy = lambda device, dtype: policy
+        group = dist.new_group([0])
+        plan = PipelinePlan(0, 1, 1, ((1, len(units)),), (1.0,), frozen_embedding=True)
+        sharded = runtime.build_sharded_runtime(
+            plan=plan,
+            replica_batch_size=4,
+            units=units,
+            loss_fn=lambda logits, target: F.cross_entropy(logits, target),
+            data_group=group,
+            device=torch.device("cpu"),
+            autocast_dtype=torch.bfloat16,
+        )
+        ids = torch.randint(0, 50, (4, 16))
+        inputs = [ids, torch.zeros_like(ids), torch.ones_like(ids)]
+        with LayerNormInFloat32():
+            losses = sharded.train_step(inputs, torch.tensor([0, 1, 0, 1]))
+        return {"received": received, "weights": weights, "loss": float(losses[0])}
+    finally:
+        dist.destroy_process_group()

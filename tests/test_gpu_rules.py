@@ -999,6 +999,26 @@ def test_a_sharded_layout_on_cuda_gathers_what_autocast_computes_in(device, prec
     gathered = torch.bfloat16 if (device, precision) == ("cuda", "bf16") else None
     for policy in policies:
         assert policy.param_dtype == gathered and policy.reduce_dtype in (None, torch.float32)
+        assert gathered is None or not policy.cast_forward_inputs  # the float32 stream
+
+
+@pytest.mark.distributed
+def test_a_sharded_layout_keeps_the_float32_residual_stream_under_bf16():
+    """A real one-rank FSDP2 layout (gloo) with the policy a CUDA device gets under bf16:
+    bfloat16 gathers, and every layer group receives the float32 hidden state that the
+    pipeline and DDP layouts keep (autocast computes the matmuls in bfloat16; the residual
+    adds and layer norms stay float32). FSDP2's default `cast_forward_inputs=True` cast each
+    group's input to bfloat16: the whole residual stream rounded to bfloat16, so a
+    DDP <-> sharded transition changed the numbers. The CPU's own policy gathers float32."""
+    from gpu_workers import sharded_stream_dtypes
+    from helpers import run_workers
+
+    for cuda_policy, gathered in ((True, "torch.bfloat16"), (False, "torch.float32")):
+        (result,) = run_workers(sharded_stream_dtypes, 1, cuda_policy)
+        assert len(result["received"]) == 9, result  # 4 layers x 2 sublayers and the head
+        assert set(result["received"]) == {"torch.float32"}, (cuda_policy, result["received"])
+        assert result["weights"] == [gathered], (cuda_policy, result)
+        assert result["loss"] == pytest.approx(0.69, abs=0.05)
 
 
 @pytest.mark.distributed
