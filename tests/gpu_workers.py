@@ -10,7 +10,7 @@ import gc
 import weakref
 
 import torch
-from gpu_audit import BlockingTransfers, CollectiveAudit, HostReads
+from gpu_audit import BlockingTransfers, CollectiveAudit, HostHeld, HostReads
 
 AUDITED_STEPS = 2  # per layout, after one step that builds what a layout builds once
 
@@ -217,3 +217,77 @@ def sharded_stream_dtypes(cuda_policy: bool) -> dict:
         return {"received": received, "weights": weights, "loss": float(losses[0])}
     finally:
         dist.destroy_process_group()
+
+
+def audited_peer_run(name: str, config, run_dir: str) -> dict:
+    """One rank of a `compare --peers` peer (compare/peers.py) audited as a GPU would run it:
+    every collective (CollectiveAudit, with HostHeld following which tensors a GPU run holds
+    on the host: NCCL refuses them on the default group); and, within each epoch's training
+    (`EpochClock.start` to `.end`), the blocking copies the peer makes (BlockingTransfers)
+    and the dtypes its matmuls compute in."""
+    from pathlib import Path
+
+    from torch.overrides import TorchFunctionMode
+
+    from pipetransformer.compare import peers
+
+    class MatmulDtypes(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: set[str] = set()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if getattr(func, "__name__", "") in ("linear", "matmul", "conv2d"):
+                self.seen.add(str(out.dtype))
+            return out
+
+    audit = CollectiveAudit(torch.device("cpu"), None)
+    audit.host_held = held = HostHeld()
+    epochs: list[tuple[MatmulDtypes, BlockingTransfers]] = []
+    start, end = peers.EpochClock.start, peers.EpochClock.end
+
+    def epoch_start(clock) -> None:
+        # The audit innermost: it names the caller of what it records.
+        modes = (MatmulDtypes(), BlockingTransfers(host_held=held))
+        for mode in modes:
+            mode.__enter__()
+        epochs.append(modes)
+        start(clock)
+
+    def epoch_end(clock, *args) -> None:
+        for mode in reversed(epochs[-1]):  # the modes entered at the epoch's start
+            mode.__exit__(None, None, None)
+        end(clock, *args)
+
+    build_data = peers.build_data
+
+    def host_batches(*args, **kwargs):
+        """The data as built, its batches marked as held on the host (as on a GPU run)."""
+        data = build_data(*args, **kwargs)
+        for split in (data.train, data.eval):
+
+            def fetch(ids, fetch=split.fetch):
+                inputs, target = fetch(ids)
+                held.mark(*inputs, target)
+                return inputs, target
+
+            split.fetch = fetch
+        return data
+
+    peers.EpochClock.start, peers.EpochClock.end = epoch_start, epoch_end
+    peers.build_data = host_batches
+    audit.install()
+    try:
+        with held:
+            peers.run_peer(name, config, Path(run_dir))
+    finally:
+        audit.uninstall()
+        peers.EpochClock.start, peers.EpochClock.end = start, end
+        peers.build_data = build_data
+    return {
+        "violations": audit.violations,
+        "counts": audit.counts,
+        "blocking": [transfers.found for _, transfers in epochs],
+        "matmul_dtypes": sorted(set().union(*(dtypes.seen for dtypes, _ in epochs))),
+    }

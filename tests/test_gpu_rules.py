@@ -271,6 +271,87 @@ def test_the_trainers_start_up_sets_tf32_as_trainer_tf32_says(monkeypatch, tmp_p
     assert handed == [True, False]
 
 
+class _DecodedDataset:
+    """A dataset the loaders decode (not in-memory tensors): they start workers for it."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def fetch(self, ids):
+        return (torch.zeros(len(ids), 3),), torch.zeros(len(ids), dtype=torch.long)
+
+
+@pytest.mark.parametrize("overrides", [[], ["trainer.precision=bf16"], ["trainer.tf32=false"]])
+def test_the_peers_compute_with_the_trainers_settings(overrides, monkeypatch, tmp_path):
+    """For the same config on a (faked) GPU node of 8 processes and 16 cores, rank 3: the
+    peers' device, TF32, autocast dtype, pinned memory and loader workers are what the
+    trainer's start-up (`init_distributed`) and its loaders set. The torch_ddp peer ignored
+    trainer.precision, set no device and no TF32, decoded on the main thread and copied from
+    pageable memory; the hf_trainer peer left TrainingArguments' tf32 unset (off) and started
+    all of data.num_workers on every rank. (tests/test_peers.py runs both peers audited.)"""
+    import transformers
+
+    import os
+
+    from pipetransformer.compare import peers
+    from pipetransformer.trainer import distributed
+    from pipetransformer.trainer.step import Batches
+
+    devices = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: devices.append(device))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    for name, value in dict(RANK=3, WORLD_SIZE=8, LOCAL_RANK=3, LOCAL_WORLD_SIZE=8).items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # restored after
+    text = ["model.name=bert", "model.model_name_or_path=null", "data.num_workers=8"]
+    config = load_config(ROOT / "configs" / "bert_sst2.yaml", text + overrides)
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        unset = not config.trainer.tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = unset
+        world = distributed.init_distributed(config.trainer.device, 10.0, config.trainer.tf32)
+        trainer_tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        data = type("Data", (), {"train": _DecodedDataset()})()
+        batches = Batches(config, data, None, None, world, tmp_path, None)
+        trainer_loader = batches._batch_loader._loader
+
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = unset
+        devices.clear()
+        compute = peers.peer_math(config)
+        compute.enter()
+        assert devices == [world.device] == [compute.device]
+        assert (
+            (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+            == (trainer_tf32)
+            == (config.trainer.tf32,) * 2
+        )
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    name = config.trainer.autocast_dtype  # what the trainer's runtimes autocast to
+    assert compute.autocast_dtype == (getattr(torch, name) if name else None)
+    assert compute.pin_memory and trainer_loader.pin_memory
+    assert compute.loader_workers == trainer_loader.num_workers == 1  # 16 cores / 8, less one
+
+    class Stop(Exception):
+        pass
+
+    def arguments(**kwargs):
+        raise Stop(kwargs)
+
+    monkeypatch.setattr(transformers, "TrainingArguments", arguments)
+    bundle = type("Data", (), {"task": "classification", "num_classes": 2, "vocab_size": 50})()
+    with pytest.raises(Stop) as stopped:
+        peers._run_hf_trainer(config, bundle, tmp_path, 8, "adamw_torch")
+    hf = stopped.value.args[0]
+    assert (hf["tf32"], hf["bf16"]) == (config.trainer.tf32, compute.autocast_dtype is not None)
+    assert hf["dataloader_pin_memory"] and hf["dataloader_num_workers"] == 1
+    assert (hf["use_cpu"], hf["ddp_backend"]) == (False, "nccl")
+
+
 def test_a_gpu_machine_whose_cuda_is_unusable_says_why(monkeypatch):
     """trainer.device auto trained on CPU processes without a word when CUDA could not be
     used (a driver too old for the wheel, a container started without its GPUs)."""
