@@ -289,9 +289,9 @@ def test_the_peers_compute_with_the_trainers_settings(overrides, monkeypatch, tm
     trainer.precision, set no device and no TF32, decoded on the main thread and copied from
     pageable memory; the hf_trainer peer left TrainingArguments' tf32 unset (off) and started
     all of data.num_workers on every rank. (tests/test_peers.py runs both peers audited.)"""
-    import transformers
-
     import os
+
+    import transformers
 
     from pipetransformer.compare import peers
     from pipetransformer.trainer import distributed
@@ -350,6 +350,67 @@ def test_the_peers_compute_with_the_trainers_settings(overrides, monkeypatch, tm
     assert (hf["tf32"], hf["bf16"]) == (config.trainer.tf32, compute.autocast_dtype is not None)
     assert hf["dataloader_pin_memory"] and hf["dataloader_num_workers"] == 1
     assert (hf["use_cpu"], hf["ddp_backend"]) == (False, "nccl")
+
+
+_FIRST_CUDA_INIT = """
+import json, sys
+import torch
+
+seen = []
+
+
+class Initialised(Exception):
+    pass
+
+
+def first_initialisation(*args, **kwargs):
+    # What the caching allocator reads when CUDA initialises: its settings, parsed once.
+    seen.append(torch._C._accelerator_getAllocatorSettings())
+    raise Initialised
+
+
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: 2
+torch.cuda._lazy_init = torch.cuda.init = first_initialisation
+from pipetransformer.cli import main
+
+try:
+    main(sys.argv[1:])
+except Initialised:
+    pass
+print(json.dumps(seen))
+"""
+
+
+def test_expandable_segments_are_on_before_cuda_first_initialises_under_torchrun(tmp_path):
+    """A torchrun worker's start-up (`pipetransformer train` with torchrun's environment, a
+    fresh interpreter, CUDA faked) up to the first call that initialises CUDA: the caching
+    allocator's own settings (it parses them once, at that moment) have expandable segments.
+    The preflight's `get_device_capability` initialised CUDA before `init_distributed` set
+    PYTORCH_CUDA_ALLOC_CONF, so every torchrun run had them off (the memory model's 5%
+    fragmentation allowance assumes them on). A setting the user made is kept."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.endswith("ALLOC_CONF")}
+    env.update(
+        RANK="0",
+        WORLD_SIZE="2",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="2",
+        TORCHELASTIC_RUN_ID="allocator",
+        PYTHONPATH=str(ROOT),
+    )
+    command = [sys.executable, "-c", _FIRST_CUDA_INIT, "train", "configs/quickstart.yaml"]
+    command += ["trainer.device=cuda", "--run-dir", str(tmp_path / "run")]
+    for user_setting in (None, "expandable_segments:False"):
+        if user_setting is not None:
+            env["PYTORCH_ALLOC_CONF"] = user_setting
+        result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
+        assert result.returncode == 0, result.stderr[-2000:]
+        expected = user_setting or "expandable_segments:True"
+        assert json.loads(result.stdout.strip().splitlines()[-1]) == [expected], result.stdout
 
 
 def test_a_gpu_machine_whose_cuda_is_unusable_says_why(monkeypatch):

@@ -59,8 +59,8 @@ CUDA_CONTEXT_BYTES = 1 << 30
 NCCL_COMMUNICATOR_BYTES = 128 << 20
 NCCL_COMMUNICATORS_HELD = 6
 # - the caching allocator's fragmentation: after a transition frees one layout's tensors
-#   and allocates another's, reserved memory exceeds allocated memory (init_distributed
-#   sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which keeps this small).
+#   and allocates another's, reserved memory exceeds allocated memory (expandable
+#   segments, set before CUDA initialises: utils/allocator.py, keep this small).
 FRAGMENTATION_ALLOWANCE = 0.05
 
 
