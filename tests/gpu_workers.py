@@ -291,3 +291,71 @@ def audited_peer_run(name: str, config, run_dir: str) -> dict:
         "blocking": [transfers.found for _, transfers in epochs],
         "matmul_dtypes": sorted(set().union(*(dtypes.seen for dtypes, _ in epochs))),
     }
+
+
+def ranks_planning_apart(config_dict: dict, run_dir: str) -> dict:
+    """Two ranks whose devices report different free memory (rank r: 2^(30 + r) bytes): the
+    run's plan (trainer/run_plan.py `plan_run`) on each; then each enters a layout of its own
+    (the first layout with a different micro-batch count on rank 1) through the trainer's
+    `_enter`, its group building recorded (and stopped: ranks that disagree would hang there).
+    Returns the budget planned with, the first pipeline length, and the error entering."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    import pipetransformer.trainer.run_plan as run_plan_module
+    import pipetransformer.trainer.trainer as trainer_module
+    from pipetransformer.autodp.control import Control
+    from pipetransformer.config import config_from_dict, resolve
+    from pipetransformer.models import build_model
+    from pipetransformer.runs.state import RunState
+    from pipetransformer.trainer.distributed import init_distributed
+    from pipetransformer.trainer.trainer import Trainer
+
+    config = config_from_dict(config_dict)
+    world = init_distributed("cpu", 30.0)
+    try:
+        control = Control(dist.group.WORLD)
+        run_plan_module.device_memory_budget = lambda config, device: float(2 ** (30 + world.rank))
+        config = resolve(config, world.shape)
+        model = build_model(config.model, device="cpu", **_digits_args())
+        plan = run_plan_module.plan_run(
+            config, model.spec, list(model.units), world, control, Path(run_dir), RunState(), None
+        )
+        built = []
+
+        class GroupsBuilt(Exception):
+            pass
+
+        def build_groups(*args, **kwargs):
+            built.append(args)
+            raise GroupsBuilt
+
+        trainer_module.build_training_groups = build_groups
+        trainer = Trainer.__new__(Trainer)
+        trainer.config, trainer.world, trainer.control = plan.plan.config, world, control
+        trainer.cache = None
+        trainer.clock = SimpleNamespace(use_layout=lambda *args: None)
+        layout = plan.plan.layout_for(0, plan.plan.initial_pipe_len)
+        if world.rank == 1:
+            layout = layout.with_micro_batches(2 * layout.plan.num_micro_batches)
+        try:
+            trainer._enter(layout, {}, {})
+            error = None
+        except GroupsBuilt:
+            error = "groups built"
+        except RuntimeError as exc:
+            error = str(exc)
+        return {
+            "budget": plan.budget,
+            "initial_pipe_len": plan.plan.initial_pipe_len,
+            "error": error,
+            "groups_built": len(built),
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def _digits_args() -> dict:
+    return dict(task="classification", num_classes=10, in_chans=1, image_size=8)

@@ -1164,6 +1164,37 @@ def test_a_sharded_layout_keeps_the_float32_residual_stream_under_bf16():
 
 
 @pytest.mark.distributed
+def test_ranks_plan_with_the_least_memory_and_refuse_to_build_groups_apart(tmp_path):
+    """Each rank read its own GPU's free memory for the budget that sets the first pipeline
+    length and which transitions fit: one busier GPU made ranks plan different layouts, and
+    `new_group`/`split_group` then received different partitions: a hang until the
+    collective timeout, without a message. The budget is now the least over the control
+    group, and every rank compares the layout it enters before building any group: one line
+    naming the ranks and what differs."""
+    from gpu_workers import ranks_planning_apart
+    from helpers import run_workers
+
+    config = {
+        "trainer": {"epochs": 1, "global_batch_size": 16, "nproc_per_node": 2, "device": "cpu"},
+        "model": {
+            "name": "vit_tiny_patch16_224",
+            "kwargs": {"patch_size": 4, "embed_dim": 32, "depth": 2, "num_heads": 2},
+        },
+        "data": {"name": "digits", "image_size": 8, "train_subset": 64},
+        "pipeline": {"balance": "params"},
+        "cache": {"enabled": False},
+    }
+    results = run_workers(ranks_planning_apart, 2, config, str(tmp_path))
+    assert [r["budget"] for r in results] == [2.0**30] * 2, results
+    assert results[0]["initial_pipe_len"] == results[1]["initial_pipe_len"]
+    for result in results:
+        assert result["groups_built"] == 0, result
+        error = result["error"]
+        assert error.startswith("ranks disagree on the layout they enter") and "\n" not in error
+        assert "micro_batches 1 on rank(s) 0 but 2 on rank(s) 1" in error, error
+
+
+@pytest.mark.distributed
 def test_signal_to_noise_reads_the_whole_models_momentum_in_every_one_stage_layout(
     audited, audited_sharded
 ):

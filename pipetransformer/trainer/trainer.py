@@ -29,6 +29,7 @@ from pipetransformer.autodp.control import Control
 from pipetransformer.autodp.groups import (
     TrainingGroups,
     build_training_groups,
+    check_layouts_agree,
     create_control_group,
 )
 from pipetransformer.autodp.handoff import execute_transfers, plan_transfers
@@ -349,6 +350,7 @@ class Trainer:
         (measured for 'auto'), the optimizer over the active parameters with their carried
         state, and the runtime. Collective. `times`: filled with the phases' seconds."""
         times = {} if times is None else times
+        check_layouts_agree(self.control, layout)  # a mismatch would hang in new_group
         # The batch may change with the layout, and what the cache serves with the boundary.
         frozen = layout.plan.num_frozen_layers
         self.clock.use_layout(
