@@ -126,6 +126,36 @@ class BlockingTransfers(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class DeviceCopies(TorchDispatchMode):
+    """Records (direction, where) for every copy between the host and a device that makes the
+    host wait, whoever makes it (this package or a library inside a unit's forward): seen at
+    the operator level, so a library's `type_as`, `.to(device)` or `copy_` count as much as
+    this package's own. Meant to run on fake CUDA tensors (entered inside FakeTensorMode),
+    whose devices are what a GPU's would be: a host-to-device copy without `non_blocking`
+    (from pageable memory on a GPU the host waits for the stream), and any copy from a device
+    to the host. A CPU scalar tensor an operator reads (a 0-dim tensor beside device tensors)
+    is read on the host, not copied: not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[tuple[str, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        source = target = None
+        blocking = not kwargs.get("non_blocking", False)
+        if func is aten._to_copy.default and kwargs.get("device") is not None:
+            source, target = args[0].device, torch.device(kwargs["device"])
+        elif func is aten.copy_.default:
+            target, source = args[0].device, args[1].device
+            blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        if source is not None and source.type != target.type:
+            if target.type == "cpu" or blocking:
+                direction = "to host" if target.type == "cpu" else "to device"
+                self.found.append((direction, _caller()))
+        return func(*args, **kwargs)
+
+
 def _pointer(tensor: torch.Tensor) -> int | None:
     """The data pointer of a tensor's storage; None for a wrapper subclass (a DTensor)."""
     try:

@@ -36,6 +36,48 @@ def test_a_forward_and_backward_read_nothing_on_the_host(name, padded):
     assert audit.reads == []
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_forward_on_a_gpu_copies_nothing_between_host_and_device(name):
+    """Every unit's forward, library code included, on fake CUDA tensors (the devices a GPU
+    run has), seen at the operator level (`DeviceCopies`): no blocking copy between host and
+    device. DeBERTa's attention units called transformers' `build_relative_position`, whose
+    `torch.tensor(mid - 1).type_as(positions)` copied a host scalar to the device in every
+    attention unit (4 a forward here); the positions are now made once per length and
+    device, on the device. The package-only audit (`BlockingTransfers`) did not see it."""
+    from gpu_audit import DeviceCopies
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    family = FAMILIES[name]
+    model = family.build(dropout=True).train()
+    inputs = batch(family)
+    cuda = torch.device("cuda", 0)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to(cuda)
+        on_device = [t.to(cuda) for t in inputs]
+        for _ in range(2):  # the first forward and one that finds what it made before
+            with DeviceCopies() as audit:
+                out = model(*on_device)
+            assert audit.found == [], audit.found
+    assert out.device == cuda
+
+
+def test_debertas_positions_made_once_are_transformers_own():
+    """`RelativePositions` against transformers' `build_relative_position` at DeBERTa-v3's
+    settings (256 buckets over 512 positions) and the test size's, for several lengths:
+    equal, and one tensor per length and device."""
+    from transformers.models.deberta_v2.modeling_deberta_v2 import build_relative_position
+
+    from pipetransformer.models.deberta import RelativePositions
+
+    for buckets, most in ((256, 512), (8, 16), (-1, -1)):
+        positions = RelativePositions(buckets, most)
+        for length in (7, 128, 512):
+            hidden = torch.zeros(1, length, 4)
+            expected = build_relative_position(hidden, hidden, buckets, most)
+            assert torch.equal(positions(length, hidden.device), expected), (buckets, length)
+            assert positions(length, hidden.device) is positions(length, hidden.device)
+
+
 # Adam keeps AdamW's state; fused SGD has no fake kernel (torch 2.14) and a device step like
 # fused AdamW's.
 SYNCING = {
