@@ -108,7 +108,15 @@ def audited_run(config_dict: dict, run_dir: str, frozen_after: int):
         audit.control_group = group
         return group
 
+    old_tensors: list[weakref.ref] = []  # the old stage's, taken just before the transition
+    old_alive: list[int] = []
+
     def recorded_runtime(*args, **kwargs):
+        if old_tensors:  # building the new layout: the old one's tensors must be gone
+            units = args[1]
+            held = {id(t) for u in units.values() for t in (*u.parameters(), *u.buffers())}
+            alive = [ref() for ref in old_tensors]
+            old_alive.append(sum(1 for t in alive if t is not None and id(t) not in held))
         runtime = make_runtime(*args, **kwargs)
         if runtime is not None:
             runtimes.append(weakref.ref(runtime))
@@ -128,12 +136,17 @@ def audited_run(config_dict: dict, run_dir: str, frozen_after: int):
         gc.collect()
         gc.disable()  # what reference counting alone frees, as in a run
         trainer.setup()
+        trainer.steps.grad_sums = True  # AutoFreeze's sums too (freeze.strategy: autofreeze)
         trials_alive.append(alive_trials())
         ticks = trainer.clock.ticks()
         phases.append(_audited_steps(trainer, ticks, trainer.stage.layout.describe()))
         old_sharded = []  # a sharded layout's FSDP2 modules: the root and what it holds
         if trainer.stage.layout.sharded:
             old_sharded = [weakref.ref(m) for m in trainer.stage.runtime.module.modules()]
+        stage = trainer.stage
+        trained, owners = stage.grad_owners
+        old_tensors.extend(weakref.ref(t) for t in (*trained, owners, *stage.grad_sums))
+        del stage, trained, owners
         trainer.transition(frozen_after)
         trials_alive.append(alive_trials())
         sharded_alive = sum(1 for ref in old_sharded if ref() is not None)
@@ -142,6 +155,7 @@ def audited_run(config_dict: dict, run_dir: str, frozen_after: int):
             "phases": phases,
             "trials_alive": trials_alive,
             "trials_built": len(runtimes),
+            "old_tensors": [len(old_tensors), old_alive],
             "old_sharded_modules": [sharded_alive, len(old_sharded)],
             "violations": audit.violations,
             "groups": audit.groups,

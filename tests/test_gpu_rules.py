@@ -1291,6 +1291,20 @@ def test_a_sharded_layouts_modules_are_freed_when_it_goes(audited_sharded):
 
 
 @pytest.mark.distributed
+def test_the_old_layouts_parameters_are_gone_while_the_new_one_is_built(audited, audited_sharded):
+    """With the collector off, at every runtime the transition builds (the micro-batch trials
+    and the new stage), none of the old stage's trained parameters that the new units do not
+    hold, its gradient owner index and AutoFreeze's sums (an fp32 copy of every trained
+    parameter) is alive: `Stage.grad_owners` and `grad_sums` kept them, and with them the
+    released units' storage (a sharded layout's shards), on the device while the new layout
+    was built."""
+    kind, results = audited
+    for result in [*results, *audited_sharded]:
+        taken, alive = result["old_tensors"]
+        assert taken > 0 and alive and set(alive) == {0}, (kind, taken, alive)
+
+
+@pytest.mark.distributed
 def test_micro_batch_trials_are_released_once_m_is_chosen(audited):
     """Each candidate M built a DDP + PipelineStage: none may outlive the choice (with the
     collector off: reference counting alone must free them)."""

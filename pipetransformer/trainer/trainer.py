@@ -554,6 +554,10 @@ class Trainer:
         # most of a transition (0.39 of 0.43 s on the quickstart); leaving a sharded layout
         # is the exception below.
         old.runtime = old.optimizer = None
+        # Its list of trained parameters and AutoFreeze's sums (an fp32 copy of each) would
+        # keep released units on the device while the new layout is built; the decision
+        # point has read the sums, and the new stage starts its own.
+        old.grad_owners = old.grad_sums = None
         release_s = time.perf_counter() - started
         skeletons = {u: self.skeleton.units[u] for u in range(self.spec.num_units)}
         if old.layout.sharded:  # every unit in full again, as in a one-stage layout, but
