@@ -532,6 +532,55 @@ def test_the_multi_node_launcher_gives_gloo_an_exact_interface(nccl, gloo, tmp_p
     assert ("admits no interface" in result.stderr) == (gloo is None), result.stderr
 
 
+@pytest.mark.parametrize("script", ["run_single_node.sh", "run_multi_node.sh"])
+def test_the_launch_scripts_count_the_gpus_torch_sees(script, tmp_path):
+    """On a host whose `nvidia-smi -L` lists 8 GPUs and 2 MIG instances, a process that sees
+    3 of them (CUDA_VISIBLE_DEVICES; torch's count, faked by a sitecustomize) starts 3
+    workers; one that sees none (this CPU, torch itself) the CPU default, or is told to set
+    NPROC_PER_NODE. The scripts counted nvidia-smi's lines: 10 workers, two ranks a GPU."""
+    import os
+    import stat
+    import subprocess
+    import sys
+
+    bin_dir, site = tmp_path / "bin", tmp_path / "site"
+    bin_dir.mkdir()
+    site.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    lines = [f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})" for i in range(8)]
+    lines += [
+        "  MIG 3g.40gb     Device  0: (UUID: MIG-a)",
+        "  MIG 3g.40gb     Device  1: (UUID: MIG-b)",
+    ]
+    smi.write_text("#!/bin/sh\ncat <<'EOF'\n" + "\n".join(lines) + "\nEOF\n")
+    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+    env = {k: v for k, v in os.environ.items() if k != "NPROC_PER_NODE"}
+    env.update(
+        PATH=f"{bin_dir}:{env['PATH']}",
+        PYTHON=sys.executable,
+        DRY_RUN="1",
+        NNODES="1",
+        NODE_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        CUDA_VISIBLE_DEVICES="0,1,2",
+    )
+    command = ["bash", str(ROOT / "launch" / script), "configs/quickstart.yaml"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if script == "run_single_node.sh":  # torch sees no GPU here: the CPU default
+        assert result.returncode == 0 and "--nproc-per-node 2 " in result.stdout, result
+    else:
+        assert result.returncode == 2 and "set NPROC_PER_NODE" in result.stderr, result
+    (site / "sitecustomize.py").write_text(
+        "import os, torch\n"
+        "count = len(os.environ['CUDA_VISIBLE_DEVICES'].split(','))\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "torch.cuda.device_count = lambda: count\n"
+    )
+    env["PYTHONPATH"] = f"{site}:{env.get('PYTHONPATH', '')}"
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    assert result.returncode == 0 and "--nproc-per-node 3 " in result.stdout, result
+
+
 # ----------------------------------------------------------------------------- timing
 
 
