@@ -44,6 +44,7 @@ from pipetransformer.config import Config
 from pipetransformer.data import DataBundle, build_data
 from pipetransformer.data.base import TensorSampleDataset
 from pipetransformer.data.loader import workers_per_process
+from pipetransformer.models.compiled import compile_unit, library_blocks
 from pipetransformer.runs.records import EpochMetrics, RunSummary
 from pipetransformer.trainer.optim import decay_groups, learning_rate
 from pipetransformer.utils.files import append_jsonl, write_json_atomic
@@ -137,6 +138,14 @@ def peer_math(config: Config) -> PeerMath:
         pin_memory=cuda,
         loader_workers=workers_per_process(config.data.num_workers, local),
     )
+
+
+def _compile_blocks(config: Config, model: nn.Module, text: bool) -> None:
+    """trainer.compile: each transformer block compiled on its own, as the trainer compiles
+    each unit (regional compilation; the batch, and a text model's sequence, dynamic)."""
+    if config.trainer.compile:
+        for block in library_blocks(model):
+            compile_unit(block, config.trainer.compile_backend, (0, 1) if text else (0,))
 
 
 def _set_threads() -> None:
@@ -298,6 +307,7 @@ def _run_hf_trainer(
     model, _ = create_text_model(
         config.model, task=data.task, num_labels=data.num_classes, vocab_size=data.vocab_size
     )
+    _compile_blocks(config, model, text=True)
     o = config.optimizer
     compute = peer_math(config)
     use_cpu = not compute.cuda
@@ -387,6 +397,7 @@ def _run_torch_ddp(
         checkpoint_path=config.model.checkpoint_path,
         kwargs=config.model.kwargs,
     )
+    _compile_blocks(config, model, text=False)
     model = model.to(device)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if compute.cuda else None)
     optimizer = _optimizer(config, ddp)

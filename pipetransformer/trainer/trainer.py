@@ -39,6 +39,7 @@ from pipetransformer.config import Config, resolve
 from pipetransformer.data import build_data
 from pipetransformer.fsdp import gather_units, shard_optimizer_states
 from pipetransformer.models import build_model
+from pipetransformer.models.compiled import compile_units
 from pipetransformer.pipe import StageRuntime
 from pipetransformer.pipe.prefix import CachedPrefix
 from pipetransformer.pipe.timing import IntervalTimer
@@ -365,6 +366,8 @@ class Trainer:
                 unit.requires_grad_(False)
                 for p in unit.parameters():
                     p.grad = None
+        if self.config.trainer.compile:  # units not compiled yet: those that arrived
+            compile_units(units.values(), self.config.trainer.compile_backend, self.spec.text)
         layout = self._resolve_micro_batches(layout, units, groups)
         times["profile_s"] = self.profiler.take_seconds()
         started = time.perf_counter()
