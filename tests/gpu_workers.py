@@ -129,6 +129,7 @@ def audited_run(config_dict: dict, run_dir: str, frozen_after: int):
 
     trainer_module.create_control_group = separate_control
     trainer._runtime = recorded_runtime
+    held = HostHeld()  # from the first step on: what a GPU run would hold on the host
     audit.install()
     phases = []
     trials_alive = []
@@ -137,6 +138,7 @@ def audited_run(config_dict: dict, run_dir: str, frozen_after: int):
         gc.disable()  # what reference counting alone frees, as in a run
         trainer.setup()
         trainer.steps.grad_sums = True  # AutoFreeze's sums too (freeze.strategy: autofreeze)
+        audit.host_held = held.__enter__()
         trials_alive.append(alive_trials())
         ticks = trainer.clock.ticks()
         phases.append(_audited_steps(trainer, ticks, trainer.stage.layout.describe()))
@@ -162,6 +164,8 @@ def audited_run(config_dict: dict, run_dir: str, frozen_after: int):
             "counts": audit.counts,
         }
     finally:
+        if audit.host_held is not None:
+            held.__exit__(None, None, None)
         gc.enable()
         audit.uninstall()
         trainer_module.create_control_group = make_control
