@@ -66,9 +66,9 @@ def test_a_compiled_run_trains_as_the_uncompiled_one_through_a_transition(tmp_pa
 
 def test_a_unit_class_compiles_once_for_its_units_and_once_per_state():
     """Four BERT layers, their units compiled in place (dynamo's `eager` backend): one graph
-    per unit class; another batch size and sequence length run the same graphs (the batch
-    and sequence dimensions are dynamic); evaluation compiles each class once more;
-    compiling again changes nothing; the state dict keeps its names."""
+    per unit class; batches of other sizes padded to other lengths (per-batch padding) run
+    the same graphs (the batch and sequence dimensions are dynamic); evaluation compiles each
+    class once more; compiling again changes nothing; the state dict keeps its names."""
     model = tiny_bert(seq_len=16)
     names = list(model.state_dict())
     before = dict(COMPILES)
@@ -76,9 +76,10 @@ def test_a_unit_class_compiles_once_for_its_units_and_once_per_state():
     compile_units(model.units, "eager", text=True)  # idempotent
     assert list(model.state_dict()) == names
 
-    def step(batch: int, length: int) -> None:
-        ids = torch.randint(0, 50, (batch, 16))
-        mask = (torch.arange(16) < length).long().expand(batch, 16)
+    def step(batch: int, length: int) -> None:  # a batch padded to its longest sentence
+        ids = torch.randint(1, 50, (batch, length))
+        mask = torch.ones_like(ids)
+        mask[0, length // 2 :] = 0
         model(ids * mask, torch.zeros_like(ids), mask).sum().backward()
 
     step(4, 16)
