@@ -532,12 +532,13 @@ def test_the_multi_node_launcher_gives_gloo_an_exact_interface(nccl, gloo, tmp_p
     assert ("admits no interface" in result.stderr) == (gloo is None), result.stderr
 
 
-@pytest.mark.parametrize("script", ["run_single_node.sh", "run_multi_node.sh"])
-def test_the_launch_scripts_count_the_gpus_torch_sees(script, tmp_path):
+def test_the_launch_scripts_count_the_gpus_torch_sees(tmp_path):
     """On a host whose `nvidia-smi -L` lists 8 GPUs and 2 MIG instances, a process that sees
-    3 of them (CUDA_VISIBLE_DEVICES; torch's count, faked by a sitecustomize) starts 3
-    workers; one that sees none (this CPU, torch itself) the CPU default, or is told to set
-    NPROC_PER_NODE. The scripts counted nvidia-smi's lines: 10 workers, two ranks a GPU."""
+    3 of them (CUDA_VISIBLE_DEVICES) starts 3 workers a node, and one that sees none the
+    single-node script's CPU default (the multi-node script asks for NPROC_PER_NODE). torch
+    is a stand-in here (a sitecustomize module counting CUDA_VISIBLE_DEVICES, without the
+    seconds of importing torch); the scripts call `torch.cuda.device_count()`. They counted
+    nvidia-smi's lines: 10 workers, two ranks on a GPU."""
     import os
     import stat
     import subprocess
@@ -548,37 +549,37 @@ def test_the_launch_scripts_count_the_gpus_torch_sees(script, tmp_path):
     site.mkdir()
     smi = bin_dir / "nvidia-smi"
     lines = [f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})" for i in range(8)]
-    lines += [
-        "  MIG 3g.40gb     Device  0: (UUID: MIG-a)",
-        "  MIG 3g.40gb     Device  1: (UUID: MIG-b)",
-    ]
+    lines += [f"  MIG 3g.40gb     Device  {i}: (UUID: MIG-{i})" for i in range(2)]
     smi.write_text("#!/bin/sh\ncat <<'EOF'\n" + "\n".join(lines) + "\nEOF\n")
     smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+    (site / "sitecustomize.py").write_text(
+        "import os, sys, types\n"
+        "visible = [d for d in os.environ.get('CUDA_VISIBLE_DEVICES', '').split(',') if d]\n"
+        "torch = types.ModuleType('torch')\n"
+        "torch.cuda = types.SimpleNamespace(\n"
+        "    is_available=lambda: bool(visible), device_count=lambda: len(visible))\n"
+        "sys.modules['torch'] = torch\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "NPROC_PER_NODE"}
     env.update(
         PATH=f"{bin_dir}:{env['PATH']}",
         PYTHON=sys.executable,
+        PYTHONPATH=str(site),
         DRY_RUN="1",
         NNODES="1",
         NODE_RANK="0",
         MASTER_ADDR="127.0.0.1",
-        CUDA_VISIBLE_DEVICES="0,1,2",
     )
-    command = ["bash", str(ROOT / "launch" / script), "configs/quickstart.yaml"]
-    result = subprocess.run(command, capture_output=True, text=True, env=env)
-    if script == "run_single_node.sh":  # torch sees no GPU here: the CPU default
-        assert result.returncode == 0 and "--nproc-per-node 2 " in result.stdout, result
-    else:
-        assert result.returncode == 2 and "set NPROC_PER_NODE" in result.stderr, result
-    (site / "sitecustomize.py").write_text(
-        "import os, torch\n"
-        "count = len(os.environ['CUDA_VISIBLE_DEVICES'].split(','))\n"
-        "torch.cuda.is_available = lambda: True\n"
-        "torch.cuda.device_count = lambda: count\n"
-    )
-    env["PYTHONPATH"] = f"{site}:{env.get('PYTHONPATH', '')}"
-    result = subprocess.run(command, capture_output=True, text=True, env=env)
-    assert result.returncode == 0 and "--nproc-per-node 3 " in result.stdout, result
+    for script in ("run_single_node.sh", "run_multi_node.sh"):
+        command = ["bash", str(ROOT / "launch" / script), "configs/quickstart.yaml"]
+        for visible, expected in (("0,1,2", 3), ("", 2)):
+            env["CUDA_VISIBLE_DEVICES"] = visible
+            result = subprocess.run(command, capture_output=True, text=True, env=env)
+            if script == "run_multi_node.sh" and not visible:
+                assert result.returncode == 2 and "set NPROC_PER_NODE" in result.stderr, result
+                continue
+            assert result.returncode == 0, result.stderr
+            assert f"--nproc-per-node {expected} " in result.stdout, (script, result.stdout)
 
 
 # ----------------------------------------------------------------------------- timing
