@@ -84,11 +84,10 @@ def hf_run(tmp_path_factory):
     pytest.importorskip("accelerate")
     if not SHARED_DATA.is_dir():
         pytest.skip(f"{SHARED_DATA} is not present")
-    shared_data = SHARED_DATA
     config = load_config(
         str(ROOT / "configs" / "bert_sst2_local.yaml"),
         [
-            f"data.root={shared_data / 'sst2'}",
+            f"data.root={SHARED_DATA / 'sst2'}",
             "data.train_subset=128",
             "data.eval_subset=64",
             "data.max_seq_length=16",
