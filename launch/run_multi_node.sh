@@ -22,10 +22,15 @@ fi
 MASTER_PORT=${MASTER_PORT:-29500}
 RDZV_ID=${RDZV_ID:-${SLURM_JOB_ID:-pipetransformer}}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
+# The GPUs this process can use, as torch counts them: CUDA_VISIBLE_DEVICES subsets and MIG
+# instances included (`nvidia-smi -L` lists every GPU of the machine and a line per MIG
+# instance besides). PYTHON: the interpreter that runs the trainer (default python).
+visible_gpus() {
+  "${PYTHON:-python}" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0
+}
 if [ -z "${NPROC_PER_NODE:-}" ]; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    NPROC_PER_NODE=$(nvidia-smi -L | wc -l)
-  else
+  NPROC_PER_NODE=$(visible_gpus)
+  if [ "$NPROC_PER_NODE" -lt 1 ]; then
     echo "set NPROC_PER_NODE (no GPUs visible)" >&2
     exit 2
   fi

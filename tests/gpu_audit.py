@@ -94,12 +94,20 @@ class BlockingTransfers(TorchFunctionMode):
     """Records (method, where) for every call from this package that waits for the device:
     a copy of a tensor's values to the host, or a move between host and device without
     `non_blocking=True` (from pageable memory on a GPU it waits for the stream; the
-    package's host-to-device copies go through pipe/transfer.py:to_device)."""
+    package's host-to-device copies go through pipe/transfer.py:to_device).
 
-    def __init__(self, host_kept: set[int] = frozenset()) -> None:
+    `host_held` (a `HostHeld` active beneath this mode): where given, only a move of a tensor
+    a GPU run holds on the host is a copy (a `.to(device)` of a device tensor is none), and a
+    read of such a tensor waits for nothing."""
+
+    def __init__(self, host_kept: set[int] = frozenset(), host_held=None) -> None:
         super().__init__()
         self.found: list[tuple[str, str]] = []
         self.host_kept = host_kept
+        self.host_held = host_held
+
+    def _on_host(self, args) -> bool:
+        return bool(args) and isinstance(args[0], torch.Tensor) and self.host_held.holds(args[0])
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -108,10 +116,43 @@ class BlockingTransfers(TorchFunctionMode):
         copying = name in HOST_COPY_METHODS and not (
             args and isinstance(args[0], torch.Tensor) and _pointer(args[0]) in self.host_kept
         )
+        if self.host_held is not None:
+            on_host = self._on_host(args)
+            moving, copying = moving and on_host, copying and not on_host
         if copying or (moving and not kwargs.get("non_blocking", False)):
             where = _caller(package_only=True)
             if where is not None:
                 self.found.append((name, where))
+        return func(*args, **kwargs)
+
+
+class DeviceCopies(TorchDispatchMode):
+    """Records (direction, where) for every copy between the host and a device that makes the
+    host wait, whoever makes it (this package or a library inside a unit's forward): seen at
+    the operator level, so a library's `type_as`, `.to(device)` or `copy_` count as much as
+    this package's own. Meant to run on fake CUDA tensors (entered inside FakeTensorMode),
+    whose devices are what a GPU's would be: a host-to-device copy without `non_blocking`
+    (from pageable memory on a GPU the host waits for the stream), and any copy from a device
+    to the host. A CPU scalar tensor an operator reads (a 0-dim tensor beside device tensors)
+    is read on the host, not copied: not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[tuple[str, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        source = target = None
+        blocking = not kwargs.get("non_blocking", False)
+        if func is aten._to_copy.default and kwargs.get("device") is not None:
+            source, target = args[0].device, torch.device(kwargs["device"])
+        elif func is aten.copy_.default:
+            target, source = args[0].device, args[1].device
+            blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        if source is not None and source.type != target.type:
+            if target.type == "cpu" or blocking:
+                direction = "to host" if target.type == "cpu" else "to device"
+                self.found.append((direction, _caller()))
         return func(*args, **kwargs)
 
 
@@ -130,6 +171,80 @@ def _names_a_device(name: str, args, kwargs) -> bool:
         return len(args) > 1 and args[0].device != args[1].device
     values = [*args[1:], kwargs.get("device")]
     return any(isinstance(v, (torch.device, str)) and str(v) != "" for v in values if v)
+
+
+# Functions that make a tensor from host values; without `device=` it is made on the host,
+# on a GPU run too.
+FACTORIES = {
+    torch.tensor,
+    torch.as_tensor,
+    torch.scalar_tensor,
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.empty,
+    torch.arange,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    torch.from_numpy,
+}
+
+
+class HostHeld(TorchFunctionMode):
+    """Which tensors a GPU run would hold on the host, followed on a CPU run where every
+    tensor is on the host: one made by a factory without `device=` (`torch.tensor([rss])`)
+    or by `.cpu()` or `mark`ed (a dataset's batches), and what is computed from such tensors
+    alone, until `.to(device)` or `.cuda()` moves it. Tensors made before the mode or
+    elsewhere (a loader worker) are not followed (never reported). `CollectiveAudit` refuses
+    these on NCCL's groups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        self._on_host = WeakIdKeyDictionary()
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return tensor in self._on_host
+
+    def mark(self, *tensors: torch.Tensor) -> None:
+        """Tensors the caller knows a GPU run holds on the host (what a dataset yields)."""
+        for tensor in tensors:
+            self._on_host[tensor] = True
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if func in FACTORIES:
+            host = kwargs.get("device") is None
+        elif name in MOVES and name != "copy_" and _names_a_device(name, args, kwargs):
+            host = False  # moved to the device the call names
+        elif name == "cpu":
+            host = True
+        elif name.endswith("_"):  # in place: the tensor stays where it is
+            return out
+        else:
+            inputs = [t for t in _tensors((*args, *kwargs.values()))]
+            host = bool(inputs) and all(self.holds(t) for t in inputs)
+        for tensor in _tensors((out,)):
+            if host:
+                self._on_host[tensor] = True
+            else:
+                self._on_host.pop(tensor, None)
+        return out
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    found = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found += [v for v in value if isinstance(v, torch.Tensor)]
+    return found
 
 
 # ----------------------------------------------------------------------------- collectives
@@ -178,6 +293,7 @@ class CollectiveAudit:
     - the default group and the training groups (NCCL on a GPU run): tensors on the rank's
       compute device, in a dtype NCCL takes, and no object collectives or barriers (they
       belong on the control group);
+    - with `host_held`, no tensor made on the host (`HostHeld`) on those groups;
     - `groups`: every new_group / split_group call as (kind, ranks, backend), to compare
       between ranks (each must make the same calls in the same order).
 
@@ -195,6 +311,9 @@ class CollectiveAudit:
         self.groups: list[tuple[str, tuple, str]] = []
         self.counts: dict[str, int] = {}
         self._saved: dict[str, object] = {}
+        # Where set, a tensor it says a GPU run holds on the host is refused on the default
+        # and training groups (NCCL's): what a CPU run's devices cannot show.
+        self.host_held: HostHeld | None = None
 
     def _kind(self, group) -> str:
         if group is not None and group is self.control_group:
@@ -218,6 +337,10 @@ class CollectiveAudit:
                     )
                 if tensor.dtype not in NCCL_DTYPES:
                     self.violations.append(f"{op} on the {kind} group with {tensor.dtype}")
+                if self.host_held is not None and self.host_held.holds(tensor):
+                    self.violations.append(
+                        f"{op} on the {kind} group with a tensor a GPU run holds on the host"
+                    )
         if kind != "control" and op in OBJECT_OPS:
             self.violations.append(f"{op} on the {kind} group (a control message)")
 

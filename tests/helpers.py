@@ -132,10 +132,14 @@ class CliResult:
 def run_cli(*args: str) -> CliResult:
     """`pipetransformer ARGS` inside this process, from the repository root: for commands
     that end before any worker starts (errors, `plan`), without an interpreter's start and
-    imports. The package logger's handlers are put back afterwards. The entry point itself
+    imports. The package logger's handlers are put back afterwards, and the allocator's
+    environment the command sets (utils/allocator.py). The entry point itself
     (`python -m pipetransformer`) is run by the tests that train."""
+    from pipetransformer.utils.allocator import ALLOCATOR_ENV
+
     logger = logging.getLogger("pipetransformer")
     saved = (list(logger.handlers), logger.propagate, logger.level)
+    saved_env = {name: os.environ.get(name) for name in ALLOCATOR_ENV}
     stdout, stderr = io.StringIO(), io.StringIO()
     cwd = os.getcwd()
     code: int | str | None = 0
@@ -148,6 +152,11 @@ def run_cli(*args: str) -> CliResult:
                 code = exit_.code
     finally:
         os.chdir(cwd)
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         logger.handlers[:] = saved[0]
         logger.propagate, logger.level = saved[1], saved[2]
     return CliResult(

@@ -36,6 +36,48 @@ def test_a_forward_and_backward_read_nothing_on_the_host(name, padded):
     assert audit.reads == []
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_forward_on_a_gpu_copies_nothing_between_host_and_device(name):
+    """Every unit's forward, library code included, on fake CUDA tensors (the devices a GPU
+    run has), seen at the operator level (`DeviceCopies`): no blocking copy between host and
+    device. DeBERTa's attention units called transformers' `build_relative_position`, whose
+    `torch.tensor(mid - 1).type_as(positions)` copied a host scalar to the device in every
+    attention unit (4 a forward here); the positions are now made once per length and
+    device, on the device. The package-only audit (`BlockingTransfers`) did not see it."""
+    from gpu_audit import DeviceCopies
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    family = FAMILIES[name]
+    model = family.build(dropout=True).train()
+    inputs = batch(family)
+    cuda = torch.device("cuda", 0)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to(cuda)
+        on_device = [t.to(cuda) for t in inputs]
+        for _ in range(2):  # the first forward and one that finds what it made before
+            with DeviceCopies() as audit:
+                out = model(*on_device)
+            assert audit.found == [], audit.found
+    assert out.device == cuda
+
+
+def test_debertas_positions_made_once_are_transformers_own():
+    """`RelativePositions` against transformers' `build_relative_position` at DeBERTa-v3's
+    settings (256 buckets over 512 positions) and the test size's, for several lengths:
+    equal, and one tensor per length and device."""
+    from transformers.models.deberta_v2.modeling_deberta_v2 import build_relative_position
+
+    from pipetransformer.models.deberta import RelativePositions
+
+    for buckets, most in ((256, 512), (8, 16), (-1, -1)):
+        positions = RelativePositions(buckets, most)
+        for length in (7, 128, 512):
+            hidden = torch.zeros(1, length, 4)
+            expected = build_relative_position(hidden, hidden, buckets, most)
+            assert torch.equal(positions(length, hidden.device), expected), (buckets, length)
+            assert positions(length, hidden.device) is positions(length, hidden.device)
+
+
 # Adam keeps AdamW's state; fused SGD has no fake kernel (torch 2.14) and a device step like
 # fused AdamW's.
 SYNCING = {
@@ -271,6 +313,148 @@ def test_the_trainers_start_up_sets_tf32_as_trainer_tf32_says(monkeypatch, tmp_p
     assert handed == [True, False]
 
 
+class _DecodedDataset:
+    """A dataset the loaders decode (not in-memory tensors): they start workers for it."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def fetch(self, ids):
+        return (torch.zeros(len(ids), 3),), torch.zeros(len(ids), dtype=torch.long)
+
+
+@pytest.mark.parametrize("overrides", [[], ["trainer.precision=bf16"], ["trainer.tf32=false"]])
+def test_the_peers_compute_with_the_trainers_settings(overrides, monkeypatch, tmp_path):
+    """For the same config on a (faked) GPU node of 8 processes and 16 cores, rank 3: the
+    peers' device, TF32, autocast dtype, pinned memory and loader workers are what the
+    trainer's start-up (`init_distributed`) and its loaders set. The torch_ddp peer ignored
+    trainer.precision, set no device and no TF32, decoded on the main thread and copied from
+    pageable memory; the hf_trainer peer left TrainingArguments' tf32 unset (off) and started
+    all of data.num_workers on every rank. (tests/test_peers.py runs both peers audited.)"""
+    import os
+
+    import transformers
+
+    from pipetransformer.compare import peers
+    from pipetransformer.trainer import distributed
+    from pipetransformer.trainer.step import Batches
+
+    devices = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: devices.append(device))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    for name, value in dict(RANK=3, WORLD_SIZE=8, LOCAL_RANK=3, LOCAL_WORLD_SIZE=8).items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # restored after
+    text = ["model.name=bert", "model.model_name_or_path=null", "data.num_workers=8"]
+    config = load_config(ROOT / "configs" / "bert_sst2.yaml", text + overrides)
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        unset = not config.trainer.tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = unset
+        world = distributed.init_distributed(config.trainer.device, 10.0, config.trainer.tf32)
+        trainer_tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        data = type("Data", (), {"train": _DecodedDataset()})()
+        batches = Batches(config, data, None, None, world, tmp_path, None)
+        trainer_loader = batches._batch_loader._loader
+
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = unset
+        devices.clear()
+        compute = peers.peer_math(config)
+        compute.enter()
+        assert devices == [world.device] == [compute.device]
+        assert (
+            (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+            == (trainer_tf32)
+            == (config.trainer.tf32,) * 2
+        )
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    name = config.trainer.autocast_dtype  # what the trainer's runtimes autocast to
+    assert compute.autocast_dtype == (getattr(torch, name) if name else None)
+    assert compute.pin_memory and trainer_loader.pin_memory
+    assert compute.loader_workers == trainer_loader.num_workers == 1  # 16 cores / 8, less one
+
+    class Stop(Exception):
+        pass
+
+    def arguments(**kwargs):
+        raise Stop(kwargs)
+
+    monkeypatch.setattr(transformers, "TrainingArguments", arguments)
+    bundle = type("Data", (), {"task": "classification", "num_classes": 2, "vocab_size": 50})()
+    with pytest.raises(Stop) as stopped:
+        peers._run_hf_trainer(config, bundle, tmp_path, 8, "adamw_torch")
+    hf = stopped.value.args[0]
+    assert (hf["tf32"], hf["bf16"]) == (config.trainer.tf32, compute.autocast_dtype is not None)
+    assert hf["dataloader_pin_memory"] and hf["dataloader_num_workers"] == 1
+    assert (hf["use_cpu"], hf["ddp_backend"]) == (False, "nccl")
+
+
+_FIRST_CUDA_INIT = """
+import json, sys
+import torch
+
+seen = []
+
+
+class Initialised(Exception):
+    pass
+
+
+def first_initialisation(*args, **kwargs):
+    # What the caching allocator reads when CUDA initialises: its settings, parsed once.
+    seen.append(torch._C._accelerator_getAllocatorSettings())
+    raise Initialised
+
+
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: 2
+torch.cuda._lazy_init = torch.cuda.init = first_initialisation
+from pipetransformer.cli import main
+
+try:
+    main(sys.argv[1:])
+except Initialised:
+    pass
+print(json.dumps(seen))
+"""
+
+
+def test_expandable_segments_are_on_before_cuda_first_initialises_under_torchrun(tmp_path):
+    """A torchrun worker's start-up (`pipetransformer train` with torchrun's environment, a
+    fresh interpreter, CUDA faked) up to the first call that initialises CUDA: the caching
+    allocator's own settings (it parses them once, at that moment) have expandable segments.
+    The preflight's `get_device_capability` initialised CUDA before `init_distributed` set
+    PYTORCH_CUDA_ALLOC_CONF, so every torchrun run had them off (the memory model's 5%
+    fragmentation allowance assumes them on). A setting the user made is kept."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.endswith("ALLOC_CONF")}
+    env.update(
+        RANK="0",
+        WORLD_SIZE="2",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="2",
+        TORCHELASTIC_RUN_ID="allocator",
+        PYTHONPATH=str(ROOT),
+    )
+    command = [sys.executable, "-c", _FIRST_CUDA_INIT, "train", "configs/quickstart.yaml"]
+    command += ["trainer.device=cuda", "--run-dir", str(tmp_path / "run")]
+    for user_setting in (None, "expandable_segments:False"):
+        if user_setting is not None:
+            env["PYTORCH_ALLOC_CONF"] = user_setting
+        result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
+        assert result.returncode == 0, result.stderr[-2000:]
+        expected = user_setting or "expandable_segments:True"
+        assert json.loads(result.stdout.strip().splitlines()[-1]) == [expected], result.stdout
+
+
 def test_a_gpu_machine_whose_cuda_is_unusable_says_why(monkeypatch):
     """trainer.device auto trained on CPU processes without a word when CUDA could not be
     used (a driver too old for the wheel, a container started without its GPUs)."""
@@ -346,6 +530,56 @@ def test_the_multi_node_launcher_gives_gloo_an_exact_interface(nccl, gloo, tmp_p
     assert result.returncode == 0, result.stderr
     assert f"GLOO_SOCKET_IFNAME={gloo or ''}" in result.stdout.split(), result.stdout
     assert ("admits no interface" in result.stderr) == (gloo is None), result.stderr
+
+
+def test_the_launch_scripts_count_the_gpus_torch_sees(tmp_path):
+    """On a host whose `nvidia-smi -L` lists 8 GPUs and 2 MIG instances, a process that sees
+    3 of them (CUDA_VISIBLE_DEVICES) starts 3 workers a node, and one that sees none the
+    single-node script's CPU default (the multi-node script asks for NPROC_PER_NODE). torch
+    is a stand-in here (a sitecustomize module counting CUDA_VISIBLE_DEVICES, without the
+    seconds of importing torch); the scripts call `torch.cuda.device_count()`. They counted
+    nvidia-smi's lines: 10 workers, two ranks on a GPU."""
+    import os
+    import stat
+    import subprocess
+    import sys
+
+    bin_dir, site = tmp_path / "bin", tmp_path / "site"
+    bin_dir.mkdir()
+    site.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    lines = [f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})" for i in range(8)]
+    lines += [f"  MIG 3g.40gb     Device  {i}: (UUID: MIG-{i})" for i in range(2)]
+    smi.write_text("#!/bin/sh\ncat <<'EOF'\n" + "\n".join(lines) + "\nEOF\n")
+    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+    (site / "sitecustomize.py").write_text(
+        "import os, sys, types\n"
+        "visible = [d for d in os.environ.get('CUDA_VISIBLE_DEVICES', '').split(',') if d]\n"
+        "torch = types.ModuleType('torch')\n"
+        "torch.cuda = types.SimpleNamespace(\n"
+        "    is_available=lambda: bool(visible), device_count=lambda: len(visible))\n"
+        "sys.modules['torch'] = torch\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NPROC_PER_NODE"}
+    env.update(
+        PATH=f"{bin_dir}:{env['PATH']}",
+        PYTHON=sys.executable,
+        PYTHONPATH=str(site),
+        DRY_RUN="1",
+        NNODES="1",
+        NODE_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+    )
+    for script in ("run_single_node.sh", "run_multi_node.sh"):
+        command = ["bash", str(ROOT / "launch" / script), "configs/quickstart.yaml"]
+        for visible, expected in (("0,1,2", 3), ("", 2)):
+            env["CUDA_VISIBLE_DEVICES"] = visible
+            result = subprocess.run(command, capture_output=True, text=True, env=env)
+            if script == "run_multi_node.sh" and not visible:
+                assert result.returncode == 2 and "set NPROC_PER_NODE" in result.stderr, result
+                continue
+            assert result.returncode == 0, result.stderr
+            assert f"--nproc-per-node {expected} " in result.stdout, (script, result.stdout)
 
 
 # ----------------------------------------------------------------------------- timing
@@ -999,6 +1233,57 @@ def test_a_sharded_layout_on_cuda_gathers_what_autocast_computes_in(device, prec
     gathered = torch.bfloat16 if (device, precision) == ("cuda", "bf16") else None
     for policy in policies:
         assert policy.param_dtype == gathered and policy.reduce_dtype in (None, torch.float32)
+        assert gathered is None or not policy.cast_forward_inputs  # the float32 stream
+
+
+@pytest.mark.distributed
+def test_a_sharded_layout_keeps_the_float32_residual_stream_under_bf16():
+    """A real one-rank FSDP2 layout (gloo) with the policy a CUDA device gets under bf16:
+    bfloat16 gathers, and every layer group receives the float32 hidden state that the
+    pipeline and DDP layouts keep (autocast computes the matmuls in bfloat16; the residual
+    adds and layer norms stay float32). FSDP2's default `cast_forward_inputs=True` cast each
+    group's input to bfloat16: the whole residual stream rounded to bfloat16, so a
+    DDP <-> sharded transition changed the numbers. The CPU's own policy gathers float32."""
+    from gpu_workers import sharded_stream_dtypes
+    from helpers import run_workers
+
+    for cuda_policy, gathered in ((True, "torch.bfloat16"), (False, "torch.float32")):
+        (result,) = run_workers(sharded_stream_dtypes, 1, cuda_policy)
+        assert len(result["received"]) == 9, result  # 4 layers x 2 sublayers and the head
+        assert set(result["received"]) == {"torch.float32"}, (cuda_policy, result["received"])
+        assert result["weights"] == [gathered], (cuda_policy, result)
+        assert result["loss"] == pytest.approx(0.69, abs=0.05)
+
+
+@pytest.mark.distributed
+def test_ranks_plan_with_the_least_memory_and_refuse_to_build_groups_apart(tmp_path):
+    """Each rank read its own GPU's free memory for the budget that sets the first pipeline
+    length and which transitions fit: one busier GPU made ranks plan different layouts, and
+    `new_group`/`split_group` then received different partitions: a hang until the
+    collective timeout, without a message. The budget is now the least over the control
+    group, and every rank compares the layout it enters before building any group: one line
+    naming the ranks and what differs."""
+    from gpu_workers import ranks_planning_apart
+    from helpers import run_workers
+
+    config = {
+        "trainer": {"epochs": 1, "global_batch_size": 16, "nproc_per_node": 2, "device": "cpu"},
+        "model": {
+            "name": "vit_tiny_patch16_224",
+            "kwargs": {"patch_size": 4, "embed_dim": 32, "depth": 2, "num_heads": 2},
+        },
+        "data": {"name": "digits", "image_size": 8, "train_subset": 64},
+        "pipeline": {"balance": "params"},
+        "cache": {"enabled": False},
+    }
+    results = run_workers(ranks_planning_apart, 2, config, str(tmp_path))
+    assert [r["budget"] for r in results] == [2.0**30] * 2, results
+    assert results[0]["initial_pipe_len"] == results[1]["initial_pipe_len"]
+    for result in results:
+        assert result["groups_built"] == 0, result
+        error = result["error"]
+        assert error.startswith("ranks disagree on the layout they enter") and "\n" not in error
+        assert "micro_batches 1 on rank(s) 0 but 2 on rank(s) 1" in error, error
 
 
 @pytest.mark.distributed
@@ -1053,6 +1338,20 @@ def test_a_sharded_layouts_modules_are_freed_when_it_goes(audited_sharded):
     for result in audited_sharded:
         alive, built = result["old_sharded_modules"]
         assert built > 0 and alive == 0, (alive, built)
+
+
+@pytest.mark.distributed
+def test_the_old_layouts_parameters_are_gone_while_the_new_one_is_built(audited, audited_sharded):
+    """With the collector off, at every runtime the transition builds (the micro-batch trials
+    and the new stage), none of the old stage's trained parameters that the new units do not
+    hold, its gradient owner index and AutoFreeze's sums (an fp32 copy of every trained
+    parameter) is alive: `Stage.grad_owners` and `grad_sums` kept them, and with them the
+    released units' storage (a sharded layout's shards), on the device while the new layout
+    was built."""
+    kind, results = audited
+    for result in [*results, *audited_sharded]:
+        taken, alive = result["old_tensors"]
+        assert taken > 0 and alive and set(alive) == {0}, (kind, taken, alive)
 
 
 @pytest.mark.distributed

@@ -255,3 +255,28 @@ def test_a_sharded_run_that_cannot_fit_is_refused_in_one_line():
         PlanContext.build(config, spec, World(2, 2), budget_bytes=need - 1)
     with pytest.raises(ConfigError, match="pipeline.sharding"):
         config_from_dict({"pipeline": {"sharding": "always", "initial_pipe_len": 2}})
+
+
+@pytest.mark.gpu_rules
+def test_autofreezes_gradient_sums_are_in_the_memory_model():
+    """freeze.strategy autofreeze keeps a float32 copy of every trained parameter (the
+    interval's summed gradients): a stage holds one more copy of its trained parameters,
+    a sharded layout one more copy of its shards; the other strategies none. The model left
+    them out, so a run near its device budget could plan a layout that did not fit."""
+    from pipetransformer.planning.context import describe_model, memory_model
+
+    plan = balance(UnitCosts.from_param_counts([1] * 6, 1 / 6), 0, 2)
+    shape = LayoutShape(micro_batch_size=4, num_micro_batches=2, dp_degree=2)
+    sums = dataclasses.replace(TOY, gradient_sums_factor=1.0)
+    first = sums.stage_memory(plan, 0, shape)
+    assert first.gradient_sums == first.gradients == 300
+    assert first.total - TOY.stage_memory(plan, 0, shape).total == 300
+    whole = balance(UnitCosts.from_param_counts([1] * 6, 1 / 6), 0, 1)
+    sharded = sums.sharded_memory(whole, LayoutShape(4, 1, dp_degree=2))
+    assert sharded.gradient_sums == sharded.gradients == 300  # 600 bytes trained, halved
+    model = {"name": TINY_VIT.name, "kwargs": dict(TINY_VIT.kwargs)}
+    for strategy, factor in (("autofreeze", 1.0), ("gradient_norm", 0.0)):
+        config = config_from_dict(
+            {"model": model, "data": {"name": "digits"}, "freeze": {"strategy": strategy}}
+        )
+        assert memory_model(config, describe_model(config)).gradient_sums_factor == factor

@@ -74,10 +74,13 @@ def test_the_torch_ddp_peer_on_two_processes_trains_as_one_does(tmp_path):
     assert read_seed_run(two, "torch_ddp", 0).wall_time_s == run["training_time_s"] > 0
 
 
-def test_the_hf_trainer_peer_writes_a_run_compare_reads(tmp_path, sst2_dir):
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory, sst2_dir):
     """transformers' Trainer on 2 processes (accelerate's multi-process state over gloo), a
-    tiny random BERT on 128 SST-2-like sentences: the steps the batch gives, scored on rank
-    0."""
+    tiny random BERT on 128 SST-2-like sentences, audited as a GPU would run it
+    (tests/gpu_workers.py `audited_peer_run`): (run directory, each rank's audit, config)."""
+    from gpu_workers import audited_peer_run
+
     pytest.importorskip("accelerate")
     config = load_config(
         str(ROOT / "configs" / "bert_sst2_local.yaml"),
@@ -92,14 +95,54 @@ def test_the_hf_trainer_peer_writes_a_run_compare_reads(tmp_path, sst2_dir):
             "intermediate_size: 64}",
         ],
     )
-    run_workers(peer_run, 2, "hf_trainer", config, tmp_path)
-    run = read_run(tmp_path)
+    run_dir = tmp_path_factory.mktemp("hf-peer")
+    return run_dir, run_workers(audited_peer_run, 2, "hf_trainer", config, run_dir), config
+
+
+def test_the_hf_trainer_peer_writes_a_run_compare_reads(hf_run):
+    """The steps the batch gives, scored on rank 0."""
+    run = read_run(hf_run[0])
     assert [t["global_step"] for t in run["freeze_trajectory"]] == [4, 8]
     assert 0 < run["final_eval_metric"] <= 1 and run["metric_name"] == "accuracy"
     assert all(s > 0 for s in run["samples_per_s"])
     # Each sentence once an epoch, at its real length; batches padded to their longest
     # rounded up to 8 (DataCollatorWithPadding), so no more than 16 tokens a sentence.
-    lengths = build_data(config.data, seed=config.trainer.seed).train.lengths
+    lengths = build_data(hf_run[2].data, seed=hf_run[2].trainer.seed).train.lengths
     assert run["real_tokens"] == [sum(lengths)] * 2
     assert all(sum(lengths) < padded <= 128 * 16 for padded in run["padded_tokens"])
     assert 0 < throughput(run)["padded_share"] < 1
+
+
+@pytest.mark.gpu_rules
+def test_the_hf_trainer_peers_collectives_are_what_nccl_takes(hf_run):
+    """Both ranks' collectives on the default group carry tensors a GPU run holds on the
+    device: the peak memory's all-reduce made its tensor on the host, which NCCL (the
+    default group of a GPU run) refuses at the end of every run: no summary.json."""
+    for result in hf_run[1]:
+        assert result["violations"] == [], result["violations"]
+        assert result["counts"].get("default:all_reduce", 0) >= 1, result["counts"]
+
+
+@pytest.mark.gpu_rules
+def test_the_torch_ddp_peer_computes_as_the_trainer_and_as_nccl_requires(tmp_path):
+    """The plain timm loop on 2 processes under bf16, audited as a GPU would run it
+    (tests/gpu_workers.py): its matmuls compute in bfloat16 as the trainer's autocast does
+    (it ignored trainer.precision); within an epoch no copy blocks (they copied every batch
+    from pageable memory with a blocking `.to(device)`), the epoch's mean loss read once;
+    and every collective on the default group (NCCL's) carries device tensors (the peak
+    memory's and an empty epoch's loss were made on the host)."""
+    from gpu_workers import audited_peer_run
+
+    config = load_config(
+        str(ROOT / "configs" / "quickstart.yaml"),
+        [*TINY_VIT, "data.train_subset=128", "trainer.precision=bf16"],
+    )
+    results = run_workers(audited_peer_run, 2, "torch_ddp", config, tmp_path)
+    for result in results:
+        assert result["violations"] == [], result["violations"]
+        assert result["counts"].get("default:all_reduce", 0) >= 3  # 2 epochs' loss, peak
+        assert result["matmul_dtypes"] == ["torch.bfloat16"], result["matmul_dtypes"]
+        assert len(result["blocking"]) == 2  # epochs
+        for found in result["blocking"]:
+            assert [name for name, _ in found] == ["__float__"], found
+    assert 0 < read_run(tmp_path)["final_eval_metric"] <= 1

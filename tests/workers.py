@@ -655,3 +655,36 @@ def logged_run(config_dict: dict, run_dir: str) -> dict:
         return elastic_run(config_dict, run_dir)["summary"]
     finally:
         handler.close()
+
+
+def compiled_run(config_dict: dict, run_dir: str, frozen_after: int, steps: int) -> dict:
+    """The trainer's own steps (`steps` before a transition to `frozen_after` frozen layers,
+    `steps` after it, and `steps` more), each step's replica loss, and the graphs compiled
+    per unit class (models/compiled.py `COMPILES`) at the end of each phase."""
+    from pipetransformer.config import config_from_dict
+    from pipetransformer.models.compiled import COMPILES
+    from pipetransformer.trainer.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(config_dict), run_dir)
+    losses, compiles = [], []
+    try:
+        trainer.setup()
+        ticks = trainer.clock.ticks()
+        for phase in range(3):
+            if phase == 1:
+                trainer.transition(frozen_after)
+            for _ in range(steps):
+                tick = next(ticks)
+                result = trainer.steps.run(tick, trainer.stage)
+                trainer.metrics.record(tick, result)
+                loss = result.replica_loss  # None on a stage that is not the last
+                losses.append(None if loss is None else float(loss))
+            compiles.append(dict(COMPILES))
+        return {
+            "losses": losses,
+            "compiles": compiles,
+            "layout": trainer.stage.layout.describe(),
+            "unit_classes": [type(u).__name__ for _, u in sorted(trainer.stage.units.items())],
+        }
+    finally:
+        trainer.cleanup()

@@ -51,6 +51,10 @@ class Control:
         """Element-wise maximum over the ranks (the slowest rank's time, a signal any got)."""
         return self._reduce(values, dist.ReduceOp.MAX)
 
+    def all_min(self, values: torch.Tensor | Sequence[float]) -> torch.Tensor:
+        """Element-wise minimum over the ranks (what every rank's device can hold)."""
+        return self._reduce(values, dist.ReduceOp.MIN)
+
     def sum(self, value: float | torch.Tensor) -> float:
         """One number summed over the ranks."""
         return float(self.all_sum(value if isinstance(value, torch.Tensor) else [value])[0])

@@ -15,9 +15,53 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.autodp.topology import Layout
 
 logger = logging.getLogger(__name__)
+
+
+class LayoutDisagreement(RuntimeError):
+    """Ranks about to build the groups of different layouts (one line: which ranks, what
+    differs). Built anyway, `new_group`/`split_group` would receive different partitions and
+    the run would hang until the collective timeout without a word."""
+
+
+def layout_digest(layout: Layout) -> dict[str, str]:
+    """What the ranks of one layout must agree on before building its groups."""
+    plan = layout.plan
+    return {
+        "pipe_len": str(layout.pipe_len),
+        "dp_degree": str(layout.dp_degree),
+        "sharded": str(layout.sharded),
+        "frozen_layers": str(plan.num_frozen_layers),
+        "stage_units": str([list(r) for r in plan.stage_ranges]),
+        "micro_batches": str(plan.num_micro_batches),
+        "world": f"{layout.world_size}/{layout.devices_per_node}",
+    }
+
+
+def check_layouts_agree(control: Control, layout: Layout) -> None:
+    """Compare every rank's digest of the layout it is entering (collective over the
+    control group); raise LayoutDisagreement naming the ranks and what differs."""
+    digests = control.all_gather(layout_digest(layout))
+    differences = []
+    for key in digests[0]:
+        ranks_by_value: dict[str, list[int]] = {}
+        for rank, digest in enumerate(digests):
+            ranks_by_value.setdefault(digest[key], []).append(rank)
+        if len(ranks_by_value) > 1:
+            held = [f"{value} on rank(s) {_ranks(r)}" for value, r in ranks_by_value.items()]
+            differences.append(f"{key} {' but '.join(held)}")
+    if differences:
+        raise LayoutDisagreement(
+            "ranks disagree on the layout they enter, before building its groups: "
+            + "; ".join(differences)
+        )
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ",".join(map(str, ranks))
 
 
 def create_control_group(timeout_s: float) -> dist.ProcessGroup:

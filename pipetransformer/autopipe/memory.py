@@ -6,6 +6,8 @@ For one rank of a layout (stage s of K, M micro-batches of m samples, R replicas
     parameters      every unit the rank holds (its stage's, and on stage 0 the frozen prefix)
     gradients       one per trained parameter
     optimizer       Adam/AdamW two moments, SGD with momentum one buffer, per trained parameter
+    gradient sums   freeze.strategy autofreeze: each trained parameter's gradients summed
+                    over the decision interval, a float32 copy of it (trainer/step.py)
     DDP buckets     a flat copy of the trained gradients when R > 1 (DDP's reducer buckets)
     activations     what autograd saves for backward, per micro-batch still waiting for its
                     backward: GPipe holds all M, 1F1B at most K - s on stage s, one
@@ -56,7 +58,7 @@ state sharded over the R replicas; `sharded_memory`) holds on each rank:
                     then computed locally or served from AutoCache), the trained units' shard
                     (1/R of their bytes)
     gradients       the sharded gradients (1/R), made by the reduce-scatters
-    optimizer       state of the shard (1/R)
+    optimizer       state of the shard (1/R), and AutoFreeze's gradient sums of it
     gathered        FSDP2's unsharded buffers in flight, one shard group (a layer: both its
                     sublayers; the embedding and the head alone) at a time: in backward the
                     group's all-gathered parameters, their unsharded gradients, the
@@ -171,6 +173,7 @@ class StageMemory:
     boundary: float
     overlap: float = 0.0  # subtracted: gradients made while activations are freed
     gathered: float = 0.0  # FSDP2's unsharded parameters and gradients in flight
+    gradient_sums: float = 0.0  # autofreeze: a float32 copy of the trained parameters
 
     def with_overlap(self, overlap: float) -> StageMemory:
         return dataclasses.replace(self, overlap=overlap)
@@ -181,6 +184,7 @@ class StageMemory:
             self.parameters
             + self.gradients
             + self.optimizer
+            + self.gradient_sums
             + self.ddp_buckets
             + self.gathered
             + self.activations
@@ -199,16 +203,22 @@ class MemoryModel:
     output_bytes: tuple[int, ...]  # likewise
     profile_micro_batch_size: int
     optimizer_state_factor: float
+    # Bytes of gradient sums per trained parameter byte: 1 under freeze.strategy autofreeze
+    # (float32 sums of float32 parameters), else 0. Dropped at a transition: not moved.
+    gradient_sums_factor: float = 0.0
 
     @classmethod
-    def from_profile(cls, profile, optimizer_name: str, momentum: float = 0.9) -> MemoryModel:
-        """From a UnitProfile (autopipe/profiles.py)."""
+    def from_profile(
+        cls, profile, optimizer_name: str, momentum: float = 0.9, gradient_sums: bool = False
+    ) -> MemoryModel:
+        """From a UnitProfile (autopipe/profiles.py); `gradient_sums`: AutoFreeze's."""
         return cls(
             tuple(profile.param_bytes),
             tuple(profile.saved_bytes),
             tuple(profile.output_bytes),
             profile.micro_batch_size,
             optimizer_state_factor(optimizer_name, momentum),
+            1.0 if gradient_sums else 0.0,
         )
 
     def stage_memory(self, plan: PipelinePlan, stage: int, shape: LayoutShape) -> StageMemory:
@@ -277,6 +287,7 @@ class MemoryModel:
             parameters=float(sum(self.param_bytes[u] for u in held)),
             gradients=grads,
             optimizer=grads * self.optimizer_state_factor,
+            gradient_sums=grads * self.gradient_sums_factor,
             ddp_buckets=grads if shape.dp_degree > 1 else 0.0,
             activations=activations,
             boundary=boundary,
@@ -332,6 +343,7 @@ class MemoryModel:
             parameters=float(sum(self.param_bytes[: plan.prefix_end])) + shard,
             gradients=shard,
             optimizer=shard * self.optimizer_state_factor,
+            gradient_sums=shard * self.gradient_sums_factor,
             ddp_buckets=0.0,
             activations=activations,
             boundary=scale * boundary,

@@ -43,8 +43,10 @@ def _release_and_exit(code: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from pipetransformer.utils.allocator import use_expandable_segments
     from pipetransformer.utils.logging import setup_logging
 
+    use_expandable_segments()  # before anything here can initialise CUDA (utils/allocator.py)
     setup_logging(rank="-")
     parser = build_parser()
     # Overrides may come before or after options (`train CONFIG --nproc 2 a.b=1`).

@@ -15,6 +15,13 @@ data.pad_to_multiple_of (or to max_seq_length under data.padding max_length), an
 batches by length (`group_by_length`) where the config does; `torch_ddp` fetches batches
 as the trainer does. Each counts the real tokens and the padded tokens it trains (from the
 attention masks) into its epochs' records.
+
+They compute as the trainer does (`PeerMath`, from the same config): the process's own GPU
+(`torch.cuda.set_device`), TF32 for float32 matmuls as `trainer.tf32` says, autocast in
+`trainer.precision`'s dtype, batches decoded by loader workers (as many as the trainer's)
+into pinned memory and copied without blocking; otherwise a GPU speedup against them would
+measure the settings, not the system. Every collective they make on the default group (NCCL
+on GPUs) carries device tensors, as NCCL requires.
 Their accuracy is scored on rank 0 the way the trainer scores its own (argmax over the
 evaluation split). Each writes the run records `compare` reads (summary.json, metrics.jsonl,
 events.jsonl), so they join the report and the statistics over seeds like any variant.
@@ -25,7 +32,7 @@ step (that is what they are measured against).
 
 from __future__ import annotations
 
-import dataclasses
+import inspect
 import json
 import logging
 import math
@@ -33,6 +40,7 @@ import os
 import resource
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +51,9 @@ from torch import nn
 from pipetransformer.compare.report import HF_TRAINER, TORCH_DDP
 from pipetransformer.config import Config
 from pipetransformer.data import DataBundle, build_data
+from pipetransformer.data.base import TensorSampleDataset
+from pipetransformer.data.loader import workers_per_process
+from pipetransformer.models.compiled import compile_unit, library_blocks
 from pipetransformer.runs.records import EpochMetrics, RunSummary
 from pipetransformer.trainer.optim import decay_groups, learning_rate
 from pipetransformer.utils.files import append_jsonl, write_json_atomic
@@ -81,11 +92,69 @@ def run_peer(name: str, config: Config, run_dir: Path, hf_optim: str = "adamw_to
     metric = eval_time_s = 0.0
     if rank == 0:  # the other ranks wait for it in the reduction of the peak memory
         started = time.perf_counter()
-        metric = _accuracy(model, data, device, forward)
+        metric = _accuracy(model, data, device, forward, peer_math(config))
         eval_time_s = time.perf_counter() - started
-    peak = _peak_rss_bytes()
+    peak = _peak_rss_bytes(device)
     if rank == 0:
         write_records(run_dir, epochs, metric, world_size, peak, eval_time_s)
+
+
+@dataclass(frozen=True)
+class PeerMath:
+    """How a peer process computes: what the trainer's start-up and step set for the same
+    config (trainer/distributed.py `init_distributed`, the runtime's autocast, the loaders)."""
+
+    device: torch.device
+    tf32: bool  # float32 matmuls on TF32 tensor cores (CUDA only)
+    autocast_dtype: torch.dtype | None
+    pin_memory: bool  # batches in pinned memory, copied to the device without blocking
+    loader_workers: int  # processes decoding batches beside the training loop
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def autocast(self):
+        return torch.autocast(
+            self.device.type,
+            dtype=self.autocast_dtype or torch.float32,
+            enabled=self.autocast_dtype is not None,
+        )
+
+    def enter(self) -> None:
+        """This process's GPU and its float32 matmul precision, as the trainer sets them."""
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+            torch.backends.cuda.matmul.allow_tf32 = self.tf32
+            torch.backends.cudnn.allow_tf32 = self.tf32
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.pin_memory and not tensor.is_pinned():
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=True)
+
+
+def peer_math(config: Config) -> PeerMath:
+    """The `PeerMath` of this process (torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE)."""
+    cuda = torch.cuda.is_available() and config.trainer.device != "cpu"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    name = config.trainer.autocast_dtype
+    return PeerMath(
+        device=torch.device("cuda", local_rank) if cuda else torch.device("cpu"),
+        tf32=cuda and config.trainer.tf32,
+        autocast_dtype=getattr(torch, name) if name else None,
+        pin_memory=cuda,
+        loader_workers=workers_per_process(config.data.num_workers, local),
+    )
+
+
+def _compile_blocks(config: Config, model: nn.Module, text: bool) -> None:
+    """trainer.compile: each transformer block compiled on its own, as the trainer compiles
+    each unit (regional compilation; the batch, and a text model's sequence, dynamic)."""
+    if config.trainer.compile:
+        for block in library_blocks(model):
+            compile_unit(block, config.trainer.compile_backend, (0, 1) if text else (0,))
 
 
 def _set_threads() -> None:
@@ -106,26 +175,31 @@ def _optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
     return cls(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
 
 
-def _accuracy(model: nn.Module, data: DataBundle, device: torch.device, forward) -> float:
-    """Argmax accuracy over the whole evaluation split, as the trainer's evaluator scores it."""
+def _accuracy(
+    model: nn.Module, data: DataBundle, device: torch.device, forward, compute: PeerMath
+) -> float:
+    """Argmax accuracy over the whole evaluation split, as the trainer's evaluator scores it
+    (the count kept on the device, read once)."""
     model.eval()
-    correct = 0
+    correct = torch.zeros((), dtype=torch.long, device=device)
     batch = 256
-    with torch.no_grad():
+    with torch.no_grad(), compute.autocast():
         for start in range(0, len(data.eval), batch):
             ids = range(start, min(start + batch, len(data.eval)))
             inputs, target = data.eval.fetch(ids)
-            logits = forward(model, [t.to(device) for t in inputs])
-            correct += int((logits.argmax(-1).cpu() == target).sum())
+            logits = forward(model, [compute.to_device(t) for t in inputs])
+            correct += (logits.argmax(-1) == compute.to_device(target)).sum()
     model.train()
-    return correct / len(data.eval)
+    return int(correct.item()) / len(data.eval)
 
 
-def _peak_rss_bytes() -> int:
+def _peak_rss_bytes(device: torch.device) -> int:
+    """The largest resident set over the ranks: reduced on the default group (NCCL on GPUs,
+    which takes device tensors only)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     if not dist.is_initialized():
         return rss
-    peak = torch.tensor([rss], dtype=torch.long)
+    peak = torch.tensor([rss], dtype=torch.long, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return int(peak.item())
 
@@ -305,8 +379,7 @@ def _length_grouping(arguments: type, grouped: bool) -> dict[str, Any]:
     """The TrainingArguments that group batches by length (LengthGroupedSampler): since the
     sampler unification of transformers 5 (huggingface/transformers#43138),
     `train_sampling_strategy="group_by_length"`; before it, `group_by_length=True`."""
-    fields = {f.name for f in dataclasses.fields(arguments)}
-    if "train_sampling_strategy" in fields:
+    if "train_sampling_strategy" in inspect.signature(arguments).parameters:
         return {"train_sampling_strategy": "group_by_length" if grouped else "random"}
     return {"group_by_length": grouped}
 
@@ -330,8 +403,10 @@ def _run_hf_trainer(
     model, _ = create_text_model(
         config.model, task=data.task, num_labels=data.num_classes, vocab_size=data.vocab_size
     )
+    _compile_blocks(config, model, text=True)
     o = config.optimizer
-    use_cpu = not torch.cuda.is_available() or config.trainer.device == "cpu"
+    compute = peer_math(config)
+    use_cpu = not compute.cuda
     if o.lr_schedule == "linear" and o.min_lr_ratio > 0:
         raise ValueError("optimizer.min_lr_ratio: the hf_trainer peer decays to 0")
     args = TrainingArguments(
@@ -355,12 +430,16 @@ def _run_hf_trainer(
         disable_tqdm=True,
         use_cpu=use_cpu,
         ddp_backend="gloo" if use_cpu else "nccl",
-        dataloader_num_workers=config.data.num_workers,
+        # The trainer's math (PeerMath): loader workers into pinned memory, bf16, TF32
+        # (None on the CPU: transformers refuses tf32 where no GPU has it).
+        dataloader_num_workers=compute.loader_workers,
+        dataloader_pin_memory=compute.pin_memory,
         # Every sample every epoch, as the trainer trains them (and Trainer's default).
         dataloader_drop_last=False,
         # Every parameter is used: the default (True) would traverse the graph every step.
         ddp_find_unused_parameters=False,
-        bf16=config.trainer.precision == "bf16",
+        bf16=compute.autocast_dtype == torch.bfloat16,
+        tf32=compute.tf32 if compute.cuda else None,
         **_length_grouping(TrainingArguments, config.data.group_by_length),
     )
     _set_threads()  # accelerate's state may have changed it
@@ -404,11 +483,11 @@ def _run_torch_ddp(
 
     from pipetransformer.models.image_models import create_timm_model
 
-    use_cuda = torch.cuda.is_available() and config.trainer.device != "cpu"
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else None
-    device = device or torch.device("cpu")
+    compute = peer_math(config)
+    device = compute.device
+    compute.enter()
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        dist.init_process_group("nccl" if compute.cuda else "gloo")
     torch.manual_seed(config.trainer.seed)  # the trainer's weights (trainer.py builds so)
     model, _ = create_timm_model(
         config.model.name,
@@ -419,8 +498,9 @@ def _run_torch_ddp(
         checkpoint_path=config.model.checkpoint_path,
         kwargs=config.model.kwargs,
     )
+    _compile_blocks(config, model, text=False)
     model = model.to(device)
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if use_cuda else None)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if compute.cuda else None)
     optimizer = _optimizer(config, ddp)
     batch = config.trainer.global_batch_size // world_size
     sampler = torch.utils.data.DistributedSampler(
@@ -430,21 +510,22 @@ def _run_torch_ddp(
         seed=config.trainer.seed,
     )  # the defaults a user keeps: every sample every epoch, the last batch smaller
     steps_per_epoch = math.ceil(len(sampler) / batch)
+    loader = _loader(data, sampler, batch, compute)
     total_steps = steps_per_epoch * config.trainer.epochs
     loss_fn = nn.CrossEntropyLoss()
     clock, step = EpochClock(), 0
     lr = config.optimizer.lr
     for epoch in range(config.trainer.epochs):
         sampler.set_epoch(epoch)
-        order = list(sampler)
         clock.start()
         losses = []
-        for i in range(steps_per_epoch):
-            inputs, target = data.train.fetch(order[i * batch : (i + 1) * batch])
+        for inputs, target in loader:
             lr = learning_rate(config.optimizer, step, total_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss = loss_fn(ddp(*[t.to(device) for t in inputs]), target.to(device))
+            with compute.autocast():
+                logits = ddp(*[compute.to_device(t) for t in inputs])
+            loss = loss_fn(logits.float(), compute.to_device(target))
             loss.backward()
             if config.optimizer.max_grad_norm is not None:
                 nn.utils.clip_grad_norm_(ddp.parameters(), config.optimizer.max_grad_norm)
@@ -452,11 +533,57 @@ def _run_torch_ddp(
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.detach())
             step += 1
-        mean_loss = torch.stack(losses).mean() if losses else torch.tensor(float("nan"))
+        if losses:
+            mean_loss = torch.stack(losses).mean()
+        else:
+            mean_loss = torch.tensor(float("nan"), device=device)  # NCCL takes device tensors
         dist.all_reduce(mean_loss)  # the global batch's mean: each rank holds half of it
         mean_loss = float(mean_loss) / world_size
         clock.end(step, len(data.train), mean_loss, lr)
     return model, device, _image_forward, clock.records
+
+
+class _EpochBatches:
+    """The sample ids of each of the rank's batches this epoch, in the sampler's order (the
+    sampler's `set_epoch` reshuffles them)."""
+
+    def __init__(self, sampler: torch.utils.data.Sampler, batch: int) -> None:
+        self.sampler, self.batch = sampler, batch
+
+    def __iter__(self):
+        order = list(self.sampler)
+        for start in range(0, len(order), self.batch):
+            yield order[start : start + self.batch]
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.sampler) / self.batch)
+
+
+class _FetchBatch(torch.utils.data.Dataset):
+    """A batch of samples by their ids: decoded in a loader worker, as the trainer's are."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __getitem__(self, ids):
+        return self.dataset.fetch(ids)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+def _loader(data: DataBundle, sampler, batch: int, compute: PeerMath):
+    """The DataLoader a timm user writes: workers decoding batches (as many as the trainer
+    starts; none for in-memory tensors, which it does not decode either), pinned on a GPU."""
+    workers = 0 if isinstance(data.train, TensorSampleDataset) else compute.loader_workers
+    return torch.utils.data.DataLoader(
+        _FetchBatch(data.train),
+        batch_size=None,
+        sampler=_EpochBatches(sampler, batch),
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        pin_memory=compute.pin_memory,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,6 +65,8 @@ class DataConfig:
     holdout: int | None = None
     augment: bool = False
     download: bool = False
+    # Loader worker processes per training process (and as many for evaluation), at most the
+    # process's share of the node's cores less one (data/loader.py `workers_per_process`).
     num_workers: int = 0
     # name 'hf' (text classification through `datasets`, docs/data.md) and 'hf_image' (image
     # classification, the same keys): what datasets.load_dataset(path, data_files=...)

@@ -50,6 +50,15 @@ class TrainerConfig:
     # On CUDA, float32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs,
     # float32 accumulation); false: full float32 (several times slower on A100/H100).
     tf32: bool = True
+    # torch.compile each unit's forward (regional, as torchtitan compiles each block; the
+    # peers of `compare --peers` compile each block alike): a graph per unit class and
+    # state, shared by the units of a class, reused across transitions; the batch and
+    # sequence dimensions dynamic (models/compiled.py). The first steps of a layout and
+    # the first evaluation pay the compilation.
+    compile: bool = False
+    # What compiles the graphs: 'inductor' (generated kernels); 'aot_eager' and 'eager'
+    # trace without generating code (to check a model compiles, or find what breaks).
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     # Audit the data order: every first-stage rank appends the sample ids it trains on
     # (shape padding left out) to RUN_DIR/samples/rank<r>.jsonl, one line per step.
     record_sample_ids: bool = False

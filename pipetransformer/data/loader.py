@@ -9,12 +9,17 @@ it for batches whose every sample AutoCache already serves, and gets None for th
 sequence length of each text batch (`lengths`: a pipeline's bucket; default each batch's
 own, data/base.py).
 
+How many workers a process may start is bounded by the cores it has (`workers_per_process`):
+every process of a node starts its own loaders, so the paper's ViT configs (8 workers, 8
+processes a node) started 64 training and 64 evaluation workers on a 16-core host.
+
 Owns: the workers and the order of a pass. Must not: know about devices beyond pinning,
 replicas or the cache (the caller's `skip` decides).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -23,6 +28,25 @@ from pipetransformer.data.base import SampleDataset, TensorSampleDataset
 
 Inputs = tuple[torch.Tensor, ...]
 Skip = Callable[[Sequence[int]], bool]
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity: a container's or a job's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def workers_per_process(configured: int, processes_per_node: int, cores: int | None = None) -> int:
+    """`data.num_workers` bounded by this process's share of the node's cores, less the one
+    its own main thread runs on (at least one worker where any was asked for: decoding then
+    still overlaps the step). A loader's workers run while the other loader's (training,
+    evaluation) wait, so each loader gets the bound."""
+    if configured <= 0:
+        return 0
+    share = (available_cores() if cores is None else cores) // max(1, processes_per_node)
+    return min(configured, max(1, share - 1))
 
 
 def pin(inputs: Inputs) -> Inputs:

@@ -21,10 +21,14 @@ region, as the pipeline's stages do. On CUDA, FSDP2 gathers bfloat16 copies of t
 shards (`MixedPrecisionPolicy(param_dtype=bfloat16)`, as torchtitan does) and reduces the
 gradients in float32: half the bytes of a float32 gather, and the gathered layer is the
 copy autograd saves, freed when the layer reshards (a float32 gather left autocast a full
-bfloat16 copy of every resharded layer, held from its forward to its backward). CUDA
-autocast runs layer norm in float32 whatever its weights' dtype. On the CPU FSDP2 gathers
-float32: CPU autocast's layer norm refuses bfloat16 weights under the float32 residual
-stream ("mixed dtype (CPU): expect parameter to have scalar type of Float", torch 2.14).
+bfloat16 copy of every resharded layer, held from its forward to its backward). Each group
+receives its input as it comes (`cast_forward_inputs=False`): the hidden state between
+layers stays the float32 residual stream a pipeline stage or DDP keeps under autocast
+(FSDP2's default casts every group's input to `param_dtype`, which rounded the whole stream
+to bfloat16, so a DDP <-> sharded transition changed the numbers). CUDA autocast runs layer
+norm in float32 whatever its inputs' and weights' dtype. On the CPU FSDP2 gathers float32:
+CPU autocast's layer norm refuses bfloat16 weights under the float32 residual stream
+("mixed dtype (CPU): expect parameter to have scalar type of Float", torch 2.14).
 
 Owns: `ShardedRuntime`, `build_sharded_runtime`, `gather_policy`. Must not: create process
 groups, choose layouts, or move state between ranks (fsdp/state.py converts it; the
@@ -147,7 +151,9 @@ class ShardedRuntime:
 def gather_policy(device: torch.device, autocast_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
     """What FSDP2 gathers parameters and reduces gradients in (module docstring)."""
     if device.type == "cuda" and autocast_dtype is not None:
-        return MixedPrecisionPolicy(param_dtype=autocast_dtype, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy(
+            param_dtype=autocast_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
     return MixedPrecisionPolicy()
 
 

@@ -2,7 +2,10 @@
 
 DeBERTa's disentangled attention reads two things besides the hidden state:
 - the relative positions of query and key tokens (bucketed), a function of the sequence
-  length alone: each attention unit recomputes them (`build_relative_position`);
+  length alone: made once per length and device, on the device, and shared by the model's
+  attention units (`RelativePositions`; transformers' `build_relative_position`, called in
+  every layer, copies a host scalar to the device each time: a blocking copy per layer on
+  a GPU);
 - the relative-position embedding table (`encoder.rel_embeddings`, layer-normed by
   `encoder.LayerNorm`), ONE trained parameter that every layer reads. It belongs to the
   embedding unit, which computes LayerNorm(table) once per forward, as DebertaV2Encoder
@@ -29,7 +32,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.models.deberta_v2.modeling_deberta_v2 import build_relative_position
 
 from pipetransformer.models.layered import LayeredModel
 from pipetransformer.models.registry import ModelAdapter, register_adapter
@@ -68,29 +70,61 @@ class DebertaEmbedding(nn.Module):
         return hidden, attention_mask
 
 
+class RelativePositions:
+    """The bucketed relative positions of query and key tokens of a sequence length, as
+    transformers' `build_relative_position` makes them (the same values), made on the device
+    without a host copy and kept per length and device: every attention unit of a model
+    reads the same ones. Not a module: nothing to train, save or move between ranks (a unit
+    that moves makes its own again). Under torch.compile they are made inside the graph."""
+
+    def __init__(self, bucket_size: int, max_position: int) -> None:
+        self.bucket_size = bucket_size
+        self.max_position = max_position
+        self._made: dict[tuple[int, str], torch.Tensor] = {}
+
+    def __call__(self, length: int, device: torch.device) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self._make(length, device)
+        key = (length, str(device))
+        if key not in self._made:
+            self._made[key] = self._make(length, device)
+        return self._made[key]
+
+    def _make(self, length: int, device: torch.device) -> torch.Tensor:
+        ids = torch.arange(length, dtype=torch.long, device=device)
+        relative = ids[:, None] - ids[None, :]
+        if self.bucket_size > 0 and self.max_position > 0:
+            relative = self._log_buckets(relative)
+        return relative.to(torch.long).unsqueeze(0)
+
+    def _log_buckets(self, relative: torch.Tensor) -> torch.Tensor:
+        """transformers' `make_log_bucket_position`, its host scalar an operand instead
+        (`torch.tensor(mid - 1).type_as(relative)` copied it to the device)."""
+        sign = torch.sign(relative)
+        mid = self.bucket_size // 2
+        near = (relative < mid) & (relative > -mid)
+        absolute = torch.where(near, mid - 1, torch.abs(relative))
+        # A 0-dim host tensor, read on the host by the kernel (no copy), as transformers has it.
+        scale = torch.log(torch.tensor((self.max_position - 1) / mid))
+        log_pos = torch.ceil(torch.log(absolute / mid) / scale * (mid - 1)) + mid
+        return torch.where(absolute <= mid, relative.type_as(log_pos), log_pos * sign)
+
+
 class DebertaAttention(nn.Module):
     """Disentangled self-attention + output dense/dropout/LayerNorm with the residual."""
 
-    def __init__(self, layer: nn.Module, encoder: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, positions: RelativePositions | None) -> None:
         super().__init__()
         self.attention = layer.attention
-        self.relative_attention = encoder.relative_attention
-        if self.relative_attention:
-            self.position_buckets = encoder.position_buckets
-            self.max_relative_positions = encoder.max_relative_positions
+        self.positions = positions  # None without relative attention
 
     def forward(self, x, attention_mask):
         hidden, tail = _split(x, attention_mask)
         mask = attention_mask.unsqueeze(1).unsqueeze(2)
         mask = mask * mask.squeeze(-2).unsqueeze(-1)  # DebertaV2Encoder.get_attention_mask
         relative_pos, table = None, None
-        if self.relative_attention:
-            relative_pos = build_relative_position(
-                hidden,
-                hidden,
-                bucket_size=self.position_buckets,
-                max_position=self.max_relative_positions,
-            )
+        if self.positions is not None:
+            relative_pos = self.positions(hidden.shape[-2], hidden.device)
             table = tail[0]
         output, _ = self.attention(hidden, mask, relative_pos=relative_pos, rel_embeddings=table)
         return torch.cat([output, tail], dim=1), attention_mask
@@ -145,9 +179,12 @@ def layered_deberta(model: nn.Module, max_seq_length: int | None) -> LayeredMode
     if getattr(config, "position_biased_input", True):
         check_fits(max_seq_length, config.max_position_embeddings)
     seq = max_seq_length
+    positions = None
+    if encoder.relative_attention:
+        positions = RelativePositions(encoder.position_buckets, encoder.max_relative_positions)
     units: list[nn.Module] = [DebertaEmbedding(deberta)]
     for layer in encoder.layer:
-        units += [DebertaAttention(layer, encoder), DebertaMlp(layer)]
+        units += [DebertaAttention(layer, positions), DebertaMlp(layer)]
     if task == "question_answering":
         units.append(DebertaQuestionAnsweringHead(model.qa_outputs))
     else:

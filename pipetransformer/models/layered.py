@@ -99,6 +99,11 @@ class ModelSpec:
         return len(self.unit_names)
 
     @property
+    def text(self) -> bool:
+        """A text encoder (token ids in, a sequence length that varies between batches)."""
+        return not self.input_specs[0].dtype.is_floating_point
+
+    @property
     def head_unit(self) -> int:
         return self.num_units - 1
 

@@ -71,8 +71,8 @@ CUDA_CONTEXT_BYTES = 1 << 30
 NCCL_COMMUNICATOR_BYTES = 128 << 20
 NCCL_COMMUNICATORS_HELD = 6
 # - the caching allocator's fragmentation: after a transition frees one layout's tensors
-#   and allocates another's, reserved memory exceeds allocated memory (init_distributed
-#   sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which keeps this small).
+#   and allocates another's, reserved memory exceeds allocated memory (expandable
+#   segments, set before CUDA initialises: utils/allocator.py, keep this small).
 FRAGMENTATION_ALLOWANCE = 0.05
 
 
@@ -156,12 +156,13 @@ def memory_model(
     """From the measured unit profile; without one, from parameter counts alone (float32
     parameters, activations unknown: counted as zero)."""
     optimizer = config.optimizer
+    sums = config.freeze.strategy == "autofreeze"  # its gradient sums (trainer/step.py)
     if profile is not None:
-        return MemoryModel.from_profile(profile, optimizer.name, optimizer.momentum)
+        return MemoryModel.from_profile(profile, optimizer.name, optimizer.momentum, sums)
     params = tuple(4 * c for c in spec.unit_param_counts)
     zeros = tuple(0 for _ in params)
     factor = optimizer_state_factor(optimizer.name, optimizer.momentum)
-    return MemoryModel(params, zeros, zeros, 1, factor)
+    return MemoryModel(params, zeros, zeros, 1, factor, 1.0 if sums else 0.0)
 
 
 def format_bytes(count: float) -> str:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from pipetransformer.autodp.control import Control
 from pipetransformer.config import ConfigError, World
+from pipetransformer.utils.allocator import use_expandable_segments
 
 logger = logging.getLogger(__name__)
 
@@ -138,9 +139,9 @@ def init_distributed(device_kind: str, timeout_s: float, tf32: bool = True) -> W
                 f"trainer.device: 'cuda' was asked for but CUDA is unusable: {reason}"
             )
         check_visible_gpus(devices_per_node, torch.cuda.device_count())
-        # Layouts free and allocate stages of other sizes at every transition: expandable
-        # segments keep the caching allocator from fragmenting (read at its first use).
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        # Before set_device initialises CUDA here, for a trainer not started by the command
+        # line (which sets them before its preflight can initialise CUDA): utils/allocator.py.
+        use_expandable_segments()
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         configure_math(device, tf32)

@@ -18,7 +18,7 @@ from pipetransformer.autodp.control import Control
 from pipetransformer.autodp.sampler import EvalSampler
 from pipetransformer.config import Config
 from pipetransformer.data import DataBundle
-from pipetransformer.data.loader import BatchLoader
+from pipetransformer.data.loader import BatchLoader, workers_per_process
 from pipetransformer.pipe.transfer import to_device
 from pipetransformer.runs.records import EvalResult
 from pipetransformer.runs.state import RunState
@@ -48,7 +48,9 @@ class Evaluator:
         self.state = state  # holds the last and best metric
         self.last_scores: dict[str, float] | None = None  # the last evaluation's metrics
         self._loader = BatchLoader(
-            data.eval, config.data.num_workers, pin_memory=world.device.type == "cuda"
+            data.eval,
+            workers_per_process(config.data.num_workers, world.devices_per_node),
+            pin_memory=world.device.type == "cuda",
         )
 
     def close(self) -> None:

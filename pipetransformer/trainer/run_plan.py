@@ -57,7 +57,11 @@ def plan_run(
     """Measure what the plan needs (collective) and build it. `units`: the full model's,
     profiled where measured; `state` keeps the measured links for a resume."""
     profiler = RunProfiler(config, spec, run_dir, world.device, control, carried_profiles)
+    # Each rank reads its own device's free memory; the plan (the first pipeline length,
+    # which transitions fit) must be the same on every rank, so they plan with the least.
     budget = device_memory_budget(config, world.device)
+    if budget is not None:
+        budget = float(control.all_min([budget])[0])
     # Measured at the initial layout's micro-batch size, 'auto' K as the shortest start.
     micro_batch_size = profiling_micro_batch_size(config, world.world_size)
     pricing = prices_layouts(config, budget, world.device)

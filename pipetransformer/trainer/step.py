@@ -33,7 +33,7 @@ from pipetransformer.autodp.sampler import TrainSampler
 from pipetransformer.autodp.topology import Layout, Role
 from pipetransformer.config import Config
 from pipetransformer.data import DataBundle, SampleDataset
-from pipetransformer.data.loader import BatchLoader
+from pipetransformer.data.loader import BatchLoader, workers_per_process
 from pipetransformer.fsdp import local
 from pipetransformer.models import unit_param_names
 from pipetransformer.pipe import StageRuntime
@@ -152,7 +152,9 @@ class Batches:
         self.cache = cache
         # Workers live for the run; a pass per epoch and per layout (data/loader.py).
         self._batch_loader = BatchLoader(
-            data.train, config.data.num_workers, pin_memory=world.device.type == "cuda"
+            data.train,
+            workers_per_process(config.data.num_workers, world.devices_per_node),
+            pin_memory=world.device.type == "cuda",
         )
         self._loader = None
         self._position: tuple[int, int] | None = None  # (epoch, step) the loader yields next

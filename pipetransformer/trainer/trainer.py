@@ -29,6 +29,7 @@ from pipetransformer.autodp.control import Control
 from pipetransformer.autodp.groups import (
     TrainingGroups,
     build_training_groups,
+    check_layouts_agree,
     create_control_group,
 )
 from pipetransformer.autodp.handoff import execute_transfers, plan_transfers
@@ -38,6 +39,7 @@ from pipetransformer.data import build_data
 from pipetransformer.data.describe import describe_bundle
 from pipetransformer.fsdp import gather_units, shard_optimizer_states
 from pipetransformer.models import build_model
+from pipetransformer.models.compiled import compile_units
 from pipetransformer.pipe import StageRuntime
 from pipetransformer.pipe.prefix import CachedPrefix
 from pipetransformer.pipe.timing import IntervalTimer
@@ -359,6 +361,7 @@ class Trainer:
         (measured for 'auto'), the optimizer over the active parameters with their carried
         state, and the runtime. Collective. `times`: filled with the phases' seconds."""
         times = {} if times is None else times
+        check_layouts_agree(self.control, layout)  # a mismatch would hang in new_group
         # The batch may change with the layout, and what the cache serves with the boundary.
         frozen = layout.plan.num_frozen_layers
         self.clock.use_layout(
@@ -373,6 +376,8 @@ class Trainer:
                 unit.requires_grad_(False)
                 for p in unit.parameters():
                     p.grad = None
+        if self.config.trainer.compile:  # units not compiled yet: those that arrived
+            compile_units(units.values(), self.config.trainer.compile_backend, self.spec.text)
         layout = self._resolve_micro_batches(layout, units, groups)
         times["profile_s"] = self.profiler.take_seconds()
         started = time.perf_counter()
@@ -565,6 +570,10 @@ class Trainer:
         # most of a transition (0.39 of 0.43 s on the quickstart); leaving a sharded layout
         # is the exception below.
         old.runtime = old.optimizer = None
+        # Its list of trained parameters and AutoFreeze's sums (an fp32 copy of each) would
+        # keep released units on the device while the new layout is built; the decision
+        # point has read the sums, and the new stage starts its own.
+        old.grad_owners = old.grad_sums = None
         release_s = time.perf_counter() - started
         skeletons = {u: self.skeleton.units[u] for u in range(self.spec.num_units)}
         if old.layout.sharded:  # every unit in full again, as in a one-stage layout, but

@@ -1,0 +1,110 @@
+"""Regional torch.compile (`trainer.compile`): each unit's forward compiled on its own, as
+torchtitan compiles each transformer block, and the peers' blocks alike.
+
+Units of one class share their compiled code. Dynamo keeps a unit class's graphs with the
+code of its `forward` and guards each on what it assumed (training mode, grad mode, whether
+the parameters and the input need gradients, autocast, dtypes, shapes); the module's
+parameters are graph inputs (torch's default, `inline_inbuilt_nn_modules`), so the twelve
+attention units of a BERT-base run one graph, compiled once. A transition therefore compiles
+only the variants it creates: the units that froze (eval mode, no autograd) and the first
+trained unit (its input no longer carries a gradient); every unit whose state did not change
+runs what was compiled for it, and a unit arriving from another rank runs its class's graph
+for its state without compiling. A unit keeps its compiled forward for the run
+(`compile_unit` is idempotent), so what is compiled is the cache, reused across transitions.
+
+Shapes: the batch dimension of every input tensor, and for text models the sequence
+dimension, are marked dynamic (`torch._dynamo.maybe_mark_dynamic`) before each call, so
+another layout's micro-batch size or a batch padded to another length runs the same graph
+instead of compiling one per size (dynamo still specialises a dimension of size 0 or 1).
+
+`COMPILES` counts, per unit class, the graphs this process compiled (the tests check a
+transition against it; benchmarks/compile.py reports it).
+
+Owns: `compile_unit`, `compile_units`, `library_blocks`, `COMPILES`. Must not: know layouts,
+freezing or ranks (the trainer compiles the units a layout gives a rank).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+COMPILES: Counter[str] = Counter()
+_COMPILED = "_pipetransformer_compiled"  # the backend a unit's forward was compiled with
+_BACKENDS: dict[tuple[str, str], Callable] = {}
+
+
+def _counted(class_name: str, backend: str) -> Callable:
+    """The backend `backend`, counting the graphs it compiles for units of `class_name`;
+    one object per (class, backend): a unit arriving later shares its class's graphs."""
+    key = (class_name, backend)
+    if key not in _BACKENDS:
+        inner = torch._dynamo.lookup_backend(backend)
+
+        def compile_graph(graph_module, example_inputs):
+            COMPILES[class_name] += 1
+            return inner(graph_module, example_inputs)
+
+        _BACKENDS[key] = compile_graph
+    return _BACKENDS[key]
+
+
+class _DynamicForward:
+    """A compiled forward whose inputs' batch (and sequence) dimensions are marked dynamic."""
+
+    def __init__(self, compiled: Callable, dynamic_dims: Sequence[int]) -> None:
+        self.compiled = compiled
+        self.dynamic_dims = tuple(dynamic_dims)
+
+    def __call__(self, *args, **kwargs):
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                for dim in self.dynamic_dims:
+                    if dim < value.dim():
+                        torch._dynamo.maybe_mark_dynamic(value, dim)
+        return self.compiled(*args, **kwargs)
+
+
+def compile_unit(
+    module: nn.Module, backend: str = "inductor", dynamic_dims: Sequence[int] = (0,)
+) -> None:
+    """Compile `module`'s forward in place (its parameters, buffers, hooks and state dict
+    are unchanged; hooks such as FSDP2's run around the compiled forward, not in it)."""
+    if getattr(module, _COMPILED, None) == backend:
+        return
+    forward = type(module).forward.__get__(module)
+    compiled = torch.compile(forward, backend=_counted(type(module).__name__, backend))
+    module.forward = _DynamicForward(compiled, dynamic_dims)
+    setattr(module, _COMPILED, backend)
+
+
+def compile_units(
+    units: Iterable[nn.Module], backend: str = "inductor", text: bool = False
+) -> None:
+    """Every unit not yet compiled (with `backend`): the batch dimension dynamic, and the
+    sequence dimension for a text model (`text`)."""
+    for unit in units:
+        compile_unit(unit, backend, (0, 1) if text else (0,))
+
+
+# Where a library model keeps its transformer blocks, in the order tried: timm's ViT, DeiT,
+# EVA, BEiT (`blocks`); transformers' BERT family and DeBERTa (`encoder.layer`),
+# DistilBERT (`transformer.layer`), ModernBERT (`layers`).
+_BLOCK_PATHS = ("blocks", "encoder.layer", "transformer.layer", "layers")
+
+
+def library_blocks(model: nn.Module) -> list[nn.Module]:
+    """A timm or transformers model's transformer blocks (what the peers compile one by
+    one, as the trainer compiles its units); ValueError where none is found."""
+    base = getattr(model, "base_model", model)
+    for owner in (model, base):
+        for path in _BLOCK_PATHS:
+            found = owner
+            for name in path.split("."):
+                found = getattr(found, name, None)
+            if isinstance(found, (nn.ModuleList, nn.Sequential)) and len(found) > 0:
+                return list(found)
+    raise ValueError(f"no transformer blocks found in {type(model).__name__}")
