@@ -54,12 +54,15 @@ def pipeline_gradients(
     schedule: str,
     batch_size: int,
     autocast_dtype: torch.dtype | None = None,
+    virtual_stages: int = 1,
 ):
-    """The steps of `step_lengths(kind)` of a K-stage x R-replica pipeline, gradients summed
-    over them (never zeroed); return this rank's gradients and losses."""
+    """The steps of `step_lengths(kind)` of a K-stage x R-replica pipeline of `virtual_stages`
+    chunks a stage, gradients summed over them (never zeroed); return this rank's gradients
+    and losses."""
     world = init_distributed("cpu", 60)
     model = build(kind)
-    plan = balance(UnitCosts.from_param_counts(model.spec.unit_param_counts, 1 / 6), 0, pipe_len)
+    costs = UnitCosts.from_param_counts(model.spec.unit_param_counts, 1 / 6)
+    plan = balance(costs, 0, pipe_len, virtual_stages=virtual_stages)
     layout = Layout(plan, world.world_size, world.world_size, dp_degree).with_micro_batches(
         micro_batches
     )
@@ -108,6 +111,14 @@ def pipeline_gradients(
         "losses": [float(l) for l in losses],
         "linear_dtypes": linear_dtypes,
         "lengths_built": runtime.seq_lengths_built,
+        "stage_classes": sorted(
+            {type(s).__name__ for s in runtime._built.values()}  # the schedules that ran
+        ),
+        "by_hand": runtime.gradient_sync is not None,
+        "ddp_chunks": sum(
+            isinstance(m, torch.nn.parallel.DistributedDataParallel)
+            for m in runtime.wrapped.modules()
+        ),
     }
 
 

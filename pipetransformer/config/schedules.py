@@ -48,8 +48,8 @@ ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 # Schedules that hold several chunks a rank (looped placement, torch's PipelineScheduleMulti).
 MULTI_CHUNK_SCHEDULES: tuple[str, ...] = ("interleaved_1f1b", "zero_bubble")
-# Schedules `train` can run today; the others are planned and predicted (plan, plan --predict).
-EXECUTABLE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+# Schedules `train` runs (pipe/runtime.py): all of them.
+EXECUTABLE_SCHEDULES: tuple[str, ...] = SCHEDULES
 
 TORCH_SCHEDULE_CLASS = {
     "gpipe": "ScheduleGPipe",
