@@ -46,8 +46,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pipetransformer.config.errors import _fail
-
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 # Schedules that hold several chunks a rank (looped placement, torch's PipelineScheduleMulti).
