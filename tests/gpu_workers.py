@@ -146,6 +146,7 @@ def audited_run(config_dict: dict, run_dir: str, frozen_after: int):
             "violations": audit.violations,
             "groups": audit.groups,
             "counts": audit.counts,
+            "collectives": audit.collectives,
         }
     finally:
         gc.enable()

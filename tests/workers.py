@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
 import torch
+from gpu_audit import HostReads
 from helpers import tiny_bert, tiny_vit
 
 from pipetransformer.autodp.groups import build_training_groups
@@ -96,9 +98,13 @@ def pipeline_gradients(
             labels[window], loss_weights([True] * share, dp_degree, batch_size)
         )
     losses = []
-    for length in step_lengths(kind):
+    host_reads = []  # in the steps of a length met before (the first builds its stages)
+    for index, length in enumerate(step_lengths(kind)):
         step_inputs = [t[window] for t in cut(inputs, length)] if role.is_first else None
-        losses += runtime.train_step(step_inputs, target, seq_length=length)
+        audited = length in step_lengths(kind)[:index]
+        with HostReads() if audited else contextlib.nullcontext() as audit:
+            losses += runtime.train_step(step_inputs, target, seq_length=length)
+        host_reads += audit.reads if audited else []
     grads = {}
     for index, unit in units.items():
         for name, p in unit_param_names(unit, index).items():
@@ -108,18 +114,29 @@ def pipeline_gradients(
         "rank": world.rank,
         "role": role,
         "grads": grads,
-        "losses": [float(l) for l in losses],
+        "losses": [float(l.detach()) for l in losses],
         "linear_dtypes": linear_dtypes,
+        "host_reads": host_reads,
         "lengths_built": runtime.seq_lengths_built,
         "stage_classes": sorted(
             {type(s).__name__ for s in runtime._built.values()}  # the schedules that ran
         ),
         "by_hand": runtime.gradient_sync is not None,
+        "first_chunk_units": list(range(*plan.stage_ranges[0])),
         "ddp_chunks": sum(
             isinstance(m, torch.nn.parallel.DistributedDataParallel)
             for m in runtime.wrapped.modules()
         ),
     }
+
+
+def pipeline_gradients_ddp_everywhere(*args):
+    """pipeline_gradients with every trained chunk wrapped in DDP whatever the schedule (as
+    the runtime wraps interleaved 1F1B's): what zero bubble would do with DDP."""
+    from pipetransformer.pipe import runtime
+
+    runtime.SPLIT_BACKWARD_SCHEDULES = ()
+    return pipeline_gradients(*args)
 
 
 def reference_gradients(kind: str, batch_size: int, autocast_dtype: torch.dtype | None = None):
