@@ -1,0 +1,106 @@
+"""interleaved_1f1b and zero_bubble through the trainer, against single-process training.
+
+One launch of 4 gloo workers runs, one after the other (tests/workers.py `elastic_runs`):
+- each chunked schedule through the elastic test's layouts, 4 stages x 2 chunks -> 2 x 2
+  replicas of 2 stages x 2 chunks -> plain DDP on 4 ranks (3 then 5 of 6 layers frozen, SGD
+  with momentum), with `virtual_stages: auto` for interleaved 1F1B (two chunks a rank) and
+  2 for zero bubble;
+- interleaved 1F1B resumed from its checkpoint in the 2 x 2 chunked layout (step 10),
+  through the transition to DDP;
+- zero bubble with AutoPipe off (freeze only): frozen units stay inside the chunks.
+Each equals the plain single-process loop over the same batches (tests/reference.py) at
+every step (losses 1e-5) and in its final weights (rtol 1e-4 / atol 1e-5: float32 sums in
+another order, as tests/test_elastic.py); the resumed run equals the uninterrupted one.
+About 25 s on 2 cores.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import run_workers
+from reference import elastic_config, reference_run, step_losses
+from workers import elastic_runs
+
+from pipetransformer.config import config_from_dict
+
+pytestmark = pytest.mark.distributed
+
+CHUNKED = dict(
+    checkpoint__interval_steps=5,
+    checkpoint__keep_last=20,
+    pipeline__num_micro_batches=4,  # M >= K = 4 at the start
+)
+RUNS = {
+    "interleaved_1f1b": elastic_config(pipeline__schedule="interleaved_1f1b", **CHUNKED),
+    "zero_bubble": elastic_config(
+        pipeline__schedule="zero_bubble", pipeline__virtual_stages=2, **CHUNKED
+    ),
+    "zero_bubble_freeze_only": elastic_config(
+        pipeline__schedule="zero_bubble", autopipe__enabled=False, **CHUNKED
+    ),
+}
+RESUME_AT_STEP = 10  # epoch 2, step 3 of 7: the 2 x 2 layout of 2 chunks a stage
+
+
+@pytest.fixture(scope="module")
+def chunked_runs(tmp_path_factory) -> tuple[Path, dict]:
+    root = tmp_path_factory.mktemp("chunked")
+    results = run_workers(
+        elastic_runs, 4, list(RUNS.items()), str(root), RESUME_AT_STEP, {"interleaved_1f1b"}
+    )
+    return root, {name: [r[name] for r in results] for name in results[0]}
+
+
+def events(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["kind"] == kind]
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_a_chunked_run_trains_as_one_process_does(chunked_runs, name):
+    root, results = chunked_runs
+    run_dir = root / name
+    config_dict = RUNS[name]
+    freeze_only = not config_dict.get("autopipe", {}).get("enabled", True)
+    # The layouts: 2 chunks a stage while the pipeline lasts, with AutoPipe's packing.
+    (start,) = events(run_dir, "start")
+    assert (start["pipe_len"], start["virtual_stages"]) == (4, 2)
+    layouts = [
+        (e["new_pipe_len"], e["new_dp_degree"], e["new_virtual_stages"], len(e["new_stage_ranges"]))
+        for e in events(run_dir, "transition")
+    ]
+    assert layouts == ([(4, 1, 2, 8)] * 2 if freeze_only else [(2, 2, 2, 4), (1, 4, 1, 1)])
+
+    ref_losses, ref_state, _ = reference_run(config_from_dict(config_dict))
+    got = step_losses(run_dir)
+    assert len(got) == len(ref_losses)
+    for step, (a, b) in enumerate(zip(got, ref_losses)):
+        assert a == pytest.approx(b, abs=1e-5), f"step {step}"
+    state, _ = results[name][0]["state"]
+    assert set(state) == set(ref_state)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(
+            state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}"
+        )
+
+
+def test_a_resume_from_the_chunked_layout_reproduces_the_run(chunked_runs):
+    """The checkpoint holds units, not chunks: resumed in the 2 x 2 layout of 2 chunks a
+    stage, the run re-cuts its chunks, moves on to DDP and ends where the uninterrupted run
+    ended (losses and weights to float32 rounding of the same operations)."""
+    root, results = chunked_runs
+    full, resumed = root / "interleaved_1f1b", root / "interleaved_1f1b-resumed"
+    (event,) = events(resumed, "resume")
+    assert (event["global_step"], event["pipe_len"], event["dp_degree"]) == (10, 2, 2)
+    after = [e for e in events(resumed, "transition") if e["global_step"] > 10]
+    assert [(e["new_pipe_len"], e["new_virtual_stages"]) for e in after] == [(1, 1)]
+    assert step_losses(resumed) == pytest.approx(step_losses(full), abs=1e-6)
+    state = results["interleaved_1f1b-resumed"][0]["state"][0]
+    reference = results["interleaved_1f1b"][0]["state"][0]
+    assert set(state) == set(reference)
+    for key, value in reference.items():
+        torch.testing.assert_close(
+            state[key], value, rtol=0, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}"
+        )
