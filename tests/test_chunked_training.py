@@ -4,7 +4,7 @@ One launch of 4 gloo workers runs, one after the other (tests/workers.py `elasti
 - each chunked schedule through the elastic test's layouts, 4 stages x 2 chunks -> 2 x 2
   replicas of 2 stages x 2 chunks -> plain DDP on 4 ranks (3 then 5 of 6 layers frozen, SGD
   with momentum), with `virtual_stages: auto` for interleaved 1F1B (two chunks a rank) and
-  2 for zero bubble;
+  2 for zero bubble, whose gradients are clipped at every step;
 - interleaved 1F1B resumed from its checkpoint in the 2 x 2 chunked layout (step 10),
   through the transition to DDP;
 - zero bubble with AutoPipe off (freeze only): frozen units stay inside the chunks.
@@ -34,8 +34,13 @@ CHUNKED = dict(
 )
 RUNS = {
     "interleaved_1f1b": elastic_config(pipeline__schedule="interleaved_1f1b", **CHUNKED),
+    # Clipped at every step: the global norm over a rank's chunks and the pipeline's ranks,
+    # of the gradients the rank's own all-reduce averaged.
     "zero_bubble": elastic_config(
-        pipeline__schedule="zero_bubble", pipeline__virtual_stages=2, **CHUNKED
+        pipeline__schedule="zero_bubble",
+        pipeline__virtual_stages=2,
+        optimizer__max_grad_norm=0.05,
+        **CHUNKED,
     ),
     "zero_bubble_freeze_only": elastic_config(
         pipeline__schedule="zero_bubble", autopipe__enabled=False, **CHUNKED

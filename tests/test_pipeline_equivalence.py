@@ -10,10 +10,14 @@ import pytest
 import torch
 from helpers import run_workers
 from workers import (
+    build,
+    cut,
+    fixed_batch,
     one_stage_against_gpipe,
     pipeline_gradients,
     pipeline_gradients_ddp_everywhere,
     reference_gradients,
+    step_lengths,
 )
 
 from pipetransformer.utils.units import parse_param_key
@@ -80,6 +84,15 @@ def test_pipeline_matches_single_process(kind, pipe_len, dp_degree, micro, sched
     assert total / dp_degree == pytest.approx(ref_loss, rel=1e-5)
     if kind == "bert" and pipe_len > 1:  # a stage for each length, the first one reused
         assert all(r["lengths_built"] == [16, 8] for r in results)
+    # Evaluation through the forward-only schedule: each replica's logits are the model's.
+    model = build(kind).eval()
+    inputs, _ = fixed_batch(kind, batch)
+    with torch.no_grad():
+        expected = model(*cut(inputs, step_lengths(kind)[0]))
+    evaluated = [r["eval_logits"] for r in results if r["role"].is_last]
+    assert len(evaluated) == dp_degree
+    for window, logits in evaluated:
+        torch.testing.assert_close(logits, expected[window], rtol=1e-5, atol=1e-6)
 
 
 def test_ddp_would_miss_zero_bubbles_weight_gradients():

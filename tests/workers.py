@@ -109,9 +109,18 @@ def pipeline_gradients(
     for index, unit in units.items():
         for name, p in unit_param_names(unit, index).items():
             grads[name] = p.grad.clone()
+    # The forward-only schedule (evaluation) at the first step's length: the last stage's
+    # logits of its replica's samples (no optimizer step was taken: the initial weights).
+    length = step_lengths(kind)[0]
+    eval_inputs = [t[window] for t in cut(inputs, length)] if role.is_first else None
+    eval_target = None
+    if role.is_last:
+        eval_target = ClassificationTask.make_target(labels[window], torch.zeros(share))
+    logits = runtime.eval_step(eval_inputs, eval_target, seq_length=length)
     torch.distributed.destroy_process_group()
     return {
         "rank": world.rank,
+        "eval_logits": (window, logits) if role.is_last else None,
         "role": role,
         "grads": grads,
         "losses": [float(l.detach()) for l in losses],
