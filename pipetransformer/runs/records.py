@@ -168,6 +168,7 @@ class EpochMetrics(Record):
     cache_read_mb_per_s: float = 0.0
     cache_hits_by_rank: list[int] = field(default_factory=list)
     sharded: bool = False  # FSDP2 over the replicas (a sharded layout, fsdp/)
+    virtual_stages: int = 1  # chunks a stage (interleaved_1f1b, zero_bubble)
     # Text: the epoch's real tokens (every training sample's, before padding) and the tokens
     # its batches held once padded (what was computed, shape padding included); 0 for
     # images and in older records. Real tokens per second: real_tokens / epoch_time_s.
