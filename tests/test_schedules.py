@@ -426,3 +426,30 @@ def test_autopipes_micro_batch_count_under_each_schedule():
     assert micro_batch_candidates(config, 4, 72) == [4, 6, 8, 12, 24]  # 9, 18: not in rounds
     gpipe = load_config(QUICKSTART, ["pipeline.num_micro_batches=measured"])
     assert micro_batch_candidates(gpipe, 4, 72) == [4, 6, 8, 9, 12, 18, 24]
+
+
+def test_zero_bubbles_all_reduce_is_not_hidden_behind_its_backward():
+    """On GPUs DDP overlaps a stage's all-reduce with its last backward; zero bubble's rank
+    averages its gradients after the step (pipe/gradient_sync.py), so nothing hides it."""
+    from pipetransformer.autopipe.planner import UnitCosts, balance
+    from pipetransformer.planning.step_model import Links, UnitTimes, predict_step
+
+    times = UnitTimes((3.0,) * 16, (1.0,) * 16, (1000,) * 16, (10**7,) * 16, 1)  # 80 MB a stage
+    plan = balance(UnitCosts((3.0,) * 16, (1.0,) * 16), 0, 4, virtual_stages=2)
+
+    def step(schedule):
+        return predict_step(
+            times,
+            plan,
+            micro_batch_size=1,
+            num_micro_batches=4,
+            dp_degree=2,
+            replicas_per_node=2,
+            links=Links(1e7, 1e7),
+            overlap=True,
+            schedule=schedule,
+        )
+
+    interleaved, zero = step("interleaved_1f1b"), step("zero_bubble")
+    assert interleaved.hidden_s > 0 and zero.hidden_s == 0
+    assert zero.allreduce_s == pytest.approx(interleaved.allreduce_s + interleaved.hidden_s)
