@@ -1,9 +1,11 @@
 """Pipeline execution for one rank in one layout, over torch.distributed.pipelining.
 
-Owns: the stage module (a UnitSequence of this stage's units), its DDP wrapper over the
-data group (active parameters only), the PipelineStage with declared shapes and the
-schedule for each sequence length a step brings, and the frozen prefix that the first
-stage runs as input preprocessing.
+Owns: the stage module (a UnitSequence of this stage's units; under interleaved_1f1b and
+zero_bubble one per chunk the rank holds), its DDP wrapper over the data group (active
+parameters only; per chunk), the PipelineStage(s) with declared shapes and the schedule for
+each sequence length a step brings (`PipelineSchedules.schedule_for`: a stage per chunk and
+torch's multi-stage schedule where a rank holds several), and the frozen prefix that the
+first stage runs as input preprocessing.
 Must not: create process groups, choose layouts or a batch's length (trainer/step.py does,
 from the sample ids: every stage of a replica computes the same), or move state between
 ranks.
@@ -21,6 +23,9 @@ declared, because DDP with inferred shapes crashes; the stage module handed to
 PipelineStage *is* the DDP module, so the schedule syncs gradients once per step; DDP never
 sees a frozen parameter; a stage with nothing to train is not wrapped in DDP. A pipeline of
 one stage needs none of the pipelining machinery: `OneStageSchedule` runs it as DDP does.
+Zero bubble's split backward writes the weight gradients past DDP's hooks, so its chunks are
+not wrapped in DDP and the rank averages their gradients itself after the step
+(pipe/gradient_sync.py).
 """
 
 from __future__ import annotations
