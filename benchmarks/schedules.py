@@ -8,15 +8,16 @@ Workloads (`--workloads`, default both):
 
 Part `steps`: one training step of the starting layout (no frozen layer), each schedule in a
 launch of its own (`virtual_stages: auto`: two chunks a rank for the chunked ones; M the
-trainer's `auto`, or `--micro-batches`), stages balanced on parameter counts. After a warm-up
+trainer's `auto`, or `--micro-batches`), stages balanced as the trainer balances them by
+default, on unit times measured first (`--balance params`: parameter counts). After a warm-up
 pass over the batches (every sequence-length bucket built), `--steps` steps are timed on
 every rank behind a barrier; a rank is busy while it runs one of its PipelineStages'
 forward, backward (zero bubble: input gradient) or weight-gradient calls (torch's
 `_PipelineStageBase` methods, wrapped in the worker; on a CPU a call's wall time is its
-compute), and idle otherwise: waiting for a neighbour's activations or gradients, the
-bubble, plus the sends. Each rank's idle share (1 - busy / step, median over the steps) is set
-against the formula of docs/profiling.md ("The bubble of each schedule": equal stages,
-zero bubble with F = I = W).
+compute) or the first rank's frozen prefix, and idle otherwise: waiting for a
+neighbour's activations or gradients, the bubble, plus the sends. Each rank's idle share
+(1 - busy / step, median over the steps) is set against the formula of docs/profiling.md
+("The bubble of each schedule": equal stages, zero bubble with F = I = W).
 
 Part `runs`: whole `pipetransformer train` runs, each a fresh process tree alone on the
 machine (benchmarks/harness.py), seed by seed with the variants' order rotating
@@ -26,8 +27,8 @@ schedule). Training samples per second (over its epochs), its ratio to Pipe+DDP'
 (geometric mean, 95% interval), the final metric and the layouts the run went through.
 
     python benchmarks/schedules.py [--parts steps,runs] [--workloads bert_local_k2,vit4_k4]
-        [--seeds 0,1,2] [--steps 20] [--micro-batches M] [--out runs/bench_schedules]
-        [--report-only]
+        [--seeds 0,1,2] [--steps 20] [--micro-batches M] [--balance time|params]
+        [--out runs/bench_schedules] [--report-only]
     python benchmarks/schedules.py --smoke --out /tmp/schedules   # tiny sizes: checks the script
 
 Interrupted, the same command resumes the runs (a finished run is kept; the steps part is
@@ -100,7 +101,7 @@ def formula_bubble(schedule: str, pipe_len: int, virtual_stages: int, micro: int
 class BusyClock:
     """Seconds this process spends inside PipelineStage compute calls (wraps torch's
     `_PipelineStageBase` methods for the worker's lifetime: a benchmark's instrument, not
-    the runtime's)."""
+    the runtime's), and in whatever else `timed` wraps (the first rank's frozen prefix)."""
 
     METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
@@ -109,9 +110,9 @@ class BusyClock:
 
         self.seconds = 0.0
         for name in self.METHODS:
-            setattr(_PipelineStageBase, name, self._timed(getattr(_PipelineStageBase, name)))
+            setattr(_PipelineStageBase, name, self.timed(getattr(_PipelineStageBase, name)))
 
-    def _timed(self, method):
+    def timed(self, method):
         def timed(*args, **kwargs):
             started = time.perf_counter()
             try:
@@ -126,19 +127,53 @@ class BusyClock:
         return seconds
 
 
-def step_worker(config: Config, schedule: str, steps: int, micro_batches: int | None) -> dict:
-    """One rank: the starting layout of `config` under `schedule`, `steps` batches run once
-    to warm up and once timed; this rank's step and busy seconds per timed step."""
+def unit_costs(config: Config, balance: str):
+    """What the stages are balanced on, as the trainer's `pipeline.balance` does: each
+    unit's forward + backward seconds measured here at the replica's GPipe micro-batch (one
+    thread, as a worker), or parameter counts; the same costs for every rank and schedule."""
+    import torch
+
+    from pipetransformer.autopipe.planner import UnitCosts
+    from pipetransformer.config import smallest_micro_batches
+    from pipetransformer.models import build_model
+    from pipetransformer.pipe.measure import measure_unit_costs
+    from pipetransformer.planning.context import model_build_args
+
+    torch.manual_seed(config.trainer.seed)
+    model = build_model(config.model, **model_build_args(config))
+    if balance == "params":
+        return UnitCosts.from_param_counts(
+            model.spec.unit_param_counts, config.autopipe.lambda_frozen
+        )
+    torch.set_num_threads(1)
+    pipe_len = config.pipeline.initial_pipe_len
+    replica_batch = config.trainer.replica_batch_size(config.nproc_per_node // pipe_len)
+    micro = replica_batch // smallest_micro_batches("gpipe", pipe_len, replica_batch)
+    measured = measure_unit_costs(dict(enumerate(model.units)), model.spec, micro, "cpu")
+    return UnitCosts(
+        trained=tuple(measured[u].forward_s + measured[u].backward_s for u in sorted(measured)),
+        frozen=tuple(measured[u].frozen_forward_s for u in sorted(measured)),
+        source="time",
+    )
+
+
+def step_worker(
+    config: Config, costs, schedule: str, steps: int, micro_batches: int | None
+) -> dict:
+    """One rank: the starting layout of `config` under `schedule`, its stages balanced on
+    `costs`, `steps` batches run once to warm up and once timed; this rank's step and busy
+    seconds per timed step."""
     import torch
     import torch.distributed as dist
 
     from pipetransformer.autodp.groups import build_training_groups
     from pipetransformer.autodp.topology import Layout
-    from pipetransformer.autopipe.planner import UnitCosts, balance
+    from pipetransformer.autopipe.planner import balance
     from pipetransformer.config import smallest_micro_batches, virtual_stages_for
     from pipetransformer.data import build_data
     from pipetransformer.models import build_model
     from pipetransformer.pipe import build_stage_runtime
+    from pipetransformer.planning.context import model_build_args
     from pipetransformer.trainer.distributed import init_distributed
     from pipetransformer.trainer.step import step_seq_length
     from pipetransformer.trainer.tasks import ClassificationTask, loss_weights
@@ -147,22 +182,14 @@ def step_worker(config: Config, schedule: str, steps: int, micro_batches: int | 
     world = init_distributed("cpu", config.trainer.timeout_s)
     data = build_data(config.data, seed=config.trainer.seed)
     torch.manual_seed(config.trainer.seed)
-    model = build_model(
-        config.model,
-        task=data.task,
-        num_classes=data.num_classes,
-        in_chans=data.in_chans,
-        image_size=data.image_size,
-        vocab_size=data.vocab_size,
-        max_seq_length=data.max_seq_length,
-    )
+    model = build_model(config.model, **model_build_args(config))
     pipe_len = config.pipeline.initial_pipe_len
     replicas = world.world_size // pipe_len
     frozen_embedding = config.freeze.embedding_frozen
     active = model.spec.num_units - prefix_end(0, frozen_embedding)
     chunks = virtual_stages_for(schedule, config.pipeline.virtual_stages, pipe_len, active)
-    costs = UnitCosts.from_param_counts(model.spec.unit_param_counts, 1 / 6)
-    plan = balance(costs, 0, pipe_len, "greedy", None, frozen_embedding, chunks)
+    method = config.autopipe.partition_method
+    plan = balance(costs, 0, pipe_len, method, None, frozen_embedding, chunks)
     replica_batch = config.trainer.replica_batch_size(replicas)
     micro = micro_batches or smallest_micro_batches(schedule, pipe_len, replica_batch)
     layout = Layout(plan, world.world_size, world.world_size, replicas).with_micro_batches(micro)
@@ -184,6 +211,7 @@ def step_worker(config: Config, schedule: str, steps: int, micro_batches: int | 
         device=world.device,
     )
     clock = BusyClock()
+    runtime.run_prefix = clock.timed(runtime.run_prefix)  # the frozen prefix is compute too
     train = data.train
     global_batch = replica_batch * replicas
     step_s, busy_s = [], []
@@ -223,13 +251,15 @@ def measure_steps(args, workload_name: str) -> dict:
     from pipetransformer.launcher import launch_local
 
     workload = WORKLOADS[workload_name]
+    overrides = [*workload.overrides, *COMMON, *(SMOKE if args.smoke else ())]
+    config = load_config(ROOT / "configs" / workload.config, overrides)
+    wait_until_idle(args.wait)
+    costs = unit_costs(config, args.balance)
     found = {}
     for schedule in SCHEDULES:
-        overrides = [*workload.overrides, *COMMON, *(SMOKE if args.smoke else ())]
-        config = load_config(ROOT / "configs" / workload.config, overrides)
         wait_until_idle(args.wait)
         ranks = launch_local(
-            workload.nproc, step_worker, (config, schedule, args.steps, args.micro_batches)
+            workload.nproc, step_worker, (config, costs, schedule, args.steps, args.micro_batches)
         )
         found[schedule] = ranks
         median = statistics.median(ranks[0]["step_s"])
@@ -346,6 +376,9 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=20, help="timed steps a schedule")
     parser.add_argument("--micro-batches", type=int, default=None, help="M (default: auto)")
+    parser.add_argument(
+        "--balance", choices=("time", "params"), default="time", help="steps: stages balanced on"
+    )
     parser.add_argument("--out", default="runs/bench_schedules")
     parser.add_argument("--wait", type=float, default=120.0, help="longest wait for idle cores")
     parser.add_argument("--report-only", action="store_true")
