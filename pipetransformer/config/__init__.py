@@ -45,6 +45,7 @@ from pipetransformer.config.pipeline import PipelineConfig
 from pipetransformer.config.resolve import World, decided_by_measured_time, resolve
 from pipetransformer.config.run import Config
 from pipetransformer.config.schedules import (
+    AUTO_VIRTUAL_STAGES,
     MULTI_CHUNK_SCHEDULES,
     SCHEDULES,
     TORCH_SCHEDULE_CLASS,
@@ -58,6 +59,7 @@ from pipetransformer.config.schedules import (
 from pipetransformer.config.trainer import TrainerConfig
 
 __all__ = [
+    "AUTO_VIRTUAL_STAGES",
     "MULTI_CHUNK_SCHEDULES",
     "REGRESSION_METRICS",
     "SCHEDULES",
