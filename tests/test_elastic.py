@@ -86,19 +86,15 @@ def test_elastic_run_matches_single_process(tmp_path, autopipe, autodp, clip, la
     check_against_single_process(config_dict, tmp_path, results, autopipe, layouts)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "interleaved_1f1b"])
-def test_state_handoff_is_bit_exact(tmp_path, schedule):
-    """Weights, Adam moments and step counts arrive unchanged wherever they move: 4 stages
-    -> 2 x 2 -> DDP, under interleaved 1F1B from and to layouts of 2 chunks a stage (units
-    that are not contiguous on a rank), the last move from a 2-stage chunked layout to DDP."""
+def test_state_handoff_is_bit_exact(tmp_path):
+    """Weights, Adam moments and step counts arrive unchanged wherever they move (between
+    layouts of several chunks a stage: tests/test_chunked_training.py)."""
     config_dict = elastic_config(
         trainer__epochs=1,
         optimizer__name="adamw",
         optimizer__weight_decay=0.01,
         freeze__strategy="none",
         freeze__manual_schedule=[],
-        pipeline__schedule=schedule,
-        pipeline__num_micro_batches=2 if schedule == "gpipe" else 4,  # M >= K = 4
     )
     # Units of about 1 MiB (3 with their Adam moments), so the move's memory is measurable.
     config_dict["model"]["kwargs"].update(embed_dim=256, num_heads=4)
@@ -120,9 +116,6 @@ def test_state_handoff_is_bit_exact(tmp_path, schedule):
                 predicted,
             )
         new_layout = after[0][0]
-        chunked = schedule != "gpipe"
-        assert before[0][0].plan.virtual_stages == (2 if chunked else 1)
-        assert new_layout.plan.virtual_stages == (2 if chunked and phase == 1 else 1)
         frozen_units = new_layout.plan.frozen_end
         checked_moves = 0
         for rank, (_, state, _, _) in enumerate(after):

@@ -32,11 +32,13 @@ CASES = [
     ("bert", 2, 1, 2, "gpipe", 1),
     ("bert", 2, 2, 2, "1f1b", 1),
     # 4 chunks on 2 ranks (torch's multi-stage schedules), alone and replicated: DDP on each
-    # chunk under interleaved 1F1B, the rank's own all-reduce under zero bubble.
+    # chunk under interleaved 1F1B, the rank's own all-reduce under zero bubble. Replicated
+    # they run through the trainer too (tests/test_chunked_training.py's 2 x 2 layouts), so
+    # here they are slow, for the default suite's 5 minutes (about 2 s each).
     ("vit", 2, 1, 4, "interleaved_1f1b", 2),
     ("bert", 2, 1, 2, "zero_bubble", 2),
-    ("bert", 2, 2, 2, "interleaved_1f1b", 2),
-    ("bert", 2, 2, 4, "zero_bubble", 2),
+    pytest.param("bert", 2, 2, 2, "interleaved_1f1b", 2, marks=pytest.mark.slow),
+    pytest.param("bert", 2, 2, 4, "zero_bubble", 2, marks=pytest.mark.slow),
 ]
 TORCH_CLASSES = {
     "gpipe": "ScheduleGPipe",

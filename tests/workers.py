@@ -217,13 +217,31 @@ def gather_state(trainer, include_optimizer: bool = False):
     return model_state, optimizer_state
 
 
-def elastic_run(config_dict: dict, run_dir: str, gather_optimizer: bool = False, options=None):
+def elastic_run(
+    config_dict: dict,
+    run_dir: str,
+    gather_optimizer: bool = False,
+    options=None,
+    handoffs: bool = False,
+):
     """A whole Trainer run; returns transitions and (rank 0) the final state. Per-step
-    losses are in RUN_DIR/steps.jsonl (log_interval_steps 1)."""
+    losses are in RUN_DIR/steps.jsonl (log_interval_steps 1). With `handoffs`, also this
+    rank's (layout, state) before and after each transition (`_snapshot`: exact copies)."""
     from pipetransformer.config import config_from_dict
     from pipetransformer.trainer.trainer import Trainer
 
     trainer = Trainer(config_from_dict(config_dict), run_dir, options)
+    snapshots = []
+    if handoffs:
+        transition = trainer.transition
+
+        def recorded(*args, **kwargs):
+            before = (trainer.stage.layout, _snapshot(trainer))
+            record = transition(*args, **kwargs)
+            snapshots.append((before, (trainer.stage.layout, _snapshot(trainer))))
+            return record
+
+        trainer.transition = recorded
     try:
         trainer.setup()
         summary = trainer.train()
@@ -233,6 +251,7 @@ def elastic_run(config_dict: dict, run_dir: str, gather_optimizer: bool = False,
             "summary": summary.to_dict(),
             "transitions": trainer.transitions,
             "state": state,
+            "handoffs": snapshots,
         }
     finally:
         trainer.cleanup()
@@ -490,12 +509,14 @@ def elastic_runs(
     root: str,
     resume_at_step: int | None = None,
     resume_names: set[str] | None = None,
+    handoff_names: set[str] = frozenset(),
 ):
     """Whole Trainer runs one after the other in the same workers (one process start for
     all of them), each in a process group of its own, in ROOT/<name>: {name: elastic_run's
     result}. With `resume_at_step`, each run (of `resume_names`, if given) is then also
     continued from a copy of its directory cut back to that step's checkpoint, in
-    ROOT/<name>-resumed ({name-resumed: result})."""
+    ROOT/<name>-resumed ({name-resumed: result}). The runs of `handoff_names` record their
+    state around each transition (elastic_run's `handoffs`)."""
     from pathlib import Path
 
     from pipetransformer.runs.rundir import RunOptions
@@ -505,7 +526,7 @@ def elastic_runs(
     for index, (name, config_dict) in enumerate(runs):
         if index:
             _fresh_rendezvous(root / f"port-{name}")
-        results[name] = elastic_run(config_dict, str(root / name))
+        results[name] = elastic_run(config_dict, str(root / name), handoffs=name in handoff_names)
         if resume_at_step is not None and (resume_names is None or name in resume_names):
             resumed = root / f"{name}-resumed"
             _fresh_rendezvous(
