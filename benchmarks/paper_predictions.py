@@ -1,10 +1,13 @@
 """The table of `plan --predict` for the paper's four workloads on two clusters, as docs/results.md
 and docs/profiling.md print it ("The paper's workloads, predicted"): one markdown row per
 workload and cluster, from the configs as shipped, no profile file (unit times from the
-analytical profile and a roofline on the named device).
+analytical profile and a roofline on the named device). With `--schedules`, the table of
+docs/profiling.md's "The paper's workloads under each schedule": the same workloads on the
+paper's cluster and on one node of 8 H100s under each `pipeline.schedule`.
 
-    python benchmarks/paper_predictions.py          # print the rows
-    python benchmarks/paper_predictions.py --check  # exit 1 naming each row the docs lack
+    python benchmarks/paper_predictions.py              # print the rows
+    python benchmarks/paper_predictions.py --schedules  # the rows per schedule
+    python benchmarks/paper_predictions.py --check      # exit 1 naming each row the docs lack
 
 tests/test_paper_predictions.py runs the check, so a change to the planner or the step
 model that moves a number fails until the tables are regenerated from this script.
@@ -30,6 +33,16 @@ CLUSTERS = {  # name in the table -> (--device, --intra-node, --inter-node), 2 n
     "Quadro RTX 5000, PCIe 3.0, IB 5 GB/s": ("quadro-rtx-5000", "pcie3-x16", "infiniband-cx353a"),
     "H100 SXM (TF32), NVLink 4, IB NDR": ("h100-sxm", "nvlink4", "infiniband-ndr"),
 }
+# The per-schedule table's clusters: name -> (nodes, --device, --intra-node, --inter-node).
+SCHEDULE_CLUSTERS = {
+    "2 x 8 Quadro RTX 5000": (2, "quadro-rtx-5000", "pcie3-x16", "infiniband-cx353a"),
+    "1 x 8 H100 SXM": (1, "h100-sxm", "nvlink4", "infiniband-ndr"),
+}
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+SCHEDULE_HEADER = (
+    "| workload | cluster | schedule | start: K, v, M | idle share at the start | Pipe+DDP | "
+    "PipeTransformer | vs the shipped schedule's Pipe+DDP: Pipe+DDP / PipeTransformer |"
+)
 HEADER = (
     "| workload, cluster (2 x 8) | Pipe+DDP | DDP | freeze + DDP | PipeTransformer | "
     "speedup vs Pipe+DDP / DDP / freeze + DDP | frozen layers per epoch; layouts (F: K x R) |"
@@ -75,8 +88,15 @@ def _trajectory(result) -> str:
     return f"{frozen}; {', '.join(layouts)}"
 
 
-def predicted(config_name: str, cluster: tuple[str, str, str], no_profile: Path):
-    """`plan CONFIG --predict --nodes 2 --devices-per-node 8 --device ... ` as a Prediction."""
+def predicted(
+    config_name: str,
+    cluster: tuple[str, str, str],
+    no_profile: Path,
+    nodes: int = 2,
+    schedule: str | None = None,
+):
+    """`plan CONFIG --predict --nodes NODES --devices-per-node 8 --device ... ` as a
+    Prediction (under `schedule`: pipeline.schedule=SCHEDULE)."""
     from pipetransformer.config import load_config
     from pipetransformer.planning.predict import predict
     from pipetransformer.planning.prediction_inputs import (
@@ -86,10 +106,11 @@ def predicted(config_name: str, cluster: tuple[str, str, str], no_profile: Path)
     )
 
     device, intra, inter = cluster
-    config = load_config(
-        ROOT / "configs" / config_name, [f"pipeline.profile_path={no_profile}"]
-    )  # a file that does not exist: the roofline, whatever runs/ holds
-    flags = cluster_from_flags(2, 8, device_name=device, intra_node=intra, inter_node=inter)
+    overrides = [f"pipeline.profile_path={no_profile}"]  # none: the roofline, whatever runs/ holds
+    if schedule is not None:
+        overrides.append(f"pipeline.schedule={schedule}")
+    config = load_config(ROOT / "configs" / config_name, overrides)
+    flags = cluster_from_flags(nodes, 8, device_name=device, intra_node=intra, inter_node=inter)
     chosen = prediction_unit_times(config, flags)
     samples, _ = train_samples_for(config)
     return predict(config, chosen.profile, flags, samples, "auto", chosen.times)
@@ -120,12 +141,55 @@ def rows() -> list[str]:
     return lines
 
 
-def missing_rows(generated: list[str], docs: tuple[Path, ...] = DOCS) -> list[str]:
+def schedule_rows() -> list[str]:
+    """Each workload on each of SCHEDULE_CLUSTERS under each schedule: the starting layout,
+    its idle share (1 - 1 / the step model's bubble factor), Pipe+DDP and PipeTransformer
+    under that schedule, and both against Pipe+DDP under the config's own schedule (GPipe,
+    1F1B for SQuAD: what the shipped configs run). A schedule whose activations in flight do
+    not fit the device at the start is said so."""
+    from pipetransformer.config import ConfigError, load_config
+
+    lines = []
+    with tempfile.TemporaryDirectory() as scratch:
+        no_profile = Path(scratch) / "none.json"
+        for cluster_name, (nodes, *cluster) in SCHEDULE_CLUSTERS.items():
+            for workload, config_name in WORKLOADS.items():
+                shipped = load_config(ROOT / "configs" / config_name).pipeline.schedule
+                results = {}
+                for schedule in SCHEDULES:
+                    try:
+                        results[schedule] = predicted(
+                            config_name, tuple(cluster), no_profile, nodes, schedule
+                        )
+                    except ConfigError:  # no start fits the device
+                        results[schedule] = None
+                reference = results[shipped].baseline_s
+                for schedule, result in results.items():
+                    cells = [workload, cluster_name, schedule]
+                    if result is None:
+                        cells += ["does not fit", "-", "-", "-", "-"]
+                    else:
+                        start = result.rows[0]
+                        ratios = (reference / result.baseline_s, reference / result.elastic_s)
+                        cells += [
+                            f"{start.pipe_len}, {start.virtual_stages}, {start.num_micro_batches}",
+                            f"{1 - 1 / start.bubble:.2f}",
+                            duration(result.baseline_s),
+                            duration(result.elastic_s),
+                            " / ".join(f"{v:.2f}x" for v in ratios),
+                        ]
+                    lines.append(f"| {' | '.join(cells)} |")
+    return lines
+
+
+def missing_rows(
+    generated: list[str], docs: tuple[Path, ...] = DOCS, header: str = HEADER
+) -> list[str]:
     """'FILE: ROW' for each generated row (and the header) a document lacks."""
     missing = []
     for path in docs:
         text = path.read_text().splitlines()
-        for row in [HEADER, *generated]:
+        for row in [header, *generated]:
             if row not in text:
                 missing.append(f"{path.relative_to(ROOT)}: {row}")
     return missing
@@ -134,12 +198,20 @@ def missing_rows(generated: list[str], docs: tuple[Path, ...] = DOCS) -> list[st
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare with the docs' tables")
+    parser.add_argument("--schedules", action="store_true", help="the table per schedule")
     args = parser.parse_args()
+    if args.schedules and not args.check:
+        alignment = "| --- | --- | --- | --- | ---: | ---: | ---: | --- |"
+        print("\n".join([SCHEDULE_HEADER, alignment, *schedule_rows()]))
+        return 0
     generated = rows()
     if not args.check:
         print("\n".join([HEADER, "| --- | ---: | ---: | ---: | ---: | --- | --- |", *generated]))
         return 0
     missing = missing_rows(generated)
+    if args.schedules:
+        profiling = (ROOT / "docs" / "profiling.md",)
+        missing += missing_rows(schedule_rows(), profiling, SCHEDULE_HEADER)
     for line in missing:
         print(f"not in the docs (regenerate: python benchmarks/paper_predictions.py): {line}")
     return 1 if missing else 0

@@ -285,6 +285,34 @@ OBJECT_OPS = [
 ]
 
 
+POINT_TO_POINT = {
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "send_object_list",
+    "recv_object_list",
+}
+
+
+def collective_order_problem(collectives: dict[int, list]) -> str | None:
+    """Where two ranks' collectives (`CollectiveAudit.collectives` of each rank) on the
+    groups they share differ in order, op or tensors, or None."""
+    for a, seen_a in collectives.items():
+        for b, seen_b in collectives.items():
+            if b <= a:
+                continue
+            on_a = [c for c in seen_a if a in c[0] and b in c[0]]
+            on_b = [c for c in seen_b if a in c[0] and b in c[0]]
+            for index, (x, y) in enumerate(zip(on_a, on_b)):
+                if x != y:
+                    return f"ranks {a} and {b}, shared collective {index}: {x} against {y}"
+            if len(on_a) != len(on_b):
+                return f"ranks {a} and {b} issue {len(on_a)} and {len(on_b)} shared collectives"
+    return None
+
+
 class CollectiveAudit:
     """Wraps torch.distributed's collectives and point-to-point ops (and the pipeline's
     batched p2p) to check what NCCL would insist on, and records every group creation.
@@ -295,7 +323,11 @@ class CollectiveAudit:
       belong on the control group);
     - with `host_held`, no tensor made on the host (`HostHeld`) on those groups;
     - `groups`: every new_group / split_group call as (kind, ranks, backend), to compare
-      between ranks (each must make the same calls in the same order).
+      between ranks (each must make the same calls in the same order);
+    - `collectives`: every collective (not point-to-point) in the order this rank issued it,
+      as (the group's ranks, op, shapes and dtypes): any two ranks must issue the ones of the
+      groups they share in the same order with the same tensors (`collective_order_problem`),
+      or NCCL pairs the wrong calls and hangs or reduces garbage.
 
     On this CPU the compute device is the CPU, so what fails here is a dtype NCCL refuses, a
     control message on a training or default group, or ranks creating groups differently;
@@ -310,6 +342,7 @@ class CollectiveAudit:
         self.violations: list[str] = []
         self.groups: list[tuple[str, tuple, str]] = []
         self.counts: dict[str, int] = {}
+        self.collectives: list[tuple[tuple[int, ...], str, tuple]] = []
         self._saved: dict[str, object] = {}
         # Where set, a tensor it says a GPU run holds on the host is refused on the default
         # and training groups (NCCL's): what a CPU run's devices cannot show.
@@ -343,6 +376,12 @@ class CollectiveAudit:
                     )
         if kind != "control" and op in OBJECT_OPS:
             self.violations.append(f"{op} on the {kind} group (a control message)")
+        if op not in POINT_TO_POINT:
+            ranks = tuple(self.dist.get_process_group_ranks(group or self.dist.group.WORLD))
+            shapes = tuple(
+                (tuple(t.shape), str(t.dtype)) for t in tensors if isinstance(t, torch.Tensor)
+            )
+            self.collectives.append((ranks, op, shapes))
 
     def install(self) -> None:
         dist = self.dist

@@ -162,6 +162,7 @@ def audited_run(config_dict: dict, run_dir: str, frozen_after: int):
             "violations": audit.violations,
             "groups": audit.groups,
             "counts": audit.counts,
+            "collectives": audit.collectives,
         }
     finally:
         if audit.host_held is not None:

@@ -93,6 +93,10 @@ def reference_run(config, num_nodes: int = 1, replicas_per_node=None):
     named = {
         f"units.{i}.{n}": p for i, u in enumerate(model.units) for n, p in u.named_parameters()
     }
+    embedding_frozen = config.freeze.embedding_frozen  # freeze.embedding: from the start
+    if embedding_frozen:
+        model.units[0].requires_grad_(False)
+        model.units[0].eval()
     optimizer = optim.build_optimizer(config.optimizer, named)
     # The trainer's sampler (its batch semantics, and data.group_by_length).
     sampler = train_sampler(config, data.train, num_nodes)
@@ -128,7 +132,7 @@ def reference_run(config, num_nodes: int = 1, replicas_per_node=None):
             frozen = config.freeze.manual_schedule[
                 min(epoch, len(config.freeze.manual_schedule) - 1)
             ]
-            for unit in list(model.units)[: prefix_end(frozen)]:
+            for unit in list(model.units)[: prefix_end(frozen, embedding_frozen)]:
                 unit.requires_grad_(False)
                 unit.eval()
     return losses, model.state_dict(), sampler

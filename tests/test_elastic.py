@@ -87,7 +87,8 @@ def test_elastic_run_matches_single_process(tmp_path, autopipe, autodp, clip, la
 
 
 def test_state_handoff_is_bit_exact(tmp_path):
-    """Weights, Adam moments and step counts arrive unchanged wherever they move."""
+    """Weights, Adam moments and step counts arrive unchanged wherever they move (between
+    layouts of several chunks a stage: tests/test_chunked_training.py)."""
     config_dict = elastic_config(
         trainer__epochs=1,
         optimizer__name="adamw",

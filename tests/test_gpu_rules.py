@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from families import FAMILIES, TEXT_FAMILIES, batch, text_batch
-from gpu_audit import HostReads
+from gpu_audit import HostReads, collective_order_problem
 from helpers import ROOT, run_cli, tiny_bert, tiny_vit
 
 from pipetransformer.config import load_config
@@ -1088,7 +1088,9 @@ def test_every_gpu_config_names_cuda_uses_tensor_cores_and_fits_its_devices(name
 
 def _audit_config(kind: str, sst2_root: Path) -> dict:
     """2 ranks: a 2-stage pipeline, then (frozen_after layers frozen) one stage x 2
-    replicas served by AutoCache; AdamW; M measured ('auto'); BERT in bf16."""
+    replicas served by AutoCache; AdamW; M measured ('auto'); BERT in bf16. `kind`: the
+    model, or the model and a schedule ('bert-interleaved_1f1b': its 2 chunks a rank)."""
+    kind, _, schedule = kind.partition("-")
     config = {
         "trainer": {
             "epochs": 1,
@@ -1104,6 +1106,8 @@ def _audit_config(kind: str, sst2_root: Path) -> dict:
         "freeze": {"strategy": "gradient_norm", "interval_steps": 1000},
         "cache": {"enabled": True, "profile": False},
     }
+    if schedule:
+        config["pipeline"]["schedule"] = schedule
     if kind == "vit":
         config["model"] = {
             "name": "vit_tiny_patch16_224",
@@ -1130,7 +1134,18 @@ TINY_BERT_KWARGS = {
 }
 
 
-@pytest.fixture(scope="module", params=["bert", "vit"])
+# The chunked schedules: BERT's text of several lengths (a stage and schedule of 2 chunks
+# per bucket) under interleaved 1F1B; ViT under zero bubble, slow for the default suite's 5
+# minutes (about 3 s).
+AUDITED = [
+    "bert",
+    "vit",
+    "bert-interleaved_1f1b",
+    pytest.param("vit-zero_bubble", marks=pytest.mark.slow),
+]
+
+
+@pytest.fixture(scope="module", params=AUDITED)
 def audited(request, tmp_path_factory, sst2_dir):
     from gpu_workers import audited_run
     from helpers import run_workers
@@ -1151,6 +1166,7 @@ def test_a_step_reads_nothing_on_the_host_and_never_waits_for_a_copy(audited):
     for rank, result in enumerate(results):
         layouts = [p["layout"] for p in result["phases"]]
         assert "pipe_len=2" in layouts[0] and "pipe_len=1" in layouts[1], layouts
+        assert ("virtual_stages=2" in layouts[0]) == ("-" in kind), layouts
         assert result["phases"][1]["cache_active"]
         for phase in result["phases"]:
             assert phase["host_reads"] == [], (kind, rank, phase["layout"], phase["host_reads"])
@@ -1159,7 +1175,13 @@ def test_a_step_reads_nothing_on_the_host_and_never_waits_for_a_copy(audited):
 
 @pytest.mark.distributed
 def test_collectives_are_what_nccl_takes_and_every_rank_makes_the_same_groups(audited):
+    """And every rank issues the collectives of the groups it shares with another in the
+    same order, with the same tensors (DDP's own buckets run inside its reducer, unseen;
+    clipping's, the freeze signal's and the control group's are seen)."""
     kind, results = audited
+    order = {rank: result["collectives"] for rank, result in enumerate(results)}
+    assert collective_order_problem(order) is None, (kind, collective_order_problem(order))
+    assert all(len(seen) > 10 for seen in order.values())
     for result in results:
         assert result["violations"] == [], (kind, result["violations"])
         assert result["counts"].get("training:all_reduce", 0) > 0  # DDP ran in phase 2

@@ -39,3 +39,13 @@ def test_steady_state_rows_show_the_layouts_the_run_holds(tmp_path):
 def test_the_docs_tables_of_predictions_are_what_plan_predict_prints():
     """Slow: about 15 s (8 predictions, BERT-large's analytical profile among them)."""
     assert paper_predictions.missing_rows(paper_predictions.rows()) == []
+
+
+@pytest.mark.slow
+def test_the_docs_table_of_predictions_per_schedule_is_what_plan_predict_prints():
+    """Slow: about 25 s (32 predictions: 4 workloads x 2 clusters x 4 schedules)."""
+    profiling = (ROOT / "docs" / "profiling.md",)
+    rows = paper_predictions.schedule_rows()
+    assert len(rows) == 32
+    header = paper_predictions.SCHEDULE_HEADER
+    assert paper_predictions.missing_rows(rows, profiling, header) == []

@@ -9,26 +9,62 @@ rounding only: gradients agree to rtol 1e-4 / atol 1e-6, losses to 1e-5.
 import pytest
 import torch
 from helpers import run_workers
-from workers import one_stage_against_gpipe, pipeline_gradients, reference_gradients
+from workers import (
+    build,
+    cut,
+    fixed_batch,
+    one_stage_against_gpipe,
+    pipeline_gradients,
+    pipeline_gradients_ddp_everywhere,
+    reference_gradients,
+    step_lengths,
+)
+
+from pipetransformer.utils.units import parse_param_key
 
 pytestmark = pytest.mark.distributed
 
 CASES = [
-    # kind, pipe_len, dp_degree, micro-batches, schedule
-    ("vit", 2, 1, 4, "gpipe"),
-    ("vit", 4, 1, 4, "1f1b"),
-    ("vit", 2, 2, 2, "gpipe"),
-    ("bert", 2, 1, 2, "gpipe"),
-    ("bert", 2, 2, 2, "1f1b"),
+    # kind, pipe_len, dp_degree, micro-batches, schedule, chunks a stage
+    ("vit", 2, 1, 4, "gpipe", 1),
+    ("vit", 4, 1, 4, "1f1b", 1),
+    ("vit", 2, 2, 2, "gpipe", 1),
+    ("bert", 2, 1, 2, "gpipe", 1),
+    ("bert", 2, 2, 2, "1f1b", 1),
+    # 4 chunks on 2 ranks (torch's multi-stage schedules), alone and replicated: DDP on each
+    # chunk under interleaved 1F1B, the rank's own all-reduce under zero bubble. Replicated
+    # they run through the trainer too (tests/test_chunked_training.py's 2 x 2 layouts), so
+    # here they are slow, for the default suite's 5 minutes (about 2 s each).
+    ("vit", 2, 1, 4, "interleaved_1f1b", 2),
+    ("bert", 2, 1, 2, "zero_bubble", 2),
+    pytest.param("bert", 2, 2, 2, "interleaved_1f1b", 2, marks=pytest.mark.slow),
+    pytest.param("bert", 2, 2, 4, "zero_bubble", 2, marks=pytest.mark.slow),
 ]
+TORCH_CLASSES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "zero_bubble": "ScheduleInterleavedZeroBubble",
+}
 
 
-@pytest.mark.parametrize("kind, pipe_len, dp_degree, micro, schedule", CASES, ids=lambda v: str(v))
-def test_pipeline_matches_single_process(kind, pipe_len, dp_degree, micro, schedule):
+@pytest.mark.parametrize(
+    "kind, pipe_len, dp_degree, micro, schedule, chunks", CASES, ids=lambda v: str(v)
+)
+def test_pipeline_matches_single_process(kind, pipe_len, dp_degree, micro, schedule, chunks):
     batch = 16
     ref_loss, ref_grads = reference_gradients(kind, batch)
     results = run_workers(
-        pipeline_gradients, pipe_len * dp_degree, kind, pipe_len, dp_degree, micro, schedule, batch
+        pipeline_gradients,
+        pipe_len * dp_degree,
+        kind,
+        pipe_len,
+        dp_degree,
+        micro,
+        schedule,
+        batch,
+        None,
+        chunks,
     )
     covered = set()
     for result in results:
@@ -37,6 +73,12 @@ def test_pipeline_matches_single_process(kind, pipe_len, dp_degree, micro, sched
                 grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
             )
             covered.add(name)
+        assert result["stage_classes"] == [TORCH_CLASSES[schedule]]
+        assert result["host_reads"] == []  # the steps after the first (gpu_audit.HostReads)
+        # Who averages the replicas' gradients: DDP around each chunk, or the rank itself.
+        by_hand = dp_degree > 1 and schedule == "zero_bubble"
+        assert result["by_hand"] == by_hand
+        assert result["ddp_chunks"] == (0 if by_hand or dp_degree == 1 else chunks)
     assert covered == set(ref_grads), "every parameter lives on some rank"
     # Each last stage returns its micro-batch losses weighted by R / batch: their total over
     # replicas is R times the mean loss (summed over the steps).
@@ -44,6 +86,36 @@ def test_pipeline_matches_single_process(kind, pipe_len, dp_degree, micro, sched
     assert total / dp_degree == pytest.approx(ref_loss, rel=1e-5)
     if kind == "bert" and pipe_len > 1:  # a stage for each length, the first one reused
         assert all(r["lengths_built"] == [16, 8] for r in results)
+    # Evaluation through the forward-only schedule: each replica's logits are the model's.
+    model = build(kind).eval()
+    inputs, _ = fixed_batch(kind, batch)
+    with torch.no_grad():
+        expected = model(*cut(inputs, step_lengths(kind)[0]))
+    evaluated = [r["eval_logits"] for r in results if r["role"].is_last]
+    assert len(evaluated) == dp_degree
+    for window, logits in evaluated:
+        torch.testing.assert_close(logits, expected[window], rtol=1e-5, atol=1e-6)
+
+
+def test_ddp_would_miss_zero_bubbles_weight_gradients():
+    """Why zero bubble averages the replicas' gradients itself (pipe/gradient_sync.py): with
+    each chunk wrapped in DDP as interleaved 1F1B's are, torch 2.14's split backward writes
+    the weight gradients past DDP's hooks, and every chunk but the first keeps its replica's
+    own gradient (no error; ViT, one step, 2 stages x 2 chunks x 2 replicas). If this fails,
+    torch syncs them now: the all-reduce of our own may give way to DDP."""
+    batch = 16
+    _, ref_grads = reference_gradients("vit", batch)
+    results = run_workers(
+        pipeline_gradients_ddp_everywhere, 4, "vit", 2, 2, 2, "zero_bubble", batch, None, 2
+    )
+    wrong = set()
+    for result in results:
+        assert result["ddp_chunks"] == 2 and not result["by_hand"]
+        for name, grad in result["grads"].items():
+            if not torch.allclose(grad, ref_grads[name], rtol=1e-4, atol=1e-6):
+                wrong.add(name)
+    first_chunk = set(results[0]["first_chunk_units"])  # its W is a whole backward
+    assert wrong == {n for n in ref_grads if parse_param_key(n)[0] not in first_chunk}
 
 
 @pytest.mark.parametrize("kind, dp_degree", [("vit", 1), ("bert", 2)])

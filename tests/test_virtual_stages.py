@@ -92,12 +92,14 @@ def planner(schedule, initial, virtual_stages="auto", costs=None):
 
 
 def test_v_is_decided_again_for_every_layout():
-    """auto: the most chunks the active units fill; a configured v falls back when they are
-    too few; K = 1 is plain DDP: one chunk."""
-    auto = planner("interleaved_1f1b", 2)  # 18 units: 9 chunks a rank at K = 2
-    assert auto.initial.virtual_stages == 9
-    assert [auto.plan(f, 2).virtual_stages for f in range(5)] == [9, 7, 6, 5, 4]
+    """auto: two chunks a rank where the active units fill them; a configured v falls back
+    when they are too few; K = 1 is plain DDP: one chunk."""
+    auto = planner("interleaved_1f1b", 2)  # 18 units: 2 chunks a rank at K = 2
+    assert auto.initial.virtual_stages == 2
+    assert [auto.plan(f, 2).virtual_stages for f in range(5)] == [2] * 5
     assert auto.plan(5, 2).pipe_len == 1 and auto.plan(5, 2).virtual_stages == 1
+    many = planner("interleaved_1f1b", 2, virtual_stages=9)  # an int is used as given
+    assert [many.plan(f, 2).virtual_stages for f in range(5)] == [9, 7, 6, 5, 4]
     fixed = planner("zero_bubble", 4, virtual_stages=2)
     plans = [fixed.plan(f, 4) for f in range(8)]
     assert [p.virtual_stages for p in plans[:5]] == [2] * 5
@@ -119,7 +121,7 @@ def test_eq2_compares_what_a_rank_holds():
     """The budget is the initial plan's largest rank (its chunks summed), and a packed plan
     is compared the same way: interleaved layouts pack at the boundary GPipe packs at."""
     costs = vit_like()
-    interleaved = planner("interleaved_1f1b", 4, costs=costs)
+    interleaved = planner("interleaved_1f1b", 4, virtual_stages=4, costs=costs)
     rank_loads = [
         sum(
             costs.trained[u] if u >= interleaved.initial.frozen_end else costs.frozen[u]

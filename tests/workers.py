@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
 import torch
+from gpu_audit import HostReads
 from helpers import tiny_bert, tiny_vit
 
 from pipetransformer.autodp.groups import build_training_groups
@@ -54,12 +56,15 @@ def pipeline_gradients(
     schedule: str,
     batch_size: int,
     autocast_dtype: torch.dtype | None = None,
+    virtual_stages: int = 1,
 ):
-    """The steps of `step_lengths(kind)` of a K-stage x R-replica pipeline, gradients summed
-    over them (never zeroed); return this rank's gradients and losses."""
+    """The steps of `step_lengths(kind)` of a K-stage x R-replica pipeline of `virtual_stages`
+    chunks a stage, gradients summed over them (never zeroed); return this rank's gradients
+    and losses."""
     world = init_distributed("cpu", 60)
     model = build(kind)
-    plan = balance(UnitCosts.from_param_counts(model.spec.unit_param_counts, 1 / 6), 0, pipe_len)
+    costs = UnitCosts.from_param_counts(model.spec.unit_param_counts, 1 / 6)
+    plan = balance(costs, 0, pipe_len, virtual_stages=virtual_stages)
     layout = Layout(plan, world.world_size, world.world_size, dp_degree).with_micro_batches(
         micro_batches
     )
@@ -93,22 +98,54 @@ def pipeline_gradients(
             labels[window], loss_weights([True] * share, dp_degree, batch_size)
         )
     losses = []
-    for length in step_lengths(kind):
+    host_reads = []  # in the steps of a length met before (the first builds its stages)
+    for index, length in enumerate(step_lengths(kind)):
         step_inputs = [t[window] for t in cut(inputs, length)] if role.is_first else None
-        losses += runtime.train_step(step_inputs, target, seq_length=length)
+        audited = length in step_lengths(kind)[:index]
+        with HostReads() if audited else contextlib.nullcontext() as audit:
+            losses += runtime.train_step(step_inputs, target, seq_length=length)
+        host_reads += audit.reads if audited else []
     grads = {}
     for index, unit in units.items():
         for name, p in unit_param_names(unit, index).items():
             grads[name] = p.grad.clone()
+    # The forward-only schedule (evaluation) at the first step's length: the last stage's
+    # logits of its replica's samples (no optimizer step was taken: the initial weights).
+    length = step_lengths(kind)[0]
+    eval_inputs = [t[window] for t in cut(inputs, length)] if role.is_first else None
+    eval_target = None
+    if role.is_last:
+        eval_target = ClassificationTask.make_target(labels[window], torch.zeros(share))
+    logits = runtime.eval_step(eval_inputs, eval_target, seq_length=length)
     torch.distributed.destroy_process_group()
     return {
         "rank": world.rank,
+        "eval_logits": (window, logits) if role.is_last else None,
         "role": role,
         "grads": grads,
-        "losses": [float(l) for l in losses],
+        "losses": [float(l.detach()) for l in losses],
         "linear_dtypes": linear_dtypes,
+        "host_reads": host_reads,
         "lengths_built": runtime.seq_lengths_built,
+        "stage_classes": sorted(
+            {type(s).__name__ for s in runtime._built.values()}  # the schedules that ran
+        ),
+        "by_hand": runtime.gradient_sync is not None,
+        "first_chunk_units": list(range(*plan.stage_ranges[0])),
+        "ddp_chunks": sum(
+            isinstance(m, torch.nn.parallel.DistributedDataParallel)
+            for m in runtime.wrapped.modules()
+        ),
     }
+
+
+def pipeline_gradients_ddp_everywhere(*args):
+    """pipeline_gradients with every trained chunk wrapped in DDP whatever the schedule (as
+    the runtime wraps interleaved 1F1B's): what zero bubble would do with DDP."""
+    from pipetransformer.pipe import runtime
+
+    runtime.SPLIT_BACKWARD_SCHEDULES = ()
+    return pipeline_gradients(*args)
 
 
 def reference_gradients(kind: str, batch_size: int, autocast_dtype: torch.dtype | None = None):
@@ -180,13 +217,31 @@ def gather_state(trainer, include_optimizer: bool = False):
     return model_state, optimizer_state
 
 
-def elastic_run(config_dict: dict, run_dir: str, gather_optimizer: bool = False, options=None):
+def elastic_run(
+    config_dict: dict,
+    run_dir: str,
+    gather_optimizer: bool = False,
+    options=None,
+    handoffs: bool = False,
+):
     """A whole Trainer run; returns transitions and (rank 0) the final state. Per-step
-    losses are in RUN_DIR/steps.jsonl (log_interval_steps 1)."""
+    losses are in RUN_DIR/steps.jsonl (log_interval_steps 1). With `handoffs`, also this
+    rank's (layout, state) before and after each transition (`_snapshot`: exact copies)."""
     from pipetransformer.config import config_from_dict
     from pipetransformer.trainer.trainer import Trainer
 
     trainer = Trainer(config_from_dict(config_dict), run_dir, options)
+    snapshots = []
+    if handoffs:
+        transition = trainer.transition
+
+        def recorded(*args, **kwargs):
+            before = (trainer.stage.layout, _snapshot(trainer))
+            record = transition(*args, **kwargs)
+            snapshots.append((before, (trainer.stage.layout, _snapshot(trainer))))
+            return record
+
+        trainer.transition = recorded
     try:
         trainer.setup()
         summary = trainer.train()
@@ -196,6 +251,7 @@ def elastic_run(config_dict: dict, run_dir: str, gather_optimizer: bool = False,
             "summary": summary.to_dict(),
             "transitions": trainer.transitions,
             "state": state,
+            "handoffs": snapshots,
         }
     finally:
         trainer.cleanup()
@@ -453,12 +509,14 @@ def elastic_runs(
     root: str,
     resume_at_step: int | None = None,
     resume_names: set[str] | None = None,
+    handoff_names: set[str] = frozenset(),
 ):
     """Whole Trainer runs one after the other in the same workers (one process start for
     all of them), each in a process group of its own, in ROOT/<name>: {name: elastic_run's
     result}. With `resume_at_step`, each run (of `resume_names`, if given) is then also
     continued from a copy of its directory cut back to that step's checkpoint, in
-    ROOT/<name>-resumed ({name-resumed: result})."""
+    ROOT/<name>-resumed ({name-resumed: result}). The runs of `handoff_names` record their
+    state around each transition (elastic_run's `handoffs`)."""
     from pathlib import Path
 
     from pipetransformer.runs.rundir import RunOptions
@@ -468,7 +526,7 @@ def elastic_runs(
     for index, (name, config_dict) in enumerate(runs):
         if index:
             _fresh_rendezvous(root / f"port-{name}")
-        results[name] = elastic_run(config_dict, str(root / name))
+        results[name] = elastic_run(config_dict, str(root / name), handoffs=name in handoff_names)
         if resume_at_step is not None and (resume_names is None or name in resume_names):
             resumed = root / f"{name}-resumed"
             _fresh_rendezvous(

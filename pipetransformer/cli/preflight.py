@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipetransformer.config import Config, ConfigError, require_executable
+from pipetransformer.config import Config, ConfigError
 
 
 def preflight(config: Config) -> Config:
@@ -29,19 +29,29 @@ def preflight(config: Config) -> Config:
     from pipetransformer.data.validate import validate_data_files
     from pipetransformer.planning import describe_model
 
-    require_executable(config.pipeline.schedule)  # one line before any process starts
     check_devices(config)
     check_data_config(config.data)
     labelled = config.data.name in ("hf", "hf_image")  # its head's size is read from the data
     if not labelled:
-        describe_model(config)  # builds the model on the meta device: bad names/kwargs fail here
+        # builds the model on the meta device: bad names/kwargs fail here
+        check_virtual_stages_fit(config, describe_model(config).num_units)
     fetch_data(config.data)
     config = dataclasses.replace(config, data=validate_data_files(config.data))
     if labelled:
         check_head_fits_labels(config)
-        describe_model(config)
+        check_virtual_stages_fit(config, describe_model(config).num_units)
     check_metric_fits_classes(config)
     return config
+
+
+def check_virtual_stages_fit(config: Config, num_units: int) -> None:
+    """A configured pipeline.virtual_stages must fit the model's active units at a configured
+    pipeline.initial_pipe_len (ConfigError naming the key; later layouts fall back to fewer
+    chunks). With initial_pipe_len 'auto' the workers check it at the length they choose."""
+    from pipetransformer.planning.context import check_virtual_stages
+
+    if isinstance(config.pipeline.initial_pipe_len, int):
+        check_virtual_stages(config, num_units, config.pipeline.initial_pipe_len)
 
 
 def check_metric_fits_classes(config: Config) -> None:

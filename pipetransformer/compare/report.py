@@ -118,6 +118,7 @@ def read_run(run_dir: Path) -> dict[str, Any]:
                 "dp_degree": m.dp_degree,
                 "num_micro_batches": m.num_micro_batches,
                 "sharded": m.sharded,
+                "virtual_stages": m.virtual_stages,
             }
             for m in metrics
         ],

@@ -45,14 +45,13 @@ from pipetransformer.config.pipeline import PipelineConfig
 from pipetransformer.config.resolve import World, decided_by_measured_time, resolve
 from pipetransformer.config.run import Config
 from pipetransformer.config.schedules import (
-    EXECUTABLE_SCHEDULES,
+    AUTO_VIRTUAL_STAGES,
     MULTI_CHUNK_SCHEDULES,
     SCHEDULES,
     TORCH_SCHEDULE_CLASS,
     ScheduleName,
     layout_schedule,
     micro_batch_problem,
-    require_executable,
     smallest_micro_batches,
     virtual_stages_for,
     virtual_stages_problem,
@@ -60,7 +59,7 @@ from pipetransformer.config.schedules import (
 from pipetransformer.config.trainer import TrainerConfig
 
 __all__ = [
-    "EXECUTABLE_SCHEDULES",
+    "AUTO_VIRTUAL_STAGES",
     "MULTI_CHUNK_SCHEDULES",
     "REGRESSION_METRICS",
     "SCHEDULES",
@@ -100,7 +99,6 @@ __all__ = [
     "read_config_data",
     "reachable_pipe_lens",
     "resolve",
-    "require_executable",
     "smallest_micro_batches",
     "virtual_stages_for",
     "virtual_stages_problem",

@@ -31,11 +31,12 @@ class PipelineConfig:
     num_micro_batches: int | Literal["auto", "measured"] = "auto"
     # torch.distributed.pipelining's schedule (config/schedules.py): gpipe, 1f1b, and the
     # ones that hold several chunks (virtual stages) a rank, interleaved_1f1b and
-    # zero_bubble (planned and predicted; `train` refuses them until the runtime runs them).
+    # zero_bubble.
     schedule: ScheduleName = "gpipe"
-    # Chunks a rank holds under interleaved_1f1b and zero_bubble. 'auto': at each layout the
-    # largest v whose K v chunks the active units fill (one sublayer at least each); an int:
-    # that many, fewer at a layout with too few active units. Always 1 for the others.
+    # Chunks a rank holds under interleaved_1f1b and zero_bubble. 'auto': 2 (torchtitan's
+    # default; the bubble falls as 1/v, the sends grow as v), fewer at a layout whose active
+    # units cannot fill K v chunks (one sublayer at least each); an int: that many, fewer
+    # likewise. Always 1 for the others.
     virtual_stages: int | Literal["auto"] = "auto"
     # How stages are balanced: measured forward+backward time per unit, or parameter counts.
     balance: Literal["time", "params"] = "time"

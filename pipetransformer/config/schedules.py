@@ -22,6 +22,10 @@ the replica's first and last rank, as the single-chunk schedules have them.
 - M does not bound v: torch's rules tie M to K only, and the interleaved bubble
   (K - 1) / (v M + K - 1) holds for M < K v too (tests/test_schedules.py simulates torch's
   orders). The active units do: K v chunks need K v units, a chunk at least one.
+- `virtual_stages: auto` is 2 where the active units allow (torchtitan's default for looped
+  schedules), else 1: the bubble falls as 1/v but every chunk boundary is a send, so v
+  chunks a rank send v times as often; the largest v the units allow (9 on the quickstart at
+  K = 2) multiplied the sends for a bubble already small.
 - `zero_bubble` runs ScheduleInterleavedZeroBubble (Qi et al. 2023, arXiv:2401.10241: its ZB1P
   order with the backward split into input (I) and weight (W) gradients, W delayed into the
   bubble), not ScheduleZBVZeroBubble or ScheduleDualPipeV: those place chunks in a V (rank r
@@ -33,8 +37,8 @@ the replica's first and last rank, as the single-chunk schedules have them.
   has 1F1B's bubble but warms up 2 (K - 1 - r) micro-batches on rank r where 1F1B holds
   K - r. zero_bubble at v = 1 keeps its schedule (the I/W split still fills the bubble).
 
-Owns: the schedule names, these rules, `virtual_stages_for` (v at a layout, re-decided at
-every transition) and `require_executable`. Must not: import anything outside config/, touch
+Owns: the schedule names, these rules and `virtual_stages_for` (v at a layout, re-decided
+at every transition). Must not: import anything outside config/, touch
 torch or plan partitions.
 """
 
@@ -42,14 +46,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pipetransformer.config.errors import _fail
-
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 # Schedules that hold several chunks a rank (looped placement, torch's PipelineScheduleMulti).
 MULTI_CHUNK_SCHEDULES: tuple[str, ...] = ("interleaved_1f1b", "zero_bubble")
-# Schedules `train` can run today; the others are planned and predicted (plan, plan --predict).
-EXECUTABLE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
 
 TORCH_SCHEDULE_CLASS = {
     "gpipe": "ScheduleGPipe",
@@ -101,16 +101,23 @@ def smallest_micro_batches(schedule: str, pipe_len: int, replica_batch: int) -> 
     return None
 
 
+# The chunks a rank holds under `virtual_stages: auto`: torchtitan's default for looped
+# schedules (torchtitan/distributed/pipeline_parallel.py: "For multi-stage schedules, default
+# is 2 virtual stages per rank"). The bubble falls as 1/v, the sends grow as v: two halves
+# the bubble for twice the sends, and more is for a user who has measured their links.
+AUTO_VIRTUAL_STAGES = 2
+
+
 def virtual_stages_for(schedule: str, setting: int | str, pipe_len: int, active_units: int) -> int:
     """The chunks a rank holds in a layout of `pipe_len` stages over `active_units` units
     (those outside the frozen prefix), re-decided at every transition: 1 for gpipe, 1f1b and
-    plain DDP; for the multi-chunk schedules the largest v with pipe_len * v <= active_units,
-    at most the configured v ('auto': no other bound). A configured v the units cannot hold
-    falls back to the largest smaller one (at least 1)."""
+    plain DDP; for the multi-chunk schedules the configured v ('auto': AUTO_VIRTUAL_STAGES),
+    fewer where the K v chunks would not each hold a unit (at least 1)."""
     if schedule not in MULTI_CHUNK_SCHEDULES or pipe_len == 1:
         return 1
     most = max(1, active_units // pipe_len)
-    return most if setting == "auto" else max(1, min(int(setting), most))
+    wanted = AUTO_VIRTUAL_STAGES if setting == "auto" else int(setting)
+    return max(1, min(wanted, most))
 
 
 def virtual_stages_problem(
@@ -128,13 +135,3 @@ def virtual_stages_problem(
             f"use at most {max(1, active_units // pipe_len)} or 'auto'"
         )
     return None
-
-
-def require_executable(schedule: str) -> None:
-    """Raise ConfigError naming pipeline.schedule when `train` cannot run `schedule` yet."""
-    if schedule not in EXECUTABLE_SCHEDULES:
-        _fail(
-            "pipeline.schedule",
-            f"'{schedule}' is planned (pipetransformer plan, plan --predict) but not yet "
-            f"executable by train; use {' or '.join(EXECUTABLE_SCHEDULES)}",
-        )

@@ -1,9 +1,11 @@
 """Pipeline execution for one rank in one layout, over torch.distributed.pipelining.
 
-Owns: the stage module (a UnitSequence of this stage's units), its DDP wrapper over the
-data group (active parameters only), the PipelineStage with declared shapes and the
-schedule for each sequence length a step brings, and the frozen prefix that the first
-stage runs as input preprocessing.
+Owns: the stage module (a UnitSequence of this stage's units; under interleaved_1f1b and
+zero_bubble one per chunk the rank holds), its DDP wrapper over the data group (active
+parameters only; per chunk), the PipelineStage(s) with declared shapes and the schedule for
+each sequence length a step brings (`PipelineSchedules.schedule_for`: a stage per chunk and
+torch's multi-stage schedule where a rank holds several), and the frozen prefix that the
+first stage runs as input preprocessing.
 Must not: create process groups, choose layouts or a batch's length (trainer/step.py does,
 from the sample ids: every stage of a replica computes the same), or move state between
 ranks.
@@ -21,6 +23,9 @@ declared, because DDP with inferred shapes crashes; the stage module handed to
 PipelineStage *is* the DDP module, so the schedule syncs gradients once per step; DDP never
 sees a frozen parameter; a stage with nothing to train is not wrapped in DDP. A pipeline of
 one stage needs none of the pipelining machinery: `OneStageSchedule` runs it as DDP does.
+Zero bubble's split backward writes the weight gradients past DDP's hooks, so its chunks are
+not wrapped in DDP and the rank averages their gradients itself after the step
+(pipe/gradient_sync.py).
 """
 
 from __future__ import annotations
@@ -34,16 +39,34 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from pipetransformer.autopipe.planner import PipelinePlan
+from pipetransformer.config import MULTI_CHUNK_SCHEDULES, layout_schedule
 from pipetransformer.models.layered import ModelSpec, UnitSequence
+from pipetransformer.pipe.gradient_sync import GradientAllReduce
 from pipetransformer.pipe.timing import IntervalTimer
 
 logger = logging.getLogger(__name__)
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+# What a layout runs (config/schedules.py `layout_schedule`) -> torch's class. The last two
+# take the list of the rank's chunks (PipelineScheduleMulti), the first two its one stage.
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+}
+# Schedules whose backward DDP cannot see (their chunks' gradients are averaged by
+# GradientAllReduce once per step instead: pipe/gradient_sync.py says why).
+SPLIT_BACKWARD_SCHEDULES = ("zero_bubble",)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -167,41 +190,65 @@ def boundary_specs(specs, dtype: torch.dtype | None):
     )
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """One PipelineStage of a rank: chunk `index` of the pipeline (torch's stage_index; the
+    rank's stage itself under gpipe and 1f1b), its units [start, end), and its module as the
+    schedule drives it (mixed-precision edges, DDP)."""
+
+    index: int
+    unit_range: tuple[int, int]
+    wrapped: nn.Module
+
+
 @dataclass
 class PipelineSchedules:
-    """What `schedule_for(seq_length)` needs: one rank's stage of a K-stage pipeline (K > 1),
-    its shapes following the model spec at a given length."""
+    """What `schedule_for(seq_length)` needs: one rank's chunks of a pipeline of K > 1
+    stages (one chunk under gpipe and 1f1b, v under interleaved_1f1b and zero_bubble, of
+    `num_chunks` = K v in all), their shapes following the model spec at a given length."""
 
-    wrapped: nn.Module
-    stage_index: int
-    pipe_len: int
-    unit_range: tuple[int, int]
+    chunks: tuple[Chunk, ...]
+    num_chunks: int
     frozen_end: int
     spec: ModelSpec
     micro_batch_size: int
     num_micro_batches: int
-    schedule_name: str
+    schedule_name: str  # what the layout runs (config/schedules.py `layout_schedule`)
     loss_fn: LossFn
     pipeline_group: dist.ProcessGroup
     device: torch.device
     autocast_dtype: torch.dtype | None = None
 
     def schedule_for(self, seq_length: int | None) -> object:
-        """A PipelineStage with the shapes of a batch of `seq_length` tokens (the spec's
-        own for None) and its schedule: the stage and schedule for shape S, in one place
-        (a rank with several stages builds them all here)."""
+        """A PipelineStage for each of the rank's chunks with the shapes of a batch of
+        `seq_length` tokens (the spec's own for None), and their schedule: the stages and
+        schedule for shape S, in one place."""
         spec = self.spec.at_length(seq_length)
-        start, end = self.unit_range
-        is_last = self.stage_index == self.pipe_len - 1
-        # The hidden state carries gradients into a stage when a trained unit precedes it.
+        stages = [self._stage(chunk, spec) for chunk in self.chunks]
+        schedule = SCHEDULES[self.schedule_name]
+        if self.schedule_name in MULTI_CHUNK_SCHEDULES:  # torch's PipelineScheduleMulti
+            return schedule(
+                stages,
+                n_microbatches=self.num_micro_batches,
+                loss_fn=self.loss_fn,
+                scale_grads=False,
+            )
+        (stage,) = stages
+        return schedule(
+            stage, n_microbatches=self.num_micro_batches, loss_fn=self.loss_fn, scale_grads=False
+        )
+
+    def _stage(self, chunk: Chunk, spec: ModelSpec) -> PipelineStage:
+        start, end = chunk.unit_range
+        is_first = chunk.index == 0
+        is_last = chunk.index == self.num_chunks - 1
+        # The hidden state carries gradients into a chunk when a trained unit precedes it.
         input_specs = spec.unit_input_specs(start)
         input_args = _examples(
-            boundary_specs(input_specs, self.autocast_dtype)
-            if self.stage_index > 0
-            else input_specs,
+            input_specs if is_first else boundary_specs(input_specs, self.autocast_dtype),
             self.micro_batch_size,
             self.device,
-            grad_first=self.stage_index > 0 and self.frozen_end < start,
+            grad_first=not is_first and self.frozen_end < start,
         )
         output_specs = spec.unit_output_specs(end - 1)
         output_args = _examples(
@@ -210,25 +257,39 @@ class PipelineSchedules:
             self.device,
             grad_first=self.frozen_end < end,
         )
-        stage = PipelineStage(
-            self.wrapped,
-            self.stage_index,
-            self.pipe_len,
+        # Under zero_bubble, torch's input-gradient step (I) finds the weights through the
+        # graph from the chunk's inputs: a chunk after the first whose input carries no
+        # gradient (frozen units inside the pipeline: autopipe.enabled false) would get no
+        # weight gradients at all. Nothing upstream waits for such a chunk's input gradient,
+        # so its whole backward runs at I and its W does nothing (torch's `dw_builder`).
+        whole_backward = (
+            self.schedule_name in SPLIT_BACKWARD_SCHEDULES
+            and not is_first
+            and self.frozen_end >= start
+        )
+        return PipelineStage(
+            chunk.wrapped,
+            chunk.index,
+            self.num_chunks,
             self.device,
             input_args=input_args,
             output_args=output_args,
             group=self.pipeline_group,
+            dw_builder=(lambda: _nothing) if whole_backward else None,
         )
-        return SCHEDULES[self.schedule_name](
-            stage, n_microbatches=self.num_micro_batches, loss_fn=self.loss_fn, scale_grads=False
-        )
+
+
+def _nothing() -> None:
+    """A weight-gradient step with nothing left to do (the backward ran whole)."""
 
 
 @dataclass
 class StageRuntime:
     stage_index: int
     pipe_len: int
-    module: UnitSequence
+    # The stage's units: a UnitSequence, or under interleaved_1f1b and zero_bubble a ModuleList
+    # of one UnitSequence per chunk (`wrapped` alike), in pipeline order.
+    module: nn.Module
     wrapped: nn.Module
     device: torch.device
     # One stage: the OneStageSchedule every length runs; else how to build one per length.
@@ -241,6 +302,8 @@ class StageRuntime:
     # (split, sample ids, inputs, sequence length) -> the frozen prefix's output, served
     # from AutoCache.
     cached_prefix: Callable[..., tuple[torch.Tensor, ...]] | None = None
+    # The replicas' gradients averaged after the step, where DDP cannot do it (zero_bubble).
+    gradient_sync: GradientAllReduce | None = None
 
     @property
     def is_first(self) -> bool:
@@ -299,12 +362,14 @@ class StageRuntime:
             activations = self.run_prefix(inputs, ids, "train", seq_length)
             with self._autocast():
                 schedule.step(*activations, target=target, losses=losses, return_outputs=False)
-            return losses
-        with self._autocast():
-            if self.is_last:
-                schedule.step(target=target, losses=losses, return_outputs=False)
-            else:
-                schedule.step()
+        else:
+            with self._autocast():
+                if self.is_last:
+                    schedule.step(target=target, losses=losses, return_outputs=False)
+                else:
+                    schedule.step()
+        if self.gradient_sync is not None:
+            self.gradient_sync()
         return losses
 
     def eval_step(
@@ -373,6 +438,36 @@ def prefix_output(
     return tuple(t.float() if t.is_floating_point() else t for t in out)
 
 
+def wrap_chunk(
+    module: nn.Module,
+    autocast_dtype: torch.dtype | None,
+    is_last: bool,
+    data_group: dist.ProcessGroup | None,
+    device: torch.device,
+    hook: CommTimer | None,
+) -> nn.Module:
+    """What the schedule drives for one chunk: its mixed-precision edges, then DDP over the
+    data group when one is given (R > 1) and the chunk trains. The DDP module is the module
+    the PipelineStage holds, so the schedule syncs it once per step (PYTORCH_NOTES.md)."""
+    wrapped = module
+    if autocast_dtype is not None:
+        wrapped = MixedPrecisionStage(module, autocast_dtype, is_last)
+    trainable = any(p.requires_grad for p in module.parameters())
+    if data_group is not None and trainable:
+        wrapped = DistributedDataParallel(
+            wrapped,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            process_group=data_group,
+            forward_sync_buffers=False,
+            init_sync=False,  # replicas already hold identical weights (handoff is bit-exact)
+            # Gradients are views into the all-reduce buckets: no second copy of them.
+            gradient_as_bucket_view=True,
+        )
+        if hook is not None:
+            wrapped.register_comm_hook(data_group, hook.hook)
+    return wrapped
+
+
 def build_stage_runtime(
     *,
     plan: PipelinePlan,
@@ -388,11 +483,20 @@ def build_stage_runtime(
     autocast_dtype: torch.dtype | None = None,
     comm_timer: IntervalTimer | None = None,
 ) -> StageRuntime:
-    """`comm_timer`: where DDP's all-reduce intervals are marked (when the stage runs DDP)."""
+    """`schedule_name`: pipeline.schedule (the layout runs `layout_schedule` of it);
+    `comm_timer`: where the data group's all-reduce intervals are marked (DDP's, or the
+    GradientAllReduce's under zero_bubble)."""
     frozen_end = plan.frozen_end
-    start, end = plan.stage_ranges[stage_index]
-    stage_units = list(range(start, end))
-    module = UnitSequence([units[u] for u in stage_units], [u < frozen_end for u in stage_units])
+    runs = layout_schedule(schedule_name, plan.pipe_len, plan.virtual_stages)
+    chunk_ids = plan.chunks_of_stage(stage_index)
+    modules = []
+    for chunk in chunk_ids:
+        start, end = plan.stage_ranges[chunk]
+        chunk_units = list(range(start, end))
+        modules.append(
+            UnitSequence([units[u] for u in chunk_units], [u < frozen_end for u in chunk_units])
+        )
+    module: nn.Module = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
     # Units come in whatever mode they were left in (the profiler measures them in eval
     # mode); train_step sets the mode only when an evaluation changed it.
     module.train()
@@ -409,38 +513,35 @@ def build_stage_runtime(
         )
     micro = replica_batch // num_micro_batches
 
-    is_last = stage_index == plan.pipe_len - 1
-    wrapped: nn.Module = module
-    if autocast_dtype is not None:
-        wrapped = MixedPrecisionStage(module, autocast_dtype, is_last)
-    hook = None
-    trainable = any(p.requires_grad for p in module.parameters())
-    if data_group is not None and trainable:
-        wrapped = DistributedDataParallel(
-            wrapped,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            process_group=data_group,
-            forward_sync_buffers=False,
-            init_sync=False,  # replicas already hold identical weights (handoff is bit-exact)
-            # Gradients are views into the all-reduce buckets: no second copy of them.
-            gradient_as_bucket_view=True,
+    by_hand = runs in SPLIT_BACKWARD_SCHEDULES and data_group is not None
+    hook = CommTimer(comm_timer) if comm_timer is not None and not by_hand else None
+    wrapped = [
+        wrap_chunk(
+            m,
+            autocast_dtype,
+            chunk == plan.num_chunks - 1,
+            None if by_hand else data_group,
+            device,
+            hook,
         )
-        if comm_timer is not None:
-            hook = CommTimer(comm_timer)
-            wrapped.register_comm_hook(data_group, hook.hook)
-    if plan.pipe_len == 1:
-        schedules = OneStageSchedule(wrapped, num_micro_batches, loss_fn)
+        for chunk, m in zip(chunk_ids, modules)
+    ]
+    if not any(isinstance(w, DistributedDataParallel) for w in wrapped):
+        hook = None  # nothing this stage runs is timed by it
+    gradient_sync = None
+    if by_hand and any(p.requires_grad for p in module.parameters()):
+        gradient_sync = GradientAllReduce(list(module.parameters()), data_group, comm_timer)
+    if runs is None:
+        schedules = OneStageSchedule(wrapped[0], num_micro_batches, loss_fn)
     else:
         schedules = PipelineSchedules(
-            wrapped=wrapped,
-            stage_index=stage_index,
-            pipe_len=plan.pipe_len,
-            unit_range=(start, end),
+            chunks=tuple(Chunk(c, plan.stage_ranges[c], w) for c, w in zip(chunk_ids, wrapped)),
+            num_chunks=plan.num_chunks,
             frozen_end=frozen_end,
             spec=spec,
             micro_batch_size=micro,
             num_micro_batches=num_micro_batches,
-            schedule_name=schedule_name,
+            schedule_name=runs,
             loss_fn=loss_fn,
             pipeline_group=pipeline_group,
             device=device,
@@ -450,7 +551,7 @@ def build_stage_runtime(
         stage_index,
         plan.pipe_len,
         module,
-        wrapped,
+        wrapped[0] if len(wrapped) == 1 else nn.ModuleList(wrapped),
         device,
         schedules,
         preprocess,
@@ -458,4 +559,5 @@ def build_stage_runtime(
         num_micro_batches,
         hook,
         autocast_dtype=autocast_dtype,
+        gradient_sync=gradient_sync,
     )

@@ -30,7 +30,10 @@ One optimizer step of a layout (K stages, M micro-batches of m samples, R replic
               With `overlap` (GPUs: DDP reduces each 25 MB bucket while the backward goes
               on, and the schedule lets it sync on the last micro-batch only) what that
               micro-batch's backward of the stage hides is not added, never the last
-              bucket's share: the same treatment as a sharded layout's collectives below
+              bucket's share: the same treatment as a sharded layout's collectives below.
+              Not under zero_bubble: its rank averages the gradients itself after the
+              step (pipe/gradient_sync.py: torch's split backward bypasses DDP), so the
+              all-reduce adds in full
     optimizer AdamW / SGD touch each trained parameter's bytes about 7 / 4 times (parameter,
               gradient, state read and written): bytes / the device's memory bandwidth
     overhead  what a step costs beyond its units' kernels (Python, the schedule, the loss,
@@ -227,7 +230,7 @@ def predict_step(
             2 * (dp_degree - 1) / dp_degree * grads / bandwidth + 2 * (dp_degree - 1) * latency
         )
     hidden = 0.0
-    if overlap and allreduce > 0:
+    if overlap and allreduce > 0 and runs != "zero_bubble":
         backward = max(
             scale * sum(times.trained_s[u] - times.frozen_s[u] for u in units) for units in trained
         )

@@ -168,6 +168,7 @@ class EpochMetrics(Record):
     cache_read_mb_per_s: float = 0.0
     cache_hits_by_rank: list[int] = field(default_factory=list)
     sharded: bool = False  # FSDP2 over the replicas (a sharded layout, fsdp/)
+    virtual_stages: int = 1  # chunks a stage (interleaved_1f1b, zero_bubble)
     # Text: the epoch's real tokens (every training sample's, before padding) and the tokens
     # its batches held once padded (what was computed, shape padding included); 0 for
     # images and in older records. Real tokens per second: real_tokens / epoch_time_s.
@@ -209,9 +210,10 @@ class TransitionEvent(Event):
     new_pipe_len: int
     old_dp_degree: int
     new_dp_degree: int
-    new_stage_ranges: list[list[int]]
+    new_stage_ranges: list[list[int]]  # per chunk (new_virtual_stages chunks a stage)
     num_micro_batches: int
     units_moved: int
+    new_virtual_stages: int = 1  # chunks a stage under interleaved_1f1b and zero_bubble
     # Each rank's peak bytes while the units moved, by the memory model (MemoryModel.move_bytes).
     predicted_move_bytes: list[int] = field(default_factory=list)
     layer_grad_norms: list[float] | None = None
@@ -247,6 +249,7 @@ class StartEvent(Event):
     pipe_len: int
     dp_degree: int
     num_frozen_layers: int
+    virtual_stages: int = 1  # chunks a stage under interleaved_1f1b and zero_bubble
     # Processes per node and who set it: "torchrun" (its LOCAL_WORLD_SIZE overrules
     # trainer.nproc_per_node) or "local launcher" (trainer.nproc_per_node or --nproc).
     processes_per_node: int = 0

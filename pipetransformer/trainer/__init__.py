@@ -39,12 +39,9 @@ def run_worker(
 ) -> RunSummary:
     """One rank's whole run: setup, train, cleanup (also after a failure or a stop).
     Raises RunStopped when a stop signal ended the run after a checkpoint."""
-    from pipetransformer.config import require_executable
     from pipetransformer.trainer.trainer import Trainer
     from pipetransformer.utils.logging import setup_logging
     from pipetransformer.utils.stopping import StopRequest
-
-    require_executable(config.pipeline.schedule)  # callers that skip the CLI's preflight
 
     rank = os.environ.get("RANK", "-")
     setup_logging(rank=rank)

@@ -241,6 +241,7 @@ class MetricsTracker:
                 lr=lr,
                 cache_active=cache_active,
                 sharded=layout.sharded,
+                virtual_stages=plan.virtual_stages,
                 real_tokens=self.num_train_tokens,
                 padded_tokens=self._epoch_padded_tokens,
                 **dataclasses.asdict(cache),

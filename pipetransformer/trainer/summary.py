@@ -29,6 +29,7 @@ def start_event(
         pipe_len=layout.pipe_len,
         dp_degree=layout.dp_degree,
         num_frozen_layers=layout.plan.num_frozen_layers,
+        virtual_stages=layout.plan.virtual_stages,
         processes_per_node=world.devices_per_node,
         processes_per_node_from=world.devices_per_node_from,
         cache_daemons=cache_daemons,

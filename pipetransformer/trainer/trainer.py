@@ -624,6 +624,7 @@ class Trainer:
             new_stage_ranges=[list(r) for r in new.plan.stage_ranges],
             num_micro_batches=new.plan.num_micro_batches,
             units_moved=len(transfers),
+            new_virtual_stages=new.plan.virtual_stages,
             predicted_move_bytes=[int(b) for b in move_bytes],
             layer_grad_norms=grad_norms,
             data_groups=[new.data_ranks(s) for s in range(new.pipe_len)]
