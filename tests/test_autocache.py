@@ -306,6 +306,26 @@ def test_disk_tier_returns_the_same_values_and_prefetch_serves_them(start_daemon
         assert client.buffered_rows("train") == 0
 
 
+def test_reads_while_the_prefetch_thread_gathers_return_the_stored_rows(start_daemon):
+    """The prefetch thread gathers disk-tier chunks while the reading thread gathers the
+    rows it was not handed: each through its own scratch rows (a shared one let one thread
+    copy out rows the other had just overwritten: a step read another sample's values)."""
+    specs = BERT_SPECS
+    ids = list(range(48))
+    values = sample_values(specs, ids, seed=3)
+    daemon = start_daemon({"train": (48, specs)}, memory_budget_bytes=5 * full_bytes(specs))
+    with CacheClient.attach(daemon.address) as client:
+        client.write("train", ids, 2, values)
+        order = np.random.default_rng(1).permutation(48).tolist()
+        for _ in range(20):
+            client.prefetch("train", order, window_rows=8)
+            for start in range(0, 48, 6):  # reads race the thread's refills
+                batch = order[start : start + 6]
+                tags, (hidden, mask) = client.read("train", batch)
+                assert (tags == 2).all()
+                assert torch.equal(hidden, values[0][batch]) and torch.equal(mask, values[1][batch])
+
+
 @pytest.mark.parametrize("storage_dtype", ["float32", "float16"])
 def test_read_into_reused_out_buffers(start_daemon, storage_dtype):
     slot = full_bytes(BERT_SPECS, storage_dtype)

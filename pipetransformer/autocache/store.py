@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -84,7 +85,8 @@ class SplitStore:
         n, m = layout.num_samples, layout.memory_rows
         self.memory = _region_views(self._maps[0], layout.slots_offset, 0, m, layout)
         self.disk: list[torch.Tensor] = []
-        self._scratch_buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        # Per thread: the reading thread and the prefetch thread both gather.
+        self._scratch_local = threading.local()
         if layout.disk_path is not None:
             self._maps.append(_map(layout.disk_path, layout.disk_bytes))
             self.disk = _region_views(self._maps[1], 0, m, n, layout)
@@ -200,12 +202,16 @@ class SplitStore:
         return result
 
     def _scratch(self, index: int, dtype: torch.dtype, rows: int) -> torch.Tensor:
-        """A reused (rows, *row_shape) tensor. Only the reading thread gathers through it
-        (the prefetch thread gathers whole disk-tier chunks into fresh tensors)."""
-        buffer = self._scratch_buffers.get((index, dtype))
+        """A reused (rows, *row_shape) tensor of the calling thread: the reading thread and the
+        prefetch thread (which gathers disk-tier chunks while a step reads) each have their
+        own, so neither overwrites rows the other is copying out."""
+        buffers = getattr(self._scratch_local, "buffers", None)
+        if buffers is None:
+            buffers = self._scratch_local.buffers = {}
+        buffer = buffers.get((index, dtype))
         if buffer is None or buffer.shape[0] < rows:
             buffer = torch.empty((rows, *self.fields[index].row_shape), dtype=dtype)
-            self._scratch_buffers[(index, dtype)] = buffer
+            buffers[(index, dtype)] = buffer
         return buffer[:rows]
 
     def write(self, ids: np.ndarray, layer: int, tensors: Sequence[torch.Tensor]) -> None:
@@ -264,7 +270,7 @@ class SplitStore:
     def close(self) -> None:
         """Unmap. The files stay: only the daemon removes them."""
         self.memory, self.disk = [], []
-        self._scratch_buffers.clear()
+        self._scratch_local = threading.local()
         self.tags = np.empty(0, dtype=np.int64)
         for mapping in self._maps:
             try:
