@@ -175,8 +175,10 @@ def test_pipeline_hands_the_rule_what_one_process_measures(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_the_raw_signal_is_the_gradient_before_clipping_and_every_decision_is_recorded(tmp_path):
-    """One process, two steps, one decision after the first: with a clip far below the
+    """Slow (three one-process runs, about 5 s idle).
+    One process, two steps, one decision after the first: with a clip far below the
     gradient's norm, the raw signal (AutoFreeze's: param.grad before its optimizer clips)
     equals an unclipped run's, and the clipped signal is smaller. Each decision is an event
     (freeze_decision) and summary.json counts what decided it."""

@@ -182,8 +182,10 @@ def tiny_squad(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_the_shipped_squad_config_caches_and_trains_as_recomputing(tmp_path):
-    """configs/bert_squad_local.yaml enables AutoCache (as the frontier that chose its freeze
+    """Slow (two 2-process runs, about 5 s idle).
+    configs/bert_squad_local.yaml enables AutoCache (as the frontier that chose its freeze
     settings ran): question answering's windows are served from the cache once frozen, and
     training is the same as recomputing them (float32 storage)."""
     data = tiny_squad(tmp_path / "squad.json")

@@ -38,8 +38,10 @@ def _new_compiles(before: dict, after: dict) -> dict:
     return {name: after.get(name, 0) - before.get(name, 0) for name in after}
 
 
+@pytest.mark.slow
 def test_a_compiled_run_trains_as_the_uncompiled_one_through_a_transition(tmp_path):
-    """One process, 2 steps, a transition that freezes layer 0, 2 steps and 2 more, with
+    """Slow (about 5 s idle; the default suite keeps the per-unit compile counts).
+    One process, 2 steps, a transition that freezes layer 0, 2 steps and 2 more, with
     `trainer.compile` (dynamo's graphs run as captured, without code generation: the
     inductor and AOTAutograd runs are the slow tests below) and without: the same losses;
     at the transition only the variants it creates are compiled (the frozen embedding,
