@@ -147,7 +147,7 @@ def table(name: str, out: Path) -> list[str]:
         predicted = max(max(s["predicted_stage_bytes"]) for s in starts) / 2**20
         budget = starts[0]["device_memory_bytes"] / 2**20
         rss = max(s["peak_rss_bytes"] for s in summaries) / 2**20
-        wall = stats["wall_time_s"]
+        wall = stats["training_time_s"]
         metric = stats["final_eval_metric"]
         layouts = {
             " -> ".join(

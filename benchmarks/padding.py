@@ -170,7 +170,7 @@ def run_variant(args, workload: str, name: str, seed: int) -> dict:
             },
             metric_name=run["metric_name"],
             final_eval_metric=run["final_eval_metric"],
-            wall_time_s=run["wall_time_s"],
+            training_time_s=run["training_time_s"],
         )
         (run_dir / "bench.json").write_text(json.dumps(record, indent=2))
     rate = throughput(record["epochs"])

@@ -134,14 +134,19 @@ def test_short_training_run_writes_its_outputs(tmp_path):
     transitions = [e for e in events if e["kind"] == "transition"]
     assert len(transitions) == 1 and transitions[0]["new_pipe_len"] == 1
     # num_micro_batches: auto (the default) profiles the initial layout at start-up, as its own
-    # event; a checkpoint follows each epoch (the decision after epoch 1 comes first).
+    # event; a checkpoint follows each epoch (the decision after epoch 1 comes first, recorded
+    # before the transition it causes).
     assert [e["kind"] for e in events] == [
         "profile",
         "start",
+        "freeze_decision",
         "transition",
         "checkpoint",
         "checkpoint",
     ]
+    decision = events[2]
+    assert (decision["old_num_frozen_layers"], decision["new_num_frozen_layers"]) == (0, 5)
+    assert decision["decided_by"] == "schedule" and decision["epoch"] == 0
     assert events[0]["profile_s"] > 0
     steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
     assert [s["global_step"] for s in steps] == [4, 5, 8]  # every 5 steps and at each epoch's end

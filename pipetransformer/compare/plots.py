@@ -120,14 +120,16 @@ def plot_seed_summary(stats: SeededStats, metric: str, path: Path) -> dict[str, 
     """Per variant, mean ± std over the seeds: wall time as bars from zero, the final metric
     as points on an axis zoomed in on them (bars on a cut axis would mislead)."""
     names = [v.variant for v in stats.variants]
-    walls = [v.wall_time_s for v in stats.variants]
+    walls = [v.training_time_s for v in stats.variants]
     finals = [v.final_eval_metric for v in stats.variants]
     series = {
-        "wall_time_s": {"mean": [w.mean for w in walls], "std": [w.std for w in walls]},
+        "training_time_s": {"mean": [w.mean for w in walls], "std": [w.std for w in walls]},
         "final_eval_metric": {"mean": [f.mean for f in finals], "std": [f.std for f in finals]},
     }
     fig, (wall_ax, metric_ax) = plt.subplots(1, 2, figsize=(9, 4))
-    wall_ax.bar(names, series["wall_time_s"]["mean"], yerr=series["wall_time_s"]["std"], capsize=4)
+    wall_ax.bar(
+        names, series["training_time_s"]["mean"], yerr=series["training_time_s"]["std"], capsize=4
+    )
     metric_ax.errorbar(
         names,
         series["final_eval_metric"]["mean"],

@@ -149,7 +149,7 @@ def read_seed_run(run_dir: Path, variant: str, seed: int) -> SeedRun:
     return SeedRun(
         variant=variant,
         seed=seed,
-        wall_time_s=summary.training_time_s,
+        training_time_s=summary.training_time_s,
         final_eval_metric=summary.final_eval_metric,
         best_eval_metric=summary.best_eval_metric,
         evaluations=tuple(evaluation_times(metrics, checkpoints)),
@@ -416,7 +416,7 @@ def seeded_section(stats: SeededStats, metric: str) -> list[str]:
         reach = _mean_std(target.wall_s, 1) if target.wall_s is not None else "never"
         lines.append(
             f"| {TITLES.get(v.variant, v.variant)} | {len(v.seeds)} "
-            f"| {_mean_std(v.wall_time_s, 1)} | {_mean_std(v.final_eval_metric, 4)} "
+            f"| {_mean_std(v.training_time_s, 1)} | {_mean_std(v.final_eval_metric, 4)} "
             f"| {_mean_std(v.best_eval_metric, 4)} | {reach} | {target.reached}/{target.seeds} |"
         )
     lines += [

@@ -44,7 +44,7 @@ class SeedRun:
 
     variant: str
     seed: int
-    wall_time_s: float
+    training_time_s: float
     final_eval_metric: float
     best_eval_metric: float
     evaluations: tuple[EvalPoint, ...] = ()
@@ -63,7 +63,7 @@ class MeanStd:
 class VariantStats:
     variant: str
     seeds: tuple[int, ...]
-    wall_time_s: MeanStd
+    training_time_s: MeanStd
     final_eval_metric: MeanStd
     best_eval_metric: MeanStd
 
@@ -308,7 +308,7 @@ def _variant_stats(name: str, seeded: dict[int, SeedRun]) -> VariantStats:
     return VariantStats(
         variant=name,
         seeds=tuple(sorted(seeded)),
-        wall_time_s=mean_std([r.wall_time_s for r in ordered]),
+        training_time_s=mean_std([r.training_time_s for r in ordered]),
         final_eval_metric=mean_std([r.final_eval_metric for r in ordered]),
         best_eval_metric=mean_std([r.best_eval_metric for r in ordered]),
     )
@@ -318,7 +318,7 @@ def _pair_stats(
     name: str, base: dict[int, SeedRun], seeded: dict[int, SeedRun], margin_points: float
 ) -> PairStats:
     seeds = sorted(set(seeded) & set(base))
-    speedups = [base[s].wall_time_s / seeded[s].wall_time_s for s in seeds]
+    speedups = [base[s].training_time_s / seeded[s].training_time_s for s in seeds]
     differences = [
         POINTS_PER_UNIT * (seeded[s].final_eval_metric - base[s].final_eval_metric) for s in seeds
     ]
@@ -335,8 +335,8 @@ def _pair_stats(
         verdict=verdict(interval, margin_points),
         distinguishable=distinguishable(interval),
         speedup_interval=Interval(ratio.low, ratio.high) if ratio.low is not None else None,
-        speedup_of_mean_times=math.fsum(base[s].wall_time_s for s in seeds)
-        / math.fsum(seeded[s].wall_time_s for s in seeds),
+        speedup_of_mean_times=math.fsum(base[s].training_time_s for s in seeds)
+        / math.fsum(seeded[s].training_time_s for s in seeds),
     )
 
 
