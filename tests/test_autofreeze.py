@@ -143,8 +143,10 @@ def test_a_frozen_embedding_is_the_frozen_prefix_from_the_start():
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_pipeline_hands_the_rule_what_one_process_measures(tmp_path):
-    """2 ranks in a 2-stage pipeline against 1 process, autofreeze at its 'auto' interval and
+    """Slow: ~10 s on 2 cores (a 2-stage pipeline and one process, each a run of its own).
+    2 ranks in a 2-stage pipeline against 1 process, autofreeze at its 'auto' interval and
     the embedding frozen: the same accumulated signals (the stages' layers gathered), the
     same decisions, losses equal to float tolerance; the embedding's weights never move and
     the optimizer never holds them."""

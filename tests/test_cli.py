@@ -156,7 +156,9 @@ def test_short_training_run_writes_its_outputs(tmp_path):
     assert "[rank0]" in result.stderr and "[rank1]" not in result.stderr  # nothing of its own
 
 
+@pytest.mark.slow
 def test_a_failing_worker_is_reported_once_with_its_cause(tmp_path):
+    """Slow: ~10 s on 2 cores (the CLI in a subprocess, two workers started and one failing)."""
     bad = tmp_path / "broken.pth"
     bad.write_bytes(b"not a checkpoint")
     result = cli(
