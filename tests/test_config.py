@@ -168,3 +168,19 @@ def test_the_package_re_exports_every_public_name_of_its_modules():
             missing += [f"config/{path.name}: {n}" for n in public if n not in package.__all__]
     assert not missing, "not in config/__init__.py's __all__: " + ", ".join(missing)
     assert all(hasattr(package, name) for name in package.__all__)
+
+
+def test_a_frozen_embedding_on_random_weights_is_flagged():
+    """The shipped local BERT configs freeze the embedding from the first step, chosen for the
+    pretrained MiniLM; run as shipped (a tiny random BERT) the embedding would never train."""
+    from pipetransformer.config import frozen_random_embedding
+
+    local_bert = ROOT_CONFIGS / "bert_sst2_local.yaml"
+
+    shipped = load_config(local_bert)
+    assert frozen_random_embedding(shipped)
+    pretrained = load_config(local_bert, overrides=["model.model_name_or_path=/some/minilm"])
+    trained = load_config(local_bert, overrides=["freeze.embedding=false"])
+    resumed = load_config(local_bert, overrides=["model.checkpoint_path=/some/model.pth"])
+    no_freezing = load_config(local_bert, overrides=["freeze.strategy=none"])
+    assert not any(frozen_random_embedding(c) for c in (pretrained, trained, resumed, no_freezing))

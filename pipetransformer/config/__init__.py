@@ -15,6 +15,7 @@ from pipetransformer.config.cache import CacheConfig
 from pipetransformer.config.checkpoint import CheckpointConfig
 from pipetransformer.config.checks import (
     check_config,
+    frozen_random_embedding,
     initial_pipe_lens,
     pipe_len_candidates,
     reachable_pipe_lens,
@@ -86,6 +87,7 @@ __all__ = [
     "World",
     "apply_overrides",
     "check_config",
+    "frozen_random_embedding",
     "config_changes",
     "config_from_dict",
     "config_yaml",

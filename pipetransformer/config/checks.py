@@ -91,6 +91,16 @@ def initial_pipe_lens(config: Config, world_size: int | None = None) -> list[int
     ]
 
 
+def frozen_random_embedding(config: Config) -> bool:
+    """`freeze.embedding` on a model that starts from random weights (no pretrained weights,
+    `model.model_name_or_path` or `model.checkpoint_path`): the embedding is frozen from the
+    first step, so it never leaves its random initialisation (the shipped local BERT configs'
+    tiny random BERT scored chance on SST-2 that way, docs/benchmarks.md section 19)."""
+    model = config.model
+    starts_random = not (model.pretrained or model.model_name_or_path or model.checkpoint_path)
+    return config.freeze.embedding_frozen and starts_random
+
+
 def check_config(config: Config, world_size: int | None = None) -> None:
     """Cross-field checks. `world_size` defaults to one node of `nproc_per_node` devices."""
     nproc = config.nproc_per_node

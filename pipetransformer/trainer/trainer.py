@@ -34,7 +34,7 @@ from pipetransformer.autodp.groups import (
 )
 from pipetransformer.autodp.handoff import execute_transfers, plan_transfers
 from pipetransformer.autodp.topology import Layout
-from pipetransformer.config import Config, resolve
+from pipetransformer.config import Config, frozen_random_embedding, resolve
 from pipetransformer.data import build_data
 from pipetransformer.data.describe import describe_bundle
 from pipetransformer.fsdp import gather_units, shard_optimizer_states
@@ -166,6 +166,13 @@ class Trainer:
         )
         if self.world.rank == 0:  # what it read: before an epoch shows a wrong column
             logger.info("data: %s", describe_bundle(self.data))
+            if frozen_random_embedding(config):
+                logger.warning(
+                    "freeze.embedding: the embedding is frozen from the first step but the "
+                    "model starts from random weights (no model.model_name_or_path, "
+                    "model.pretrained or model.checkpoint_path), so it will never train; "
+                    "set freeze.embedding=false, or name pretrained weights"
+                )
         self.task = task_for(
             self.data.task, self.data.num_classes, config.data.metric, len(self.data.eval)
         )
