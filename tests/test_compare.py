@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import TINY_QUICKSTART
 
 from pipetransformer.compare.ideal import (
     StepLayout,
@@ -234,16 +235,7 @@ def test_compare_command_end_to_end(tmp_path):
             "pipetransformer",
             "compare",
             str(ROOT / "configs" / "quickstart.yaml"),
-            "trainer.epochs=2",
-            "data.train_subset=256",
-            "data.eval_subset=64",
-            "freeze.strategy=manual",
-            "freeze.manual_schedule=[5]",
-            "freeze.warmup_epochs=0",
-            "freeze.interval_steps=null",
-            "trainer.progress_bar=false",
-            "pipeline.balance=params",
-            "pipeline.initial_pipe_len=2",
+            *TINY_QUICKSTART,
             "--peers",
             "--out",
             str(out),
