@@ -197,3 +197,27 @@ def assert_unit_state_carried(name, param, opt_state, old_param, old_state, froz
             )
     else:
         assert not opt_state, name
+
+
+def assert_handoff_carried(before: list, after: list) -> int:
+    """A transition's handoff on every rank (`before`/`after`: per rank, its layout then its
+    state by parameter name, as the workers record them): each rank holds exactly its new
+    units, every entry came from a rank that held it and carried its values and optimizer
+    state (assert_unit_state_carried). Returns how many entries moved between ranks."""
+    from pipetransformer.utils.units import parse_param_key
+
+    new_layout = after[0][0]
+    frozen_units = new_layout.plan.frozen_end
+    moved = 0
+    for rank, record in enumerate(after):
+        state = record[1]
+        assert {parse_param_key(n)[0] for n in state} == set(new_layout.units_of_rank(rank))
+        for name, (param, opt_state) in state.items():
+            holders = [b[1][name] for b in before if name in b[1]]
+            assert holders, f"{name} appeared from nowhere on rank {rank}"
+            for old_param, old_state in holders:
+                assert_unit_state_carried(
+                    name, param, opt_state, old_param, old_state, frozen_units
+                )
+            moved += name not in before[rank][1]
+    return moved
