@@ -170,7 +170,7 @@ class Trainer:
                     "freeze.embedding: the embedding is frozen from the first step but the "
                     "model starts from random weights (no model.model_name_or_path, "
                     "model.pretrained or model.checkpoint_path), so it will never train; "
-                    "set freeze.embedding=false, or name pretrained weights"
+                    "set freeze.embedding=auto (the default), or name pretrained weights"
                 )
         self.task = task_for(
             self.data.task, self.data.num_classes, config.data.metric, len(self.data.eval)
@@ -642,6 +642,7 @@ class Trainer:
             checkpoint=str(last) if last else None,
             decision_interval_steps=self.freezer.schedule.interval_steps,
             num_layers=self.spec.num_layers,
+            freeze_strategy=self.config.freeze.strategy,
         )
         self.reporter.summary(summary)
         return summary
