@@ -241,3 +241,30 @@ def test_under_torchrun_its_processes_per_node_overrule_the_config(monkeypatch, 
     ]
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert _processes_per_node_from_torchrun(QUICKSTART, overrides) == []
+
+
+def test_a_torchvision_built_for_another_torch_is_one_line(monkeypatch):
+    """A torchvision of another torch build fails inside its import ('operator
+    torchvision::nms does not exist'): one line naming the versions and the fix, exit 2,
+    no traceback (simulated: the import of torchvision raises as such a build does)."""
+    import importlib.abc
+    from importlib import metadata
+
+    from pipetransformer.cli.libraries import matching_torchvision
+
+    class OtherBuild(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "torchvision":
+                raise RuntimeError("operator torchvision::nms does not exist")
+            return None
+
+    monkeypatch.delitem(sys.modules, "torchvision", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [OtherBuild(), *sys.meta_path])
+    result = run_cli("plan", QUICKSTART)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    torch_version, vision_version = metadata.version("torch"), metadata.version("torchvision")
+    assert f"torchvision {vision_version} does not import beside torch {torch_version}" in line
+    assert "operator torchvision::nms does not exist" in line
+    assert f"pip install 'torchvision=={matching_torchvision(torch_version)}.*'" in line
+    assert (matching_torchvision("2.14.1+cpu"), matching_torchvision("2.0.0")) == ("0.29", "0.15")
