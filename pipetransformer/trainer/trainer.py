@@ -244,9 +244,10 @@ class Trainer:
         # Replicas a node has at the start (R = W / K0 with or without AutoDP).
         start_replicas = world.devices_per_node // self.plan.initial_pipe_len
         steps = self.sampler.steps_per_epoch_at(start_replicas)
-        # What recomputing the frozen prefix costs at the batches' lengths (caching.py).
+        # What recomputing the frozen prefix costs at the lengths the starting layout runs
+        # its batches at, a pipeline's buckets included (caching.py).
         self.length_share = padded_length_share(
-            config, self.data.train, self.sampler, start_replicas
+            config, self.data.train, self.sampler, start_replicas, self.plan.initial_pipe_len
         )
         self.clock = StepClock(self.state, self.sampler, config.trainer.epochs, start_replicas)
         self.metrics = MetricsTracker(
