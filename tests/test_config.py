@@ -193,3 +193,5 @@ def test_the_embedding_freezes_only_on_trained_weights():
     assert forced.embedding_frozen and frozen_random_embedding(forced)
     assert not any(frozen_random_embedding(c) for c in trained)
     assert config_from_dict({}).freeze.embedding == "auto"
+    with pytest.raises(ConfigError, match=r"^freeze\.embedding: expected bool \| 'auto'"):
+        load_config(local_bert, overrides=["freeze.embedding=maybe"])

@@ -55,7 +55,8 @@ def step_seq_length(
     """The sequence length a replica of `layout` runs the batch `ids` of `dataset` at (None
     without a sequence): its padded length, in a bucket when the pipeline has several
     stages (the stages' receive buffers are built per length: pipe/runtime.py)."""
-    return run_length(config, layout.pipe_len, dataset.batch_length(ids))
+    length = dataset.batch_length(ids)
+    return None if length is None else run_length(config, layout.pipe_len, length)
 
 
 def run_length(config: Config, pipe_len: int, padded: int | None) -> int | None:
