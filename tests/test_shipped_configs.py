@@ -20,7 +20,7 @@ def losses(run_dir: Path) -> list[float]:
 
 @pytest.mark.slow
 def test_bert_sst2_local_learns_sst2(tmp_path, shared_data):
-    """Slow: ~35-50 s on 2 loaded cores (2 of its 3 epochs of 8,000 SST-2 sentences, as
+    """Slow: ~35-70 s on 2 loaded cores (2 of its 3 epochs of 8,000 SST-2 sentences, as
     shipped otherwise). With the embedding frozen on its random weights (what the config
     said before freeze.embedding: auto) the same run stayed at the majority class, 50.9%."""
     _, metrics = train_offline(
@@ -53,7 +53,7 @@ def test_bert_squad_local_learns_its_spans(tmp_path, shared_data):
 
 @pytest.mark.slow
 def test_quickstart_learns_digits(tmp_path):
-    """Slow: ~35 s on 2 loaded cores (4 of its 30 epochs of the digits; no decision yet:
+    """Slow: ~40 s on 2 loaded cores (4 of its 30 epochs of the digits; no decision yet:
     the config waits 18 epochs before freezing). 10% is chance; it reached 36% (seed 0)."""
     _, metrics = train_offline(str(CONFIGS / "quickstart.yaml"), tmp_path, "trainer.epochs=4")
     assert metrics[-1]["eval_metric"] >= 0.25

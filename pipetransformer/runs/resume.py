@@ -20,8 +20,13 @@ from pathlib import Path
 
 from pipetransformer.autodp.control import Control
 from pipetransformer.autodp.topology import Layout
-from pipetransformer.config import Config, ConfigError, config_changes, config_yaml
-from pipetransformer.config.data import TEXT_DATASETS
+from pipetransformer.config import (
+    TEXT_DATASETS,
+    Config,
+    ConfigError,
+    config_changes,
+    config_yaml,
+)
 from pipetransformer.models import ModelSpec
 from pipetransformer.runs.checkpoint import read_run_state
 from pipetransformer.runs.records import ConfigChangeEvent, ResumeEvent
