@@ -185,7 +185,7 @@ def step_worker(
     model = build_model(config.model, **model_build_args(config))
     pipe_len = config.pipeline.initial_pipe_len
     replicas = world.world_size // pipe_len
-    frozen_embedding = config.freeze.embedding_frozen
+    frozen_embedding = config.embedding_frozen
     active = model.spec.num_units - prefix_end(0, frozen_embedding)
     chunks = virtual_stages_for(schedule, config.pipeline.virtual_stages, pipe_len, active)
     method = config.autopipe.partition_method

@@ -86,9 +86,9 @@ Accelerate Fine-tuning", 2021, and its released code)
     in its README's command; `freeze.interval_steps: auto` gives that for this rule, with
     `freeze.num_intervals` (default 10). Its code sums the raw gradients, before its
     optimizer clips them, and trains the embedding until the first layer freezes:
-    `freeze.signal_gradients: auto` (raw for this rule) and `freeze.embedding: false` (the
-    default) do the same; `freeze.embedding: true` (frozen from the first step) is this
-    project's option, not AutoFreeze's.
+    `freeze.signal_gradients: auto` (raw for this rule) and `freeze.embedding: false` do
+    the same; `true` (frozen from the first step), and the default `auto` on pretrained
+    weights, are this project's option, not AutoFreeze's.
 
 signal_to_noise (a layer has converged when its gradient is mostly minibatch noise)
     rho_l = clamp((r_l - c) / (1 - c), 0, 1),  r_l = ||m_l||^2 / E||g_l||^2,

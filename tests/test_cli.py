@@ -40,6 +40,49 @@ def test_config_errors_stop_before_any_worker_starts():
     assert result.returncode == 2 and "/nonexistent/sst2" in result.stderr
 
 
+def _compare_help() -> dict[str, str]:
+    """`compare --help`'s text of each flag, unwrapped."""
+    import argparse
+
+    from pipetransformer.cli.parser import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return {a.dest: a.help for a in sub.choices["compare"]._actions}
+
+
+def test_compare_help_names_exactly_the_variants_it_accepts():
+    """--peers and --ablations name every variant --variants accepts, spelled as it accepts
+    them (the help said freeze-ddp where --variants takes freeze_ddp, and left out the
+    hf_trainer and torch_ddp peers)."""
+    import re
+
+    from pipetransformer.compare.report import BASELINE, ELASTIC
+    from pipetransformer.compare.runner import variant_overrides
+    from pipetransformer.config import load_config
+
+    accepted = set()
+    for config in (QUICKSTART, ROOT / "configs" / "bert_sst2_local.yaml"):  # image, text
+        accepted |= set(variant_overrides(load_config(config), ablations=True, peers=True))
+    accepted -= {BASELINE, ELASTIC}
+    flags = _compare_help()
+    named = " ".join([flags["peers"], flags["ablations"]])
+    words = set(re.findall(r"[a-z0-9]+(?:[-_][a-z0-9]+)*", named.lower()))
+    assert accepted <= words, f"not named in the help: {sorted(accepted - words)}"
+    compounds = {w for w in words if "_" in w or "-" in w}
+    assert compounds <= accepted, f"named but not accepted: {sorted(compounds - accepted)}"
+    for name in re.findall(r"--variants ([a-z_,]+)", flags["variants"]):
+        assert set(name.split(",")) <= accepted
+
+
+def test_a_refused_compare_creates_nothing(tmp_path):
+    out = tmp_path / "cmp"
+    result = run_cli(
+        "compare", QUICKSTART, "--peers", "--variants", "freeze-ddp", "--out", str(out)
+    )
+    assert result.returncode == 2 and "--variants: freeze-ddp is not one of" in result.stderr
+    assert "freeze_ddp" in result.stderr and not out.exists()
+
+
 def test_plan_json_for_the_quickstart():
     result = run_cli(
         "plan", QUICKSTART, "--json", "pipeline.balance=params", "pipeline.initial_pipe_len=2"
@@ -106,7 +149,7 @@ def test_short_training_run_writes_its_outputs(tmp_path):
     # one closing line (not summary.json dumped).
     lines = result.stderr.strip().splitlines()
     assert "\r" not in result.stderr and not any("[rank1] INFO" in line for line in lines)
-    assert lines[-1].startswith("pipetransformer: done in ") and str(run_dir) in lines[-1]
+    assert lines[-1].startswith("pipetransformer: done: training ") and str(run_dir) in lines[-1]
     assert "layers frozen; pipe_len 1 x dp_degree 2" in lines[-1]
     assert result.stdout == ""
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -198,3 +241,30 @@ def test_under_torchrun_its_processes_per_node_overrule_the_config(monkeypatch, 
     ]
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert _processes_per_node_from_torchrun(QUICKSTART, overrides) == []
+
+
+def test_a_torchvision_built_for_another_torch_is_one_line(monkeypatch):
+    """A torchvision of another torch build fails inside its import ('operator
+    torchvision::nms does not exist'): one line naming the versions and the fix, exit 2,
+    no traceback (simulated: the import of torchvision raises as such a build does)."""
+    import importlib.abc
+    from importlib import metadata
+
+    from pipetransformer.cli.libraries import matching_torchvision
+
+    class OtherBuild(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "torchvision":
+                raise RuntimeError("operator torchvision::nms does not exist")
+            return None
+
+    monkeypatch.delitem(sys.modules, "torchvision", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [OtherBuild(), *sys.meta_path])
+    result = run_cli("plan", QUICKSTART)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    torch_version, vision_version = metadata.version("torch"), metadata.version("torchvision")
+    assert f"torchvision {vision_version} does not import beside torch {torch_version}" in line
+    assert "operator torchvision::nms does not exist" in line
+    assert f"pip install 'torchvision=={matching_torchvision(torch_version)}.*'" in line
+    assert (matching_torchvision("2.14.1+cpu"), matching_torchvision("2.0.0")) == ("0.29", "0.15")

@@ -170,17 +170,28 @@ def test_the_package_re_exports_every_public_name_of_its_modules():
     assert all(hasattr(package, name) for name in package.__all__)
 
 
-def test_a_frozen_embedding_on_random_weights_is_flagged():
-    """The shipped local BERT configs freeze the embedding from the first step, chosen for the
-    pretrained MiniLM; run as shipped (a tiny random BERT) the embedding would never train."""
+def test_the_embedding_freezes_only_on_trained_weights():
+    """freeze.embedding: auto (the default, and what the local BERT configs say) freezes the
+    embedding from the first step where the weights are trained and trains it on random
+    weights; an explicit true on random weights is flagged (the run warns), never 'auto'."""
     from pipetransformer.config import frozen_random_embedding
 
     local_bert = ROOT_CONFIGS / "bert_sst2_local.yaml"
-
     shipped = load_config(local_bert)
-    assert frozen_random_embedding(shipped)
-    pretrained = load_config(local_bert, overrides=["model.model_name_or_path=/some/minilm"])
-    trained = load_config(local_bert, overrides=["freeze.embedding=false"])
-    resumed = load_config(local_bert, overrides=["model.checkpoint_path=/some/model.pth"])
-    no_freezing = load_config(local_bert, overrides=["freeze.strategy=none"])
-    assert not any(frozen_random_embedding(c) for c in (pretrained, trained, resumed, no_freezing))
+    assert shipped.freeze.embedding == "auto"
+    assert not shipped.embedding_frozen  # the tiny random BERT trains its embedding
+    assert not any(frozen_random_embedding(load_config(p)) for p in ROOT_CONFIGS.glob("*.yaml"))
+    trained = [
+        load_config(local_bert, overrides=[o])
+        for o in ("model.model_name_or_path=/some/minilm", "model.checkpoint_path=/some/m.pth")
+    ]
+    assert all(c.embedding_frozen for c in trained)
+    assert not load_config(
+        local_bert, ["model.model_name_or_path=/m", "freeze.strategy=none"]
+    ).embedding_frozen
+    forced = load_config(local_bert, overrides=["freeze.embedding=true"])
+    assert forced.embedding_frozen and frozen_random_embedding(forced)
+    assert not any(frozen_random_embedding(c) for c in trained)
+    assert config_from_dict({}).freeze.embedding == "auto"
+    with pytest.raises(ConfigError, match=r"^freeze\.embedding: expected bool \| 'auto'"):
+        load_config(local_bert, overrides=["freeze.embedding=maybe"])

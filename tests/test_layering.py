@@ -109,3 +109,15 @@ def _package_of(start: str, path: list[str]) -> bool:
     """A package's __init__ importing its own submodules, which import siblings through it,
     is how Python packages re-export names, not a cycle between two modules."""
     return any(start.startswith(p + ".") or p.startswith(start + ".") for p in path[1:])
+
+
+MAX_FILE_LINES = 700  # the house's limit: a file is read in one sitting
+
+
+def test_no_package_file_is_over_the_line_limit():
+    long = {
+        str(path.relative_to(PACKAGE)): lines
+        for path in PACKAGE.rglob("*.py")
+        if (lines := len(path.read_text().splitlines())) > MAX_FILE_LINES
+    }
+    assert not long, f"over {MAX_FILE_LINES} lines (split a concept into its own module): {long}"

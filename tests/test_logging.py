@@ -1,6 +1,7 @@
 """Step-level logging: steps.jsonl every trainer.log_interval_steps steps (and at each epoch's
 end), the same values in TensorBoard and in Weights & Biases (offline mode)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -102,13 +103,69 @@ def test_the_closing_line_says_time_metric_freezing_layout_and_outputs():
         num_layers=8,
     )
     line = summary.closing_line("runs/q", total_s=352.0)
-    assert line.startswith("done in 5 min 52 s (3 min 54 s training, the rest start-up)")
+    assert line.startswith("done: training 3 min 54 s, this command 5 min 52 s: ")
     assert "accuracy 96.11% final, 97.50% best; 6 of 8 layers frozen" in line
     assert "pipe_len 1 x dp_degree 2; outputs in runs/q/" in line
+    # A resumed run states the same two clocks, training over its attempts first.
+    resumed = dataclasses.replace(summary, training_time_s=57.2, attempts=2)
+    assert resumed.closing_line("runs/q", total_s=31.0).startswith(
+        "done: training 57 s over 2 attempts, this command 31 s: "
+    )
+    assert resumed.closing_line("runs/q").startswith("done: training 57 s over 2 attempts: ")
     # summary.json files written before the field was named for what it is still load.
     old = {**summary.to_dict(), "wall_time_s": 12.5}
     del old["training_time_s"]
     assert RunSummary.from_dict(old).training_time_s == 12.5
+
+
+def test_a_run_that_froze_nothing_says_why():
+    """The rule, the decisions it made and what held each at zero (freeze.py, "Who
+    decided"), from the summary's counts; nothing of it where layers froze."""
+    from pipetransformer.runs.records import RunSummary
+
+    summary = RunSummary(
+        training_time_s=40.0,
+        attempts=1,
+        final_eval_metric=0.8,
+        best_eval_metric=0.8,
+        epochs=3,
+        global_steps=90,
+        num_transitions=0,
+        final_num_frozen_layers=0,
+        final_pipe_len=1,
+        final_dp_degree=2,
+        world_size=2,
+        device="cpu",
+        checkpoint=None,
+        metric_name="accuracy",
+        num_layers=6,
+        freeze_decisions=3,
+        freeze_decided_by={"signal": 3},
+        freeze_strategy="gradient_norm",
+    )
+    line = summary.closing_line("runs/own")
+    assert (
+        "0 of 6 layers frozen (gradient_norm: 3 decisions, none froze a layer: held by its "
+        "signal 3; the smallest gradient norm was at layer 0, which Eq. 1 keeps active); "
+    ) in line
+    mixed = dataclasses.replace(
+        summary, freeze_strategy="convergence", freeze_decided_by={"no_signal": 1, "signal": 2}
+    )
+    assert "held by its signal 2, nothing to read yet 1; layer 0's gradient norms" in (
+        mixed.closing_line("runs/own")
+    )
+    capped = dataclasses.replace(summary, freeze_decided_by={"cap": 3})
+    assert "held by freeze.max_frozen_layers 3)" in capped.closing_line("runs/own")
+    waited = dataclasses.replace(summary, freeze_decisions=0, freeze_decided_by={})
+    assert "(gradient_norm: no decision point in the run, where freeze.warmup_epochs" in (
+        waited.closing_line("runs/own")
+    )
+    baseline = dataclasses.replace(summary, freeze_strategy="none", freeze_decisions=0)
+    assert "0 of 6 layers frozen (freeze.strategy none: nothing freezes);" in (
+        baseline.closing_line("runs/own")
+    )
+    froze = dataclasses.replace(summary, final_num_frozen_layers=2)
+    assert "2 of 6 layers frozen; pipe_len" in froze.closing_line("runs/own")
 
 
 def test_colour_codes_stay_out_of_a_redirected_log():

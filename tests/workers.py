@@ -280,7 +280,7 @@ def handoff_snapshots(config_dict: dict, run_dir: str, new_frozen: list[int]):
     import gc
     import weakref
 
-    import pipetransformer.trainer.trainer as trainer_module
+    import pipetransformer.trainer.transition as transition_module
     from pipetransformer.autopipe.memory import MemoryModel, optimizer_state_factor
     from pipetransformer.config import config_from_dict
     from pipetransformer.pipe.measure import bytes_in_use, peak_bytes
@@ -289,7 +289,7 @@ def handoff_snapshots(config_dict: dict, run_dir: str, new_frozen: list[int]):
 
     config = config_from_dict(config_dict)
     trainer = Trainer(config, run_dir)
-    execute = trainer_module.execute_transfers
+    execute = transition_module.execute_transfers
     moves: list[tuple[int, float]] = []
 
     def measured_move(transfers, rank, units, states, *rest):
@@ -311,7 +311,7 @@ def handoff_snapshots(config_dict: dict, run_dir: str, new_frozen: list[int]):
         moves.append((peak - start, predicted))
         return out[0]
 
-    trainer_module.execute_transfers = measured_move
+    transition_module.execute_transfers = measured_move
     try:
         trainer.setup()
         trainer.train()
@@ -337,7 +337,7 @@ def handoff_snapshots(config_dict: dict, run_dir: str, new_frozen: list[int]):
             snapshots.append((trainer.stage.layout, _snapshot(trainer), alive[0], moves[-1]))
         return snapshots
     finally:
-        trainer_module.execute_transfers = execute
+        transition_module.execute_transfers = execute
         trainer.cleanup()
 
 

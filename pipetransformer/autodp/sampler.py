@@ -21,6 +21,10 @@ offset 0 with the newest segment's batch.
 
 Batches keep a fixed number of samples (the pipeline's buffers are sized for it): the last
 step of an epoch is topped up with repeats marked invalid, which the loss weights to zero.
+The repeats are the epoch's first samples, or with lengths (length grouping) its shortest
+sample repeated: a batch is padded to its longest sample, and the first samples of a
+grouped epoch are its longest, which would pad the last step's real samples, or a replica
+of fillers only, to the epoch's longest length.
 
 Length grouping (`data.group_by_length`, text): a node's epoch order, once shuffled, is cut
 into megabatches of 50 batches (fewer when the epoch is short), each sorted by length,
@@ -202,10 +206,20 @@ class TrainSampler:
         ids = order[start : start + size]
         valid = [True] * len(ids)
         fill = size - len(ids)
-        # Shape padding repeats the epoch's first samples (a real sample, weight 0).
-        ids += [order[i % len(order)] for i in range(fill)]
+        ids += self._fillers(node, epoch, fill)  # shape padding: real samples, weight 0
         valid += [False] * fill
         return Batch(tuple(ids), tuple(valid))
+
+    def _fillers(self, node: int, epoch: int, fill: int) -> list[int]:
+        """`fill` repeats of the node's epoch (module docstring): its first samples, or with
+        lengths its shortest sample, `fill` times (the first of the shortest in epoch order)."""
+        if fill == 0:
+            return []
+        order = self.epoch_order(node, epoch)
+        if self.lengths is not None:
+            lengths = self.lengths
+            return [min(order, key=lambda i: lengths[i])] * fill
+        return [order[i % len(order)] for i in range(fill)]
 
     def replica_batch(
         self, node: int, local_replica: int, replicas_per_node: int, epoch: int, step: int

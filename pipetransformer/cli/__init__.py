@@ -56,6 +56,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*getattr(args, "overrides", []), *extra]
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed: for the records
+    from pipetransformer.cli.libraries import LibraryBuildError, check_library_builds
+
+    try:  # before anything imports them deep inside a command (cli/libraries.py)
+        check_library_builds()
+    except LibraryBuildError as exc:
+        print(f"pipetransformer: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     from pipetransformer.runs.rundir import RunDirError
 
     # Exit codes: 0 done, 1 a failure during training, 2 bad input found before training,

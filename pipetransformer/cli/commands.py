@@ -119,6 +119,8 @@ def _train_locally(
     """Start the local workers; restart them from the latest checkpoint when one dies
     (trainer.max_restarts); turn a Ctrl-C or SIGTERM into a checkpoint and a resume line."""
     from pipetransformer.launcher import LaunchInterrupted, WorkerFailed, launch_local
+    from pipetransformer.runs.checkpoint import read_run_state
+    from pipetransformer.runs.resume import refuse_mid_epoch_changes
     from pipetransformer.runs.rundir import (
         RunDirError,
         RunLock,
@@ -133,7 +135,10 @@ def _train_locally(
     try:
         try:
             checkpoint = prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
-        except RunDirError:
+            if checkpoint is not None:  # one line here rather than a failed worker
+                record = read_run_state(checkpoint)
+                refuse_mid_epoch_changes(record.config, config, record.state, checkpoint)
+        except (RunDirError, ValueError):  # ConfigError, an unreadable run state
             lock.release(remove=True)  # refused: leave the directory as it was
             raise
         nproc = config.nproc_per_node

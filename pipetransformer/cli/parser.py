@@ -162,23 +162,30 @@ def build_parser() -> argparse.ArgumentParser:
         "compare", help="baseline (Pipe+DDP) vs elastic run: speedup, accuracy, plots"
     )
     common(compare)
+    # The names below are those --variants accepts (compare/runner.py variant_overrides;
+    # tests/test_cli.py holds them equal).
     compare.add_argument(
-        "--ablations", action="store_true", help="also run freeze-only, no-AutoDP and no-cache"
+        "--ablations",
+        action="store_true",
+        help="also run freeze_only (no AutoPipe, no AutoCache), no_autodp (no AutoDP, no "
+        "AutoCache) and no_cache (no AutoCache)",
     )
     compare.add_argument(
         "--peers",
         action="store_true",
-        help="also run what users run instead: ddp (K=1, no freezing), "
-        "freeze-ddp (K=1, freezing and AutoCache), fsdp (FSDP2 over every process, no "
-        "freezing) and freeze-fsdp (FSDP2, freezing and AutoCache)",
+        help="also run what users run instead: ddp (K=1, no freezing); hf_trainer "
+        "(transformers' Trainer, for text models) or torch_ddp (a plain timm + DDP loop, for "
+        "image models) on DDP's batch; freeze_ddp (K=1, freezing and AutoCache); fsdp (FSDP2 "
+        "over every process, no freezing); freeze_fsdp (FSDP2, freezing and AutoCache)",
     )
     compare.add_argument(
         "--variants",
         type=lambda text: [w.strip() for w in text.split(",") if w.strip()],
         default=None,
         metavar="NAME,...",
-        help="run only these of the variants (baseline and elastic always run), e.g. "
-        "--peers --variants fsdp,freeze_fsdp where DDP's replica does not fit a device",
+        help="run only these of the variants --peers and --ablations name (baseline and "
+        "elastic always run), e.g. --peers --variants fsdp,freeze_fsdp where DDP's replica "
+        "does not fit a device",
     )
     seeding = compare.add_mutually_exclusive_group()
     seeding.add_argument(

@@ -278,6 +278,7 @@ def write_records(
         checkpoint=None,
         metric_name="accuracy",
         peak_rss_bytes=peak_rss_bytes,
+        freeze_strategy="none",  # a peer outside this trainer freezes nothing
     )
     write_json_atomic(run_dir / "summary.json", summary.to_dict())
 

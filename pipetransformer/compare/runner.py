@@ -219,7 +219,6 @@ def run_compare(
         raise ConfigError(
             "trainer.seed: --seeds/--repeats set it for each run; leave out the override"
         )
-    out.mkdir(parents=True, exist_ok=True)
     variants = variant_overrides(config, ablations, peers)
     if only is not None:
         unknown = sorted(set(only) - set(variants))
@@ -228,6 +227,7 @@ def run_compare(
                 f"--variants: {', '.join(unknown)} is not one of {', '.join(variants)}"
             )
         variants = {k: v for k, v in variants.items() if k in {*only, BASELINE, ELASTIC}}
+    out.mkdir(parents=True, exist_ok=True)  # a refused command leaves nothing behind
     ladder = budgets
     if ladder is None:  # with --peers, DDP's default ladder, unless --variants left DDP out
         ladder = default_ladder(config.trainer.epochs) if peers and DDP in variants else []

@@ -92,13 +92,11 @@ def initial_pipe_lens(config: Config, world_size: int | None = None) -> list[int
 
 
 def frozen_random_embedding(config: Config) -> bool:
-    """`freeze.embedding` on a model that starts from random weights (no pretrained weights,
-    `model.model_name_or_path` or `model.checkpoint_path`): the embedding is frozen from the
-    first step, so it never leaves its random initialisation (the shipped local BERT configs'
-    tiny random BERT scored chance on SST-2 that way, docs/benchmarks.md section 19)."""
-    model = config.model
-    starts_random = not (model.pretrained or model.model_name_or_path or model.checkpoint_path)
-    return config.freeze.embedding_frozen and starts_random
+    """`freeze.embedding: true` on a model that starts from random weights (no pretrained
+    weights, `model.model_name_or_path` or `model.checkpoint_path`): the embedding is frozen
+    from the first step, so it never leaves its random initialisation (a tiny random BERT
+    scored chance on SST-2 that way, docs/benchmarks.md section 19). 'auto' never does."""
+    return config.embedding_frozen and not config.starts_from_trained_weights
 
 
 def check_config(config: Config, world_size: int | None = None) -> None:

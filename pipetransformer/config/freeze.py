@@ -41,8 +41,11 @@ class FreezeConfig:
     percentile: float = 50.0
     # With a freezing strategy: the embedding is frozen from the first step (no gradient, no
     # all-reduce, no optimizer state for it), as fine-tuning often does; the layers freeze as
-    # the strategy decides. The baseline (strategy 'none') trains it.
-    embedding: bool = False
+    # the strategy decides. The baseline (strategy 'none') trains it. 'auto': frozen where
+    # the model starts from trained weights (model.model_name_or_path, model.pretrained or
+    # model.checkpoint_path), trained where it starts random: a random embedding frozen
+    # from the first step never learns (Config.embedding_frozen).
+    embedding: bool | Literal["auto"] = "auto"
     # Eq. 1's bound B(F) = F + ceil(alpha (L - F)) on gradient_norm(_inclusive), convergence
     # and signal_to_noise; false drops it: the rule's signal alone decides, up to
     # max_frozen_layers (alpha unused). freeze.py, "Without the bound".
@@ -100,9 +103,3 @@ class FreezeConfig:
         if self.signal_gradients == "auto":
             return self.strategy == "autofreeze"
         return self.signal_gradients == "raw"
-
-    @property
-    def embedding_frozen(self) -> bool:
-        """Whether the embedding is frozen from the start: `embedding` with a strategy that
-        freezes (the baseline trains everything)."""
-        return self.embedding and self.strategy != "none"

@@ -53,6 +53,24 @@ class Config:
             return self.cache.dtype
         return self.trainer.autocast_dtype or "float32"
 
+    @property
+    def starts_from_trained_weights(self) -> bool:
+        """Whether the model's weights are loaded rather than random: pretrained weights
+        (model.model_name_or_path, model.pretrained) or a checkpoint (model.checkpoint_path)."""
+        model = self.model
+        return bool(model.pretrained or model.model_name_or_path or model.checkpoint_path)
+
+    @property
+    def embedding_frozen(self) -> bool:
+        """Whether the embedding is frozen from the start (freeze.embedding with 'auto'
+        resolved): never for the baseline (strategy 'none' trains everything); for 'auto',
+        where the model starts from trained weights."""
+        if self.freeze.strategy == "none":
+            return False
+        if self.freeze.embedding == "auto":
+            return self.starts_from_trained_weights
+        return self.freeze.embedding
+
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         if self.trainer.batch_per_replica is not None:  # not used, and refused beside it

@@ -263,7 +263,7 @@ def _require_sharded_fit(
 def _initial_virtual_stages(config: Config, costs: UnitCosts, pipe_len: int) -> int:
     """The chunks a stage of a run starting at `pipe_len` holds, at 0 frozen layers."""
     pipeline = config.pipeline
-    active = costs.num_units - prefix_end(0, config.freeze.embedding_frozen)
+    active = costs.num_units - prefix_end(0, config.embedding_frozen)
     return virtual_stages_for(pipeline.schedule, pipeline.virtual_stages, pipe_len, active)
 
 
@@ -271,7 +271,7 @@ def check_virtual_stages(config: Config, num_units: int, pipe_len: int) -> None:
     """A configured pipeline.virtual_stages must fit the active units at the start (later
     layouts fall back to fewer chunks): ConfigError naming the key."""
     pipeline = config.pipeline
-    active = num_units - prefix_end(0, config.freeze.embedding_frozen)
+    active = num_units - prefix_end(0, config.embedding_frozen)
     problem = virtual_stages_problem(pipeline.schedule, pipeline.virtual_stages, pipe_len, active)
     if problem:
         raise ConfigError(f"pipeline.virtual_stages: {problem} ({pipeline.schedule})")
@@ -369,7 +369,7 @@ class PlanContext:
             config.autopipe.partition_method,
             fits,
             parameter_sizes(config, spec),
-            frozen_embedding=config.freeze.embedding_frozen,
+            frozen_embedding=config.embedding_frozen,
             schedule=config.pipeline.schedule,
             virtual_stages=config.pipeline.virtual_stages,
         )
@@ -487,7 +487,7 @@ class PlanContext:
             1,
             self.config.autopipe.partition_method,
             prefix_cost,
-            self.config.freeze.embedding_frozen,
+            self.config.embedding_frozen,
         )
         world = self.world
         layout = Layout(plan, world.world_size, world.devices_per_node, world.world_size, True)
@@ -589,7 +589,7 @@ class PlanContext:
             initial_pipe_len,
             config.autopipe.partition_method,
             sizes=parameter_sizes(config, self.spec),
-            frozen_embedding=config.freeze.embedding_frozen,
+            frozen_embedding=config.embedding_frozen,
             schedule=config.pipeline.schedule,
             virtual_stages=config.pipeline.virtual_stages,
         )

@@ -93,6 +93,7 @@ class RunSummary(Record):
     # CUDA the largest torch.cuda.max_memory_allocated; None in older summaries.
     peak_rss_bytes: int | None = None
     peak_allocated_bytes: int | None = None
+    freeze_strategy: str = ""  # freeze.strategy ("": a summary of an older run)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunSummary:
@@ -101,17 +102,21 @@ class RunSummary(Record):
         return super().from_dict(data)
 
     def closing_line(self, run_dir: str, total_s: float | None = None) -> str:
-        """One line for a person: how long (`total_s`: this command's whole time, start-up
-        included), how well, how far it froze, where it ended and where its outputs are."""
+        """One line for a person: how long, on two named clocks the same for a fresh and a
+        resumed run (training: the training loop's seconds over every attempt, as
+        summary.json's training_time_s; `total_s`: this command's whole time, start-up
+        included), how well, how far it froze (and why not at all, when it froze nothing),
+        where it ended and where its outputs are."""
 
         def duration(seconds_total: float) -> str:
             minutes, seconds = divmod(round(seconds_total), 60)
             return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
 
-        took = duration(self.training_time_s)
-        if total_s is not None and self.attempts == 1 and total_s > self.training_time_s:
-            took = f"{duration(total_s)} ({took} training, the rest start-up)"
-        attempts = f" over {self.attempts} attempts" if self.attempts > 1 else ""
+        took = f"training {duration(self.training_time_s)}"
+        if self.attempts > 1:
+            took += f" over {self.attempts} attempts"
+        if total_s is not None:
+            took += f", this command {duration(total_s)}"
 
         def score(value: float | None, name: str = self.metric_name) -> str:
             if value is None:
@@ -125,14 +130,54 @@ class RunSummary(Record):
         ]
         also = f" ({', '.join(others)})" if others else ""
         layers = f" of {self.num_layers}" if self.num_layers else ""
+        why = f" ({self.why_nothing_froze()})" if self.final_num_frozen_layers == 0 else ""
         return (
-            f"done in {took}{attempts}: {self.metric_name} {score(self.final_eval_metric)} "
+            f"done: {took}: {self.metric_name} {score(self.final_eval_metric)} "
             f"final{also}, {score(self.best_eval_metric)} best; "
-            f"{self.final_num_frozen_layers}{layers} "
-            f"layers frozen; pipe_len {self.final_pipe_len} x dp_degree {self.final_dp_degree}; "
+            f"{self.final_num_frozen_layers}{layers} layers frozen{why}; "
+            f"pipe_len {self.final_pipe_len} x dp_degree {self.final_dp_degree}; "
             f"outputs in {run_dir}/ (metrics.jsonl, summary.json, checkpoints/"
             f"{', export/' if Path(run_dir, 'export').is_dir() else ''})"
         )
+
+    def why_nothing_froze(self) -> str:
+        """For a run that froze no layer: its rule, the decisions it made, and what held
+        each at zero (freeze.py, "Who decided"), from the counts in this summary."""
+        strategy = self.freeze_strategy or "the freeze rule"
+        if self.freeze_strategy == "none":
+            return "freeze.strategy none: nothing freezes"
+        if self.freeze_decisions == 0:
+            return (
+                f"{strategy}: no decision point in the run, where freeze.warmup_epochs and "
+                "freeze.interval_steps place them"
+            )
+        held = [
+            f"{HELD_BY.get(by, by)} {count}"
+            for by, count in sorted(self.freeze_decided_by.items(), key=lambda kv: -kv[1])
+        ]
+        signal = SIGNAL_HELD.get(self.freeze_strategy)
+        detail = f"; {signal}" if signal and "signal" in self.freeze_decided_by else ""
+        decisions = f"{self.freeze_decisions} decision{'s' if self.freeze_decisions > 1 else ''}"
+        return f"{strategy}: {decisions}, none froze a layer: {', '.join(held)}{detail}"
+
+
+# What held a decision at zero frozen layers, by freeze.FreezeOutcome.decided_by.
+HELD_BY = {
+    "signal": "held by its signal",
+    "agree": "signal and bound at zero",
+    "bound": "held by Eq. 1's bound",
+    "cap": "held by freeze.max_frozen_layers",
+    "no_signal": "nothing to read yet",
+    "schedule": "the schedule said zero",
+}
+# What a rule's signal saw when it held the bottom layer active.
+SIGNAL_HELD = {
+    "gradient_norm": "the smallest gradient norm was at layer 0, which Eq. 1 keeps active",
+    "gradient_norm_inclusive": "the smallest gradient norm was at no layer it may freeze",
+    "convergence": "layer 0's gradient norms still changed by freeze.convergence_threshold",
+    "signal_to_noise": "layer 0's signal share stayed above freeze.signal_threshold",
+    "autofreeze": "layer 0's gradient changed by at least freeze.percentile of the others'",
+}
 
 
 @dataclass

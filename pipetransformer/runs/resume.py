@@ -7,7 +7,8 @@ checkpoint. The decision (or the error) is broadcast so that every rank acts on 
 one. The checkpoint's tensors are loaded later, by the checkpointer, into the layout
 planned for the world that resumes; the resolved config is written once it is known.
 
-Owns: that sequence. Must not: plan layouts, build models or load tensors.
+Owns: that sequence, and which changed settings a resume refuses. Must not: plan layouts,
+build models or load tensors.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ from pathlib import Path
 
 from pipetransformer.autodp.control import Control
 from pipetransformer.autodp.topology import Layout
-from pipetransformer.config import Config, config_changes, config_yaml
+from pipetransformer.config import (
+    TEXT_DATASETS,
+    Config,
+    ConfigError,
+    config_changes,
+    config_yaml,
+)
 from pipetransformer.models import ModelSpec
 from pipetransformer.runs.checkpoint import read_run_state
 from pipetransformer.runs.records import ConfigChangeEvent, ResumeEvent
@@ -40,6 +47,31 @@ logger = logging.getLogger(__name__)
 # The run directory's lock, held for the life of the process that took it (rank 0 under
 # torchrun; the local launcher takes it itself).
 _held_locks: list[RunLock] = []
+
+# Text settings that shape an epoch's batches: the epoch's sample order (group_by_length:
+# the order is cut at the checkpoint's sample offset, so a new one would repeat some
+# samples and skip others) and the lengths its batches run at (padding: the epoch's token
+# counts would mix both). A resume may change them where an epoch starts, not inside one.
+EPOCH_SETTINGS = ("data.group_by_length", "data.padding")
+
+
+def refuse_mid_epoch_changes(
+    before: dict, config: Config, state: RunState, checkpoint: Path
+) -> None:
+    """Raise ConfigError, one line naming the key, where a resume from `checkpoint` (its
+    run `state`, its config `before` as a dict) changes an EPOCH_SETTINGS key of text in the
+    middle of an epoch; at an epoch boundary any change is allowed."""
+    if state.step_in_epoch == 0 or config.data.name not in TEXT_DATASETS:
+        return
+    for key, old, new in config_changes(before, config.to_dict()):
+        if key in EPOCH_SETTINGS:
+            setting = key.rpartition(".")[2]
+            raise ConfigError(
+                f"{key}: {old!r} -> {new!r} cannot change in the middle of an epoch: "
+                f"{checkpoint} is at step {state.step_in_epoch} of epoch {state.epoch + 1}, "
+                f"and the rest of the epoch follows its {setting}; resume with {key}="
+                f"{str(old).lower()}, or from a checkpoint at an epoch's end"
+            )
 
 
 @dataclass
@@ -75,7 +107,10 @@ class Resumption:
     def config_change(self, config: Config, speak: bool) -> ConfigChangeEvent | None:
         """The settings this resume changes from the checkpoint's, said (when `speak`) and
         recorded as an event, never silent; None when there are none. The processes per
-        node follow the world that resumes; that is the resume event's to say."""
+        node follow the world that resumes; that is the resume event's to say. Raises
+        ConfigError for a change the middle of an epoch cannot take (EPOCH_SETTINGS)."""
+        record = self.record
+        refuse_mid_epoch_changes(record.config, config, record.state, self.checkpoint)
         changes = {
             key: [before, after]
             for key, before, after in config_changes(self.record.config, config.to_dict())

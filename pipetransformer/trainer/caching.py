@@ -7,9 +7,10 @@ measurement, identically on every rank: a cache read of a batch (timed here, ave
 over ranks) against recomputing the prefix (the measured no-grad forward times of its
 units). The paper found recomputation faster while few layers are frozen. Text is stored
 at each sample's real length (so the memory budget holds more of it, and a read moves
-only real rows), and the prefix recomputes a batch at its padded length: the recompute
-side scales the units' times, measured at max_seq_length, by the run's mean padded length
-over max_seq_length (`length_share`); the read is timed on stored samples as they are.
+only real rows), and the prefix recomputes a batch at the length the replica runs it at
+(its padded length, in a pipeline's bucket): the recompute side scales the units' times,
+measured at max_seq_length, by the starting layout's mean such length over max_seq_length
+(`length_share`, trainer/step.py); the read is timed on stored samples as they are.
 """
 
 from __future__ import annotations

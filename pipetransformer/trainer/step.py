@@ -56,9 +56,15 @@ def step_seq_length(
     without a sequence): its padded length, in a bucket when the pipeline has several
     stages (the stages' receive buffers are built per length: pipe/runtime.py)."""
     length = dataset.batch_length(ids)
-    if length is None or layout.pipe_len == 1:
-        return length
-    return bucket_length(length, config.data.pad_to_multiple_of, config.data.max_seq_length)
+    return None if length is None else run_length(config, layout.pipe_len, length)
+
+
+def run_length(config: Config, pipe_len: int, padded: int | None) -> int | None:
+    """The length a replica of a pipeline of `pipe_len` stages runs a batch padded to
+    `padded` tokens at: in its bucket when there are several stages."""
+    if padded is None or pipe_len == 1:
+        return padded
+    return bucket_length(padded, config.data.pad_to_multiple_of, config.data.max_seq_length)
 
 
 def train_sampler(config: Config, train: SampleDataset, num_nodes: int) -> TrainSampler:
@@ -81,16 +87,25 @@ def train_sampler(config: Config, train: SampleDataset, num_nodes: int) -> Train
 
 
 def padded_length_share(
-    config: Config, train: SampleDataset, sampler: TrainSampler, replicas_per_node: int
+    config: Config,
+    train: SampleDataset,
+    sampler: TrainSampler,
+    replicas_per_node: int,
+    pipe_len: int = 1,
 ) -> float:
-    """The mean padded length of an epoch's replica batches over max_seq_length (node 0's
-    first epoch, `replicas_per_node` replicas a node); 1 without a sequence. What recomputing
-    a frozen prefix costs against its cost at max_seq_length (trainer/caching.py)."""
+    """The mean length an epoch's replica batches run at over max_seq_length (node 0's first
+    epoch, `replicas_per_node` replicas a node of `pipe_len` stages: each batch's padded
+    length, in its bucket in a pipeline of several stages, as `step_seq_length` runs it); 1
+    without a sequence. What recomputing a frozen prefix costs against its cost at
+    max_seq_length (trainer/caching.py)."""
     if train.lengths is None:
         return 1.0
     order = sampler.epoch_order(0, 0)
     replica = config.trainer.replica_batch_size(replicas_per_node * sampler.num_nodes)
-    lengths = [train.batch_length(order[i : i + replica]) for i in range(0, len(order), replica)]
+    lengths = [
+        run_length(config, pipe_len, train.batch_length(order[i : i + replica]))
+        for i in range(0, len(order), replica)
+    ]
     return sum(lengths) / (len(lengths) * config.data.max_seq_length)
 
 

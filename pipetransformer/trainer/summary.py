@@ -54,6 +54,7 @@ def run_summary(
     checkpoint: str | None,
     decision_interval_steps: int,
     num_layers: int,
+    freeze_strategy: str = "",
 ) -> RunSummary:
     """`wall_s`: this attempt's training time; `peaks`: (resident set, CUDA allocation)."""
     peak_rss, peak_allocated = peaks
@@ -77,6 +78,7 @@ def run_summary(
         freeze_decided_by=dict(state.decided_by),
         decision_interval_steps=decision_interval_steps,
         num_layers=num_layers,
+        freeze_strategy=freeze_strategy,
         peak_rss_bytes=peak_rss,
         peak_allocated_bytes=peak_allocated,
     )

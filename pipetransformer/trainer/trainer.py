@@ -16,7 +16,6 @@ runs/state.py and trainer/statefuls.py, which the checkpointer saves and loads t
 
 from __future__ import annotations
 
-import gc
 import logging
 import signal
 import time
@@ -32,12 +31,12 @@ from pipetransformer.autodp.groups import (
     check_layouts_agree,
     create_control_group,
 )
-from pipetransformer.autodp.handoff import execute_transfers, plan_transfers
+from pipetransformer.autodp.handoff import plan_transfers
 from pipetransformer.autodp.topology import Layout
 from pipetransformer.config import Config, frozen_random_embedding, resolve
 from pipetransformer.data import build_data
 from pipetransformer.data.describe import describe_bundle
-from pipetransformer.fsdp import gather_units, shard_optimizer_states
+from pipetransformer.fsdp import shard_optimizer_states
 from pipetransformer.models import build_model
 from pipetransformer.models.compiled import compile_units
 from pipetransformer.pipe import StageRuntime
@@ -86,8 +85,8 @@ from pipetransformer.trainer.step import (
 from pipetransformer.trainer.stop_poll import StopPoll
 from pipetransformer.trainer.summary import run_summary, start_event
 from pipetransformer.trainer.tasks import task_for
+from pipetransformer.trainer.transition import hand_over, transition_event
 from pipetransformer.utils.stopping import RunStopped, StopRequest
-from pipetransformer.utils.units import parse_param_key
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +170,7 @@ class Trainer:
                     "freeze.embedding: the embedding is frozen from the first step but the "
                     "model starts from random weights (no model.model_name_or_path, "
                     "model.pretrained or model.checkpoint_path), so it will never train; "
-                    "set freeze.embedding=false, or name pretrained weights"
+                    "set freeze.embedding=auto (the default), or name pretrained weights"
                 )
         self.task = task_for(
             self.data.task, self.data.num_classes, config.data.metric, len(self.data.eval)
@@ -245,9 +244,10 @@ class Trainer:
         # Replicas a node has at the start (R = W / K0 with or without AutoDP).
         start_replicas = world.devices_per_node // self.plan.initial_pipe_len
         steps = self.sampler.steps_per_epoch_at(start_replicas)
-        # What recomputing the frozen prefix costs at the batches' lengths (caching.py).
+        # What recomputing the frozen prefix costs at the lengths the starting layout runs
+        # its batches at, a pipeline's buckets included (caching.py).
         self.length_share = padded_length_share(
-            config, self.data.train, self.sampler, start_replicas
+            config, self.data.train, self.sampler, start_replicas, self.plan.initial_pipe_len
         )
         self.clock = StepClock(self.state, self.sampler, config.trainer.epochs, start_replicas)
         self.metrics = MetricsTracker(
@@ -565,48 +565,8 @@ class Trainer:
         times["plan_s"] = time.perf_counter() - started
 
         started = time.perf_counter()
-        if old.runtime is not None and old.runtime.cached_prefix is not None:
-            old.runtime.cached_prefix.flush()  # rows computed at the old boundary
-        states = optim.states_by_name(old.optimizer, old.named_params())
-        # The old layout's runtime (DDP's buckets, the pipeline's buffers) and optimizer go
-        # before any unit moves, and each unit this rank stops holding goes after its last
-        # send: at full size each is hundreds of MiB that would otherwise be held twice
-        # (MemoryModel.move_bytes budgets what remains). Reference counting frees them: no
-        # cycle holds a runtime (tests/test_elastic.py checks with the collector off), and a
-        # full collection of a process that has imported torch, timm and transformers costs
-        # most of a transition (0.39 of 0.43 s on the quickstart); leaving a sharded layout
-        # is the exception below.
-        old.runtime = old.optimizer = None
-        # Its list of trained parameters and AutoFreeze's sums (an fp32 copy of each) would
-        # keep released units on the device while the new layout is built; the decision
-        # point has read the sums, and the new stage starts its own.
-        old.grad_owners = old.grad_sums = None
-        release_s = time.perf_counter() - started
         skeletons = {u: self.skeleton.units[u] for u in range(self.spec.num_units)}
-        if old.layout.sharded:  # every unit in full again, as in a one-stage layout, but
-            # those that stay trained in a sharded layout: their shards are cut alike there
-            keep = set(range(new.plan.frozen_end, self.spec.num_units)) if new.sharded else set()
-            old.units, states = gather_units(old.units, states, skeletons, self.world.device, keep)
-            # FSDP2's modules, states and parameter groups refer to one another (hooks, the
-            # root's shared context): unlike any other layout's, a sharded layout's shards,
-            # gradients and buffers on the device are freed by the collector only. One
-            # collection for the one kind of transition that needs it (test_gpu_rules.py).
-            gc.collect()
-        keep = set(new.units_of_rank(rank))
-        received, received_states = execute_transfers(
-            transfers,
-            rank,
-            old.units,
-            states,
-            skeletons,
-            self.control.group,
-            self.world.device,
-            keep,
-        )
-        units = {**old.units, **received}
-        states.update(received_states)
-        # Optimizer state of units frozen from now on is dropped before the new stage exists.
-        states = {k: v for k, v in states.items() if parse_param_key(k)[0] >= new.plan.frozen_end}
+        handover = hand_over(old, new, transfers, skeletons, rank, self.control, self.world.device)
         times["state_move_s"] = time.perf_counter() - started
 
         started = time.perf_counter()
@@ -614,40 +574,23 @@ class Trainer:
         old.groups.destroy()
         self.stage = None
         times["groups_s"] = time.perf_counter() - started
-        self.stage = self._enter(new, units, states, times)
-        new = self.stage.layout
-
-        tick = tick or self.clock.last
-        record = TransitionEvent(
-            epoch=tick.epoch if tick else 0,
-            step=tick.steps_done_in_epoch if tick else 0,
-            global_step=self.state.global_step,
-            old_num_frozen_layers=old.layout.plan.num_frozen_layers,
-            new_num_frozen_layers=new.plan.num_frozen_layers,
-            old_pipe_len=old.layout.pipe_len,
-            new_pipe_len=new.pipe_len,
-            old_dp_degree=old.layout.dp_degree,
-            new_dp_degree=new.dp_degree,
-            new_stage_ranges=[list(r) for r in new.plan.stage_ranges],
-            num_micro_batches=new.plan.num_micro_batches,
-            units_moved=len(transfers),
-            new_virtual_stages=new.plan.virtual_stages,
-            predicted_move_bytes=[int(b) for b in move_bytes],
-            layer_grad_norms=grad_norms,
-            data_groups=[new.data_ranks(s) for s in range(new.pipe_len)]
-            if new.dp_degree > 1
-            else [],
-            **times,
-            release_s=release_s,
-            total_s=sum(times.values()),
-            old_sharded=old.layout.sharded,
-            new_sharded=new.sharded,
+        self.stage = self._enter(new, handover.units, handover.states, times)
+        record = transition_event(
+            old.layout,
+            self.stage.layout,
+            tick or self.clock.last,
+            self.state.global_step,
+            len(transfers),
+            move_bytes,
+            grad_norms,
+            times,
+            handover.release_s,
         )
         self.state.num_transitions += 1
         self.metrics.add_transition(record.total_s)
         self.transitions.append(record)
         self.reporter.event(record)
-        logger.info("transition: %s (%.3f s)", new.describe(), record.total_s)
+        logger.info("transition: %s (%.3f s)", self.stage.layout.describe(), record.total_s)
         return record
 
     # ------------------------------------------------------------------ checkpoints
@@ -700,6 +643,7 @@ class Trainer:
             checkpoint=str(last) if last else None,
             decision_interval_steps=self.freezer.schedule.interval_steps,
             num_layers=self.spec.num_layers,
+            freeze_strategy=self.config.freeze.strategy,
         )
         self.reporter.summary(summary)
         return summary

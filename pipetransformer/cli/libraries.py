@@ -1,0 +1,66 @@
+"""The libraries a command imports are builds that go together: torch, torchvision (which
+timm imports) and timm. A torchvision built for another torch fails inside its own import
+("operator torchvision::nms does not exist"), which without this check reached the user as
+a traceback from the middle of a model import; here it is one line naming the versions
+and the fix, before anything else runs.
+
+Owns: `check_library_builds` and LibraryBuildError. Must not: import anything of this
+package beyond the standard library at module level, or install anything.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from importlib import metadata
+
+
+class LibraryBuildError(RuntimeError):
+    """torch, torchvision and timm do not import together; says which versions and the fix."""
+
+
+def _installed(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def matching_torchvision(torch_version: str) -> str | None:
+    """The torchvision release made for a torch 2.x release (0.15 for 2.0, one minor each
+    since): '0.29' for '2.14.1+cpu'; None where that rule does not say."""
+    match = re.match(r"2\.(\d+)", torch_version)
+    return f"0.{int(match.group(1)) + 15}" if match else None
+
+
+def check_library_builds() -> None:
+    """Import torch, torchvision and timm; raise LibraryBuildError, one line, where one of
+    them fails to import beside the others."""
+    torch_version = _installed("torch")
+    for package in ("torch", "torchvision", "timm"):
+        try:
+            importlib.import_module(package)
+        except Exception as exc:  # a build mismatch raises RuntimeError, OSError, ImportError...
+            cause = " ".join(str(exc).split()) or type(exc).__name__
+            raise LibraryBuildError(_message(package, torch_version, cause)) from exc
+
+
+def _message(package: str, torch_version: str, cause: str) -> str:
+    version = _installed(package)
+    if package == "torch":
+        return (
+            f"torch {version} does not import ({cause}); reinstall it: "
+            "pip install --force-reinstall torch"
+        )
+    if package == "torchvision":
+        wanted = matching_torchvision(torch_version)
+        pin = f"'torchvision=={wanted}.*'" if wanted else "torchvision"
+        return (
+            f"torchvision {version} does not import beside torch {torch_version}, a build "
+            f"made for another torch ({cause}); install the torchvision of torch "
+            f"{torch_version} from the index torch came from: pip install {pin}"
+        )
+    return (
+        f"timm {version} does not import beside torch {torch_version} and torchvision "
+        f"{_installed('torchvision')} ({cause}); pip install --upgrade timm"
+    )
