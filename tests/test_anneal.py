@@ -350,3 +350,85 @@ def test_a_plan_survives_the_run_state_round_trip():
     plan = FreezePlan((LayerCurve(42.0), LayerCurve(84.0, 42.0, 0.25), LayerCurve()))
     state = RunState(anneal_plan=plan.to_list())
     assert FreezePlan.from_list(RunState.from_dict(state.to_dict()).anneal_plan) == plan
+
+
+def test_a_carried_plan_is_kept_where_a_fresh_one_would_differ():
+    """A re-planned curve remembers where it was re-anchored: a resume takes it from the run
+    state, not from a plan made afresh at the resume's position."""
+    d, c = decider(strategy="gradient_norm"), cadence(42)
+    replanned = plan_freezes(
+        d, OPTIMIZER, c, Position(0, 42 * 32, 0, 1, 4), plan_freezes(d, OPTIMIZER, c, start())
+    )
+    state = RunState(
+        lr_reference_node_batch=32,
+        samples_in_epoch=50 * 32,
+        decision_index=1,
+        num_frozen_layers=4,
+        interval_steps=8,
+        anneal_plan=replanned.to_list(),
+    )
+    stub = Stub([1.0] * L)
+    stub.steps_since_decision = 8
+    config = config_from_dict(
+        {
+            "trainer": {"epochs": 3, "global_batch_size": 32},
+            "optimizer": {"lr": 1e-3, "warmup_steps": 10, "layerwise_anneal": True},
+            "freeze": {"strategy": "gradient_norm", "interval_steps": 42},
+        }
+    )
+    resumed = FreezeControl(config, L, 125, state, stub, stub, stub)
+    assert resumed.plan == replanned
+    fresh = plan_freezes(d, OPTIMIZER, c, Position(0, 50 * 32, 8, 1, 4))
+    assert fresh.freeze_places()[4:] == replanned.freeze_places()[4:] == [84, None]
+    assert fresh.curves[4] != replanned.curves[4]  # anchored elsewhere: the state matters
+
+
+# ---------------------------------------------------------------- a real run of Eq. 1
+
+
+@pytest.mark.distributed
+def test_eq1_annealed_in_a_real_run_freezes_where_its_rates_reach_zero(tmp_path):
+    """2 ranks, a 2-stage pipeline, Eq. 1 deciding every 3 steps of 7 an epoch (inside
+    epochs), 2 epochs: the plan is the bound's path 2, 4, 5 at steps 3, 6, 9; each layer's
+    logged rate is above 0 up to its planned step and 0 after it, the run froze exactly
+    there (AutoDP packing the pipeline on the way), and every decision records the rule's
+    count and the plan's. About 8 s idle (two processes; 16 s for 3 epochs under load)."""
+    import json
+
+    from helpers import run_workers
+    from reference import elastic_config
+    from workers import elastic_run
+
+    config = elastic_config(
+        trainer__nproc_per_node=2,
+        pipeline__initial_pipe_len=2,
+        freeze__strategy="gradient_norm",
+        freeze__interval_steps=3,
+        optimizer__layerwise_anneal=True,
+        trainer__epochs=2,
+    )
+    run_workers(elastic_run, 2, config, str(tmp_path))
+    planned = [3, 3, 6, 6, 9, None]
+    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert len(steps) == 14
+    for record in steps:
+        step, rates = record["global_step"], record["layer_lrs"]
+        for layer, place in enumerate(planned):
+            if place is None:
+                assert rates[layer] == record["lr"]
+            else:
+                assert (rates[layer] > 0) == (step <= place), (step, layer)
+        assert record["num_frozen_layers"] == sum(
+            1 for place in planned if place is not None and step > place
+        )
+    assert steps[-1]["dp_degree"] == 2  # packed into one stage, a replica on each rank
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    decisions = [e for e in events if e["kind"] == "freeze_decision"]
+    assert [d["global_step"] for d in decisions] == [3, 6, 9, 12]
+    assert [d["planned_num_frozen_layers"] for d in decisions] == [2, 4, 5, 5]
+    for d in decisions:
+        assert d["new_num_frozen_layers"] == d["planned_num_frozen_layers"]
+        assert d["rule_num_frozen_layers"] <= d["planned_num_frozen_layers"]
+        held_back = d["rule_num_frozen_layers"] < d["planned_num_frozen_layers"]
+        assert (d["decided_by"] == "plan") == held_back, d
+        assert d["planned_freeze_steps"] == planned
