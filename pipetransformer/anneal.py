@@ -66,21 +66,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipetransformer.config import FreezeConfig, OptimizerConfig
+from pipetransformer.config import OptimizerConfig
 from pipetransformer.freeze import DecisionSchedule, FreezeDecider, eq1_bound
 
-# Rules whose plan is Eq. 1's bound's path (with freeze.eq1_bound on).
+# Rules whose plan is Eq. 1's bound's path (with freeze.eq1_bound on); config/checks.py
+# refuses the others but the schedules' for optimizer.layerwise_anneal.
 BOUND_PLANNED = ("gradient_norm", "gradient_norm_inclusive")
 # Rules whose plan is their own schedule.
 SCHEDULE_PLANNED = ("alpha_schedule", "manual")
-PLANNED_RULES = BOUND_PLANNED + SCHEDULE_PLANNED
-
-
-def plannable(config: FreezeConfig) -> bool:
-    """Whether the rule's freeze times can be planned (module docstring, "The plan")."""
-    if config.strategy in BOUND_PLANNED:
-        return config.eq1_bound
-    return config.strategy in SCHEDULE_PLANNED
 
 
 def decay_shape(lr_schedule: str, progress: float) -> float:
@@ -312,9 +305,3 @@ def reconcile(plan: FreezePlan, place: float, previous: int, rule_count: int) ->
     docstring, "At a decision point")."""
     planned = plan.annealed(place, previous)
     return Reconciled(max(planned, rule_count), planned, rule_count)
-
-
-def first_planned_place(plan: FreezePlan) -> float | None:
-    """The earliest freeze place of the plan (None: nothing is planned to freeze)."""
-    places = [p for p in plan.freeze_places() if p is not None]
-    return min(places) if places else None

@@ -118,6 +118,8 @@ class FreezeControl:
                     "freeze step: %s (the head and '-' keep the run's schedule)",
                     " ".join("-" if p is None else f"{p:g}" for p in self.plan.freeze_places()),
                 )
+        else:  # a run resumed without annealing from a checkpoint that annealed
+            state.anneal_plan = []
 
     def _schedule(self, min_interval: int) -> DecisionSchedule:
         return DecisionSchedule.for_config(
