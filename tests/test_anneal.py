@@ -1,8 +1,11 @@
 """Layer-wise annealing (optimizer.layerwise_anneal, pipetransformer/anneal.py): the plan of
 each rule, every layer's learning rate reaching zero exactly at its planned freeze step, the
 head on the run's schedule, re-planning, the decision point's consistency with the plan,
-the optimizer's groups, and the config's refusals. Unit tests: no processes (the elastic
-and resume tests run it through transitions, tests/test_elastic.py, test_checkpoint.py)."""
+the optimizer's groups and the config's refusals, without processes; then one short real
+run of Eq. 1 deciding inside epochs. Through AutoDP's transitions, resumes (mid-epoch, at
+another world size, into a sharded layout) against single-process training: the shared
+elastic run, which anneals (tests/conftest.py, test_elastic.py, test_checkpoint.py,
+test_fsdp.py)."""
 
 import math
 from types import SimpleNamespace
