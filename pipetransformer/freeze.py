@@ -156,6 +156,8 @@ counted in summary.json)
     the bottom layer to the top (the pretrained MiniLM fine-tune of docs/benchmarks.md
     section 16), Eq. 1's argmin is always the top layer, P = L - 1 exceeds B at every
     decision, and every decision is `bound`: the rule runs as the bound's fixed schedule.
+    `plan`: with `optimizer.layerwise_anneal`, layers whose learning rate had reached zero
+    by their planned freeze froze although the rule would have frozen fewer (anneal.py).
 """
 
 from __future__ import annotations
@@ -181,7 +183,8 @@ BOUND = "bound"  # Eq. 1's bound: the signal would have frozen more
 CAP = "cap"  # max_frozen_layers (or every layer it allows is frozen already)
 SCHEDULE = "schedule"  # a rule without a signal: alpha_schedule, manual
 NO_SIGNAL = "no_signal"  # nothing to read yet (a first decision that only measures)
-DECIDERS = (SIGNAL, AGREE, BOUND, CAP, SCHEDULE, NO_SIGNAL)
+PLAN = "plan"  # layer-wise annealing froze layers the rule held back (their rate reached 0)
+DECIDERS = (SIGNAL, AGREE, BOUND, CAP, SCHEDULE, NO_SIGNAL, PLAN)
 
 
 @dataclass(frozen=True)

@@ -80,15 +80,20 @@ class SharedRun:
 @pytest.fixture(scope="session")
 def elastic_full_run(tmp_path_factory) -> SharedRun:
     """The full system on 4 gloo ranks, 1x4 -> 2x2 -> 4x1 (reference.elastic_config), with a
-    checkpoint every 5 steps and at each epoch's end, all kept, and the sample ids each rank
-    read (trainer.record_sample_ids): read by the elastic test
-    against single-process training and by the resume tests as the uninterrupted run."""
+    checkpoint every 5 steps and at each epoch's end, all kept, the sample ids each rank
+    read (trainer.record_sample_ids) and layer-wise annealing (each layer's rate annealed to
+    zero by its freeze): read by the elastic test against single-process training and by
+    the resume tests as the uninterrupted run. (The same layouts without annealing:
+    test_elastic.py's `full_clipped`.)"""
     from helpers import run_workers
     from reference import elastic_config
     from workers import elastic_run
 
     config_dict = elastic_config(
-        checkpoint__interval_steps=5, checkpoint__keep_last=20, trainer__record_sample_ids=True
+        checkpoint__interval_steps=5,
+        checkpoint__keep_last=20,
+        trainer__record_sample_ids=True,
+        optimizer__layerwise_anneal=True,
     )
     run_dir = tmp_path_factory.mktemp("elastic-full")
     return SharedRun(config_dict, run_dir, run_workers(elastic_run, 4, config_dict, str(run_dir)))

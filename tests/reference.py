@@ -78,7 +78,9 @@ def reference_run(config, num_nodes: int = 1, replicas_per_node=None):
     `replicas_per_node(epoch, step)` says how many a node had at each step (the layouts the
     elastic run went through). The learning rate follows the schedule as documented in
     trainer/clock.py: step s of epoch e sits at e x S + (samples before it) / B, B a node's
-    batch at the first step and S = ceil(a node's epoch / B)."""
+    batch at the first step and S = ceil(a node's epoch / B). With
+    optimizer.layerwise_anneal each unit has a group of its own and its layer's rate
+    (`annealed_rate`, written out here apart from the trainer's code)."""
     data = build_data(config.data, seed=config.trainer.seed)
     torch.manual_seed(config.trainer.seed)
     model = build_model(
@@ -97,7 +99,11 @@ def reference_run(config, num_nodes: int = 1, replicas_per_node=None):
     if embedding_frozen:
         model.units[0].requires_grad_(False)
         model.units[0].eval()
-    optimizer = optim.build_optimizer(config.optimizer, named)
+    anneal = config.optimizer.layerwise_anneal
+    if anneal:
+        optimizer = unit_groups_optimizer(config.optimizer, model.units)
+    else:
+        optimizer = optim.build_optimizer(config.optimizer, named)
     # The trainer's sampler (its batch semantics, and data.group_by_length).
     sampler = train_sampler(config, data.train, num_nodes)
 
@@ -118,7 +124,15 @@ def reference_run(config, num_nodes: int = 1, replicas_per_node=None):
             per_sample = torch.nn.functional.cross_entropy(model(*inputs), labels, reduction="none")
             loss = (per_sample * valid).sum() / valid.sum()
             place = epoch * per_epoch + offset / reference
-            optim.set_learning_rate(optimizer, optim.learning_rate(config.optimizer, place, total))
+            if anneal:
+                freeze_at = manual_freeze_places(config, len(model.units) // 2 - 1, per_epoch)
+                for group in optimizer.param_groups:
+                    layer = annealed_layer_of(group["unit"], len(model.units))
+                    place_at = None if layer is None else freeze_at[layer]
+                    group["lr"] = annealed_rate(config.optimizer, place, total, place_at)
+            else:
+                lr = optim.learning_rate(config.optimizer, place, total)
+                optim.set_learning_rate(optimizer, lr)
             loss.backward()
             if config.optimizer.max_grad_norm is not None:
                 trained = [p for p in model.parameters() if p.requires_grad]
@@ -136,3 +150,46 @@ def reference_run(config, num_nodes: int = 1, replicas_per_node=None):
                 unit.requires_grad_(False)
                 unit.eval()
     return losses, model.state_dict(), sampler
+
+
+def unit_groups_optimizer(settings, units) -> torch.optim.Optimizer:
+    """A group per unit (SGD, or AdamW without weight decay: what the anneal tests run)."""
+    assert settings.weight_decay == 0
+    groups = [{"params": list(unit.parameters()), "unit": i} for i, unit in enumerate(units)]
+    if settings.name == "sgd":
+        return torch.optim.SGD(groups, lr=settings.lr, momentum=settings.momentum)
+    return torch.optim.AdamW(groups, lr=settings.lr, betas=tuple(settings.betas), eps=settings.eps)
+
+
+def annealed_layer_of(unit: int, num_units: int):
+    """The layer whose curve a unit follows: the embedding layer 0's, the head none."""
+    if unit == num_units - 1:
+        return None
+    return 0 if unit == 0 else (unit - 1) // 2
+
+
+def manual_freeze_places(config, num_layers: int, per_epoch: int) -> list:
+    """Per layer, the place it freezes under a manual schedule decided at epoch ends."""
+    places = [None] * num_layers
+    schedule = config.freeze.manual_schedule
+    for epoch in range(config.trainer.epochs - 1):
+        frozen = min(schedule[min(epoch, len(schedule) - 1)], num_layers - 1)
+        for layer in range(frozen):
+            if places[layer] is None:
+                places[layer] = (epoch + 1) * per_epoch
+    return places
+
+
+def annealed_rate(settings, place: float, total: int, freeze_at) -> float:
+    """FreezeOut's rate for a layer that freezes at `freeze_at` (None: the run's schedule):
+    the run's warm-up, then its cosine decay squeezed to reach 0 at `freeze_at`."""
+    assert settings.lr_schedule == "cosine"
+    warmup = settings.warmup_steps
+    end = total if freeze_at is None else freeze_at
+    floor = settings.lr * settings.min_lr_ratio if freeze_at is None else 0.0
+    if place < warmup:
+        return settings.lr * (place + 1) / warmup
+    if place >= end:
+        return floor
+    progress = (place - warmup) / (end - warmup)
+    return floor + (settings.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))

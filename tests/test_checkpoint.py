@@ -291,6 +291,7 @@ def test_resume_at_another_world_size_matches_single_process(
             checkpoint__interval_steps=5,
             checkpoint__keep_last=20,
             trainer__record_sample_ids=True,
+            optimizer__layerwise_anneal=True,  # the plan carried to another world size
         )
 
     if first == 4:  # the shared run is this first run

@@ -188,6 +188,7 @@ def test_compare_budgets_end_to_end(tmp_path, fake_training, capsys):
                 "cap": 0,
                 "schedule": 0,
                 "no_signal": 0,
+                "plan": 0,
             },
         }
     ]

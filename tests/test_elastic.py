@@ -58,10 +58,43 @@ def check_against_single_process(
 
 
 def test_the_full_system_matches_single_process(elastic_full_run):
+    """With layer-wise annealing (tests/conftest.py): the reference gives each layer the
+    rate written out in reference.annealed_rate, so equal losses and weights through
+    1x4 -> 2x2 -> 4x1 say that every rank's groups took their layer's rate after each
+    handoff."""
     run = elastic_full_run  # shared with the resume tests (test_checkpoint.py)
     check_against_single_process(
         run.config_dict, run.run_dir, run.results, True, [(4, 1), (2, 2), (1, 4)]
     )
+
+
+def test_each_layer_reaches_zero_at_its_planned_freeze_step(elastic_full_run):
+    """manual [3, 5] at epoch ends of 7 steps: layers 0-2 freeze after step 7, 3-4 after
+    step 14, layer 5 and the head train to the end on the run's schedule."""
+    run_dir = elastic_full_run.run_dir
+    planned = [7, 7, 7, 14, 14, None]
+    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    assert len(steps) == 21
+    for record in steps:
+        step, rates = record["global_step"], record["layer_lrs"]
+        for layer, place in enumerate(planned):
+            if place is None:
+                assert rates[layer] == record["lr"]  # the run's schedule, as the head's
+            elif step <= place:
+                assert rates[layer] > 0, (step, layer)  # trained up to its freeze step
+            else:
+                assert rates[layer] == 0.0, (step, layer)
+        frozen = sum(1 for place in planned if place is not None and step > place)
+        assert record["num_frozen_layers"] == frozen  # frozen exactly when it reached zero
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    (start,) = [e for e in events if e["kind"] == "start"]
+    assert start["planned_freeze_steps"] == planned
+    decisions = [e for e in events if e["kind"] == "freeze_decision"]
+    assert [
+        (d["rule_num_frozen_layers"], d["planned_num_frozen_layers"], d["new_num_frozen_layers"])
+        for d in decisions
+    ] == [(3, 3, 3), (5, 5, 5)]
+    assert all(d["planned_freeze_steps"] == planned for d in decisions)
 
 
 @pytest.mark.parametrize(

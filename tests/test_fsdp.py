@@ -215,7 +215,8 @@ def test_a_checkpoint_resumes_across_sharded_and_pipeline_layouts(
         sharded = False
     else:
         first_dict, first_dir = elastic_full_run.config_dict, elastic_full_run.run_dir
-        second_dict = sharded_config(trainer__nproc_per_node=2)
+        # It anneals layer-wise: the plan and the per-layer groups carried into shards.
+        second_dict = sharded_config(trainer__nproc_per_node=2, optimizer__layerwise_anneal=True)
         sharded = True
     resumed_dir = tmp_path / "resumed"
     continue_from(first_dir, resumed_dir, 7)

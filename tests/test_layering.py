@@ -1,5 +1,6 @@
 """Imports go one way: cli -> (compare, export) -> (trainer, launcher) -> runs -> planning ->
-fsdp -> (autodp, pipe) -> (freeze, autopipe, autocache, models, data) -> (config, utils). Siblings
+fsdp -> (autodp, pipe) -> anneal -> (freeze, autopipe, autocache, models, data) -> (config,
+utils). Siblings
 never import each other, and nothing imports a module that imports it back (no cycle,
 function-local imports included)."""
 
@@ -16,6 +17,7 @@ LAYERS = {
     "autocache": 1,
     "models": 1,
     "data": 1,
+    "anneal": 1.5,  # layer-wise annealing's plan: reads the freeze rules (freeze.py)
     "autodp": 2,
     "pipe": 2,
     "fsdp": 2.5,  # the sharded layout's runtime: shares the first stage's prefix with pipe/

@@ -146,9 +146,58 @@ def check_config(config: Config, world_size: int | None = None) -> None:
             "gradient norms, so the signal share is biased; use adamw (decoupled decay) or "
             "optimizer.weight_decay=0",
         )
+    if optimizer.layerwise_anneal:
+        _check_layerwise_anneal(config)
     family = config.model.resolved_family()
     image_sets = ("digits", "cifar10", "cifar100", "imagefolder", "synthetic", "hf_image")
     if family == "bert" and config.data.name in image_sets:
         _fail("data.name", f"'{config.data.name}' is an image dataset; model.name is BERT")
     if family == "vit" and config.data.name in ("sst2", "squad", "hf"):
         _fail("data.name", f"'{config.data.name}' is a text dataset; model.name is a ViT")
+
+
+def _check_layerwise_anneal(config: Config) -> None:
+    """optimizer.layerwise_anneal needs freeze times that can be planned at start-up
+    (pipetransformer/anneal.py, "The plan") and a decay to squeeze onto them."""
+    freeze = config.freeze
+    key = "optimizer.layerwise_anneal"
+    # With freeze.strategy 'none' no layer has a freeze time: every layer keeps the run's
+    # schedule, as without the option. Accepted so that the baseline and the peers, which
+    # `compare` and the benchmarks derive from a config by setting freeze.strategy=none,
+    # still run from a config that anneals.
+    if freeze.strategy == "none":
+        return
+    if freeze.strategy in ("gradient_norm", "gradient_norm_inclusive") and not freeze.eq1_bound:
+        _fail(
+            key,
+            f"freeze.strategy {freeze.strategy} with freeze.eq1_bound=false: its signal alone "
+            "decides when a layer freezes, so no freeze time can be planned; the plan of Eq. 1 "
+            "is its bound's path (freeze.eq1_bound=true)",
+        )
+    if freeze.strategy in ("convergence", "signal_to_noise", "autofreeze"):
+        _fail(
+            key,
+            f"freeze.strategy {freeze.strategy} decides from its signal when a layer freezes, "
+            "which cannot be planned (a layer annealed to zero must freeze, so a plan would "
+            "overrule the signal); use gradient_norm, gradient_norm_inclusive, alpha_schedule "
+            "or manual",
+        )
+    if freeze.interval_steps == "measured":
+        _fail(
+            key,
+            "freeze.interval_steps 'measured' spaces decisions by times the run measures, so "
+            "they cannot be planned at start-up; use 'auto', a number of steps or null",
+        )
+    if config.trainer.batch_per_replica is not None and freeze.interval_steps is not None:
+        _fail(
+            key,
+            "with trainer.batch_per_replica a decision every freeze.interval_steps steps falls "
+            "at a place in the schedule that depends on the layouts to come; use "
+            "freeze.interval_steps=null (epoch ends) or trainer.global_batch_size",
+        )
+    if config.optimizer.lr_schedule == "constant":
+        _fail(
+            key,
+            "optimizer.lr_schedule 'constant' has no decay for a layer's rate to follow to "
+            "zero; use cosine or linear",
+        )

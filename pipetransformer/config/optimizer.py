@@ -30,6 +30,15 @@ class OptimizerConfig:
     # CPU (one pass over the parameters; on CUDA the step count kept on the device), foreach
     # for SGD.
     implementation: Literal["auto", "foreach", "fused"] = "auto"
+    # Layer-wise annealing (FreezeOut, Brock et al. 2017): each layer's learning rate follows
+    # the run's warm-up and decay shape but reaches zero at the layer's *planned* freeze time
+    # (from the run's length, the decision cadence and the freeze rule: Eq. 1's bound's path,
+    # alpha_schedule's closed form, manual's list), so it freezes annealed instead of cut off
+    # mid-schedule; the head and the layers the plan never freezes keep the run's schedule.
+    # A layer whose rate reached zero freezes at that decision point even where the rule's
+    # signal would hold it back. pipetransformer/anneal.py; docs/architecture.md,
+    # "Layer-wise annealing".
+    layerwise_anneal: bool = False
 
     def __post_init__(self) -> None:
         if not self.lr > 0:

@@ -233,6 +233,10 @@ class StepMetrics(Record):
     num_frozen_layers: int
     pipe_len: int
     dp_degree: int
+    # optimizer.layerwise_anneal: each layer's learning rate at the logged step (0 once its
+    # curve reached its freeze place; `lr` is the run's, which the head follows); None
+    # without annealing.
+    layer_lrs: list[float] | None = None
 
 
 @dataclass
@@ -309,6 +313,9 @@ class StartEvent(Event):
     # Settings this run decides from times it measures (opt-in: 'measured'), which may
     # differ on a busier machine; empty: every decision follows from the config and seed.
     decided_by_measured_time: list[str] = field(default_factory=list)
+    # optimizer.layerwise_anneal: per layer, the planned freeze place the attempt starts
+    # with (as in freeze_decision events); None without annealing.
+    planned_freeze_steps: list[float | None] | None = None
 
 
 @dataclass
@@ -372,8 +379,15 @@ class FreezeDecisionEvent(Event):
     proposed: int | None  # the signal's own proposal (None: the rule read no signal)
     bound: int | None  # Eq. 1's bound (None: the rule has none, or freeze.eq1_bound false)
     cap: int
-    decided_by: str  # signal, agree, bound, cap, schedule or no_signal
+    decided_by: str  # signal, agree, bound, cap, schedule, no_signal or plan
     layer_grad_norms: list[float] | None = None  # the per-layer norms it read, if any
+    # optimizer.layerwise_anneal (None without it; pipetransformer/anneal.py): the count the
+    # rule alone decided, the plan's count here (the frozen layers and those whose rate had
+    # reached 0), and per layer the planned freeze place after this decision (the learning
+    # rate schedule's steps: the global step under a fixed global batch; None: never).
+    rule_num_frozen_layers: int | None = None
+    planned_num_frozen_layers: int | None = None
+    planned_freeze_steps: list[float | None] | None = None
 
 
 @dataclass

@@ -85,6 +85,10 @@ class RunState:
     previous_layer_grad_sums: list[float] = field(default_factory=list)
     # Decisions so far by what set the layer count (freeze.FreezeOutcome.decided_by).
     decided_by: dict[str, int] = field(default_factory=dict)
+    # optimizer.layerwise_anneal: each layer's learning-rate curve and planned freeze place
+    # (anneal.FreezePlan.to_list), made again at every decision point and at a resume; kept
+    # because a re-planned curve remembers where it was re-anchored. Empty: no annealing.
+    anneal_plan: list[dict[str, Any]] = field(default_factory=list)
     # The epoch in progress, so far: sum of per-sample losses over all replicas, seconds of
     # training, of transitions and of DDP communication, tokens computed (text).
     epoch_loss_sum: float = 0.0

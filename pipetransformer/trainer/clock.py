@@ -27,6 +27,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from pipetransformer.anneal import schedule_place
 from pipetransformer.autodp.sampler import TrainSampler
 from pipetransformer.planning.run_model import CachedShares
 from pipetransformer.runs.state import RunState
@@ -122,7 +123,7 @@ class StepClock:
                 state.global_step + 1,
                 sampler.steps_in_epoch(state.epoch),
                 self.epochs,
-                state.epoch * per_epoch + offset / reference,
+                schedule_place(state.epoch, offset, per_epoch, reference),
                 schedule_steps,
                 min(sampler.node_batch_size_now, sampler.epoch_samples - offset),
             )

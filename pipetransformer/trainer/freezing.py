@@ -9,8 +9,14 @@ figures at the run's first transition decide, once (the interval is part of the 
 so a resumed run keeps it), and a cadence event and a log line say what was measured, that
 it depends on the machine's load, and how to pin it.
 
-Owns: `FreezeControl`. Must not: decide anything itself (freeze.py's pure functions do) or
-carry out a transition (the trainer does).
+With `optimizer.layerwise_anneal` it also keeps the freeze plan (pipetransformer/anneal.py):
+made at the start (or taken from a resumed run state and made again where the run is), it
+gives every layer's learning rate at each step, raises a decision to the layers whose rate
+has reached zero, and is made again after every decision; it lives in the run state, so a
+checkpoint carries it.
+
+Owns: `FreezeControl`. Must not: decide anything itself (freeze.py's and anneal.py's pure
+functions do) or carry out a transition (the trainer does).
 """
 
 from __future__ import annotations
@@ -18,9 +24,18 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from pipetransformer.anneal import (
+    Cadence,
+    FreezePlan,
+    Position,
+    layer_learning_rate,
+    plan_freezes,
+    reconcile,
+)
 from pipetransformer.autodp.control import Control
-from pipetransformer.config import Config
+from pipetransformer.config import Config, ConfigError
 from pipetransformer.freeze import (
+    PLAN,
     TRANSITION_TIME_SHARE,
     DecisionSchedule,
     FreezeDecider,
@@ -30,9 +45,9 @@ from pipetransformer.freeze import (
 )
 from pipetransformer.runs.records import CadenceEvent, FreezeDecisionEvent
 from pipetransformer.runs.state import RunState
-from pipetransformer.trainer.clock import Tick
+from pipetransformer.trainer.clock import StepClock, Tick
 from pipetransformer.trainer.metrics import MetricsTracker
-from pipetransformer.trainer.optim import momentum_decay
+from pipetransformer.trainer.optim import learning_rate, momentum_decay
 from pipetransformer.utils.units import layer_of_unit
 
 logger = logging.getLogger(__name__)
@@ -44,6 +59,10 @@ class Decision:
     layer_grad_norms: list[float] | None
     step_s: float  # this rank's mean step time over the interval
     outcome: FreezeOutcome | None = None  # what set the count (freeze.py, "Who decided")
+    decided_by: str = ""  # the outcome's, or "plan" where layer-wise annealing froze more
+    # Layer-wise annealing (None without): the plan's count here, and its places after it.
+    planned: int | None = None
+    planned_freeze_steps: list[float | None] | None = None
 
     def event(self, previous: int, decision_index: int, tick: Tick) -> FreezeDecisionEvent:
         """The decision as events.jsonl records it."""
@@ -57,8 +76,13 @@ class Decision:
             proposed=outcome.proposed if outcome else None,
             bound=outcome.bound if outcome else None,
             cap=outcome.cap if outcome else self.num_frozen_layers,
-            decided_by=outcome.decided_by if outcome else "",
+            decided_by=self.decided_by or (outcome.decided_by if outcome else ""),
             layer_grad_norms=self.layer_grad_norms,
+            rule_num_frozen_layers=(
+                outcome.num_frozen_layers if outcome and self.planned is not None else None
+            ),
+            planned_num_frozen_layers=self.planned,
+            planned_freeze_steps=self.planned_freeze_steps,
         )
 
 
@@ -71,14 +95,31 @@ class FreezeControl:
         state: RunState,
         metrics: MetricsTracker,
         control: Control,
+        clock: StepClock | None = None,
     ) -> None:
+        """`clock`: the run's, which layer-wise annealing reads its places from (without it
+        the run does not anneal)."""
         self.config = config
         self.decider = FreezeDecider(config.freeze, num_layers)
         self.steps_per_epoch = steps_per_epoch
         self.state = state  # decision_index, min_decision_interval, previous_layer_grad_norms
         self.metrics = metrics
         self.control = control
+        self.clock = clock
         self.schedule = self._schedule(state.min_decision_interval)
+        self.plan: FreezePlan | None = None
+        if self.anneals:
+            carried = FreezePlan.from_list(state.anneal_plan) if state.anneal_plan else None
+            self.plan = self._replan(state.num_frozen_layers, carried)
+            self._check_warmup()
+            if control.rank == 0:
+                logger.info(
+                    "layer-wise annealing: each layer's learning rate reaches 0 at its planned "
+                    "freeze step: %s (the head and '-' keep the run's schedule)",
+                    " ".join("-" if p is None else f"{p:g}" for p in self.plan.freeze_places()),
+                )
+        else:  # a run resumed without annealing from a checkpoint that annealed
+            state.anneal_plan = []
 
     def _schedule(self, min_interval: int) -> DecisionSchedule:
         return DecisionSchedule.for_config(
@@ -88,6 +129,78 @@ class FreezeControl:
     @property
     def needs_grad_norms(self) -> bool:
         return self.decider.needs_grad_norms
+
+    # ------------------------------------------------------------------ layer-wise annealing
+
+    @property
+    def anneals(self) -> bool:
+        """optimizer.layerwise_anneal with a rule that freezes (with 'none' every layer keeps
+        the run's schedule: config/checks.py)."""
+        return (
+            self.config.optimizer.layerwise_anneal
+            and self.config.freeze.strategy != "none"
+            and self.clock is not None
+        )
+
+    @property
+    def anneal_layers(self) -> int | None:
+        """The model's layers when the optimizer needs a group per layer, else None."""
+        return self.decider.num_layers if self.anneals else None
+
+    def layer_rates(self, tick: Tick) -> list[float] | None:
+        """Each layer's learning rate at the step of `tick` (None: no annealing)."""
+        if self.plan is None:
+            return None
+        optimizer = self.config.optimizer
+        place, total = tick.schedule_step, tick.schedule_steps
+        run = learning_rate(optimizer, place, total)
+        return [
+            layer_learning_rate(optimizer, curve, place, total, run) for curve in self.plan.curves
+        ]
+
+    def _cadence(self) -> Cadence:
+        sampler = self.clock.sampler
+        return Cadence(
+            self.config.trainer.epochs,
+            sampler.epoch_samples,
+            sampler.node_batch_size_now,
+            self.state.lr_reference_node_batch,
+            self.schedule,
+        )
+
+    def _place_now(self) -> float:
+        """The place in the schedule of the next step (where the run state is)."""
+        return self._cadence().place(self.state.epoch, self.state.samples_in_epoch)
+
+    def _replan(self, num_frozen_layers: int, previous: FreezePlan | None) -> FreezePlan:
+        """The plan from where the run is (anneal.py), kept in the run state."""
+        state = self.state
+        position = Position(
+            state.epoch,
+            state.samples_in_epoch,
+            self.metrics.steps_since_decision,
+            state.decision_index,
+            num_frozen_layers,
+        )
+        plan = plan_freezes(
+            self.decider, self.config.optimizer, self._cadence(), position, previous
+        )
+        state.anneal_plan = plan.to_list()
+        return plan
+
+    def _check_warmup(self) -> None:
+        """A layer planned to freeze before the warm-up ends would have no decay to anneal
+        along: refused, naming the key (one line, the same on every rank)."""
+        warmup = self.config.optimizer.warmup_steps
+        active = self.plan.curves[self.state.num_frozen_layers :]
+        places = [c.freeze_at for c in active if c.freeze_at is not None]
+        if warmup and places and min(places) <= warmup:
+            raise ConfigError(
+                f"optimizer.warmup_steps: the warm-up ({warmup} steps) reaches the first "
+                f"planned freeze (step {min(places):g}), so that layer's learning rate cannot "
+                "anneal to zero by then (optimizer.layerwise_anneal); warm up for fewer steps "
+                "or decide later (freeze.interval_steps, freeze.warmup_epochs)"
+            )
 
     def due(self, tick: Tick) -> bool:
         if self.config.freeze.strategy == "none":  # the baseline and the peers never freeze:
@@ -135,15 +248,31 @@ class FreezeControl:
             sums,
             self.state.previous_layer_grad_sums,
         )
-        decided = outcome.num_frozen_layers
+        decided, decided_by, planned = outcome.num_frozen_layers, outcome.decided_by, None
+        if self.plan is not None:
+            # The layers whose rate reached zero freeze; more if the rule says so (anneal.py).
+            reconciled = reconcile(self.plan, self._place_now(), num_frozen_layers, decided)
+            decided, planned = reconciled.num_frozen_layers, reconciled.planned
+            if reconciled.plan_decided:
+                decided_by = PLAN
         self.control.agree(decided, "num_frozen_layers")
+        if self.plan is not None:
+            self.plan = self._replan(decided, self.plan)
         if signal.layer_grad_norms is not None:
             self.state.previous_layer_grad_norms = list(signal.layer_grad_norms)
         if sums is not None:
             self.state.previous_layer_grad_sums = sums
         counts = self.state.decided_by
-        counts[outcome.decided_by] = counts.get(outcome.decided_by, 0) + 1
-        return Decision(decided, signal.layer_grad_norms, signal.step_s, outcome)
+        counts[decided_by] = counts.get(decided_by, 0) + 1
+        return Decision(
+            decided,
+            signal.layer_grad_norms,
+            signal.step_s,
+            outcome,
+            decided_by,
+            planned,
+            self.plan.freeze_places() if self.plan is not None else None,
+        )
 
     def _layer_grad_sums(self, unit_l1: list[float], steps: int) -> list[float]:
         """Per layer, its attention and MLP units' L1 norms of the interval's summed

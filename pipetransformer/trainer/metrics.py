@@ -182,9 +182,12 @@ class MetricsTracker:
         """Whether the step log is written after this step."""
         return tick.global_step % self.log_interval_steps == 0 or tick.epoch_end
 
-    def log_steps(self, tick: Tick, layout: Layout, lr: float) -> None:
+    def log_steps(
+        self, tick: Tick, layout: Layout, lr: float, layer_lrs: list[float] | None = None
+    ) -> None:
         """steps.jsonl (and TensorBoard / W&B): the mean loss of the steps since the last
-        line. Collective; the one place a step's loss leaves the device."""
+        line. Collective; the one place a step's loss leaves the device. `layer_lrs`: each
+        layer's rate under layer-wise annealing."""
         loss = self.control.sum(self._log_loss) / max(1, self._log_samples)
         now = time.perf_counter()  # after the loss reached the host: the steps are done
         self._drain_timers()
@@ -198,6 +201,7 @@ class MetricsTracker:
                 num_frozen_layers=layout.plan.num_frozen_layers,
                 pipe_len=layout.pipe_len,
                 dp_degree=layout.dp_degree,
+                layer_lrs=layer_lrs,
             )
         )
         self._reset_log(now)

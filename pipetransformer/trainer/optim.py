@@ -5,21 +5,28 @@ layout; its per-parameter state is carried across by name (`param_key`:
 'units.<unit>.<param>'), so a parameter that moved ranks continues with its own moments and
 step count. The learning rate is a pure function of the global step, so nothing about it
 needs moving.
+
+Parameter groups: weight decay or none (`decay_groups`); with `optimizer.layerwise_anneal`
+also one pair per layer (`layer_groups`), each group tagged with its layer (None: the head,
+which keeps the run's schedule; the embedding anneals with layer 0, with which it freezes).
+Groups are made from the parameters' names, so they are the same whichever rank holds a
+unit and in any layout (sharded ones included), and each group's rate is a function of the
+run's place and its freeze plan (pipetransformer/anneal.py), the same on every rank.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from pipetransformer.anneal import decay_shape
 from pipetransformer.config import OptimizerConfig
 from pipetransformer.fsdp import local
 from pipetransformer.pipe.transfer import to_device
-from pipetransformer.utils.units import parse_param_key
+from pipetransformer.utils.units import layer_of_unit, parse_param_key
 
 
 def learning_rate(config: OptimizerConfig, step: float, total_steps: int) -> float:
@@ -32,9 +39,7 @@ def learning_rate(config: OptimizerConfig, step: float, total_steps: int) -> flo
     decay_steps = max(1, total_steps - config.warmup_steps)
     progress = min(1.0, max(0.0, (step - config.warmup_steps) / decay_steps))
     floor = config.lr * config.min_lr_ratio
-    if config.lr_schedule == "cosine":
-        return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-    return floor + (config.lr - floor) * (1 - progress)
+    return floor + (config.lr - floor) * decay_shape(config.lr_schedule, progress)
 
 
 def implementation_options(config: OptimizerConfig, device_type: str) -> dict[str, bool]:
@@ -59,15 +64,46 @@ def decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict[s
     return [g for g in groups if g["params"]]
 
 
+def annealed_layer(name: str, num_layers: int) -> int | None:
+    """The layer whose learning-rate curve a parameter follows under layer-wise annealing:
+    its unit's layer, layer 0 for the embedding (it freezes with layer 0), None for the head
+    (the run's schedule)."""
+    unit = parse_param_key(name)[0]
+    if unit == 0:
+        return 0
+    return layer_of_unit(unit, num_layers)
+
+
+def layer_groups(
+    params: list[tuple[str, nn.Parameter]], weight_decay: float, num_layers: int
+) -> list[dict[str, Any]]:
+    """`decay_groups` for each layer's parameters (and the head's), each tagged with its
+    `layer` (`annealed_layer`), in the order of the parameters."""
+    by_layer: dict[int | None, list[nn.Parameter]] = {}
+    for name, p in params:
+        by_layer.setdefault(annealed_layer(name, num_layers), []).append(p)
+    return [
+        {**group, "layer": layer}
+        for layer, members in by_layer.items()
+        for group in decay_groups(members, weight_decay)
+    ]
+
+
 def build_optimizer(
-    config: OptimizerConfig, named_params: Mapping[str, nn.Parameter]
+    config: OptimizerConfig,
+    named_params: Mapping[str, nn.Parameter],
+    num_layers: int | None = None,
 ) -> torch.optim.Optimizer | None:
-    """None when there is nothing to train (a rank whose units are all frozen, or idle)."""
+    """None when there is nothing to train (a rank whose units are all frozen, or idle).
+    `num_layers`: the model's, for `optimizer.layerwise_anneal`'s groups (module docstring)."""
     params = [(n, p) for n, p in named_params.items() if p.requires_grad]
     if not params:
         return None
     options = implementation_options(config, params[0][1].device.type)
-    groups = decay_groups([p for _, p in params], config.weight_decay)
+    if config.layerwise_anneal and num_layers is not None:
+        groups = layer_groups(params, config.weight_decay, num_layers)
+    else:
+        groups = decay_groups([p for _, p in params], config.weight_decay)
     if config.name == "sgd":
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, **options)
     cls = torch.optim.Adam if config.name == "adam" else torch.optim.AdamW
@@ -126,10 +162,17 @@ def materialize_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def set_learning_rate(optimizer: torch.optim.Optimizer | None, lr: float) -> None:
+def set_learning_rate(
+    optimizer: torch.optim.Optimizer | None,
+    lr: float,
+    layer_rates: list[float] | None = None,
+) -> None:
+    """`lr` for every group; with `layer_rates` (layer-wise annealing) a group tagged with a
+    layer takes that layer's rate, the head's group `lr`."""
     if optimizer is not None:
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            layer = group.get("layer")
+            group["lr"] = lr if layer is None or layer_rates is None else layer_rates[layer]
 
 
 def momentum_decay(config: OptimizerConfig) -> float | None:

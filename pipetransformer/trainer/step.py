@@ -20,7 +20,7 @@ Owns: the step. Must not: decide anything about layouts, freezing or checkpoints
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -288,8 +288,12 @@ class StepRunner:
         num_units: int,
         grad_norms: bool,
         grad_sums: bool = False,
+        layer_rates: Callable[[Tick], list[float] | None] | None = None,
     ) -> None:
+        """`layer_rates`: each layer's learning rate at a step (layer-wise annealing:
+        trainer/freezing.py), or None where every group takes the run's."""
         self.config = config
+        self.layer_rates = layer_rates
         self.batches = batches
         self.world = world
         self.num_units = num_units
@@ -300,6 +304,12 @@ class StepRunner:
     def learning_rate(self, tick: Tick) -> float:
         """The learning rate of the step of `tick` (its place in the schedule: clock.py)."""
         return optim.learning_rate(self.config.optimizer, tick.schedule_step, tick.schedule_steps)
+
+    def learning_rates(self, tick: Tick) -> tuple[float, list[float] | None]:
+        """The run's learning rate at the step of `tick` and each layer's (None: no
+        layer-wise annealing)."""
+        layers = self.layer_rates(tick) if self.layer_rates is not None else None
+        return self.learning_rate(tick), layers
 
     def run(self, tick: Tick, stage: Stage) -> StepResult:
         """Forward, backward and update for this rank's part of one global step."""
@@ -318,7 +328,7 @@ class StepRunner:
                 prefetched=True,
                 cache_active=stage.cache_active,
             )
-            optim.set_learning_rate(stage.optimizer, self.learning_rate(tick))
+            optim.set_learning_rate(stage.optimizer, *self.learning_rates(tick))
             losses = runtime.train_step(
                 data.inputs,
                 data.target,

@@ -38,6 +38,7 @@ def start_event(
         memory_source=plan.memory_source,
         sharded=layout.sharded,
         decided_by_measured_time=decided_by_measured_time(plan.config),
+        planned_freeze_steps=[c.get("freeze_at") for c in state.anneal_plan] or None,
     )
 
 

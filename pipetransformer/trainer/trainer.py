@@ -262,7 +262,7 @@ class Trainer:
             carried=self.state,
         )
         self.freezer = FreezeControl(
-            config, spec.num_layers, steps, self.state, self.metrics, control
+            config, spec.num_layers, steps, self.state, self.metrics, control, self.clock
         )
         if world.rank == 0 and fresh:
             self.freezer.warn_if_nothing_can_freeze()
@@ -276,6 +276,7 @@ class Trainer:
             spec.num_units,
             self.freezer.needs_grad_norms,
             self.freezer.needs_grad_sums,
+            self.freezer.layer_rates,
         )
         # All ranks stop after the same step; agreed about every second, not every step.
         self.stop_poll = StopPoll(control, self.stop, config.trainer.log_interval_steps)
@@ -393,7 +394,8 @@ class Trainer:
         named = stage.named_params()
         if layout.sharded:  # the carried state, cut like the parameters it belongs to
             optimizer_states = shard_optimizer_states(optimizer_states, named)
-        stage.optimizer = optim.build_optimizer(self.config.optimizer, named)
+        layers = self.freezer.anneal_layers  # a group per layer under layer-wise annealing
+        stage.optimizer = optim.build_optimizer(self.config.optimizer, named, layers)
         optim.load_states_by_name(stage.optimizer, named, optimizer_states)
         frozen = layout.plan.num_frozen_layers
         stage.cache_active = self.cache_serves(frozen)
@@ -468,7 +470,7 @@ class Trainer:
         for tick in self.clock.ticks():
             self.metrics.record(tick, self.steps.run(tick, self.stage))
             if self.metrics.due(tick):
-                self.metrics.log_steps(tick, self.stage.layout, self.steps.learning_rate(tick))
+                self.metrics.log_steps(tick, self.stage.layout, *self.steps.learning_rates(tick))
             evaluation = self._end_epoch(tick) if tick.epoch_end else None
             if self.freezer.due(tick):
                 self._decision_point(tick)
