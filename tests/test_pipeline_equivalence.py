@@ -1,6 +1,7 @@
 """A K-stage pipeline (x R replicas with DDP) computes the gradients of single-process training,
 text at several sequence lengths in a row (each a stage and schedule of its own, built the
-first time the length comes, over the same DDP module; workers.step_lengths).
+first time the length comes, over the same DDP module; workers.step_lengths), padded or
+packed (data.padding packed: each step one packed shape, rows for samples).
 
 Tolerance: float32 sums in another order (micro-batches, DDP's all-reduce) differ by
 rounding only: gradients agree to rtol 1e-4 / atol 1e-6, losses to 1e-5.
@@ -116,6 +117,55 @@ def test_ddp_would_miss_zero_bubbles_weight_gradients():
                 wrong.add(name)
     first_chunk = set(results[0]["first_chunk_units"])  # its W is a whole backward
     assert wrong == {n for n in ref_grads if parse_param_key(n)[0] not in first_chunk}
+
+
+@pytest.mark.parametrize(
+    "pipe_len, dp_degree, micro, schedule, chunks",
+    [(2, 2, 2, "1f1b", 1), (2, 1, 2, "zero_bubble", 2)],
+    ids=["2x2-1f1b", "2-stages-4-chunks-zero_bubble"],
+)
+def test_a_packed_pipeline_matches_single_process(pipe_len, dp_degree, micro, schedule, chunks):
+    """Packed text through a pipeline of replicas, and through torch's multi-stage schedule:
+    the gradients, losses and evaluated logits of the whole model on the batches padded.
+    Each step is one packed shape (micro-batches of rows, the last stage's outputs one a
+    sample); a shape met again reuses its stage (no host read in that step). Sentences of
+    2-6 tokens, so rows of 8 and 16 tokens hold several."""
+    batch = 16
+    ref_loss, ref_grads = reference_gradients("bert-short", batch)
+    results = run_workers(
+        pipeline_gradients,
+        pipe_len * dp_degree,
+        "bert-short",
+        pipe_len,
+        dp_degree,
+        micro,
+        schedule,
+        batch,
+        None,
+        chunks,
+        True,
+    )
+    covered = set()
+    for result in results:
+        for name, grad in result["grads"].items():
+            torch.testing.assert_close(
+                grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+            )
+            covered.add(name)
+        assert result["host_reads"] == []
+        shapes = result["lengths_built"]  # the 16-token step's shape, then the 8-token one
+        assert len(shapes) == 2 and [s.row_length for s in shapes] == [16, 8]
+        assert all(s.samples == batch // dp_degree // micro for s in shapes)
+        assert shapes[0].rows < shapes[0].samples  # a row holds several samples
+    assert covered == set(ref_grads)
+    total = sum(sum(r["losses"]) for r in results if r["role"].is_last)
+    assert total / dp_degree == pytest.approx(ref_loss, rel=1e-5)
+    model = build("bert-short").eval()
+    inputs, _ = fixed_batch("bert-short", batch)
+    with torch.no_grad():
+        expected = model(*cut(inputs, step_lengths("bert-short")[0]))
+    for window, logits in (r["eval_logits"] for r in results if r["role"].is_last):
+        torch.testing.assert_close(logits, expected[window], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind, dp_degree", [("vit", 1), ("bert", 2)])
