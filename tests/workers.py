@@ -116,6 +116,7 @@ def pipeline_gradients(
         )
     losses = []
     host_reads = []  # in the steps of a length met before (the first builds its stages)
+
     def step_batch(length):
         """(the step's shape, this rank's inputs): every rank computes the shape."""
         batch = [t[window] for t in cut(inputs, length)]
