@@ -73,11 +73,14 @@ def pipeline_gradients(
     autocast_dtype: torch.dtype | None = None,
     virtual_stages: int = 1,
     packed: bool = False,
+    ragged: bool = False,
 ):
     """The steps of `step_lengths(kind)` of a K-stage x R-replica pipeline of `virtual_stages`
     chunks a stage, gradients summed over them (never zeroed); return this rank's gradients
     and losses. `packed`: text batches packed (data.padding packed), a step's shape built
-    from its replica batch's real lengths as the trainer builds it."""
+    from its replica batch's real lengths as the trainer builds it. `ragged`: replica r
+    takes the lengths r steps on, so the replicas of a step are in different buckets (for
+    sentences no longer than the shortest, "bert-short": the same per-sample results)."""
     world = init_distributed("cpu", 60)
     model = build(kind)
     costs = UnitCosts.from_param_counts(model.spec.unit_param_counts, 1 / 6)
@@ -124,9 +127,12 @@ def pipeline_gradients(
             return packed_step(batch, length, micro_batches)
         return length, batch
 
-    for index, length in enumerate(step_lengths(kind)):
+    lengths = step_lengths(kind)
+    if ragged:  # (16, 8, 16) on replica 0, (8, 16, 8) on replica 1
+        lengths = tuple(lengths[(i + role.replica) % 2] for i in range(len(lengths)))
+    for index, length in enumerate(lengths):
         shape, step_inputs = step_batch(length)
-        audited = length in step_lengths(kind)[:index]
+        audited = length in lengths[:index]
         with HostReads() if audited else contextlib.nullcontext() as audit:
             losses += runtime.train_step(
                 step_inputs if role.is_first else None, target, seq_length=shape
