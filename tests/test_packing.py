@@ -13,6 +13,7 @@ atol 1e-6, as tests/test_pipeline_equivalence.py.
 from __future__ import annotations
 
 import random
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -28,6 +29,7 @@ from pipetransformer.trainer.step import padded_length_share, step_seq_length
 from pipetransformer.trainer.tasks import ClassificationTask
 from pipetransformer.utils.packing import Packing
 from pipetransformer.utils.padding import (
+    PACKING_MIN_SAVING,
     PackedShape,
     batch_tokens,
     bucket_buffer_share,
@@ -36,6 +38,7 @@ from pipetransformer.utils.padding import (
     packed_buffer_share,
     packed_placements,
     packed_shape,
+    packing_pays,
     padded_length,
     row_buckets,
 )
@@ -119,7 +122,7 @@ def test_a_packed_batch_round_trips_and_keeps_extra_rows():
     assert torch.equal(packing.unpack(packed), hidden)
 
 
-def text_split(lengths, max_length=16, padding="packed"):
+def text_split(lengths, padding="packed", max_length=16):
     g = torch.Generator().manual_seed(0)
     mask = (torch.arange(max_length)[None] < torch.tensor(lengths)[:, None]).long()
     ids = torch.randint(5, 50, (len(lengths), max_length), generator=g) * mask
@@ -146,7 +149,7 @@ def test_packed_padding_is_checked():
     assert text_split([3]).batch_length([0]) == 8  # rows of the batch's padded length
     with pytest.raises(ConfigError, match="data.padding: 'packed' lays text samples"):
         config_from_dict({"data": {"name": "digits", "padding": "packed"}})
-    with pytest.raises(ConfigError, match="'batch' | 'max_length' | 'packed'"):
+    with pytest.raises(ConfigError, match=re.escape("'batch' | 'max_length' | 'packed' | 'auto'")):
         config_from_dict({"model": {"name": "bert"}, "data": {"name": "sst2", "padding": "no"}})
 
 
@@ -315,10 +318,35 @@ def test_a_step_packs_at_the_batchs_length_and_a_pipeline_in_buckets():
     assert share < padded_length_share(batch_config, split, sampler, 1)
 
 
+def test_auto_packs_a_batch_where_packing_saves_enough_of_its_tokens():
+    """data.padding auto: a batch of one long and many short samples is packed (it saves
+    well over PACKING_MIN_SAVING of its tokens), one of samples as long as each other is
+    padded (packing would save nothing), step by step from the batch's own lengths."""
+    config = config_from_dict(
+        {
+            "model": {"name": "bert"},
+            "data": {"name": "sst2", "max_seq_length": 16, "padding": "auto"},
+        }
+    )
+    split = text_split([16, 2, 3, 2, 4, 3, 2, 2, 15, 14, 16, 13, 16, 15, 14, 16], "auto")
+    one = SimpleNamespace(pipe_len=1, plan=SimpleNamespace(num_micro_batches=1))
+    short = list(range(8))
+    shape = step_seq_length(config, one, split, short)
+    assert isinstance(shape, PackedShape) and packing_pays(shape, 16, 8)
+    assert shape.tokens(8) <= (1 - PACKING_MIN_SAVING) * 8 * 16
+    assert step_seq_length(config, one, split, list(range(8, 16))) == 16  # padded
+    with pytest.raises(ConfigError, match="data.padding: 'auto' lays text samples"):
+        config_from_dict({"data": {"name": "digits", "padding": "auto"}})
+
+
 def test_a_pipeline_budgets_the_receive_buffers_of_every_packed_shape():
     from pipetransformer.planning.context import receive_buffer_share
 
     text = {"model": {"name": "bert"}, "data": {"name": "sst2", "padding": "packed"}}
     assert receive_buffer_share(config_from_dict(text), 8) == pytest.approx(
         packed_buffer_share(8, 128, 8)
+    )
+    text["data"]["padding"] = "auto"  # a stage of either kind may be built
+    assert receive_buffer_share(config_from_dict(text), 8) == pytest.approx(
+        packed_buffer_share(8, 128, 8) + bucket_buffer_share(8, 128)
     )

@@ -218,14 +218,15 @@ def _layout_shape(
 def receive_buffer_share(config: Config, micro_batch_size: int = 1) -> float:
     """A pipeline stage's receive buffers over the max-length ones: text padded per batch
     keeps a set for each length bucket, packed text one for each shape (rows and their
-    length in buckets, micro-batches of `micro_batch_size` samples: pipe/runtime.py); 1
-    otherwise (utils/padding.py gives the bounds)."""
+    length in buckets, micro-batches of `micro_batch_size` samples: pipe/runtime.py), auto
+    both; 1 otherwise (utils/padding.py gives the bounds)."""
     data = config.data
     if data.name not in TEXT_DATASETS or data.padding == "max_length":
         return 1.0
-    if data.padding == "packed":
-        return packed_buffer_share(data.pad_to_multiple_of, data.max_seq_length, micro_batch_size)
-    return bucket_buffer_share(data.pad_to_multiple_of, data.max_seq_length)
+    buckets = bucket_buffer_share(data.pad_to_multiple_of, data.max_seq_length)
+    packed = packed_buffer_share(data.pad_to_multiple_of, data.max_seq_length, micro_batch_size)
+    # auto: a step is padded or packed, so a stage of either kind may be built.
+    return {"batch": buckets, "packed": packed, "auto": buckets + packed}[data.padding]
 
 
 def sharded_shape(config: Config, world_size: int, num_micro_batches: int = 1) -> LayoutShape:

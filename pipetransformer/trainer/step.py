@@ -48,7 +48,13 @@ from pipetransformer.trainer.distributed import WorldInfo
 from pipetransformer.trainer.metrics import StepResult
 from pipetransformer.trainer.tasks import loss_weights
 from pipetransformer.utils.files import append_jsonl
-from pipetransformer.utils.padding import PackedShape, batch_tokens, bucket_length, packed_shape
+from pipetransformer.utils.padding import (
+    PackedShape,
+    batch_tokens,
+    bucket_length,
+    packed_shape,
+    packing_pays,
+)
 
 
 def step_seq_length(
@@ -57,17 +63,21 @@ def step_seq_length(
     """The sequence length a replica of `layout` runs the batch `ids` of `dataset` at (None
     without a sequence): its padded length, in a bucket when the pipeline has several
     stages (the stages' receive buffers are built per shape: pipe/runtime.py); packed, the
-    shape its micro-batches pack into in rows of that length (rows in a bucket too)."""
+    shape its micro-batches pack into in rows of that length (rows in a bucket too); under
+    data.padding auto, that shape where packing pays (`packing_pays`), else the length."""
     length = dataset.batch_length(ids)
     if length is None:
         return None
     bucketed = layout.pipe_len > 1
     if bucketed:
         length = bucket_length(length, config.data.pad_to_multiple_of, config.data.max_seq_length)
-    if config.data.padding != "packed":
+    if config.data.padding not in ("packed", "auto"):
         return length
     samples = len(ids) // layout.plan.num_micro_batches
-    return packed_shape([dataset.lengths[i] for i in ids], samples, length, bucketed)
+    shape = packed_shape([dataset.lengths[i] for i in ids], samples, length, bucketed)
+    if config.data.padding == "auto" and not packing_pays(shape, length, len(ids)):
+        return length
+    return shape
 
 
 def train_sampler(config: Config, train: SampleDataset, num_nodes: int) -> TrainSampler:
@@ -110,9 +120,11 @@ def padded_length_share(
     for ids in batches:
         shape = train.batch_length(ids)
         samples = len(ids) // num_micro_batches
-        if config.data.padding == "packed" and samples and len(ids) % samples == 0:
+        if config.data.padding in ("packed", "auto") and samples and len(ids) % samples == 0:
             lengths = [train.lengths[i] for i in ids]
-            shape = packed_shape(lengths, samples, shape, bucketed=False)
+            packed = packed_shape(lengths, samples, shape, bucketed=False)
+            if config.data.padding == "packed" or packing_pays(packed, shape, len(ids)):
+                shape = packed
         tokens += batch_tokens(shape, len(ids))
     return tokens / (len(order) * config.data.max_seq_length)
 

@@ -19,6 +19,12 @@ micro-batch of the step needs (in a pipeline rounded up to a power of two, at mo
 micro-batch's samples). One shape a step; a row holds at least one sample, so a packed
 batch never computes more tokens than the same batch padded.
 
+`data.padding: auto` packs a batch where that computes at most 1 - `PACKING_MIN_SAVING` of
+its padded tokens (`packing_pays`), and pads it otherwise: packing costs a block-diagonal
+mask per attention unit, the placement on the loader and a gather in the head, which a
+small saving does not repay. The threshold is to be measured (docs/architecture.md,
+"Packed text").
+
 Owns: those roundings and placements. Must not: know tensors, datasets or layouts.
 """
 
@@ -92,6 +98,19 @@ class PackedShape:
         """Tokens a batch of `num_samples` samples in this shape computes (rows times their
         length, every micro-batch)."""
         return num_samples // self.samples * self.rows * self.row_length
+
+
+# The share of a batch's padded tokens packing must save for `data.padding: auto` to pack
+# it: a placeholder until benchmarks/padding.py measures packing's overhead (to be
+# measured: docs/benchmarks.md section 18).
+PACKING_MIN_SAVING = 0.2
+
+
+def packing_pays(shape: PackedShape, length: int, num_samples: int) -> bool:
+    """Whether a batch of `num_samples` samples packed in `shape` saves at least
+    PACKING_MIN_SAVING of its tokens padded to `length` (data.padding auto)."""
+    padded = num_samples * length
+    return shape.tokens(num_samples) <= (1 - PACKING_MIN_SAVING) * padded
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
