@@ -102,7 +102,7 @@ def test_the_padding_keys_are_checked_and_name_themselves():
 
 
 def test_text_is_encoded_padded_on_the_right_whatever_the_tokenizers_side():
-    from pipetransformer.compare.peers import padding_tokenizer
+    from pipetransformer.compare.collators import padding_tokenizer
     from pipetransformer.config import Config
     from pipetransformer.data.text import encode
 
@@ -141,7 +141,8 @@ def test_the_hf_trainer_peer_pads_as_its_users_do():
     """Trainer gets each sample at its real length; DataCollatorWithPadding pads a batch to
     its longest rounded up to data.pad_to_multiple_of (max_seq_length under max_length);
     the token counter reads real and padded tokens off the masks the model is called with."""
-    from pipetransformer.compare.peers import TokenCounter, _TextDataset, padding_collator
+    from pipetransformer.compare.collators import padding_collator
+    from pipetransformer.compare.peers import TokenCounter, _TextDataset
     from pipetransformer.config import Config
 
     split = text_split([3, 9, 12, 5])
