@@ -8,8 +8,9 @@ test writes: short, middling and over-long sentences, so a 2-stage pipeline meet
 of 8, 16 and 32 tokens, each length a PipelineStage of its own. Every run equals
 single-process training step by step (losses 1e-5, weights rtol 1e-4 / atol 1e-5: float32
 sums in another order, as tests/test_elastic.py), whatever the padding: per batch, to
-max_seq_length, and packed (data.padding packed: the pipeline, its transition into DDP
-with AutoCache, a resume, and FSDP2; tests/test_packing.py checks packing itself).
+max_seq_length, and packed (data.padding packed: the pipeline, its frozen prefix on stage 0,
+its transition into DDP with AutoCache upgrading packed rows, a resume, and FSDP2;
+tests/test_packing.py checks packing itself).
 """
 
 from __future__ import annotations
@@ -481,7 +482,12 @@ def text_runs(tmp_path_factory):
     runs[-1] = ("grouped", sharded)
     # Packed: the pipeline of packed shapes into DDP (AutoCache serving packed rows), and
     # FSDP2 grouped and packed.
-    runs.append(("packed", _text_config(root, padding="packed")))
+    # The packed pipeline freezes one layer first (after epoch 1) and stays 2 stages, its
+    # stage 0 running the frozen prefix on packed batches (AutoCache filling), then packs
+    # into DDP after epoch 2 (upgrading the cached rows to 3 layers).
+    packed = _text_config(root, padding="packed")
+    packed["freeze"] = {**packed["freeze"], "manual_schedule": [1, 3]}
+    runs.append(("packed", packed))
     runs.append(("packed_sharded", {**sharded, "data": {**sharded["data"], "padding": "packed"}}))
     # 6 steps an epoch: step 6 is the checkpoint after the transition.
     results = run_workers(elastic_runs, 2, runs, str(root), 6, {"batch", "packed"})
@@ -504,24 +510,28 @@ def _assert_state_equal(state: dict, reference: dict) -> None:
 @pytest.mark.parametrize("name", ["batch", "max_length", "grouped", "packed", "packed_sharded"])
 def test_a_pipeline_of_text_of_several_lengths_trains_as_one_process_does(text_runs, name):
     """Each run (per-batch padding, max_length padding, FSDP2 grouped by length, packed in
-    the pipeline and DDP, packed under FSDP2) equals the whole model trained in one process
-    on the same batches, each padded to its own longest; the same run under every padding
-    has the same losses at every step."""
+    the pipeline with a frozen prefix and then DDP, packed under FSDP2) equals the whole
+    model trained in one process on the same batches, each padded to its own longest; the
+    same run under another padding has the same losses at every step."""
     root, configs, results = text_runs
     metrics = _metrics(root / name)
     layouts = [(m["pipe_len"], m["dp_degree"], m["sharded"]) for m in metrics]
     if name in ("grouped", "packed_sharded"):
         assert layouts == [(1, 2, True)] * 3
+    elif name == "packed":
+        assert layouts == [(2, 1, False), (2, 1, False), (1, 2, False)]
+        assert [m["num_frozen_layers"] for m in metrics] == [0, 1, 3]
     else:
         assert layouts == [(2, 1, False), (1, 2, False), (1, 2, False)]
-    assert metrics[2]["cache_hits"] > 0  # epoch 3 reads what epoch 2 stored
+    # Epoch 3 reads what epoch 2 stored (packed: upgrades it from 1 frozen layer to 3).
+    assert metrics[2]["cache_hits"] + metrics[2]["cache_upgrades"] > 0
     reference_losses, reference_state, _ = reference_run(config_from_dict(configs[name]))
     losses = step_losses(root / name)
     assert len(losses) == len(reference_losses) == 18
     for step, (a, b) in enumerate(zip(losses, reference_losses)):
         assert a == pytest.approx(b, abs=1e-5), f"step {step}"
     _assert_state_equal(results[name]["state"][0], reference_state)
-    same = {"max_length": "batch", "packed": "batch", "packed_sharded": "grouped"}
+    same = {"max_length": "batch", "packed_sharded": "grouped"}
     if name in same:
         for step, (a, b) in enumerate(zip(losses, step_losses(root / same[name]))):
             assert a == pytest.approx(b, abs=1e-5), f"step {step}"
@@ -554,9 +564,9 @@ def test_the_pipeline_met_several_lengths_and_the_run_counts_its_tokens(text_run
     shapes = [step_seq_length(packed, pipeline, data.train, batch) for batch in ids]
     assert padded["packed"][0] == sum(s.tokens(8) for s in shapes)
     assert padded["packed"][0] < 0.7 * padded["batch"][0]
-    # Never more than padded, epoch by epoch (DDP's micro-batches of 2 pack few); FSDP2's
-    # replica batches of 4 in one micro-batch pack a third away.
-    assert all(p <= b for p, b in zip(padded["packed"], padded["batch"]))
+    # Never more than padded (DDP's micro-batches of 2 pack few); FSDP2's replica batches of
+    # 4 in one micro-batch pack a third away.
+    assert padded["packed"][2] <= padded["batch"][2]  # both DDP in epoch 3
     assert sum(padded["packed_sharded"]) < 0.75 * sum(padded["grouped"])
     # (48 samples make megabatches of one batch, as in transformers: grouping then only sorts
     # within a batch. test_length_grouping_* check what it saves on more data.)
