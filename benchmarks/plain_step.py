@@ -5,8 +5,10 @@ Two workloads, each with freezing off, on this machine's 2 CPU processes:
   training sentences, sequence 32 padded, global batch 32, `--epochs` epochs, AdamW lr 1e-4,
   10 warm-up steps then linear, weight decay 0.01, clipping at 1.0), scored on the 872 dev
   sentences: this trainer as DDP (`ddp`: one stage, one micro-batch), transformers' Trainer
-  under DDP as its users run it (`hf_trainer`: optim adamw_torch, its default) and with its
-  fused AdamW (`hf_trainer_fused`: optim adamw_torch_fused, what this trainer now uses);
+  under DDP with optim adamw_torch (`hf_trainer`: torch's per-parameter AdamW loop, which
+  section 15 of docs/benchmarks.md measured; TrainingArguments' default before torch 2.8)
+  and with its fused AdamW (`hf_trainer_fused`: optim adamw_torch_fused, TrainingArguments'
+  own default with transformers 5 on torch >= 2.8, and what this trainer uses);
 - image: the quickstart (configs/quickstart.yaml), this trainer as DDP against the plain
   timm + DDP loop (`torch_ddp`).
 
@@ -66,7 +68,7 @@ WORKLOADS = {
         "configs/bert_sst2_local.yaml",
         {
             OURS: ["-m", "pipetransformer", "train"],
-            "hf_trainer": [*PEERS, "hf_trainer"],
+            "hf_trainer": [*PEERS, "hf_trainer", "--hf-optim", "adamw_torch"],
             "hf_trainer_fused": [*PEERS, "hf_trainer", "--hf-optim", "adamw_torch_fused"],
         },
     ),

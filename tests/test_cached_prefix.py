@@ -237,3 +237,51 @@ def test_a_mixed_length_batch_at_its_own_length_equals_recompute(family):
         out = upgrade("train", list(range(12)), inputs, 16)
         assert_real_rows_equal(out, recompute(model, 2, inputs), inputs, atol=1e-6)
         assert counts == {"hits": len(short) * 2, "upgrades": 12, "misses": 0}
+
+
+@pytest.mark.parametrize("family", ["bert", "deberta-v2"])
+def test_a_packed_batch_is_served_from_the_cache_as_recomputed_packed(family):
+    """data.padding packed: the store keeps each sample's rows whatever the padding; a
+    packed batch's misses are computed from its inputs unpacked, its hits and upgrades read
+    one sample a row at the rows' length, and the whole assembled packed (DeBERTa's table
+    rows at the end of every row). On every real token it is what the prefix computes on
+    the packed batch itself; rows written under packing serve a padded batch and back."""
+    from pipetransformer.utils.packing import Packing
+    from pipetransformer.utils.padding import packed_shape
+
+    model = FAMILIES[family].build().eval()
+    units = dict(enumerate(model.units))
+    inputs = text_batch(12, seed=5)
+    lengths = real_lengths(inputs[-1])
+    shape = packed_shape(lengths, 6, 16, False)  # 2 micro-batches of 6
+    packing = Packing(lengths, shape)
+    packed = packing.inputs(inputs)
+    assert shape.rows < shape.samples
+    ids, cpu = list(range(12)), torch.device("cpu")
+
+    def assert_packed_equal(out, frozen):
+        """Segment ids and sample starts as the inputs', the hidden state on every real
+        token (and the table rows) as recomputed packed."""
+        expected = recompute(model, frozen, packed)
+        assert torch.equal(out[1], packed[2]) and torch.equal(out[2], packed[3])
+        real = (packed[2] > 0).float()[..., None]
+        keep = torch.cat([real, real.new_ones(real.shape[0], out[0].shape[1] - 16, 1)], 1)
+        got, want = (packing.unpack(t * keep) for t in (out[0], expected[0]))
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+    with (
+        start_cache(model, 12, inputs=inputs) as daemon,
+        CacheClient.attach(daemon.address) as client,
+    ):
+        counts = {"hits": 0, "upgrades": 0, "misses": 0}
+        out = CachedPrefix(units, 1, client, cpu, counts)("train", ids, packed, shape)
+        assert_packed_equal(out, 1)  # misses, computed from the inputs unpacked
+        out = CachedPrefix(units, 1, client, cpu, counts)("train", ids, None, shape)
+        assert_packed_equal(out, 1)  # hits: nothing decoded
+        out = CachedPrefix(units, 2, client, cpu, counts)("train", ids, packed, shape)
+        assert_packed_equal(out, 2)  # upgrades
+        assert counts == {"hits": 12, "upgrades": 12, "misses": 12}
+        # The rows written packed serve the batch padded to 16.
+        padded = CachedPrefix(units, 2, client, cpu, counts)("train", ids, inputs, 16)
+        assert_real_rows_equal(padded, recompute(model, 2, inputs), inputs, atol=1e-5)
+        assert counts["hits"] == 24

@@ -8,7 +8,9 @@ library loads with the trained model's logits, bit for bit.
 
 One launch of 2 gloo workers runs every family one after the other (the suite must stay
 fast): text families on SST-2-like sentences (tests/datagen.py), image families on the
-digits."""
+digits; each text family once more packed (data.padding packed: packed shapes through the
+pipeline's stage boundaries, the frozen prefix packed in DDP), against the same reference,
+without its resume (tests/test_padding.py resumes a packed run)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from families import FAMILIES, IMAGE_SIZE, SEQ_LEN, Family
+from families import FAMILIES, IMAGE_SIZE, SEQ_LEN, TEXT_FAMILIES, Family
 from helpers import run_workers
 from reference import reference_run, step_losses
 from workers import elastic_runs
@@ -65,9 +67,13 @@ def family_config(family: Family, sst2_root: Path) -> dict:
 def family_runs(tmp_path_factory, sst2_dir):
     root = tmp_path_factory.mktemp("families")
     runs = [(name, family_config(family, sst2_dir)) for name, family in FAMILIES.items()]
-    # Each run is also resumed from its checkpoint at the end of epoch 1 (step 2: after the
-    # transition), at the new frozen boundary and layout.
-    results = run_workers(elastic_runs, 2, runs, str(root), 2)
+    for name in TEXT_FAMILIES:  # at 32 tokens: two sentences fill a row of the longest
+        config = family_config(FAMILIES[name], sst2_dir)
+        data = {**config["data"], "padding": "packed", "max_seq_length": 2 * SEQ_LEN}
+        runs.append((f"{name}-packed", {**config, "data": data}))
+    # Each unpacked run is also resumed from its checkpoint at the end of epoch 1 (step 2:
+    # after the transition), at the new frozen boundary and layout.
+    results = run_workers(elastic_runs, 2, runs, str(root), 2, set(FAMILIES))
     return root, dict(runs), results[0]
 
 
@@ -99,7 +105,7 @@ def _assert_state_equal(state: dict, ref_state: dict) -> None:
         )
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", list(FAMILIES) + [f"{n}-packed" for n in TEXT_FAMILIES])
 def test_a_transition_trains_every_family_as_one_process_does(family_runs, name):
     root, configs, results = family_runs
     run_dir = root / name
@@ -115,6 +121,9 @@ def test_a_transition_trains_every_family_as_one_process_does(family_runs, name)
     for step, (a, b) in enumerate(zip(got, ref_losses)):
         assert a == pytest.approx(b, abs=1e-5), f"step {step}"
     _assert_state_equal(results[name]["state"][0], ref_state)
+    if name.endswith("-packed"):  # rows held two sentences: about half the tokens of 32 each
+        assert all(m["padded_tokens"] < 0.6 * 32 * 2 * SEQ_LEN for m in metrics)
+        return
 
     # Resumed from the checkpoint after the transition: the same steps, the same weights.
     resumed = root / f"{name}-resumed"

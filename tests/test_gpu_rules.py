@@ -17,27 +17,48 @@ from pipetransformer.config import load_config
 
 pytestmark = pytest.mark.gpu_rules
 
-CASES = [(name, True) for name in FAMILIES] + [(name, False) for name in TEXT_FAMILIES]
+CASES = [(name, "padded") for name in FAMILIES]
+CASES += [(name, padding) for name in TEXT_FAMILIES for padding in ("unpadded", "packed")]
 
 
-@pytest.mark.parametrize(
-    "name, padded", CASES, ids=lambda v: {True: "padded", False: "unpadded"}.get(v, v)
-)
-def test_a_forward_and_backward_read_nothing_on_the_host(name, padded):
+def packed_batch():
+    """The text batch packed (data.padding packed) as one micro-batch: its rows, segment
+    ids and sample starts."""
+    from pipetransformer.data.base import real_lengths
+    from pipetransformer.utils.packing import Packing
+    from pipetransformer.utils.padding import packed_shape
+
+    inputs = text_batch(6)
+    lengths = real_lengths(inputs[-1])
+    return Packing(lengths, packed_shape(lengths, 6, 16, False)).inputs(inputs)
+
+
+def inputs_of(family, padding: str):
+    if not family.text or padding == "padded":
+        return batch(family)
+    return text_batch(padded=False) if padding == "unpadded" else packed_batch()
+
+
+@pytest.mark.parametrize("name, padding", CASES, ids=lambda v: str(v))
+def test_a_forward_and_backward_read_nothing_on_the_host(name, padding):
     """Every unit forward and backward, train mode, every family: no value reaches the host.
     transformers' bidirectional masks read `padding_mask.all()` unless told not to (one
-    read per attention unit per micro-batch on a GPU)."""
+    read per attention unit per micro-batch on a GPU); a packed batch's positions, masks
+    and heads are made on the device from its segment ids and sample starts."""
     family = FAMILIES[name]
     model = family.build(dropout=True).train()
-    inputs = batch(family) if padded or not family.text else text_batch(padded=False)
+    inputs = inputs_of(family, padding)
     with HostReads() as audit:
         out = model(*inputs)
         out.float().sum().backward()
     assert audit.reads == []
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_a_forward_on_a_gpu_copies_nothing_between_host_and_device(name):
+@pytest.mark.parametrize(
+    "name, padding",
+    [(name, "padded") for name in FAMILIES] + [(n, "packed") for n in TEXT_FAMILIES],
+)
+def test_a_forward_on_a_gpu_copies_nothing_between_host_and_device(name, padding):
     """Every unit's forward, library code included, on fake CUDA tensors (the devices a GPU
     run has), seen at the operator level (`DeviceCopies`): no blocking copy between host and
     device. DeBERTa's attention units called transformers' `build_relative_position`, whose
@@ -49,7 +70,7 @@ def test_a_forward_on_a_gpu_copies_nothing_between_host_and_device(name):
 
     family = FAMILIES[name]
     model = family.build(dropout=True).train()
-    inputs = batch(family)
+    inputs = inputs_of(family, padding)
     cuda = torch.device("cuda", 0)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to(cuda)

@@ -3,11 +3,14 @@ counts of its tokens: pure arithmetic, the text dataset, every text family's per
 results under both paddings, question answering's masking, the sampler's grouping, and
 one launch of 2 gloo workers that trains a pipeline of text of several lengths.
 
-The distributed runs (one launch, four runs: about 30 s on 2 busy cores) use text the test
-writes: short, middling and over-long sentences, so a 2-stage pipeline meets batches of 8,
-16 and 32 tokens, each length a PipelineStage of its own. Every run equals single-process
-training step by step (losses 1e-5, weights rtol 1e-4 / atol 1e-5: float32 sums in another
-order, as tests/test_elastic.py), whatever the padding.
+The distributed runs (one launch, seven runs: about 50 s on 2 busy cores) use text the
+test writes: short, middling and over-long sentences, so a 2-stage pipeline meets batches
+of 8, 16 and 32 tokens, each length a PipelineStage of its own. Every run equals
+single-process training step by step (losses 1e-5, weights rtol 1e-4 / atol 1e-5: float32
+sums in another order, as tests/test_elastic.py), whatever the padding: per batch, to
+max_seq_length, and packed (data.padding packed: the pipeline, its frozen prefix on stage 0,
+its transition into DDP with AutoCache upgrading packed rows, a resume, and FSDP2;
+tests/test_packing.py checks packing itself).
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ def test_the_padding_keys_are_checked_and_name_themselves():
 
 
 def test_text_is_encoded_padded_on_the_right_whatever_the_tokenizers_side():
-    from pipetransformer.compare.peers import padding_tokenizer
+    from pipetransformer.compare.collators import padding_tokenizer
     from pipetransformer.config import Config
     from pipetransformer.data.text import encode
 
@@ -139,7 +142,8 @@ def test_the_hf_trainer_peer_pads_as_its_users_do():
     """Trainer gets each sample at its real length; DataCollatorWithPadding pads a batch to
     its longest rounded up to data.pad_to_multiple_of (max_seq_length under max_length);
     the token counter reads real and padded tokens off the masks the model is called with."""
-    from pipetransformer.compare.peers import TokenCounter, _TextDataset, padding_collator
+    from pipetransformer.compare.collators import padding_collator
+    from pipetransformer.compare.peers import TokenCounter, _TextDataset
     from pipetransformer.config import Config
 
     split = text_split([3, 9, 12, 5])
@@ -519,8 +523,17 @@ def text_runs(tmp_path_factory):
         "balance": "params",
     }
     runs[-1] = ("grouped", sharded)
+    # Packed: the pipeline of packed shapes into DDP (AutoCache serving packed rows), and
+    # FSDP2 grouped and packed.
+    # The packed pipeline freezes one layer first (after epoch 1) and stays 2 stages, its
+    # stage 0 running the frozen prefix on packed batches (AutoCache filling), then packs
+    # into DDP after epoch 2 (upgrading the cached rows to 3 layers).
+    packed = _text_config(root, padding="packed")
+    packed["freeze"] = {**packed["freeze"], "manual_schedule": [1, 3]}
+    runs.append(("packed", packed))
+    runs.append(("packed_sharded", {**sharded, "data": {**sharded["data"], "padding": "packed"}}))
     # 6 steps an epoch: step 6 is the checkpoint after the transition.
-    results = run_workers(elastic_runs, 2, runs, str(root), 6, {"batch"})
+    results = run_workers(elastic_runs, 2, runs, str(root), 6, {"batch", "packed"})
     return root, dict(runs), results[0]
 
 
@@ -537,27 +550,33 @@ def _assert_state_equal(state: dict, reference: dict) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["batch", "max_length", "grouped"])
+@pytest.mark.parametrize("name", ["batch", "max_length", "grouped", "packed", "packed_sharded"])
 def test_a_pipeline_of_text_of_several_lengths_trains_as_one_process_does(text_runs, name):
-    """Each run (per-batch padding, max_length padding, FSDP2 grouped by length) equals the
-    whole model trained in one process on the same batches, each padded to its own longest;
-    the same run under both paddings has the same losses at every step."""
+    """Each run (per-batch padding, max_length padding, FSDP2 grouped by length, packed in
+    the pipeline with a frozen prefix and then DDP, packed under FSDP2) equals the whole
+    model trained in one process on the same batches, each padded to its own longest; the
+    same run under another padding has the same losses at every step."""
     root, configs, results = text_runs
     metrics = _metrics(root / name)
     layouts = [(m["pipe_len"], m["dp_degree"], m["sharded"]) for m in metrics]
-    if name == "grouped":
+    if name in ("grouped", "packed_sharded"):
         assert layouts == [(1, 2, True)] * 3
+    elif name == "packed":
+        assert layouts == [(2, 1, False), (2, 1, False), (1, 2, False)]
+        assert [m["num_frozen_layers"] for m in metrics] == [0, 1, 3]
     else:
         assert layouts == [(2, 1, False), (1, 2, False), (1, 2, False)]
-    assert metrics[2]["cache_hits"] > 0  # epoch 3 reads what epoch 2 stored
+    # Epoch 3 reads what epoch 2 stored (packed: upgrades it from 1 frozen layer to 3).
+    assert metrics[2]["cache_hits"] + metrics[2]["cache_upgrades"] > 0
     reference_losses, reference_state, _ = reference_run(config_from_dict(configs[name]))
     losses = step_losses(root / name)
     assert len(losses) == len(reference_losses) == 18
     for step, (a, b) in enumerate(zip(losses, reference_losses)):
         assert a == pytest.approx(b, abs=1e-5), f"step {step}"
     _assert_state_equal(results[name]["state"][0], reference_state)
-    if name == "max_length":
-        for step, (a, b) in enumerate(zip(losses, step_losses(root / "batch"))):
+    same = {"max_length": "batch", "packed_sharded": "grouped"}
+    if name in same:
+        for step, (a, b) in enumerate(zip(losses, step_losses(root / same[name]))):
             assert a == pytest.approx(b, abs=1e-5), f"step {step}"
 
 
@@ -565,7 +584,8 @@ def test_a_pipeline_of_text_of_several_lengths_trains_as_one_process_does(text_r
 def test_the_pipeline_met_several_lengths_and_the_run_counts_its_tokens(text_runs):
     """The 2-stage pipeline's batches take 2 or 3 buckets in epoch 1; every epoch records its
     real tokens (every training sample's) and the tokens its batches held, which are what
-    the layouts' lengths say: a quarter fewer than max_length's under per-batch padding."""
+    the layouts' lengths say: a quarter fewer than max_length's under per-batch padding,
+    and packed what the packed shapes say."""
     root, configs, _ = text_runs
     config = config_from_dict(configs["batch"])
     data = build_data(config.data, seed=0)
@@ -579,6 +599,18 @@ def test_the_pipeline_met_several_lengths_and_the_run_counts_its_tokens(text_run
     assert padded["batch"][0] == 8 * sum(buckets)  # one replica of 8 a step, in its bucket
     assert padded["max_length"] == [6 * 8 * 32] * 3
     assert sum(padded["batch"]) < 0.75 * sum(padded["max_length"])
+    # Packed, the pipeline's steps: 2 micro-batches of 4 in rows of the bucket, as many as
+    # the fuller one needs in a bucket of 1, 2 or 4; a row holds several short sentences.
+    pipeline = SimpleNamespace(pipe_len=2, plan=SimpleNamespace(num_micro_batches=2))
+    packed = config_from_dict(configs["packed"])
+    ids = [sampler.node_batch(0, 0, s).ids for s in range(6)]
+    shapes = [step_seq_length(packed, pipeline, data.train, batch) for batch in ids]
+    assert padded["packed"][0] == sum(s.tokens(8) for s in shapes)
+    assert padded["packed"][0] < 0.7 * padded["batch"][0]
+    # Never more than padded (DDP's micro-batches of 2 pack few); FSDP2's replica batches of
+    # 4 in one micro-batch pack a third away.
+    assert padded["packed"][2] <= padded["batch"][2]  # both DDP in epoch 3
+    assert sum(padded["packed_sharded"]) < 0.75 * sum(padded["grouped"])
     # (48 samples make megabatches of one batch, as in transformers: grouping then only sorts
     # within a batch. test_length_grouping_* check what it saves on more data.)
     for name in configs:
@@ -586,8 +618,9 @@ def test_the_pipeline_met_several_lengths_and_the_run_counts_its_tokens(text_run
 
 
 @pytest.mark.distributed
-def test_a_resume_after_the_transition_ends_as_the_uninterrupted_run(text_runs):
+@pytest.mark.parametrize("name", ["batch", "packed"])
+def test_a_resume_after_the_transition_ends_as_the_uninterrupted_run(text_runs, name):
     root, _, results = text_runs
-    resumed = step_losses(root / "batch-resumed")
-    assert resumed[6:] == pytest.approx(step_losses(root / "batch")[6:], abs=1e-6)
-    _assert_state_equal(results["batch-resumed"]["state"][0], results["batch"]["state"][0])
+    resumed = step_losses(root / f"{name}-resumed")
+    assert resumed[6:] == pytest.approx(step_losses(root / name)[6:], abs=1e-6)
+    _assert_state_equal(results[f"{name}-resumed"]["state"][0], results[name]["state"][0])

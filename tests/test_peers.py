@@ -146,3 +146,104 @@ def test_the_torch_ddp_peer_computes_as_the_trainer_and_as_nccl_requires(tmp_pat
         for found in result["blocking"]:
             assert [name for name, _ in found] == ["__float__"], found
     assert 0 < read_run(tmp_path)["final_eval_metric"] <= 1
+
+
+def _captured_training_arguments(config, monkeypatch, tmp_path, hf_optim):
+    """The keyword arguments the hf_trainer peer builds its TrainingArguments with."""
+    import inspect
+
+    import transformers
+
+    from pipetransformer.compare import peers
+
+    class Stop(Exception):
+        pass
+
+    def arguments(**kwargs):
+        raise Stop(kwargs)
+
+    arguments.__signature__ = inspect.signature(transformers.TrainingArguments)
+    monkeypatch.setattr(transformers, "TrainingArguments", arguments)
+    bundle = type("Data", (), {"task": "classification", "num_classes": 2, "vocab_size": 50})()
+    with pytest.raises(Stop) as stopped:
+        peers._run_hf_trainer(config, bundle, tmp_path, 1, hf_optim)
+    monkeypatch.undo()
+    return stopped.value.args[0]
+
+
+def test_the_hf_trainer_peer_runs_trainings_own_default_optimizer(monkeypatch, tmp_path):
+    """Unless told (--hf-optim), the peer leaves `optim` to TrainingArguments, as its users
+    do: the optimizer Trainer then builds is the installed version's default
+    (adamw_torch_fused with transformers 5 on torch >= 2.8: torch's fused AdamW), where
+    the peer used to ask for adamw_torch (torch's per-parameter loop on the CPU)."""
+    from transformers import Trainer, TrainingArguments
+
+    config = load_config(str(ROOT / "configs" / "bert_sst2_local.yaml"))
+    default = TrainingArguments(output_dir=str(tmp_path / "default")).optim
+    model = torch.nn.Linear(4, 2)
+    built = {}
+    for hf_optim in (None, "adamw_torch"):
+        kwargs = _captured_training_arguments(config, monkeypatch, tmp_path, hf_optim)
+        assert ("optim" in kwargs) == (hf_optim is not None)
+        kwargs.pop("ddp_backend")  # one process here: no process group to join
+        args = TrainingArguments(**{**kwargs, "output_dir": str(tmp_path / str(hf_optim))})
+        built[hf_optim] = Trainer(model=model, args=args).create_optimizer()
+        assert args.optim == (default if hf_optim is None else hf_optim)
+    assert type(built[None]) is torch.optim.AdamW
+    assert bool(built[None].defaults["fused"]) == (default == "adamw_torch_fused")
+    assert not built["adamw_torch"].defaults["fused"]
+    sgd = load_config(str(ROOT / "configs" / "bert_sst2_local.yaml"), ["optimizer.name=sgd"])
+    assert _captured_training_arguments(sgd, monkeypatch, tmp_path, None)["optim"] == "sgd"
+
+
+def test_flattening_lets_a_bert_attend_across_samples_so_the_peer_refuses_it(tmp_path, capsys):
+    """transformers' DataCollatorWithFlattening lays a batch in one row with position ids
+    restarting per sample. A BERT under sdpa (the CPU's attention) attends across the row:
+    create_bidirectional_mask takes no position ids (only causal masks look for packed
+    sequences in them), so a sample's hidden states change with its neighbours. The
+    sequence classifier's head also reads one [CLS] a row. The peer variant refuses, one
+    line, before any process starts. If this test finds no leak, transformers keeps the
+    samples apart now: the refusal may give way to the variant."""
+    from transformers import BertConfig, BertModel, DataCollatorWithFlattening
+
+    from pipetransformer.compare import peers
+
+    torch.manual_seed(0)
+    bert = BertModel(
+        BertConfig(
+            vocab_size=50,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            attn_implementation="sdpa",
+        )
+    ).eval()
+    samples = [[2, 7, 9, 11, 3], [2, 20, 21, 3]]
+    flat = DataCollatorWithFlattening()([{"input_ids": s} for s in samples])
+    assert flat["input_ids"].shape == (1, 9) and flat["position_ids"].tolist() == [
+        [0, 1, 2, 3, 4, 0, 1, 2, 3]
+    ]
+    with torch.no_grad():
+        together = bert(input_ids=flat["input_ids"], position_ids=flat["position_ids"])
+        alone = bert(input_ids=torch.tensor([samples[0]]))
+    leak = (together.last_hidden_state[0, :5] - alone.last_hidden_state[0]).abs().max()
+    assert leak > 1e-3  # float32 rounding is 1e-6: the second sample reached the first
+    reason = peers.flattening_refusal(bert)
+    assert reason is not None and "attention would cross samples" in reason
+    with pytest.raises(SystemExit) as exited:
+        peers.main(
+            [
+                "hf_trainer",
+                str(ROOT / "configs" / "bert_sst2_local.yaml"),
+                "--run-dir",
+                str(tmp_path / "run"),
+                "--hf-collator",
+                "flattening",
+            ]
+        )
+    assert exited.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("hf_trainer with DataCollatorWithFlattening: refused:")
+    assert "BertForSequenceClassification reads one first token a row" in line
+    assert not (tmp_path / "run").exists()

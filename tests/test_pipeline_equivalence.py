@@ -1,6 +1,7 @@
 """A K-stage pipeline (x R replicas with DDP) computes the gradients of single-process training,
 text at several sequence lengths in a row (each a stage and schedule of its own, built the
-first time the length comes, over the same DDP module; workers.step_lengths).
+first time the length comes, over the same DDP module; workers.step_lengths), padded or
+packed (data.padding packed: each step one packed shape, rows for samples).
 
 Tolerance: float32 sums in another order (micro-batches, DDP's all-reduce) differ by
 rounding only: gradients agree to rtol 1e-4 / atol 1e-6, losses to 1e-5.
@@ -116,6 +117,79 @@ def test_ddp_would_miss_zero_bubbles_weight_gradients():
                 wrong.add(name)
     first_chunk = set(results[0]["first_chunk_units"])  # its W is a whole backward
     assert wrong == {n for n in ref_grads if parse_param_key(n)[0] not in first_chunk}
+
+
+def assert_gradients_match(results, ref_grads) -> None:
+    covered = set()
+    for result in results:
+        for name, grad in result["grads"].items():
+            torch.testing.assert_close(
+                grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+            )
+            covered.add(name)
+        assert result["host_reads"] == []
+    assert covered == set(ref_grads), "every parameter lives on some rank"
+
+
+def test_replicas_of_a_pipeline_in_different_buckets_in_the_same_step():
+    """2 stages x 2 replicas, each replica's batch of a step in another length bucket (16 and
+    8 tokens, then 8 and 16): each pipeline builds its own bucket's stages around the same
+    DDP module, whose all-reduce sums gradients computed at different lengths. Equal to the
+    whole model (sentences of 2-6 tokens: any of the buckets holds them)."""
+    batch = 16
+    ref_loss, ref_grads = reference_gradients("bert-short", batch)
+    results = run_workers(
+        pipeline_gradients, 4, "bert-short", 2, 2, 2, "1f1b", batch, None, 1, False, True
+    )
+    assert_gradients_match(results, ref_grads)
+    built = {r["role"].replica: r["lengths_built"] for r in results}
+    assert built == {0: [16, 8], 1: [8, 16]}  # the same step, another bucket
+    total = sum(sum(r["losses"]) for r in results if r["role"].is_last)
+    assert total / 2 == pytest.approx(ref_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "pipe_len, dp_degree, micro, schedule, chunks",
+    [(2, 2, 2, "1f1b", 1), (2, 1, 2, "zero_bubble", 2)],
+    ids=["2x2-1f1b", "2-stages-4-chunks-zero_bubble"],
+)
+def test_a_packed_pipeline_matches_single_process(pipe_len, dp_degree, micro, schedule, chunks):
+    """Packed text through a pipeline of replicas (each replica of a step in another shape),
+    and through torch's multi-stage schedule: the gradients, losses and evaluated logits of
+    the whole model on the batches padded. Each step is one packed shape (micro-batches of
+    rows, the last stage's outputs one a sample); a shape met again reuses its stage (no
+    host read in that step). Sentences of 2-6 tokens, so rows of 8 and 16 hold several."""
+    batch = 16
+    ref_loss, ref_grads = reference_gradients("bert-short", batch)
+    results = run_workers(
+        pipeline_gradients,
+        pipe_len * dp_degree,
+        "bert-short",
+        pipe_len,
+        dp_degree,
+        micro,
+        schedule,
+        batch,
+        None,
+        chunks,
+        True,
+        dp_degree > 1,
+    )
+    assert_gradients_match(results, ref_grads)
+    for result in results:
+        shapes = result["lengths_built"]  # one shape at 16 tokens, one at 8
+        first = [16, 8] if result["role"].replica == 0 else [8, 16]
+        assert [s.row_length for s in shapes] == first
+        assert all(s.samples == batch // dp_degree // micro for s in shapes)
+        assert min(s.rows for s in shapes) < shapes[0].samples  # rows hold several samples
+    total = sum(sum(r["losses"]) for r in results if r["role"].is_last)
+    assert total / dp_degree == pytest.approx(ref_loss, rel=1e-5)
+    model = build("bert-short").eval()
+    inputs, _ = fixed_batch("bert-short", batch)
+    with torch.no_grad():
+        expected = model(*cut(inputs, step_lengths("bert-short")[0]))
+    for window, logits in (r["eval_logits"] for r in results if r["role"].is_last):
+        torch.testing.assert_close(logits, expected[window], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind, dp_degree", [("vit", 1), ("bert", 2)])

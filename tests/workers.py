@@ -21,11 +21,13 @@ from pipetransformer.trainer.tasks import ClassificationTask, loss_weights
 
 def fixed_batch(kind: str, batch_size: int):
     g = torch.Generator().manual_seed(123)
-    labels = torch.randint(0, 2 if kind == "bert" else 10, (batch_size,), generator=g)
+    labels = torch.randint(0, 10 if kind == "vit" else 2, (batch_size,), generator=g)
     if kind == "vit":
         return (torch.randn(batch_size, 1, 8, 8, generator=g),), labels
     ids = torch.randint(5, 50, (batch_size, 16), generator=g)
     lengths = torch.randint(4, 17, (batch_size,), generator=g)
+    if kind == "bert-short":  # sentences of 2-6 tokens: several fill a row of 8 or 16
+        lengths = torch.randint(2, 7, (batch_size,), generator=g)
     mask = (torch.arange(16)[None, :] < lengths[:, None]).long()
     ids = ids * mask
     types = torch.zeros_like(ids)
@@ -40,12 +42,25 @@ def step_lengths(kind: str) -> tuple[int | None, ...]:
     """The sequence length of each step the gradient tests take: text at its full 16
     tokens, then cut to 8 (another bucket: a pipeline builds a stage for it), then 16 again
     (the first bucket's stage, reused); one step for images."""
-    return (16, 8, 16) if kind == "bert" else (None,)
+    return (16, 8, 16) if kind.startswith("bert") else (None,)
 
 
 def cut(inputs, length: int | None):
     """Text inputs cut to their first `length` tokens (images as they are)."""
     return inputs if length is None else tuple(t[:, :length].contiguous() for t in inputs)
+
+
+def packed_step(inputs, length: int, micro_batches: int, bucketed: bool = True):
+    """A text batch cut to `length` tokens, packed as a pipeline's step packs it (rows of
+    that length in a bucket, micro-batches of len / `micro_batches` samples): (its shape,
+    its packed inputs)."""
+    from pipetransformer.data.base import real_lengths
+    from pipetransformer.utils.packing import Packing
+    from pipetransformer.utils.padding import packed_shape
+
+    lengths = real_lengths(inputs[-1])
+    shape = packed_shape(lengths, len(lengths) // micro_batches, length, bucketed)
+    return shape, list(Packing(lengths, shape).inputs(inputs))
 
 
 def pipeline_gradients(
@@ -57,10 +72,15 @@ def pipeline_gradients(
     batch_size: int,
     autocast_dtype: torch.dtype | None = None,
     virtual_stages: int = 1,
+    packed: bool = False,
+    ragged: bool = False,
 ):
     """The steps of `step_lengths(kind)` of a K-stage x R-replica pipeline of `virtual_stages`
     chunks a stage, gradients summed over them (never zeroed); return this rank's gradients
-    and losses."""
+    and losses. `packed`: text batches packed (data.padding packed), a step's shape built
+    from its replica batch's real lengths as the trainer builds it. `ragged`: replica r
+    takes the lengths r steps on, so the replicas of a step are in different buckets (for
+    sentences no longer than the shortest, "bert-short": the same per-sample results)."""
     world = init_distributed("cpu", 60)
     model = build(kind)
     costs = UnitCosts.from_param_counts(model.spec.unit_param_counts, 1 / 6)
@@ -99,11 +119,24 @@ def pipeline_gradients(
         )
     losses = []
     host_reads = []  # in the steps of a length met before (the first builds its stages)
-    for index, length in enumerate(step_lengths(kind)):
-        step_inputs = [t[window] for t in cut(inputs, length)] if role.is_first else None
-        audited = length in step_lengths(kind)[:index]
+
+    def step_batch(length):
+        """(the step's shape, this rank's inputs): every rank computes the shape."""
+        batch = [t[window] for t in cut(inputs, length)]
+        if packed:
+            return packed_step(batch, length, micro_batches)
+        return length, batch
+
+    lengths = step_lengths(kind)
+    if ragged:  # (16, 8, 16) on replica 0, (8, 16, 8) on replica 1
+        lengths = tuple(lengths[(i + role.replica) % 2] for i in range(len(lengths)))
+    for index, length in enumerate(lengths):
+        shape, step_inputs = step_batch(length)
+        audited = length in lengths[:index]
         with HostReads() if audited else contextlib.nullcontext() as audit:
-            losses += runtime.train_step(step_inputs, target, seq_length=length)
+            losses += runtime.train_step(
+                step_inputs if role.is_first else None, target, seq_length=shape
+            )
         host_reads += audit.reads if audited else []
     grads = {}
     for index, unit in units.items():
@@ -111,12 +144,13 @@ def pipeline_gradients(
             grads[name] = p.grad.clone()
     # The forward-only schedule (evaluation) at the first step's length: the last stage's
     # logits of its replica's samples (no optimizer step was taken: the initial weights).
-    length = step_lengths(kind)[0]
-    eval_inputs = [t[window] for t in cut(inputs, length)] if role.is_first else None
+    shape, eval_inputs = step_batch(step_lengths(kind)[0])
     eval_target = None
     if role.is_last:
         eval_target = ClassificationTask.make_target(labels[window], torch.zeros(share))
-    logits = runtime.eval_step(eval_inputs, eval_target, seq_length=length)
+    logits = runtime.eval_step(
+        eval_inputs if role.is_first else None, eval_target, seq_length=shape
+    )
     torch.distributed.destroy_process_group()
     return {
         "rank": world.rank,

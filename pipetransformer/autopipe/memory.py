@@ -24,7 +24,10 @@ For one rank of a layout (stage s of K, M micro-batches of m samples, R replicas
                     Text padded per batch keeps a stage (and its receive buffers) for each
                     length bucket it meets (pipe/runtime.py): the receive buffers of every
                     bucket together, `receive_buffer_share` times the max-length ones
-                    (under 2: utils/padding.py), all other terms at max_seq_length
+                    (under 3; under 2 where max_seq_length is pad_to_multiple_of times a
+                    power of two: utils/padding.py), packed text one for each shape it may
+                    build (rows and their length in buckets: under 9), all other terms at
+                    max_seq_length
 
 Under interleaved_1f1b and zero_bubble (v chunks a rank, torch's order in
 autopipe/schedule_order.py; `_chunked_stage_memory`; interleaved_1f1b at v = 1 runs 1F1B,
@@ -257,7 +260,7 @@ class MemoryModel:
         """A chunk's pipeline buffers: its outputs kept for their backward (`kept` micro-batches),
         its received inputs (all but chunk 0) and output gradients (all but the last chunk),
         the receive buffers `receive_share` times the max-length ones (one set per length
-        bucket of text padded per batch)."""
+        bucket of text padded per batch, per shape of packed text)."""
         start, end = plan.stage_ranges[chunk]
         boundary = kept * self.output_bytes[end - 1]
         received = receive_share * m

@@ -1,7 +1,9 @@
 """What users run today instead of this trainer, as peers of `compare --peers`.
 
 - `hf_trainer` (text models): transformers' `Trainer` under DDP (accelerate's multi-process
-  state, gloo on CPU, NCCL on GPUs), as a user fine-tuning BERT runs it under torchrun.
+  state, gloo on CPU, NCCL on GPUs), as a user fine-tuning BERT runs it under torchrun:
+  `TrainingArguments`' own default `optim` (`adamw_torch_fused` on torch >= 2.8 with
+  transformers 5; `--hf-optim` picks another, `adamw_torch` the per-parameter loop);
 - `torch_ddp` (image models): the plain loop a timm user writes: the timm model in
   `DistributedDataParallel`, AdamW, a `DistributedSampler`, clipping, one step per batch.
 
@@ -13,7 +15,10 @@ Text is padded as its users pad it: `Trainer` gets each sample at its real lengt
 `DataCollatorWithPadding` pads each batch to its longest, rounded up to
 data.pad_to_multiple_of (or to max_seq_length under data.padding max_length), and groups
 batches by length (`group_by_length`) where the config does; `torch_ddp` fetches batches
-as the trainer does. Each counts the real tokens and the padded tokens it trains (from the
+as the trainer does. `DataCollatorWithFlattening` (`--hf-collator flattening`: a batch in
+one row, position ids restarting per sample) is refused where the model cannot keep the
+samples apart (`flattening_refusal`: every sequence classifier, and attention other than
+flash attention's kernels). Each counts the real tokens and the padded tokens it trains (from the
 attention masks) into its epochs' records.
 
 They compute as the trainer does (`PeerMath`, from the same config): the process's own GPU
@@ -48,6 +53,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetransformer.compare.collators import collator as text_collator
+from pipetransformer.compare.collators import flattening_refusal, meta_text_model
 from pipetransformer.compare.report import HF_TRAINER, TORCH_DDP
 from pipetransformer.config import Config
 from pipetransformer.data import DataBundle, build_data
@@ -67,9 +74,17 @@ def peer_for(config: Config) -> str:
     return TORCH_DDP if config.model.resolved_family() == "vit" else HF_TRAINER
 
 
-def run_peer(name: str, config: Config, run_dir: Path, hf_optim: str = "adamw_torch") -> None:
+def run_peer(
+    name: str,
+    config: Config,
+    run_dir: Path,
+    hf_optim: str | None = None,
+    hf_collator: str = "padding",
+) -> None:
     """One rank of peer `name` (a worker of the local launcher or of torchrun). `hf_optim`:
-    the Trainer's `optim` (its default unless a benchmark asks for another)."""
+    the Trainer's `optim` (None: TrainingArguments' own default, as its users get it);
+    `hf_collator`: 'padding' (DataCollatorWithPadding) or 'flattening'
+    (DataCollatorWithFlattening, where the model supports it: `flattening_refusal`)."""
     _set_threads()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -85,7 +100,7 @@ def run_peer(name: str, config: Config, run_dir: Path, hf_optim: str = "adamw_to
     )
     if name == HF_TRAINER:
         model, device, forward, epochs = _run_hf_trainer(
-            config, data, run_dir, world_size, hf_optim
+            config, data, run_dir, world_size, hf_optim, hf_collator
         )
     else:
         model, device, forward, epochs = _run_torch_ddp(config, data, rank, world_size)
@@ -305,40 +320,6 @@ class _TextDataset(torch.utils.data.Dataset):
         return {**row, "labels": self.labels[index]}
 
 
-def padding_tokenizer(config: Config):
-    """The tokenizer `DataCollatorWithPadding` pads with: the run's (data.tokenizer, or the
-    pretrained model's), else one that only pads, with the word vocabulary's [PAD] id 0
-    (data/text.py), padding on the right as the data is."""
-    from pipetransformer.data.text import WordVocabTokenizer, load_tokenizer
-
-    name = config.data.tokenizer or config.model.model_name_or_path
-    if name is not None:
-        return load_tokenizer(name)
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from transformers import PreTrainedTokenizerFast
-
-    pad, unk = WordVocabTokenizer.SPECIALS[:2]
-    vocabulary = Tokenizer(WordLevel({pad: 0, unk: 1}, unk_token=unk))
-    vocabulary.pre_tokenizer = Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=vocabulary, pad_token=pad, unk_token=unk)
-
-
-def padding_collator(config: Config):
-    """How a `Trainer` user pads: DataCollatorWithPadding to each batch's longest, rounded up
-    to data.pad_to_multiple_of (data.padding batch), or to max_seq_length (max_length)."""
-    from transformers import DataCollatorWithPadding
-
-    tokenizer = padding_tokenizer(config)
-    tokenizer.padding_side = "right"
-    if config.data.padding == "max_length":
-        return DataCollatorWithPadding(
-            tokenizer, padding="max_length", max_length=config.data.max_seq_length
-        )
-    return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=config.data.pad_to_multiple_of)
-
-
 class TokenCounter:
     """Real and padded tokens of the batches a model is called with (from the attention
     mask), summed on the device (no host read per step) and over every rank at `take`."""
@@ -385,8 +366,21 @@ def _length_grouping(arguments: type, grouped: bool) -> dict[str, Any]:
     return {"group_by_length": grouped}
 
 
+def optim_arguments(config: Config, hf_optim: str | None) -> dict[str, str]:
+    """The TrainingArguments that pick the peer's optimizer: SGD where the config trains
+    with it, `hf_optim` where asked, else none (TrainingArguments' own default optim)."""
+    if config.optimizer.name == "sgd":
+        return {"optim": "sgd"}
+    return {} if hf_optim is None else {"optim": hf_optim}
+
+
 def _run_hf_trainer(
-    config: Config, data: DataBundle, run_dir: Path, world_size: int, hf_optim: str
+    config: Config,
+    data: DataBundle,
+    run_dir: Path,
+    world_size: int,
+    hf_optim: str | None,
+    hf_collator: str = "padding",
 ) -> tuple[nn.Module, torch.device, Callable, list[dict]]:
     try:
         import accelerate  # noqa: F401  (Trainer needs it for DDP)
@@ -404,6 +398,7 @@ def _run_hf_trainer(
     model, _ = create_text_model(
         config.model, task=data.task, num_labels=data.num_classes, vocab_size=data.vocab_size
     )
+    collator = text_collator(config, model, hf_collator)
     _compile_blocks(config, model, text=True)
     o = config.optimizer
     compute = peer_math(config)
@@ -419,7 +414,7 @@ def _run_hf_trainer(
         adam_beta1=o.betas[0],
         adam_beta2=o.betas[1],
         adam_epsilon=o.eps,
-        optim="sgd" if o.name == "sgd" else hf_optim,
+        **optim_arguments(config, hf_optim),
         lr_scheduler_type=o.lr_schedule if o.lr_schedule != "constant" else "constant_with_warmup",
         warmup_steps=o.warmup_steps,
         max_grad_norm=o.max_grad_norm or 0.0,
@@ -460,7 +455,7 @@ def _run_hf_trainer(
         model=model,
         args=args,
         train_dataset=_TextDataset(data.train),
-        data_collator=padding_collator(config),
+        data_collator=collator,
         callbacks=[Epochs()],
     )
     output = trainer.train()
@@ -601,14 +596,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", help="key.sub=value")
     parser.add_argument("--run-dir", required=True, type=Path)
-    parser.add_argument("--hf-optim", default="adamw_torch", help="the Trainer's optim")
+    parser.add_argument(
+        "--hf-optim",
+        default=None,
+        help="the Trainer's optim (default: TrainingArguments' own, adamw_torch_fused on "
+        "torch >= 2.8; adamw_torch is the per-parameter loop)",
+    )
+    parser.add_argument(
+        "--hf-collator",
+        default="padding",
+        choices=["padding", "flattening"],
+        help="DataCollatorWithPadding (default) or DataCollatorWithFlattening (refused where "
+        "the model cannot keep a row's samples apart)",
+    )
     args = parser.parse_args(argv)
     setup_logging(0)
     config = load_config(args.config, args.overrides)
+    if args.name == HF_TRAINER and args.hf_collator == "flattening":
+        reason = flattening_refusal(meta_text_model(config))
+        if reason is not None:  # one line, before any process starts
+            parser.exit(2, f"{HF_TRAINER} with DataCollatorWithFlattening: refused: {reason}\n")
     args.run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("summary.json", "metrics.jsonl", "events.jsonl"):
         (args.run_dir / stale).unlink(missing_ok=True)
-    launch_local(config.nproc_per_node, run_peer, (args.name, config, args.run_dir, args.hf_optim))
+    launch_local(
+        config.nproc_per_node,
+        run_peer,
+        (args.name, config, args.run_dir, args.hf_optim, args.hf_collator),
+    )
     summary = RunSummary.from_dict(json.loads((args.run_dir / "summary.json").read_text()))
     print(summary.closing_line(str(args.run_dir)))
     return 0

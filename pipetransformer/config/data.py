@@ -43,8 +43,12 @@ class DataConfig:
     max_seq_length: int = 128
     # Text: 'batch' pads each batch to its longest sample, rounded up to a multiple of
     # pad_to_multiple_of (transformers' DataCollatorWithPadding); 'max_length' pads every
-    # batch to max_seq_length. Per-sample results are the same (docs/data.md, "Padding").
-    padding: Literal["batch", "max_length"] = "batch"
+    # batch to max_seq_length; 'packed' keeps each batch's samples and lays them end to end
+    # in rows of that length, attention and positions confined to each sample; 'auto'
+    # packs a batch where that saves enough of its padded tokens, else pads it (per batch,
+    # from its lengths: utils/padding.py `packing_pays`). Per-sample results are the same
+    # (docs/data.md, "Padding").
+    padding: Literal["batch", "max_length", "packed", "auto"] = "batch"
     pad_to_multiple_of: int = 8
     # Text: draw each epoch's batches from pools of samples of similar length (transformers'
     # group_by_length: megabatches of 50 batches sorted longest first).
@@ -122,8 +126,17 @@ class DataConfig:
                 _fail(f"data.{key}", f"must be >= 1 or null, got {value}")
         if self.max_seq_length < 8:
             _fail("data.max_seq_length", "must be >= 8")
-        if self.padding not in ("batch", "max_length"):
-            _fail("data.padding", f"'batch' or 'max_length', got {self.padding!r}")
+        if self.padding not in ("batch", "max_length", "packed", "auto"):
+            _fail(
+                "data.padding",
+                f"'batch', 'max_length', 'packed' or 'auto', got {self.padding!r}",
+            )
+        if self.padding in ("packed", "auto") and self.name not in TEXT_DATASETS:
+            _fail(
+                "data.padding",
+                f"'{self.padding}' lays text samples end to end; '{self.name}' is not text "
+                f"({', '.join(TEXT_DATASETS)} are)",
+            )
         if isinstance(self.pad_to_multiple_of, bool) or self.pad_to_multiple_of < 1:
             _fail("data.pad_to_multiple_of", f"must be >= 1, got {self.pad_to_multiple_of}")
         if self.group_by_length and self.name not in TEXT_DATASETS:

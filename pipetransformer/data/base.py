@@ -7,8 +7,10 @@ selection). `fetch(ids)` returns the batched model inputs and targets for those 
 Text is held at `max_seq_length` tokens a sample, with each sample's real length
 (`lengths`): `fetch` cuts a batch to `batch_length(ids)` (data.padding: its longest sample
 rounded up to data.pad_to_multiple_of, or max_seq_length), or to the `length` it is given
-(a pipeline's bucket, utils/padding.py). Every rank holds the dataset, so every rank
-computes a batch's length from its sample ids alone.
+(a pipeline's bucket, utils/padding.py), or packs it in the `PackedShape` it is given
+(data.padding packed: utils/packing.py; input_ids, token_type_ids, segment ids, sample
+starts). Every rank holds the dataset, so every rank computes a batch's length, or its
+packing, from its sample ids alone.
 
 Owns: the `SampleDataset` interface, the in-memory, text and per-sample implementations
 and the `DataBundle` that describes a task's two splits.
@@ -23,7 +25,8 @@ from typing import Any
 
 import torch
 
-from pipetransformer.utils.padding import batch_length
+from pipetransformer.utils.packing import Packing
+from pipetransformer.utils.padding import PackedShape, batch_length
 
 
 class SampleDataset:
@@ -42,10 +45,11 @@ class SampleDataset:
         return None
 
     def fetch(
-        self, ids: Sequence[int], length: int | None = None
+        self, ids: Sequence[int], length: int | PackedShape | None = None
     ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """Inputs and targets of `ids`; text padded to `length` tokens (default
-        `batch_length(ids)`), which must hold every sample of the batch."""
+        `batch_length(ids)`), which must hold every sample of the batch, or packed in the
+        `PackedShape` `length`."""
         raise NotImplementedError
 
     def targets(self, ids: Sequence[int]) -> torch.Tensor:
@@ -107,6 +111,9 @@ class TextSampleDataset(TensorSampleDataset):
         )
 
     def fetch(self, ids, length=None):
+        if isinstance(length, PackedShape):
+            inputs, targets = self.fetch(ids, length.row_length)
+            return Packing([self.lengths[i] for i in ids], length).inputs(inputs), targets
         length = self.batch_length(ids) if length is None else length
         longest = max((self.lengths[i] for i in ids), default=0)
         if not longest <= length <= self.max_length:

@@ -6,8 +6,8 @@ of forking them again. Batches come out in pinned memory when they are bound for
 the copy to the device is asynchronous (from pageable memory the host waits for the
 stream). A pass may be told which batches it need not decode (`skip`): the first stage asks
 it for batches whose every sample AutoCache already serves, and gets None for them; and the
-sequence length of each text batch (`lengths`: a pipeline's bucket; default each batch's
-own, data/base.py).
+sequence length of each text batch (`lengths`: a pipeline's bucket, or the `PackedShape`
+a packed batch is laid out in; default each batch's own, data/base.py).
 
 How many workers a process may start is bounded by the cores it has (`workers_per_process`):
 every process of a node starts its own loaders, so the paper's ViT configs (8 workers, 8

@@ -51,6 +51,7 @@ from pipetransformer.autopipe.planner import PipelinePlan
 from pipetransformer.fsdp.state import CARRIED, carried_shards, local
 from pipetransformer.models.layered import UnitSequence
 from pipetransformer.pipe.runtime import prefix_output
+from pipetransformer.utils.padding import PackedShape
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -92,7 +93,7 @@ class ShardedRuntime:
         inputs: Sequence[torch.Tensor] | None,
         ids: Sequence[int] | None = None,
         split: str = "train",
-        seq_length: int | None = None,
+        seq_length: int | PackedShape | None = None,
     ) -> tuple[torch.Tensor, ...]:
         return prefix_output(
             self.preprocess, self.cached_prefix, self._autocast(), inputs, ids, split, seq_length
@@ -103,7 +104,7 @@ class ShardedRuntime:
         inputs: Sequence[torch.Tensor] | None,
         target: torch.Tensor | None,
         ids: Sequence[int] | None = None,
-        seq_length: int | None = None,
+        seq_length: int | PackedShape | None = None,
     ) -> list[torch.Tensor]:
         """Forward and backward of the replica batch (of any sequence length: `seq_length`
         only tells AutoCache the batch's), micro-batch after micro-batch; each backward
@@ -111,9 +112,10 @@ class ShardedRuntime:
         replicas as DDP averages them). Returns each micro-batch's loss."""
         self.module.train()
         activations = self.run_prefix(inputs, ids, "train", seq_length)
+        # M pieces of every tensor: a packed batch's rows and its sample starts alike.
         pieces = zip(
-            *(t.split(self.micro_batch_size) for t in activations),
-            target.split(self.micro_batch_size),
+            *(t.tensor_split(self.num_micro_batches) for t in activations),
+            target.tensor_split(self.num_micro_batches),
         )
         losses = []
         for *micro, micro_target in pieces:
@@ -129,18 +131,24 @@ class ShardedRuntime:
         inputs: Sequence[torch.Tensor] | None,
         target: torch.Tensor | None,
         ids: Sequence[int] | None = None,
-        seq_length: int | None = None,
+        seq_length: int | PackedShape | None = None,
     ) -> torch.Tensor:
-        """Forward only (collective: every rank gathers every trained group). Every group is
-        resharded after it: between steps a unit's parameters are its shards, the objects
-        the optimizer and the checkpoint know (the head's group keeps its gathered
-        parameters after a forward otherwise)."""
+        """Forward only (collective: every rank gathers every trained group), the whole batch
+        at once (a packed one micro-batch by micro-batch: its sample starts count within
+        one). Every group is resharded after it: between steps a unit's parameters are its
+        shards, the objects the optimizer and the checkpoint know (the head's group keeps
+        its gathered parameters after a forward otherwise)."""
         self.module.eval()
+        pieces = self.num_micro_batches if isinstance(seq_length, PackedShape) else 1
         try:
             with torch.no_grad():
                 activations = self.run_prefix(inputs, ids, "eval", seq_length)
                 with self._autocast():
-                    return self.module(*activations).float()
+                    outputs = [
+                        self.module(*micro).float()
+                        for micro in zip(*(t.tensor_split(pieces) for t in activations))
+                    ]
+                return torch.cat(outputs)
         finally:
             self.module.train()
             for module in self.module.modules():

@@ -22,6 +22,11 @@ DeBERTa's disentangled attention reads two things besides the hidden state:
   one padded to max_seq_length.
 - the 2-D padding mask, which rides along as BERT's does; each attention unit expands it
   to DeBERTa's (batch, 1, seq, seq) mask as DebertaV2Encoder.get_attention_mask does.
+  A packed batch (models/packed.py) brings segment ids in its place, and the sample starts
+  after them: the mask keeps each query in its sample, and the relative positions of a
+  row are those of each sample within it (a difference of positions does not change when
+  both move by the sample's offset in the row); absolute positions (position_biased_input,
+  DeBERTa-v2) restart per sample; the table's copy rides at the end of every row.
 The ConvLayer of DeBERTa-v2-xlarge/xxlarge (conv_kernel_size > 0) mixes the embedding
 output into layer 0's output: refused.
 
@@ -33,6 +38,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pipetransformer.models import packed as packing
+from pipetransformer.models.bert import first_tokens, sample_positions
 from pipetransformer.models.layered import LayeredModel
 from pipetransformer.models.registry import ModelAdapter, register_adapter
 from pipetransformer.models.text_models import check_fits, text_spec, text_task
@@ -57,9 +64,12 @@ class DebertaEmbedding(nn.Module):
         norm = "layer_norm" in encoder.norm_rel_ebd and encoder.relative_attention
         self.rel_norm = encoder.LayerNorm if norm else None
 
-    def forward(self, input_ids, token_type_ids, attention_mask):
+    def forward(self, input_ids, token_type_ids, attention_mask, *rest):
+        positions, mask = None, attention_mask
+        if packing.packed(rest):
+            positions, mask = sample_positions(attention_mask), (attention_mask > 0).long()
         hidden = self.embeddings(
-            input_ids=input_ids, token_type_ids=token_type_ids, mask=attention_mask
+            input_ids=input_ids, token_type_ids=token_type_ids, position_ids=positions, mask=mask
         )
         if self.rel_embeddings is not None:
             table = self.rel_embeddings.weight
@@ -67,7 +77,7 @@ class DebertaEmbedding(nn.Module):
                 table = self.rel_norm(table)
             tail = table.unsqueeze(0).expand(hidden.shape[0], -1, -1)
             hidden = torch.cat([hidden, tail.to(hidden.dtype)], dim=1)
-        return hidden, attention_mask
+        return hidden, attention_mask, *rest
 
 
 class RelativePositions:
@@ -118,16 +128,19 @@ class DebertaAttention(nn.Module):
         self.attention = layer.attention
         self.positions = positions  # None without relative attention
 
-    def forward(self, x, attention_mask):
+    def forward(self, x, attention_mask, *rest):
         hidden, tail = _split(x, attention_mask)
-        mask = attention_mask.unsqueeze(1).unsqueeze(2)
-        mask = mask * mask.squeeze(-2).unsqueeze(-1)  # DebertaV2Encoder.get_attention_mask
+        if packing.packed(rest):
+            mask = packing.same_sample(attention_mask)
+        else:
+            mask = attention_mask.unsqueeze(1).unsqueeze(2)
+            mask = mask * mask.squeeze(-2).unsqueeze(-1)  # DebertaV2Encoder.get_attention_mask
         relative_pos, table = None, None
         if self.positions is not None:
             relative_pos = self.positions(hidden.shape[-2], hidden.device)
             table = tail[0]
         output, _ = self.attention(hidden, mask, relative_pos=relative_pos, rel_embeddings=table)
-        return torch.cat([output, tail], dim=1), attention_mask
+        return torch.cat([output, tail], dim=1), attention_mask, *rest
 
 
 class DebertaMlp(nn.Module):
@@ -138,10 +151,10 @@ class DebertaMlp(nn.Module):
         self.intermediate = layer.intermediate
         self.output = layer.output
 
-    def forward(self, x, attention_mask):
+    def forward(self, x, attention_mask, *rest):
         hidden, tail = _split(x, attention_mask)
         output = self.output(self.intermediate(hidden), hidden)
-        return torch.cat([output, tail], dim=1), attention_mask
+        return torch.cat([output, tail], dim=1), attention_mask, *rest
 
 
 class DebertaClassificationHead(nn.Module):
@@ -151,8 +164,9 @@ class DebertaClassificationHead(nn.Module):
         super().__init__()
         self.pooler, self.dropout, self.classifier = model.pooler, model.dropout, model.classifier
 
-    def forward(self, x, attention_mask):
-        return self.classifier(self.dropout(self.pooler(_split(x, attention_mask)[0])))
+    def forward(self, x, attention_mask, *rest):
+        hidden = first_tokens(_split(x, attention_mask)[0], rest)
+        return self.classifier(self.dropout(self.pooler(hidden)))
 
 
 class DebertaQuestionAnsweringHead(nn.Module):
@@ -160,8 +174,9 @@ class DebertaQuestionAnsweringHead(nn.Module):
         super().__init__()
         self.qa_outputs = qa_outputs
 
-    def forward(self, x, attention_mask):
-        return self.qa_outputs(_split(x, attention_mask)[0])
+    def forward(self, x, attention_mask, *rest):
+        logits = self.qa_outputs(_split(x, attention_mask)[0])
+        return packing.sample_tokens(logits, rest[0]) if packing.packed(rest) else logits
 
 
 def layered_deberta(model: nn.Module, max_seq_length: int | None) -> LayeredModel:

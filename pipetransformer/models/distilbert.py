@@ -2,7 +2,8 @@
 
 A DistilBERT block is post-norm like BERT's: sa_layer_norm(attention(x) + x), then
 output_layer_norm(ffn(x) + x); each half is one unit. The 2-D padding mask rides along as
-BERT's does. DistilBERT has no token types: its embedding ignores token_type_ids.
+BERT's does (a packed batch's segment ids and sample starts too: models/packed.py).
+DistilBERT has no token types: its embedding ignores token_type_ids.
 
 Owns: those units and the 'distilbert' adapter. Must not: know pipelines, freezing, ranks.
 """
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from pipetransformer.models.bert import attention_bias
+from pipetransformer.models import packed as packing
+from pipetransformer.models.bert import attention_bias, first_tokens, sample_positions
 from pipetransformer.models.layered import LayeredModel
 from pipetransformer.models.registry import ModelAdapter, register_adapter
 from pipetransformer.models.text_models import check_fits, text_spec, text_task
@@ -22,8 +24,9 @@ class DistilBertEmbedding(nn.Module):
         super().__init__()
         self.embeddings = embeddings
 
-    def forward(self, input_ids, token_type_ids, attention_mask):
-        return self.embeddings(input_ids), attention_mask
+    def forward(self, input_ids, token_type_ids, attention_mask, *rest):
+        positions = sample_positions(attention_mask) if packing.packed(rest) else None
+        return self.embeddings(input_ids, position_ids=positions), attention_mask, *rest
 
 
 class DistilBertAttention(nn.Module):
@@ -35,10 +38,10 @@ class DistilBertAttention(nn.Module):
         self.sa_layer_norm = block.sa_layer_norm
         self.config = config
 
-    def forward(self, hidden, attention_mask):
-        bias = attention_bias(self.config, hidden, attention_mask)
+    def forward(self, hidden, attention_mask, *rest):
+        bias = attention_bias(self.config, hidden, attention_mask, packing.packed(rest))
         output, _ = self.attention(hidden, attention_mask=bias)
-        return self.sa_layer_norm(output + hidden), attention_mask
+        return self.sa_layer_norm(output + hidden), attention_mask, *rest
 
 
 class DistilBertMlp(nn.Module):
@@ -49,8 +52,8 @@ class DistilBertMlp(nn.Module):
         self.ffn = block.ffn
         self.output_layer_norm = block.output_layer_norm
 
-    def forward(self, hidden, attention_mask):
-        return self.output_layer_norm(self.ffn(hidden) + hidden), attention_mask
+    def forward(self, hidden, attention_mask, *rest):
+        return self.output_layer_norm(self.ffn(hidden) + hidden), attention_mask, *rest
 
 
 class DistilBertClassificationHead(nn.Module):
@@ -62,8 +65,8 @@ class DistilBertClassificationHead(nn.Module):
         self.dropout = model.dropout
         self.classifier = model.classifier
 
-    def forward(self, hidden, attention_mask):
-        pooled = nn.functional.relu(self.pre_classifier(hidden[:, 0]))
+    def forward(self, hidden, attention_mask, *rest):
+        pooled = nn.functional.relu(self.pre_classifier(first_tokens(hidden, rest)[:, 0]))
         return self.classifier(self.dropout(pooled))
 
 
@@ -75,8 +78,9 @@ class DistilBertQuestionAnsweringHead(nn.Module):
         self.dropout = model.dropout
         self.qa_outputs = model.qa_outputs
 
-    def forward(self, hidden, attention_mask):
-        return self.qa_outputs(self.dropout(hidden))
+    def forward(self, hidden, attention_mask, *rest):
+        logits = self.qa_outputs(self.dropout(hidden))
+        return packing.sample_tokens(logits, rest[0]) if packing.packed(rest) else logits
 
 
 def layered_distilbert(model: nn.Module, max_seq_length: int | None) -> LayeredModel:

@@ -8,7 +8,10 @@ A *unit* is the smallest piece a stage boundary may fall between:
     unit 2L + 1       head               (activations -> logits)
 
 *Activations* are a tuple of tensors; the first is the hidden state (it carries gradients),
-the others (e.g. BERT's attention mask) ride along unchanged and never need gradients.
+the others (e.g. BERT's attention mask) ride along unchanged and never need gradients. A
+packed text batch (`ModelSpec.at_length` of a `PackedShape`) adds the sample starts at the
+end of the inputs and of the activations: a tensor of one value a sample, where the others
+have one row per packed row (`TensorSpec.per_sample`, as the outputs).
 
 Owns: `LayeredModel` (the units and their static description) and `UnitSequence` (runs a
 contiguous range of units, frozen ones in eval mode without autograd).
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pipetransformer.utils.padding import PackedShape
 from pipetransformer.utils.units import (
     attention_unit,
     layer_of_unit,
@@ -46,6 +50,9 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     sequence: bool = False
+    # Its batch dimension counts samples where the others count a packed batch's rows (the
+    # outputs, the sample starts); the same thing unpacked.
+    per_sample: bool = False
 
     def at_length(self, length: int, max_length: int) -> TensorSpec:
         """This spec for a batch padded to `length` tokens instead of `max_length`."""
@@ -53,8 +60,13 @@ class TensorSpec:
             return self
         return TensorSpec((self.shape[0] - max_length + length, *self.shape[1:]), self.dtype, True)
 
-    def example(self, batch_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        return torch.zeros((batch_size, *self.shape), dtype=self.dtype, device=device)
+    def example(
+        self, batch_size: int, device: torch.device | str = "cpu", rows: int | None = None
+    ) -> torch.Tensor:
+        """A zero tensor of `batch_size` samples (of `rows` packed rows, when given and the
+        spec counts rows)."""
+        size = rows if rows is not None and not self.per_sample else batch_size
+        return torch.zeros((size, *self.shape), dtype=self.dtype, device=device)
 
     def nbytes(self) -> int:
         count = 1
@@ -78,8 +90,19 @@ class ModelSpec:
     # Text: the tokens the specs are sized for (data.max_seq_length); None: no sequence.
     max_seq_length: int | None = None
 
-    def at_length(self, length: int | None) -> ModelSpec:
-        """The spec of a batch padded to `length` tokens (itself for None or no sequence)."""
+    def at_length(self, length: int | PackedShape | None) -> ModelSpec:
+        """The spec of a batch padded to `length` tokens (itself for None or no sequence),
+        or packed in a `PackedShape`'s rows (the sample starts added to the inputs and the
+        activations; the outputs, one a sample, per sample)."""
+        if isinstance(length, PackedShape):
+            padded = self.at_length(length.row_length)
+            starts = TensorSpec((), torch.long, per_sample=True)
+            return dataclasses.replace(
+                padded,
+                input_specs=(*padded.input_specs, starts),
+                activation_specs=(*padded.activation_specs, starts),
+                output_spec=dataclasses.replace(padded.output_spec, per_sample=True),
+            )
         if length is None or self.max_seq_length is None or length == self.max_seq_length:
             return self
 

@@ -9,7 +9,11 @@ half is one unit. What its attention reads besides the hidden state:
 - a bias from the 2-D padding mask, full for global layers and banded for local
   (sliding-window) layers: each attention unit builds its own from the mask, which rides
   along as BERT's does.
-The final norm belongs to the head. ModernBERT has no token types: ignored.
+The final norm belongs to the head. ModernBERT has no token types: ignored. A packed batch
+(models/packed.py) brings segment ids in the mask's place and the sample starts after
+them: the rotary tables come from each sample's own positions, the window and the global
+mask stay inside a sample (a window is a difference of positions, the same in the row as
+in the sample), the head pools each sample's own tokens.
 
 Owns: those units and the 'modernbert' adapter. Must not: know pipelines, freezing, ranks.
 """
@@ -22,7 +26,8 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_bidirectional_sliding_window_mask
 
-from pipetransformer.models.bert import attention_bias
+from pipetransformer.models import packed as packing
+from pipetransformer.models.bert import attention_bias, first_tokens
 from pipetransformer.models.layered import LayeredModel
 from pipetransformer.models.registry import ModelAdapter, register_adapter
 from pipetransformer.models.text_models import text_spec, text_task
@@ -33,8 +38,8 @@ class ModernBertEmbedding(nn.Module):
         super().__init__()
         self.embeddings = embeddings
 
-    def forward(self, input_ids, token_type_ids, attention_mask):
-        return self.embeddings(input_ids=input_ids), attention_mask
+    def forward(self, input_ids, token_type_ids, attention_mask, *rest):
+        return self.embeddings(input_ids=input_ids), attention_mask, *rest
 
 
 class ModernBertAttention(nn.Module):
@@ -48,8 +53,12 @@ class ModernBertAttention(nn.Module):
         self.attention_type = layer.attention_type
         self.config = config
 
-    def _bias(self, hidden, attention_mask):
-        if self.attention_type == "sliding_attention":
+    def _bias(self, hidden, attention_mask, packed: bool):
+        sliding = self.attention_type == "sliding_attention"
+        if packed:
+            window = self.config.sliding_window if sliding else None
+            return packing.attention_bias(self.config, hidden, attention_mask, window)
+        if sliding:
             return create_bidirectional_sliding_window_mask(
                 config=self.config,
                 inputs_embeds=hidden,
@@ -58,15 +67,19 @@ class ModernBertAttention(nn.Module):
             )
         return attention_bias(self.config, hidden, attention_mask)
 
-    def forward(self, hidden, attention_mask):
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    def forward(self, hidden, attention_mask, *rest):
+        is_packed = packing.packed(rest)
+        if is_packed:
+            positions = packing.positions_in_sample(attention_mask)
+        else:
+            positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         rotary = self.rotary(hidden, positions, self.attention_type)
         output, _ = self.attn(
             self.attn_norm(hidden),
             position_embeddings=rotary,
-            attention_mask=self._bias(hidden, attention_mask),
+            attention_mask=self._bias(hidden, attention_mask, is_packed),
         )
-        return hidden + output, attention_mask
+        return hidden + output, attention_mask, *rest
 
 
 class ModernBertMlp(nn.Module):
@@ -77,8 +90,8 @@ class ModernBertMlp(nn.Module):
         self.mlp_norm = layer.mlp_norm
         self.mlp = layer.mlp
 
-    def forward(self, hidden, attention_mask):
-        return hidden + self.mlp(self.mlp_norm(hidden)), attention_mask
+    def forward(self, hidden, attention_mask, *rest):
+        return hidden + self.mlp(self.mlp_norm(hidden)), attention_mask, *rest
 
 
 class ModernBertHead(nn.Module):
@@ -93,15 +106,21 @@ class ModernBertHead(nn.Module):
         self.classifier = model.classifier
         self.pooling = pooling  # None: per token (question answering)
 
-    def forward(self, hidden, attention_mask):
+    def forward(self, hidden, attention_mask, *rest):
         hidden = self.final_norm(hidden)
+        is_packed = packing.packed(rest)
         if self.pooling == "cls":
-            hidden = hidden[:, 0]
+            hidden = first_tokens(hidden, rest)[:, 0]
+        elif self.pooling == "mean" and is_packed:
+            hidden = packing.sample_means(hidden, attention_mask, rest[0].shape[0])
         elif self.pooling == "mean":
             hidden = (hidden * attention_mask.unsqueeze(-1)).sum(dim=1) / attention_mask.sum(
                 dim=1, keepdim=True
             )
-        return self.classifier(self.drop(self.head(hidden)))
+        logits = self.classifier(self.drop(self.head(hidden)))
+        if self.pooling is None and is_packed:  # question answering: per token
+            return packing.sample_tokens(logits, rest[0])
+        return logits
 
 
 def layered_modernbert(model: nn.Module, max_seq_length: int | None) -> LayeredModel:

@@ -13,7 +13,11 @@ autograd (no dropout: the output is a pure function of the input, which is what 
 cached value valid). Text runs at the batch's padded length: the store keeps each sample's
 real rows and pads a read to that length with zeros (autocache/layout.py), where a
 recomputed row holds what the prefix made of the padding tokens; no real token's output
-depends on either (attention masks every padding key), so the step computes the same.
+depends on either (attention masks every padding key), so the step computes the same. A
+packed batch (data.padding packed) is read and computed one sample a row at its rows'
+length, as a padded one, and its samples' rows are then laid out packed
+(utils/packing.py): the store holds per-sample rows whatever the padding, so entries
+written under one padding serve the other.
 
 Owns: that decision and the computation for one batch. Must not: decide whether caching
 is on (the trainer's profiler does), own the store (the AutoCache daemon does).
@@ -31,6 +35,8 @@ from torch import nn
 from pipetransformer.autocache.store import torch_dtype
 from pipetransformer.models.layered import UnitSequence
 from pipetransformer.pipe.transfer import to_device
+from pipetransformer.utils.packing import Packing
+from pipetransformer.utils.padding import PackedShape
 from pipetransformer.utils.units import prefix_end
 
 
@@ -177,10 +183,13 @@ class CachedPrefix:
         split: str,
         ids: Sequence[int],
         inputs: Sequence[torch.Tensor] | None,
-        seq_length: int | None = None,
+        seq_length: int | PackedShape | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """The prefix's output for the batch `ids` of `split` at `seq_length` tokens (text;
-        default the inputs' width, else the store's longest of `ids`)."""
+        default the inputs' width, else the store's longest of `ids`), or packed in the
+        shape `seq_length` (module docstring)."""
+        if isinstance(seq_length, PackedShape):
+            return self._packed(split, ids, inputs, seq_length)
         self.flush()  # the previous batch's rows: copied to the host by now
         ids_array = np.asarray(ids, dtype=np.int64)
         # Shape padding repeats samples: look each id up once, then scatter back.
@@ -247,3 +256,20 @@ class CachedPrefix:
                 target[index] = value.to(target.dtype)
         order = to_device(torch.from_numpy(inverse.reshape(-1)), self.device)
         return tuple(t[order] for t in assembled)
+
+    def _packed(
+        self,
+        split: str,
+        ids: Sequence[int],
+        inputs: Sequence[torch.Tensor] | None,
+        shape: PackedShape,
+    ) -> tuple[torch.Tensor, ...]:
+        """A packed batch's prefix output: its samples' rows one a row at the rows' length
+        (read, upgraded or computed from its inputs unpacked), laid out packed."""
+        lengths = self.client.layout(split).lengths
+        packing = Packing([lengths[i] for i in ids], shape)
+        padded = None if inputs is None else packing.padded_inputs(inputs)
+        hidden, _ = self(split, ids, padded, shape.row_length)
+        device = hidden.device
+        segments, starts = (to_device(t, device) for t in (packing.segments, packing.starts))
+        return packing.pack(hidden), segments, starts

@@ -16,7 +16,10 @@ pipeline of K > 1 stages keeps one PipelineStage and schedule per sequence lengt
 met, built the first time a step brings that length (`PipelineSchedules`, around the same
 DDP-wrapped module): the trainer rounds a text batch's length up to one of a few buckets
 (utils/padding.py) for such layouts, every micro-batch of a step in its replica batch's
-bucket. A one-stage layout (OneStageSchedule) and a sharded one take any length.
+bucket. A packed batch (data.padding packed) is one `PackedShape` a step, its rows and
+their length in buckets, and a stage and schedule per shape alike: its micro-batches carry
+rows where they carried samples, and the last stage's outputs one row a sample. A one-stage
+layout (OneStageSchedule) and a sharded one take any length.
 
 Facts this rests on (measured on torch 2.14; re-check them on another release): shapes are
 declared, because DDP with inferred shapes crashes; the stage module handed to
@@ -53,6 +56,7 @@ from pipetransformer.config import MULTI_CHUNK_SCHEDULES, layout_schedule
 from pipetransformer.models.layered import ModelSpec, UnitSequence
 from pipetransformer.pipe.gradient_sync import GradientAllReduce
 from pipetransformer.pipe.timing import IntervalTimer
+from pipetransformer.utils.padding import PackedShape
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +75,10 @@ SPLIT_BACKWARD_SCHEDULES = ("zero_bubble",)
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _examples(specs, batch_size: int, device, grad_first: bool) -> tuple[torch.Tensor, ...]:
-    tensors = [s.example(batch_size, device) for s in specs]
+def _examples(
+    specs, batch_size: int, device, grad_first: bool, rows: int | None = None
+) -> tuple[torch.Tensor, ...]:
+    tensors = [s.example(batch_size, device, rows) for s in specs]
     if grad_first:
         tensors[0].requires_grad_(True)
     return tuple(tensors)
@@ -219,12 +225,13 @@ class PipelineSchedules:
     device: torch.device
     autocast_dtype: torch.dtype | None = None
 
-    def schedule_for(self, seq_length: int | None) -> object:
+    def schedule_for(self, seq_length: int | PackedShape | None) -> object:
         """A PipelineStage for each of the rank's chunks with the shapes of a batch of
-        `seq_length` tokens (the spec's own for None), and their schedule: the stages and
-        schedule for shape S, in one place."""
+        `seq_length` tokens (the spec's own for None; a packed batch's shape), and their
+        schedule: the stages and schedule for shape S, in one place."""
         spec = self.spec.at_length(seq_length)
-        stages = [self._stage(chunk, spec) for chunk in self.chunks]
+        rows = seq_length.rows if isinstance(seq_length, PackedShape) else None
+        stages = [self._stage(chunk, spec, rows) for chunk in self.chunks]
         schedule = SCHEDULES[self.schedule_name]
         if self.schedule_name in MULTI_CHUNK_SCHEDULES:  # torch's PipelineScheduleMulti
             return schedule(
@@ -238,7 +245,7 @@ class PipelineSchedules:
             stage, n_microbatches=self.num_micro_batches, loss_fn=self.loss_fn, scale_grads=False
         )
 
-    def _stage(self, chunk: Chunk, spec: ModelSpec) -> PipelineStage:
+    def _stage(self, chunk: Chunk, spec: ModelSpec, rows: int | None) -> PipelineStage:
         start, end = chunk.unit_range
         is_first = chunk.index == 0
         is_last = chunk.index == self.num_chunks - 1
@@ -249,6 +256,7 @@ class PipelineSchedules:
             self.micro_batch_size,
             self.device,
             grad_first=not is_first and self.frozen_end < start,
+            rows=rows,
         )
         output_specs = spec.unit_output_specs(end - 1)
         output_args = _examples(
@@ -256,6 +264,7 @@ class PipelineSchedules:
             self.micro_batch_size,
             self.device,
             grad_first=self.frozen_end < end,
+            rows=rows,
         )
         # Under zero_bubble, torch's input-gradient step (I) finds the weights through the
         # graph from the chunk's inputs: a chunk after the first whose input carries no
@@ -316,7 +325,7 @@ class StageRuntime:
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def schedule(self, seq_length: int | None = None) -> object:
+    def schedule(self, seq_length: int | PackedShape | None = None) -> object:
         """The schedule of a step whose batch is `seq_length` tokens long (built the first
         time that length is met: module docstring)."""
         if isinstance(self.schedules, OneStageSchedule):
@@ -326,12 +335,12 @@ class StageRuntime:
         return self._built[seq_length]
 
     @property
-    def seq_lengths_built(self) -> list[int | None]:
+    def seq_lengths_built(self) -> list[int | PackedShape | None]:
         """The sequence lengths this rank's pipeline stage has been built for."""
         return list(self._built)
 
     def __post_init__(self) -> None:
-        self._built: dict[int | None, object] = {}
+        self._built: dict[int | PackedShape | None, object] = {}
 
     def _autocast(self):
         """One autocast region for a whole step: autocast caches the low-precision copy of
@@ -349,7 +358,7 @@ class StageRuntime:
         inputs: Sequence[torch.Tensor] | None,
         target: torch.Tensor | None,
         ids: Sequence[int] | None = None,
-        seq_length: int | None = None,
+        seq_length: int | PackedShape | None = None,
     ) -> list[torch.Tensor]:
         """One optimizer step's forward and backward of a batch of `seq_length` tokens (every
         stage is told: only the first holds the inputs); returns the last stage's
@@ -377,7 +386,7 @@ class StageRuntime:
         inputs: Sequence[torch.Tensor] | None,
         target: torch.Tensor | None,
         ids: Sequence[int] | None = None,
-        seq_length: int | None = None,
+        seq_length: int | PackedShape | None = None,
     ) -> torch.Tensor | None:
         """Forward only; returns the merged outputs on the last stage. Without gradients:
         the schedule's forward-only step builds an autograd graph otherwise, which the
@@ -403,7 +412,7 @@ class StageRuntime:
         inputs: Sequence[torch.Tensor] | None,
         ids: Sequence[int] | None = None,
         split: str = "train",
-        seq_length: int | None = None,
+        seq_length: int | PackedShape | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """The frozen prefix's output (computed, or served by AutoCache), in float32: what
         stage 0 takes in."""
@@ -419,7 +428,7 @@ def prefix_output(
     inputs: Sequence[torch.Tensor] | None,
     ids: Sequence[int] | None,
     split: str,
-    seq_length: int | None = None,
+    seq_length: int | PackedShape | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The frozen prefix's output for `inputs` (samples `ids` of `split`, a batch of
     `seq_length` tokens): read from AutoCache when `cached_prefix` serves, computed without

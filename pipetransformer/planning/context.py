@@ -57,7 +57,7 @@ from pipetransformer.config import (
 from pipetransformer.data.checks import data_facts
 from pipetransformer.freeze import check_freeze_config
 from pipetransformer.models import ModelSpec, build_model
-from pipetransformer.utils.padding import bucket_buffer_share
+from pipetransformer.utils.padding import bucket_buffer_share, packed_buffer_share
 from pipetransformer.utils.units import prefix_end
 
 # What a GPU holds besides the tensors the memory model counts (its predictions are
@@ -211,16 +211,22 @@ def _layout_shape(
     m = choose_num_micro_batches(
         pipeline.num_micro_batches, pipe_len, replica_batch, pipeline.schedule
     )
-    return LayoutShape(replica_batch // m, m, dp, pipeline.schedule, receive_buffer_share(config))
+    micro = replica_batch // m
+    return LayoutShape(micro, m, dp, pipeline.schedule, receive_buffer_share(config, micro))
 
 
-def receive_buffer_share(config: Config) -> float:
+def receive_buffer_share(config: Config, micro_batch_size: int = 1) -> float:
     """A pipeline stage's receive buffers over the max-length ones: text padded per batch
-    keeps a set for each length bucket (pipe/runtime.py); 1 otherwise."""
+    keeps a set for each length bucket, packed text one for each shape (rows and their
+    length in buckets, micro-batches of `micro_batch_size` samples: pipe/runtime.py), auto
+    both; 1 otherwise (utils/padding.py gives the bounds)."""
     data = config.data
-    if data.name not in TEXT_DATASETS or data.padding != "batch":
+    if data.name not in TEXT_DATASETS or data.padding == "max_length":
         return 1.0
-    return bucket_buffer_share(data.pad_to_multiple_of, data.max_seq_length)
+    buckets = bucket_buffer_share(data.pad_to_multiple_of, data.max_seq_length)
+    packed = packed_buffer_share(data.pad_to_multiple_of, data.max_seq_length, micro_batch_size)
+    # auto: a step is padded or packed, so a stage of either kind may be built.
+    return {"batch": buckets, "packed": packed, "auto": buckets + packed}[data.padding]
 
 
 def sharded_shape(config: Config, world_size: int, num_micro_batches: int = 1) -> LayoutShape:

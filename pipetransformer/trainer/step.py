@@ -6,8 +6,10 @@ the pipeline runtime); a transition replaces it. `Batches` gives a rank its repl
 inputs (first stage), weighted targets (last stage) and, for text, the sequence length
 every stage of the replica runs the step at, for any step of any layout, loading ahead
 with `data.num_workers` workers. The length is the replica batch's padded length
-(data.padding), rounded up to a bucket in a pipeline of several stages (utils/padding.py):
-a function of the sample ids, so every rank of a replica computes the same without a word.
+(data.padding), rounded up to a bucket in a pipeline of several stages (utils/padding.py),
+or under data.padding packed the `PackedShape` of rows that long its micro-batches pack
+into: a function of the sample ids, so every rank of a replica computes the same without a
+word.
 `StepRunner.run` takes one step: data, learning rate, forward and backward through the
 schedule, gradient clipping over the pipeline's stages, the optimizer, and the per-step
 values the metrics count: the replica's loss and each unit's squared gradient norm (before
@@ -46,17 +48,35 @@ from pipetransformer.trainer.distributed import WorldInfo
 from pipetransformer.trainer.metrics import StepResult
 from pipetransformer.trainer.tasks import loss_weights
 from pipetransformer.utils.files import append_jsonl
-from pipetransformer.utils.padding import bucket_length
+from pipetransformer.utils.padding import (
+    PackedShape,
+    batch_tokens,
+    bucket_length,
+    packed_shape,
+    packing_pays,
+)
 
 
 def step_seq_length(
     config: Config, layout: Layout, dataset: SampleDataset, ids: Sequence[int]
-) -> int | None:
+) -> int | PackedShape | None:
     """The sequence length a replica of `layout` runs the batch `ids` of `dataset` at (None
     without a sequence): its padded length, in a bucket when the pipeline has several
-    stages (the stages' receive buffers are built per length: pipe/runtime.py)."""
+    stages (the stages' receive buffers are built per shape: pipe/runtime.py); packed, the
+    shape its micro-batches pack into in rows of that length (rows in a bucket too); under
+    data.padding auto, that shape where packing pays (`packing_pays`), else the length."""
     length = dataset.batch_length(ids)
-    return None if length is None else run_length(config, layout.pipe_len, length)
+    if length is None:
+        return None
+    bucketed = layout.pipe_len > 1
+    length = run_length(config, layout.pipe_len, length)
+    if config.data.padding not in ("packed", "auto"):
+        return length
+    samples = len(ids) // layout.plan.num_micro_batches
+    shape = packed_shape([dataset.lengths[i] for i in ids], samples, length, bucketed)
+    if config.data.padding == "auto" and not packing_pays(shape, length, len(ids)):
+        return length
+    return shape
 
 
 def run_length(config: Config, pipe_len: int, padded: int | None) -> int | None:
@@ -92,21 +112,31 @@ def padded_length_share(
     sampler: TrainSampler,
     replicas_per_node: int,
     pipe_len: int = 1,
+    num_micro_batches: int = 1,
 ) -> float:
-    """The mean length an epoch's replica batches run at over max_seq_length (node 0's first
-    epoch, `replicas_per_node` replicas a node of `pipe_len` stages: each batch's padded
-    length, in its bucket in a pipeline of several stages, as `step_seq_length` runs it); 1
-    without a sequence. What recomputing a frozen prefix costs against its cost at
-    max_seq_length (trainer/caching.py)."""
+    """The tokens an epoch's replica batches compute over those of the same batches padded
+    to max_seq_length (node 0's first epoch, `replicas_per_node` replicas a node of
+    `pipe_len` stages: each batch at its padded length, in its bucket in a pipeline of
+    several stages, as `step_seq_length` runs it; under data.padding packed, packed in
+    `num_micro_batches` micro-batches in rows of that length); 1 without a sequence. What
+    recomputing a frozen prefix costs against its cost at max_seq_length
+    (trainer/caching.py)."""
     if train.lengths is None:
         return 1.0
     order = sampler.epoch_order(0, 0)
     replica = config.trainer.replica_batch_size(replicas_per_node * sampler.num_nodes)
-    lengths = [
-        run_length(config, pipe_len, train.batch_length(order[i : i + replica]))
-        for i in range(0, len(order), replica)
-    ]
-    return sum(lengths) / (len(lengths) * config.data.max_seq_length)
+    batches = [order[i : i + replica] for i in range(0, len(order), replica)]
+    tokens = 0
+    for ids in batches:
+        shape = run_length(config, pipe_len, train.batch_length(ids))
+        samples = len(ids) // num_micro_batches
+        if config.data.padding in ("packed", "auto") and samples and len(ids) % samples == 0:
+            lengths = [train.lengths[i] for i in ids]
+            packed = packed_shape(lengths, samples, shape, bucketed=pipe_len > 1)
+            if config.data.padding == "packed" or packing_pays(packed, shape, len(ids)):
+                shape = packed
+        tokens += batch_tokens(shape, len(ids))
+    return tokens / (len(order) * config.data.max_seq_length)
 
 
 @dataclass(frozen=True)
@@ -117,7 +147,7 @@ class StepData:
     inputs: list[torch.Tensor] | None
     target: torch.Tensor | None
     ids: tuple[int, ...]
-    seq_length: int | None
+    seq_length: int | PackedShape | None
 
 
 @dataclass
@@ -183,14 +213,14 @@ class Batches:
         self._batch_loader.close()
 
     def device_inputs(
-        self, split: str, ids: Sequence[int], seq_length: int | None = None
+        self, split: str, ids: Sequence[int], seq_length: int | PackedShape | None = None
     ) -> list[torch.Tensor]:
         """Inputs of `ids` on the device at `seq_length` tokens, loaded now (what a batch the
         loader skipped needs when the cache turns out not to serve all of it)."""
         dataset = self.data.train if split == "train" else self.data.eval
         return [to_device(t, self.world.device) for t in dataset.fetch(ids, seq_length)[0]]
 
-    def seq_length(self, layout: Layout, ids: Sequence[int]) -> int | None:
+    def seq_length(self, layout: Layout, ids: Sequence[int]) -> int | PackedShape | None:
         """The sequence length of training batch `ids` in `layout`."""
         return step_seq_length(self.config, layout, self.data.train, ids)
 
@@ -205,7 +235,7 @@ class Batches:
             ids = self.sampler.replica_batch(
                 node, local_replica, layout.replicas_per_node, epoch, step
             ).ids
-            total += len(ids) * (self.seq_length(layout, ids) or 0)
+            total += batch_tokens(self.seq_length(layout, ids), len(ids))
         return total
 
     def step_data(
