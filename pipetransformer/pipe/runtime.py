@@ -38,35 +38,32 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining as pipelining
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel
 
 from pipetransformer.autopipe.planner import PipelinePlan
-from pipetransformer.config import MULTI_CHUNK_SCHEDULES, layout_schedule
+from pipetransformer.config import (
+    SCHEDULE_PROPERTIES,
+    SPLIT_BACKWARD_SCHEDULES,
+    layout_schedule,
+    split_backward_compile_problem,
+)
+from pipetransformer.models.compiled import is_compiled
 from pipetransformer.models.layered import ModelSpec, UnitSequence
 from pipetransformer.pipe.gradient_sync import GradientAllReduce
 from pipetransformer.pipe.timing import IntervalTimer
 
 logger = logging.getLogger(__name__)
 
-# What a layout runs (config/schedules.py `layout_schedule`) -> torch's class. The last two
-# take the list of the rank's chunks (PipelineScheduleMulti), the first two its one stage.
-SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "zero_bubble": ScheduleInterleavedZeroBubble,
-}
-# Schedules whose backward DDP cannot see (their chunks' gradients are averaged by
-# GradientAllReduce once per step instead: pipe/gradient_sync.py says why).
-SPLIT_BACKWARD_SCHEDULES = ("zero_bubble",)
+
+def torch_schedule_class(name: str) -> type:
+    """torch's class for what a layout runs (config/schedules.py `layout_schedule`): the
+    multi-chunk ones take the list of the rank's chunks (PipelineScheduleMulti), the others
+    its one stage."""
+    return getattr(pipelining, SCHEDULE_PROPERTIES[name].torch_class)
+
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -225,8 +222,8 @@ class PipelineSchedules:
         schedule for shape S, in one place."""
         spec = self.spec.at_length(seq_length)
         stages = [self._stage(chunk, spec) for chunk in self.chunks]
-        schedule = SCHEDULES[self.schedule_name]
-        if self.schedule_name in MULTI_CHUNK_SCHEDULES:  # torch's PipelineScheduleMulti
+        schedule = torch_schedule_class(self.schedule_name)
+        if SCHEDULE_PROPERTIES[self.schedule_name].multi_chunk:  # torch's PipelineScheduleMulti
             return schedule(
                 stages,
                 n_microbatches=self.num_micro_batches,
@@ -513,6 +510,8 @@ def build_stage_runtime(
         )
     micro = replica_batch // num_micro_batches
 
+    if runs in SPLIT_BACKWARD_SCHEDULES and any(is_compiled(m) for m in modules):
+        raise ValueError(f"trainer.compile: {split_backward_compile_problem(runs)}")
     by_hand = runs in SPLIT_BACKWARD_SCHEDULES and data_group is not None
     hook = CommTimer(comm_timer) if comm_timer is not None and not by_hand else None
     wrapped = [
