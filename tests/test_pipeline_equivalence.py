@@ -20,6 +20,7 @@ from workers import (
     step_lengths,
 )
 
+from pipetransformer.config import SPLIT_BACKWARD_SCHEDULES, TORCH_SCHEDULE_CLASS
 from pipetransformer.utils.units import parse_param_key
 
 pytestmark = pytest.mark.distributed
@@ -40,12 +41,6 @@ CASES = [
     pytest.param("bert", 2, 2, 2, "interleaved_1f1b", 2, marks=pytest.mark.slow),
     pytest.param("bert", 2, 2, 4, "zero_bubble", 2, marks=pytest.mark.slow),
 ]
-TORCH_CLASSES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "zero_bubble": "ScheduleInterleavedZeroBubble",
-}
 
 
 @pytest.mark.parametrize(
@@ -73,10 +68,10 @@ def test_pipeline_matches_single_process(kind, pipe_len, dp_degree, micro, sched
                 grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
             )
             covered.add(name)
-        assert result["stage_classes"] == [TORCH_CLASSES[schedule]]
+        assert result["stage_classes"] == [TORCH_SCHEDULE_CLASS[schedule]]
         assert result["host_reads"] == []  # the steps after the first (gpu_audit.HostReads)
         # Who averages the replicas' gradients: DDP around each chunk, or the rank itself.
-        by_hand = dp_degree > 1 and schedule == "zero_bubble"
+        by_hand = dp_degree > 1 and schedule in SPLIT_BACKWARD_SCHEDULES
         assert result["by_hand"] == by_hand
         assert result["ddp_chunks"] == (0 if by_hand or dp_degree == 1 else chunks)
     assert covered == set(ref_grads), "every parameter lives on some rank"

@@ -92,7 +92,7 @@ from typing import Protocol
 
 from pipetransformer.autopipe.planner import PipelinePlan
 from pipetransformer.autopipe.schedule_order import Op, rank_order
-from pipetransformer.config import MULTI_CHUNK_SCHEDULES, layout_schedule
+from pipetransformer.config import MULTI_CHUNK_SCHEDULES, SCHEDULE_PROPERTIES, layout_schedule
 from pipetransformer.utils.units import layer_of_unit
 
 # Optimizer state per parameter, in multiples of the parameter's own bytes.
@@ -311,9 +311,8 @@ class MemoryModel:
             for c in chunks
         ]
         order = rank_order(schedule, plan.pipe_len, plan.virtual_stages, m, stage)
-        activations, in_flight = held_activations(
-            order, saved, release="B" if schedule == "interleaved_1f1b" else "W"
-        )
+        split = SCHEDULE_PROPERTIES[schedule].split_backward
+        activations, in_flight = held_activations(order, saved, release="W" if split else "B")
         boundary = sum(
             self._chunk_boundary(plan, chunk, most, m, shape.receive_buffer_share)
             for chunk, most in zip(chunks, in_flight)
