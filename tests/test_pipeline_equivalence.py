@@ -144,11 +144,29 @@ def test_a_one_stage_layout_runs_what_gpipe_runs():
     """A layout of one stage skips the pipelining machinery (OneStageSchedule): its step equals
     PipelineStage + ScheduleGPipe's around the same DDP module, bit for bit (losses and the
     all-reduced gradients of 2 micro-batches on each of 2 ranks), and its units train even
-    when the profiler left them in eval mode."""
-    for result in run_workers(one_stage_against_gpipe, 2, "bert", 2, 8):
+    when the profiler left them in eval mode.
+
+    In the same run, zero bubble's own averaging (pipe/gradient_sync.py, which replaces DDP
+    under a split backward), unclipped: the same step on the units without DDP, then
+    `GradientAllReduce`, gives DDP's gradients on both ranks (the average: a sum would be
+    twice them; a clipped update would not tell the two apart). And a trained parameter
+    whose gradient one replica lacks: both ranks still send the same buffer and leave with
+    the same gradients, the missing one counted as zero (half the other rank's)."""
+    results = run_workers(one_stage_against_gpipe, 2, "bert", 2, 8)
+    for result in results:
         assert all(result["modes"])
         (one_losses, one_grads), (gpipe_losses, gpipe_grads) = result["one_stage"], result["gpipe"]
         assert one_losses == gpipe_losses and len(one_losses) == 2
         assert one_grads.keys() == gpipe_grads.keys()
         for name in one_grads:
             assert torch.equal(one_grads[name], gpipe_grads[name]), name
+        averaged = result["gradient_all_reduce"]
+        assert averaged.keys() == one_grads.keys()
+        for name, grad in averaged.items():
+            torch.testing.assert_close(grad, one_grads[name], rtol=1e-5, atol=1e-7)
+    (dropped, _, first), (_, local, second) = (r["with_missing"] for r in results)
+    assert dropped not in local  # rank 1 had none
+    assert first.keys() == second.keys() == averaged.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name  # the replicas agree
+    torch.testing.assert_close(second[dropped], results[0]["with_missing"][1][dropped] / 2)
