@@ -81,6 +81,15 @@ def test_pipeline_matches_single_process(kind, pipe_len, dp_degree, micro, sched
     assert total / dp_degree == pytest.approx(ref_loss, rel=1e-5)
     if kind == "bert" and pipe_len > 1:  # a stage for each length, the first one reused
         assert all(r["lengths_built"] == [16, 8] for r in results)
+    # The first training step after an evaluation is any other step: the bucket's stages
+    # and buffers reused, no warm-up vote (torch re-initialises a schedule that switches
+    # between eval and step; evaluation has stages of its own).
+    for result in results:
+        after_eval, steady = result["after_eval"]
+        assert after_eval == steady, (result["rank"], after_eval, steady)
+        assert "warm_up_votes" not in steady and "forward_set_ups" not in steady
+        if pipe_len > 1:
+            assert steady["p2p_sends"] + steady["p2p_recvs"] > 0
     # Evaluation through the forward-only schedule: each replica's logits are the model's.
     model = build(kind).eval()
     inputs, _ = fixed_batch(kind, batch)

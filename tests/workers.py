@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import torch
-from gpu_audit import HostReads
+from gpu_audit import HostReads, PipelineTraffic
 from helpers import tiny_bert, tiny_vit
 
 from pipetransformer.autodp.groups import build_training_groups
@@ -117,8 +117,21 @@ def pipeline_gradients(
     if role.is_last:
         eval_target = ClassificationTask.make_target(labels[window], torch.zeros(share))
     logits = runtime.eval_step(eval_inputs, eval_target, seq_length=length)
+    # The first training step after that evaluation, and the one after it, at the same
+    # length: what each sends, receives, votes and allocates (gpu_audit.PipelineTraffic).
+    # One more step first, then the evaluation again: DDP rebuilds its buckets once, at its
+    # second step (ViT's steps here are one), which is not the evaluation's doing.
+    step_inputs = [t[window] for t in cut(inputs, length)] if role.is_first else None
+    runtime.train_step(step_inputs, target, seq_length=length)
+    runtime.eval_step(eval_inputs, eval_target, seq_length=length)
+    traffic = []
+    for _ in range(2):
+        with PipelineTraffic() as seen:
+            runtime.train_step(step_inputs, target, seq_length=length)
+        traffic.append(seen.counts)
     torch.distributed.destroy_process_group()
     return {
+        "after_eval": traffic,
         "rank": world.rank,
         "eval_logits": (window, logits) if role.is_last else None,
         "role": role,

@@ -18,6 +18,14 @@ DDP-wrapped module): the trainer rounds a text batch's length up to one of a few
 (utils/padding.py) for such layouts, every micro-batch of a step in its replica batch's
 bucket. A one-stage layout (OneStageSchedule) and a sharded one take any length.
 
+Evaluation has stages and a schedule of its own per length, built at the first evaluation
+of that length. torch's schedule re-initialises its stages whenever it switches between
+`eval` and `step` (`_initialize_pp_stages`: `has_backward` changed): the warm-up vote (an
+int32 send and receive and a `.item()`), the receive buffers allocated again, the backward
+metadata inferred again, at the first training step after every evaluation. Apart, each
+schedule initialises once; the evaluation's stages hold input buffers without gradients
+(autopipe/memory.py counts them).
+
 Facts this rests on (measured on torch 2.14; re-check them on another release): shapes are
 declared, because DDP with inferred shapes crashes; the stage module handed to
 PipelineStage *is* the DDP module, so the schedule syncs gradients once per step; DDP never
@@ -313,22 +321,25 @@ class StageRuntime:
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def schedule(self, seq_length: int | None = None) -> object:
-        """The schedule of a step whose batch is `seq_length` tokens long (built the first
-        time that length is met: module docstring)."""
+    def schedule(self, seq_length: int | None = None, training: bool = True) -> object:
+        """The schedule of a training step (or with `training` false an evaluation) whose
+        batch is `seq_length` tokens long, built the first time that length is met for it
+        (module docstring)."""
         if isinstance(self.schedules, OneStageSchedule):
             return self.schedules
-        if seq_length not in self._built:
-            self._built[seq_length] = self.schedules.schedule_for(seq_length)
-        return self._built[seq_length]
+        built = self._built if training else self._built_eval
+        if seq_length not in built:
+            built[seq_length] = self.schedules.schedule_for(seq_length)
+        return built[seq_length]
 
     @property
     def seq_lengths_built(self) -> list[int | None]:
-        """The sequence lengths this rank's pipeline stage has been built for."""
+        """The sequence lengths this rank's pipeline stage has been built for (training)."""
         return list(self._built)
 
     def __post_init__(self) -> None:
         self._built: dict[int | None, object] = {}
+        self._built_eval: dict[int | None, object] = {}
 
     def _autocast(self):
         """One autocast region for a whole step: autocast caches the low-precision copy of
@@ -380,7 +391,7 @@ class StageRuntime:
         the schedule's forward-only step builds an autograd graph otherwise, which the
         stage keeps (activations and all) until the next training step."""
         self.module.eval()
-        schedule = self.schedule(seq_length)
+        schedule = self.schedule(seq_length, training=False)
         try:
             with torch.no_grad():
                 if self.is_first:
