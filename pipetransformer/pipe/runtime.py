@@ -468,7 +468,12 @@ def wrap_chunk(
             process_group=data_group,
             forward_sync_buffers=False,
             init_sync=False,  # replicas already hold identical weights (handoff is bit-exact)
-            # Gradients are views into the all-reduce buckets: no second copy of them.
+            # After each backward the gradients are views into the all-reduce buckets, so no
+            # second copy of them is held between steps. Not copy-free: the optimizer step
+            # sets them to None (trainer/step.py), so each backward makes a fresh gradient
+            # and the reducer copies it into its bucket once (`zero_grad(set_to_none=False)`
+            # would accumulate into the bucket views instead, for a memset a step: to be
+            # measured on a GPU, docs/gpus.md).
             gradient_as_bucket_view=True,
         )
         if hook is not None:
