@@ -162,7 +162,7 @@ def test_compiled_forwards_copy_nothing_between_host_and_device(family_name, dyn
     and device and no tensor made on the host inside any graph, library code included (the
     code dynamo traces can differ from the eager code the eager audit saw:
     transformers branches on `is_tracing`). DeBERTa's attention scale is a 0-dim host tensor
-    a kernel reads as a scalar, not a copy. Slow for all families: about 70 s."""
+    a kernel reads as a scalar, not a copy. Slow for all families: about 60 s."""
     from families import FAMILIES, batch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -217,9 +217,9 @@ def test_bert_compiled_with_inductor_across_buckets_micro_batches_and_states(dyn
     (trained, frozen, evaluation: the first trained unit is an attention unit, the embedding
     or the head), the head 4 here (trained, evaluation; first trained only when every layer
     is frozen): within dynamo's default and half `UNIT_RECOMPILE_LIMIT`. No graph break, no
-    host read, no copy between devices. Cost: 5-10 minutes on 2 cores (about 24 graphs and
-    their backward, each generated and built with gcc; inductor's on-disk cache serves a
-    second run)."""
+    host read, no copy between devices. Cost: about 3 minutes on 2 shared cores (24 graphs
+    and their backward, each generated and built with gcc, inductor's on-disk cache cold;
+    it serves a second run)."""
     audit = GraphAudit(codegen=True)
     units = list(tiny_bert(seq_len=16).units)
     before, breaks = dict(COMPILES), sum(counters["graph_break"].values())
