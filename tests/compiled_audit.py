@@ -121,7 +121,13 @@ class GraphAudit:
     def __call__(self, graph_module, example_inputs):
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(graph_module, example_inputs, inner_compile=self._inner)
+        # AOTAutograd's and inductor's on-disk caches would serve a graph compiled before
+        # (another test, another run) without calling the inner compiler: nothing recorded.
+        with (
+            torch._functorch.config.patch(enable_autograd_cache=False),
+            torch._inductor.config.patch(fx_graph_cache=False),
+        ):
+            return compile_fx(graph_module, example_inputs, inner_compile=self._inner)
 
     def _inner(self, graph_module, example_inputs, **kwargs):
         kind = "forward"
