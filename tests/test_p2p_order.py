@@ -4,7 +4,7 @@ runs, K 2-8, v = 2 for the multi-chunk ones, M up to 16, a training step and an
 evaluation (tests/p2p_order.py records each rank's posts and waits from torch's own
 `_step_microbatches`, and replays them). On gloo, sends are buffered and a bad order can
 pass every CPU test and hang the first GPU run; a torch release that reorders them fails
-here. Pure: no processes, about 10 s on 2 cores."""
+here. Pure: no processes, about 3 s on 2 cores."""
 
 from __future__ import annotations
 
