@@ -38,7 +38,6 @@ SCHEDULE_CLUSTERS = {
     "2 x 8 Quadro RTX 5000": (2, "quadro-rtx-5000", "pcie3-x16", "infiniband-cx353a"),
     "1 x 8 H100 SXM": (1, "h100-sxm", "nvlink4", "infiniband-ndr"),
 }
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 SCHEDULE_HEADER = (
     "| workload | cluster | schedule | start: K, v, M | idle share at the start | Pipe+DDP | "
     "PipeTransformer | vs the shipped schedule's Pipe+DDP: Pipe+DDP / PipeTransformer |"
@@ -147,7 +146,7 @@ def schedule_rows() -> list[str]:
     under that schedule, and both against Pipe+DDP under the config's own schedule (GPipe,
     1F1B for SQuAD: what the shipped configs run). A schedule whose activations in flight do
     not fit the device at the start is said so."""
-    from pipetransformer.config import ConfigError, load_config
+    from pipetransformer.config import SCHEDULES, ConfigError, load_config
 
     lines = []
     with tempfile.TemporaryDirectory() as scratch:

@@ -50,10 +50,15 @@ from harness import ROOT, other_load, run_alone, train_command, wait_until_idle,
 from pipetransformer.compare.order import rotated_order
 from pipetransformer.compare.report import read_run, throughput
 from pipetransformer.compare.stats import geometric_mean_ratio, mean_std
-from pipetransformer.config import Config, layout_schedule, load_config
+from pipetransformer.config import (
+    SCHEDULE_PROPERTIES,
+    SCHEDULES,
+    Config,
+    layout_schedule,
+    load_config,
+)
 
 DATA = ROOT.parent / "shared" / "data"
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
 
 @dataclass(frozen=True)
@@ -89,8 +94,11 @@ def formula_bubble(schedule: str, pipe_len: int, virtual_stages: int, micro: int
     schedule"): (K - 1) / (M + K - 1) for GPipe and 1F1B, M counted v times over with v
     chunks a rank, and three times over again for zero bubble's F, I and W of equal time."""
     runs = layout_schedule(schedule, pipe_len, virtual_stages)
-    slots = micro * (virtual_stages if runs in ("interleaved_1f1b", "zero_bubble") else 1)
-    if runs == "zero_bubble":
+    if runs is None:  # plain DDP: no pipeline, no bubble
+        return 0.0
+    properties = SCHEDULE_PROPERTIES[runs]
+    slots = micro * (virtual_stages if properties.multi_chunk else 1)
+    if properties.split_backward:
         slots *= 3
     return (pipe_len - 1) / (slots + pipe_len - 1)
 

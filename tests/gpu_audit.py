@@ -441,3 +441,53 @@ class CollectiveAudit:
             return fn(*args, **kwargs)
 
         return create
+
+
+class PipelineTraffic(TorchDispatchMode):
+    """What a stretch of pipeline steps sends, receives and allocates, on gloo: every
+    point-to-point op on the wire (`ProcessGroup.send` and `recv`, whoever posts them:
+    torch's schedules, batched or not, and their warm-up vote), the warm-up votes
+    (`PipelineStage._warmup_forward_vote`: an int32 exchange and a `.item()`), the stages'
+    forward set-ups (`_prepare_forward_infra`: receive buffers allocated) and every tensor
+    allocated by a factory operator (`aten.empty*`, `zeros`, `full`, ...). Counts by name."""
+
+    ALLOCATING = ("empty", "empty_strided", "zeros", "ones", "full", "new_empty", "new_zeros")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+        self._saved: list[tuple[object, str, object]] = []
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counts[name] = self.counts.get(name, 0) + n
+
+    def _wrap(self, owner, name: str, counted: str) -> None:
+        method = getattr(owner, name)
+        self._saved.append((owner, name, method))
+
+        def wrapped(*args, **kwargs):
+            self._count(counted)
+            return method(*args, **kwargs)
+
+        setattr(owner, name, wrapped)
+
+    def __enter__(self):
+        from torch.distributed import ProcessGroup
+        from torch.distributed.pipelining.stage import PipelineStage
+
+        self._wrap(ProcessGroup, "send", "p2p_sends")
+        self._wrap(ProcessGroup, "recv", "p2p_recvs")
+        self._wrap(PipelineStage, "_warmup_forward_vote", "warm_up_votes")
+        self._wrap(PipelineStage, "_prepare_forward_infra", "forward_set_ups")
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for owner, name, method in reversed(self._saved):
+            setattr(owner, name, method)
+        self._saved.clear()
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.ALLOCATING:
+            self._count("allocations")
+        return func(*args, **(kwargs or {}))

@@ -1021,9 +1021,12 @@ def test_autocache_on_a_gpu_stages_rows_in_two_pinned_buffers_and_writes_after_t
 
 
 def test_autocaches_read_measurement_copies_from_pinned_memory_on_a_gpu(monkeypatch):
-    """The read time that decides whether caching pays is measured as a step reads: in
-    the stored dtype into pinned memory, copied without waiting, converted on the device,
-    and the device waited for once per repeat (fake CUDA tensors, a real store)."""
+    """The read time that decides whether caching pays is measured through the step's own
+    path (CachedPrefix's staging): in the stored dtype into the two pinned buffers, allocated
+    once and taken in turn, copied without waiting, converted on the device, and the device
+    waited for once per repeat (fake CUDA tensors, a real store). It read into pageable
+    memory and pinned a copy at every repeat: a cost no step pays, so caching switched on
+    later than it should."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from pipetransformer.autocache import CacheClient, CacheDaemon
@@ -1031,8 +1034,18 @@ def test_autocaches_read_measurement_copies_from_pinned_memory_on_a_gpu(monkeypa
     from pipetransformer.trainer import caching
     from pipetransformer.trainer.distributed import WorldInfo
 
-    pinned, waits = [], []
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self) or self)
+    pinned_copies, waits, pinned, empty = [], [], [], torch.empty
+
+    def recording_empty(*args, pin_memory=False, **kwargs):
+        tensor = empty(*args, **kwargs)
+        if pin_memory:
+            pinned.append(tensor)
+        return tensor
+
+    monkeypatch.setattr(torch, "empty", recording_empty)
+    monkeypatch.setattr(torch.cuda, "Event", OrderedEvent)
+    OrderedEvent.log, OrderedEvent.made = [], 0
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned_copies.append(self) or self)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waits.append(device))
     cuda = torch.device("cuda", 0)
     specs = list(tiny_vit(device="meta").spec.activation_specs)
@@ -1046,7 +1059,10 @@ def test_autocaches_read_measurement_copies_from_pinned_memory_on_a_gpu(monkeypa
         with FakeTensorMode(allow_non_fake_inputs=True):
             seconds = cache._measure_read(8)
     assert seconds > 0 and waits == [cuda] * caching.READ_REPEATS
-    assert len(pinned) == caching.READ_REPEATS * len(specs)
+    assert pinned_copies == []  # nothing pinned on the way: read into pinned buffers
+    assert len(pinned) == 2 * len(specs)  # the staging's two buffers, allocated once
+    records = [entry for entry in OrderedEvent.log if entry[0] == "record"]
+    assert len(records) == caching.READ_REPEATS  # each copy marked for the buffer's reuse
 
 
 def test_autocache_leaves_shared_memory_for_nccl():

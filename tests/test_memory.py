@@ -55,7 +55,8 @@ def test_stage_memory_by_hand():
     assert last.overlap == 0
     one = TOY.stage_memory(plan, 1, LayoutShape(4, 1, dp_degree=1, schedule="1f1b"))
     assert one.overlap == 60  # one micro-batch in all: the larger of the two, 300
-    assert last.boundary == 2 * (1 * 4 + 3 * 4)  # its output kept, its inputs received
+    # its output kept, its inputs received (twice: the evaluation's stage receives apart)
+    assert last.boundary == 2 * (1 * 4 + 2 * 3 * 4)
     # With 4 of the 6 units frozen (F = 2 ... not possible with 2 layers; take F = 1):
     frozen = balance(
         UnitCosts.from_param_counts([1] * 6, 1 / 6), 1, 1

@@ -21,6 +21,7 @@ from workers import (
     step_lengths,
 )
 
+from pipetransformer.config import SPLIT_BACKWARD_SCHEDULES, TORCH_SCHEDULE_CLASS
 from pipetransformer.utils.units import parse_param_key
 
 pytestmark = pytest.mark.distributed
@@ -41,12 +42,6 @@ CASES = [
     pytest.param("bert", 2, 2, 2, "interleaved_1f1b", 2, marks=pytest.mark.slow),
     pytest.param("bert", 2, 2, 4, "zero_bubble", 2, marks=pytest.mark.slow),
 ]
-TORCH_CLASSES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "zero_bubble": "ScheduleInterleavedZeroBubble",
-}
 
 
 @pytest.mark.parametrize(
@@ -74,10 +69,10 @@ def test_pipeline_matches_single_process(kind, pipe_len, dp_degree, micro, sched
                 grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
             )
             covered.add(name)
-        assert result["stage_classes"] == [TORCH_CLASSES[schedule]]
+        assert result["stage_classes"] == [TORCH_SCHEDULE_CLASS[schedule]]
         assert result["host_reads"] == []  # the steps after the first (gpu_audit.HostReads)
         # Who averages the replicas' gradients: DDP around each chunk, or the rank itself.
-        by_hand = dp_degree > 1 and schedule == "zero_bubble"
+        by_hand = dp_degree > 1 and schedule in SPLIT_BACKWARD_SCHEDULES
         assert result["by_hand"] == by_hand
         assert result["ddp_chunks"] == (0 if by_hand or dp_degree == 1 else chunks)
     assert covered == set(ref_grads), "every parameter lives on some rank"
@@ -87,6 +82,15 @@ def test_pipeline_matches_single_process(kind, pipe_len, dp_degree, micro, sched
     assert total / dp_degree == pytest.approx(ref_loss, rel=1e-5)
     if kind == "bert" and pipe_len > 1:  # a stage for each length, the first one reused
         assert all(r["lengths_built"] == [16, 8] for r in results)
+    # The first training step after an evaluation is any other step: the bucket's stages
+    # and buffers reused, no warm-up vote (torch re-initialises a schedule that switches
+    # between eval and step; evaluation has stages of its own).
+    for result in results:
+        after_eval, steady = result["after_eval"]
+        assert after_eval == steady, (result["rank"], after_eval, steady)
+        assert "warm_up_votes" not in steady and "forward_set_ups" not in steady
+        if pipe_len > 1:
+            assert steady["p2p_sends"] + steady["p2p_recvs"] > 0
     # Evaluation through the forward-only schedule: each replica's logits are the model's.
     model = build(kind).eval()
     inputs, _ = fixed_batch(kind, batch)
@@ -223,11 +227,29 @@ def test_a_one_stage_layout_runs_what_gpipe_runs():
     """A layout of one stage skips the pipelining machinery (OneStageSchedule): its step equals
     PipelineStage + ScheduleGPipe's around the same DDP module, bit for bit (losses and the
     all-reduced gradients of 2 micro-batches on each of 2 ranks), and its units train even
-    when the profiler left them in eval mode."""
-    for result in run_workers(one_stage_against_gpipe, 2, "bert", 2, 8):
+    when the profiler left them in eval mode.
+
+    In the same run, zero bubble's own averaging (pipe/gradient_sync.py, which replaces DDP
+    under a split backward), unclipped: the same step on the units without DDP, then
+    `GradientAllReduce`, gives DDP's gradients on both ranks (the average: a sum would be
+    twice them; a clipped update would not tell the two apart). And a trained parameter
+    whose gradient one replica lacks: both ranks still send the same buffer and leave with
+    the same gradients, the missing one counted as zero (half the other rank's)."""
+    results = run_workers(one_stage_against_gpipe, 2, "bert", 2, 8)
+    for result in results:
         assert all(result["modes"])
         (one_losses, one_grads), (gpipe_losses, gpipe_grads) = result["one_stage"], result["gpipe"]
         assert one_losses == gpipe_losses and len(one_losses) == 2
         assert one_grads.keys() == gpipe_grads.keys()
         for name in one_grads:
             assert torch.equal(one_grads[name], gpipe_grads[name]), name
+        averaged = result["gradient_all_reduce"]
+        assert averaged.keys() == one_grads.keys()
+        for name, grad in averaged.items():
+            torch.testing.assert_close(grad, one_grads[name], rtol=1e-5, atol=1e-7)
+    (dropped, _, first), (_, local, second) = (r["with_missing"] for r in results)
+    assert dropped not in local  # rank 1 had none
+    assert first.keys() == second.keys() == averaged.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name  # the replicas agree
+    torch.testing.assert_close(second[dropped], results[0]["with_missing"][1][dropped] / 2)

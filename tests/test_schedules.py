@@ -42,6 +42,29 @@ def torch_schedule(schedule: str, pipe_len: int, virtual_stages: int, num_micro_
     return cls(stages, num_micro_batches)
 
 
+def test_the_schedule_table_is_what_torchs_classes_are():
+    """config/schedules.py's one table (what everything reads: the runtime, the step and
+    memory models, the schedule orders, the benchmarks) against torch: the class exists,
+    takes several chunks a rank exactly when PipelineScheduleMulti, and splits the backward
+    into I and W exactly when its order has W actions; the names are the config's."""
+    from typing import get_args
+
+    from pipetransformer.config import SCHEDULE_PROPERTIES, SCHEDULES, ScheduleName
+
+    assert get_args(ScheduleName) == SCHEDULES == tuple(SCHEDULE_PROPERTIES)
+    for name, properties in SCHEDULE_PROPERTIES.items():
+        cls = getattr(torch_schedules, properties.torch_class)
+        multi = issubclass(cls, torch_schedules.PipelineScheduleMulti)
+        assert multi == properties.multi_chunk, name
+        if multi:
+            order = torch_schedule(name, 2, 2, 4).pipeline_order
+        else:
+            stage = types.SimpleNamespace(num_stages=2)
+            order = cls(stage, 4)._get_pipeline_order()
+        kinds = {a.computation_type.value for actions in order.values() for a in actions if a}
+        assert ("W" in kinds) == properties.split_backward, (name, kinds)
+
+
 @pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zero_bubble"])
 @pytest.mark.parametrize("pipe_len", [2, 4, 8])
 def test_the_micro_batch_rule_is_torchs_from_pipe_len_up(schedule, pipe_len):

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import torch
-from gpu_audit import HostReads
+from gpu_audit import HostReads, PipelineTraffic
 from helpers import tiny_bert, tiny_vit
 
 from pipetransformer.autodp.groups import build_training_groups
@@ -151,8 +151,21 @@ def pipeline_gradients(
     logits = runtime.eval_step(
         eval_inputs if role.is_first else None, eval_target, seq_length=shape
     )
+    # The first training step after that evaluation, and the one after it, at the same
+    # length: what each sends, receives, votes and allocates (gpu_audit.PipelineTraffic).
+    # One more step first, then the evaluation again: DDP rebuilds its buckets once, at its
+    # second step (ViT's steps here are one), which is not the evaluation's doing.
+    step_inputs = eval_inputs if role.is_first else None
+    runtime.train_step(step_inputs, target, seq_length=shape)
+    runtime.eval_step(step_inputs, eval_target, seq_length=shape)
+    traffic = []
+    for _ in range(2):
+        with PipelineTraffic() as seen:
+            runtime.train_step(step_inputs, target, seq_length=shape)
+        traffic.append(seen.counts)
     torch.distributed.destroy_process_group()
     return {
+        "after_eval": traffic,
         "rank": world.rank,
         "eval_logits": (window, logits) if role.is_last else None,
         "role": role,
@@ -651,8 +664,39 @@ def one_stage_against_gpipe(kind: str, micro_batches: int, batch_size: int):
             scale_grads=False,
         )
     )
+    by_hand = zero_bubble_average(runtime, units, inputs, target, groups.data)
     torch.distributed.destroy_process_group()
-    return {"modes": modes, "one_stage": one_stage, "gpipe": gpipe}
+    return {"modes": modes, "one_stage": one_stage, "gpipe": gpipe, **by_hand}
+
+
+def zero_bubble_average(runtime, units, inputs, target, data_group) -> dict:
+    """The same step on the units themselves (no DDP), its gradients averaged over the data
+    group by zero bubble's GradientAllReduce, unclipped; then again with one trained
+    parameter's gradient missing on rank 1 only (a replica that left it out)."""
+    from pipetransformer.pipe.gradient_sync import GradientAllReduce
+
+    params = [p for unit in units.values() for p in unit.parameters()]
+    named = {name: p for i, unit in units.items() for name, p in unit_param_names(unit, i).items()}
+    sync = GradientAllReduce(params, data_group)
+
+    def local_step(drop: str | None) -> dict:
+        runtime.module.train()
+        for p in params:
+            p.grad = None
+        ClassificationTask.loss_fn(runtime.module(*inputs), target).backward()
+        if drop is not None and torch.distributed.get_rank() == 1:
+            named[drop].grad = None
+        local = {name: p.grad.clone() for name, p in named.items() if p.grad is not None}
+        sync()
+        return local, {name: p.grad.clone() for name, p in named.items()}
+
+    dropped = next(iter(named))
+    _, averaged = local_step(None)
+    local, averaged_missing = local_step(dropped)
+    return {
+        "gradient_all_reduce": averaged,
+        "with_missing": (dropped, local, averaged_missing),
+    }
 
 
 def runs_under_load(runs: list[tuple[str, dict, float, int | None]], root: str):

@@ -18,8 +18,10 @@ For one rank of a layout (stage s of K, M micro-batches of m samples, R replicas
                     which frees its micro-batch's activations as it goes, so with n in flight
                     the peak holds max(n micro-batches, n - 1 and the gradients); in 1F1B's
                     steady phase a forward follows a backward: both are held in full
-    boundary        the pipeline's buffers: received inputs (M, stage > 0), received output
-                    gradients (M, all but the last stage) and the outputs kept for backward;
+    boundary        the pipeline's buffers: received inputs (M, stage > 0; twice: the
+                    evaluation's stage receives into buffers of its own, pipe/runtime.py),
+                    received output gradients (M, all but the last stage) and the outputs
+                    kept for backward;
                     stage 0 also holds the frozen prefix's output for the replica batch.
                     Text padded per batch keeps a stage (and its receive buffers) for each
                     length bucket it meets (pipe/runtime.py): the receive buffers of every
@@ -49,7 +51,8 @@ above) a rank's terms are its chunks' summed:
                                         K on every rank, 1F1B's first-stage peak (ZB-H1's
                                         memory, Qi et al. 2023, arXiv:2401.10241)
                     the gradients kept for W are not counted beyond that
-    boundary        per chunk: received inputs (M, all but chunk 0), received output
+    boundary        per chunk: received inputs (2 M: training's and evaluation's, all but
+                    chunk 0), received output
                     gradients (M, all but the last chunk), outputs kept for backward (the
                     most in flight of that chunk); on stage 0 the prefix's output
     overlap         none: a forward follows a backward in the steady phase
@@ -95,7 +98,7 @@ from typing import Protocol
 
 from pipetransformer.autopipe.planner import PipelinePlan
 from pipetransformer.autopipe.schedule_order import Op, rank_order
-from pipetransformer.config import MULTI_CHUNK_SCHEDULES, layout_schedule
+from pipetransformer.config import MULTI_CHUNK_SCHEDULES, SCHEDULE_PROPERTIES, layout_schedule
 from pipetransformer.utils.units import layer_of_unit
 
 # Optimizer state per parameter, in multiples of the parameter's own bytes.
@@ -258,14 +261,15 @@ class MemoryModel:
         self, plan: PipelinePlan, chunk: int, kept: int, m: int, receive_share: float = 1.0
     ) -> float:
         """A chunk's pipeline buffers: its outputs kept for their backward (`kept` micro-batches),
-        its received inputs (all but chunk 0) and output gradients (all but the last chunk),
-        the receive buffers `receive_share` times the max-length ones (one set per length
-        bucket of text padded per batch, per shape of packed text)."""
+        its received inputs (all but chunk 0; for training and for evaluation, each its own
+        stage) and output gradients (all but the last chunk), the receive buffers
+        `receive_share` times the max-length ones (one set per length bucket of text padded
+        per batch, per shape of packed text)."""
         start, end = plan.stage_ranges[chunk]
         boundary = kept * self.output_bytes[end - 1]
         received = receive_share * m
         if chunk > 0:
-            boundary += received * self.output_bytes[start - 1]
+            boundary += 2 * received * self.output_bytes[start - 1]
         if chunk < plan.num_chunks - 1:
             boundary += received * self.output_bytes[end - 1]
         return boundary
@@ -314,9 +318,8 @@ class MemoryModel:
             for c in chunks
         ]
         order = rank_order(schedule, plan.pipe_len, plan.virtual_stages, m, stage)
-        activations, in_flight = held_activations(
-            order, saved, release="B" if schedule == "interleaved_1f1b" else "W"
-        )
+        split = SCHEDULE_PROPERTIES[schedule].split_backward
+        activations, in_flight = held_activations(order, saved, release="W" if split else "B")
         boundary = sum(
             self._chunk_boundary(plan, chunk, most, m, shape.receive_buffer_share)
             for chunk, most in zip(chunks, in_flight)

@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import NamedTuple
 
+from pipetransformer.config import SCHEDULE_PROPERTIES
+
 
 class Op(NamedTuple):
     kind: str  # 'F' forward, 'B' full backward, 'I' input-gradient backward, 'W' weight gradient
@@ -41,10 +43,10 @@ def rank_order(
     schedule: str, pipe_len: int, virtual_stages: int, num_micro_batches: int, stage: int
 ) -> list[Op]:
     """The ops stage `stage` runs in one step, in order (see the module docstring)."""
-    if schedule not in ("interleaved_1f1b", "zero_bubble"):
+    if not SCHEDULE_PROPERTIES[schedule].multi_chunk:
         raise ValueError(f"no multi-chunk order for schedule '{schedule}'")
     k, v, m, r = pipe_len, virtual_stages, num_micro_batches, stage
-    zero_bubble = schedule == "zero_bubble"
+    zero_bubble = SCHEDULE_PROPERTIES[schedule].split_backward
     per_round = m // max(1, m // k)
     hops = 1 if zero_bubble else 2
     warmup = min((v - 1) * per_round + hops * (k - 1 - r), m * v)

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from pipetransformer.config.errors import _fail
 from pipetransformer.config.run import Config
-from pipetransformer.config.schedules import micro_batch_problem, smallest_micro_batches
+from pipetransformer.config.schedules import (
+    SCHEDULE_PROPERTIES,
+    micro_batch_problem,
+    smallest_micro_batches,
+)
 
 
 def pipe_len_candidates(devices_per_node: int) -> list[int]:
@@ -99,6 +103,18 @@ def frozen_random_embedding(config: Config) -> bool:
     return config.embedding_frozen and not config.starts_from_trained_weights
 
 
+def split_backward_compile_problem(schedule: str) -> str:
+    """Why a compiled unit cannot run under `schedule`'s split backward (pipe/runtime.py
+    refuses it too, for a caller that built its units compiled)."""
+    return (
+        f"pipeline.schedule {schedule} splits each backward into its input and weight "
+        "gradients (torch's stage_backward_input and stage_backward_weight), and a compiled "
+        "unit is one autograd node: its whole compiled backward would run for each, twice "
+        "the matmuls (or fail on AOTAutograd's donated buffers); use trainer.compile=false "
+        "or pipeline.schedule interleaved_1f1b"
+    )
+
+
 def check_config(config: Config, world_size: int | None = None) -> None:
     """Cross-field checks. `world_size` defaults to one node of `nproc_per_node` devices."""
     nproc = config.nproc_per_node
@@ -112,6 +128,9 @@ def check_config(config: Config, world_size: int | None = None) -> None:
     problems = [_layout_problem(config, world, k0) for k0 in candidates]
     if all(problems):  # 'auto' needs one possible start; a configured K must work itself
         _fail(*problems[0])
+    schedule = config.pipeline.schedule
+    if config.trainer.compile and SCHEDULE_PROPERTIES[schedule].split_backward:
+        _fail("trainer.compile", split_backward_compile_problem(schedule))
     augmented = config.data.augment and config.data.name in (
         "cifar10",
         "cifar100",

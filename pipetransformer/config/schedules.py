@@ -37,25 +37,55 @@ the replica's first and last rank, as the single-chunk schedules have them.
   has 1F1B's bubble but warms up 2 (K - 1 - r) micro-batches on rank r where 1F1B holds
   K - r. zero_bubble at v = 1 keeps its schedule (the I/W split still fills the bubble).
 
-Owns: the schedule names, these rules and `virtual_stages_for` (v at a layout, re-decided
-at every transition). Must not: import anything outside config/, touch
-torch or plan partitions.
+Owns: the schedule names and their properties (`SCHEDULE_PROPERTIES`: the one table the
+runtime, the step and memory models, the schedule orders, the benchmarks and the tests
+read), these rules and `virtual_stages_for` (v at a layout, re-decided at every
+transition). Must not: import anything outside config/, touch torch or plan partitions.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-# Schedules that hold several chunks a rank (looped placement, torch's PipelineScheduleMulti).
-MULTI_CHUNK_SCHEDULES: tuple[str, ...] = ("interleaved_1f1b", "zero_bubble")
 
-TORCH_SCHEDULE_CLASS = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "zero_bubble": "ScheduleInterleavedZeroBubble",
+
+@dataclass(frozen=True)
+class ScheduleProperties:
+    """What a schedule is to everything that runs, prices or plans it."""
+
+    torch_class: str  # its class in torch.distributed.pipelining
+    # Several chunks a rank (looped placement; torch's PipelineScheduleMulti, which takes the
+    # list of a rank's stages): v chunks, M a multiple of max(1, M // K), M >= K.
+    multi_chunk: bool
+    # Each chunk's backward split into the input gradient (I) and the weight gradient (W),
+    # W delayed into the bubble, both through `torch.autograd.grad`: DDP's hooks never fire
+    # (the rank averages its gradients itself: pipe/gradient_sync.py), a compiled unit would
+    # run its whole backward at I and again at W (config/checks.py refuses trainer.compile),
+    # and a micro-batch's activations stay until its W (autopipe/memory.py).
+    split_backward: bool
+
+
+SCHEDULE_PROPERTIES: dict[str, ScheduleProperties] = {
+    "gpipe": ScheduleProperties("ScheduleGPipe", multi_chunk=False, split_backward=False),
+    "1f1b": ScheduleProperties("Schedule1F1B", multi_chunk=False, split_backward=False),
+    "interleaved_1f1b": ScheduleProperties(
+        "ScheduleInterleaved1F1B", multi_chunk=True, split_backward=False
+    ),
+    "zero_bubble": ScheduleProperties(
+        "ScheduleInterleavedZeroBubble", multi_chunk=True, split_backward=True
+    ),
+}
+SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_PROPERTIES)
+MULTI_CHUNK_SCHEDULES: tuple[str, ...] = tuple(
+    name for name, schedule in SCHEDULE_PROPERTIES.items() if schedule.multi_chunk
+)
+SPLIT_BACKWARD_SCHEDULES: tuple[str, ...] = tuple(
+    name for name, schedule in SCHEDULE_PROPERTIES.items() if schedule.split_backward
+)
+TORCH_SCHEDULE_CLASS: dict[str, str] = {
+    name: schedule.torch_class for name, schedule in SCHEDULE_PROPERTIES.items()
 }
 
 

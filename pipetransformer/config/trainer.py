@@ -54,7 +54,8 @@ class TrainerConfig:
     # peers of `compare --peers` compile each block alike): a graph per unit class and
     # state, shared by the units of a class, reused across transitions; the batch and
     # sequence dimensions dynamic (models/compiled.py). The first steps of a layout and
-    # the first evaluation pay the compilation.
+    # the first evaluation pay the compilation. Refused with pipeline.schedule zero_bubble,
+    # whose split backward would run each compiled unit's backward twice (config/checks.py).
     compile: bool = False
     # What compiles the graphs: 'inductor' (generated kernels); 'aot_eager' and 'eager'
     # trace without generating code (to check a model compiles, or find what breaks).

@@ -20,8 +20,18 @@ instead of compiling one per size (dynamo still specialises a dimension of size 
 `COMPILES` counts, per unit class, the graphs this process compiled (the tests check a
 transition against it; benchmarks/compile.py reports it).
 
-Owns: `compile_unit`, `compile_units`, `library_blocks`, `COMPILES`. Must not: know layouts,
-freezing or ranks (the trainer compiles the units a layout gives a rank).
+How many graphs a class needs: one per state it runs in (trained; the first trained unit,
+whose input carries no gradient; frozen: eval mode without autograd; evaluation: eval mode
+without autograd, its parameters still trained), and each again where a micro-batch holds
+one sample (dynamo specialises a dimension of size 1): at most 8 for BERT's attention unit
+across length buckets, micro-batch sizes and the four states (tests/test_compiled_audit.py
+counts them). Dynamo compiles at most `recompile_limit` graphs per code object (8 by
+default: exactly that bound) and past it silently runs the unit eagerly; here the limit is
+`UNIT_RECOMPILE_LIMIT` and passing it is an error naming `trainer.compile`
+(`fail_on_recompile_limit_hit`), not a slow run nobody is told about.
+
+Owns: `compile_unit`, `compile_units`, `is_compiled`, `library_blocks`, `COMPILES`. Must
+not: know layouts, freezing or ranks (the trainer compiles the units a layout gives a rank).
 """
 
 from __future__ import annotations
@@ -35,6 +45,8 @@ from torch import nn
 COMPILES: Counter[str] = Counter()
 _COMPILED = "_pipetransformer_compiled"  # the backend a unit's forward was compiled with
 _BACKENDS: dict[tuple[str, str], Callable] = {}
+# Graphs a unit class may compile: twice the 8 the four states and size-1 micro-batches need.
+UNIT_RECOMPILE_LIMIT = 16
 
 
 def _counted(class_name: str, backend: str) -> Callable:
@@ -55,9 +67,10 @@ def _counted(class_name: str, backend: str) -> Callable:
 class _DynamicForward:
     """A compiled forward whose inputs' batch (and sequence) dimensions are marked dynamic."""
 
-    def __init__(self, compiled: Callable, dynamic_dims: Sequence[int]) -> None:
+    def __init__(self, compiled: Callable, dynamic_dims: Sequence[int], class_name: str) -> None:
         self.compiled = compiled
         self.dynamic_dims = tuple(dynamic_dims)
+        self.class_name = class_name
 
     def __call__(self, *args, **kwargs):
         for value in (*args, *kwargs.values()):
@@ -65,7 +78,27 @@ class _DynamicForward:
                 for dim in self.dynamic_dims:
                     if dim < value.dim():
                         torch._dynamo.maybe_mark_dynamic(value, dim)
-        return self.compiled(*args, **kwargs)
+        try:
+            return self.compiled(*args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit as exc:
+            raise RuntimeError(
+                f"trainer.compile: {self.class_name} needed more than "
+                f"{torch._dynamo.config.recompile_limit} compiled graphs (one per state and "
+                "size-1 dimension; models/compiled.py); dynamo would run it eagerly from now "
+                "on. Set trainer.compile=false, or report the shapes and states this run met"
+            ) from exc
+
+
+def _fail_past_the_recompile_limit() -> None:
+    """Past `UNIT_RECOMPILE_LIMIT` graphs a unit class is an error, not eager code."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, UNIT_RECOMPILE_LIMIT)
+    config.fail_on_recompile_limit_hit = True
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether `module` (or a module inside it) runs a forward `compile_unit` compiled."""
+    return any(getattr(m, _COMPILED, None) is not None for m in module.modules())
 
 
 def compile_unit(
@@ -75,9 +108,11 @@ def compile_unit(
     are unchanged; hooks such as FSDP2's run around the compiled forward, not in it)."""
     if getattr(module, _COMPILED, None) == backend:
         return
+    _fail_past_the_recompile_limit()
+    name = type(module).__name__
     forward = type(module).forward.__get__(module)
-    compiled = torch.compile(forward, backend=_counted(type(module).__name__, backend))
-    module.forward = _DynamicForward(compiled, dynamic_dims)
+    compiled = torch.compile(forward, backend=_counted(name, backend))
+    module.forward = _DynamicForward(compiled, dynamic_dims, name)
     setattr(module, _COMPILED, backend)
 
 

@@ -13,7 +13,12 @@ DDP and the rank averages the gradients of every chunk it holds here after the s
 step, over the stage's data group: one flat buffer, one all-reduce, as DDP's default hook
 averages (each gradient divided by R, then summed). The same for every rank of the data group
 (the same stage of every replica: the same chunks, the same trained parameters in the same
-order), so the collective order is the same everywhere.
+order), so the collective order is the same everywhere. Every trained parameter takes part,
+one without a gradient on this rank as zeros, and every one leaves with the average: were a
+rank to leave out a parameter another includes, the flat buffers would differ in size (NCCL
+hangs or reduces the wrong bytes) and the replicas' weights would drift apart. DDP (without
+`find_unused_parameters`) refuses a trained parameter without a gradient; here it counts as
+zero on that replica, as one that the whole batch left untouched would under one process.
 
 Owns: that all-reduce. Must not: create groups or decide when a layout needs it.
 """
@@ -44,9 +49,12 @@ class GradientAllReduce:
         self.timer = timer  # marks the all-reduce as DDP's communication hook marks a bucket
 
     def __call__(self) -> None:
-        grads = [p.grad for p in self.parameters if p.grad is not None]
-        if not grads:
+        if not self.parameters:
             return
+        for p in self.parameters:
+            if p.grad is None:  # none on this replica: zeros, so every rank sends the same bytes
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in self.parameters]
         start = self.timer.mark() if self.timer is not None else None
         flat = torch._utils._flatten_dense_tensors(grads)
         flat.div_(self.replicas)

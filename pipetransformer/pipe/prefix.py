@@ -158,12 +158,11 @@ class CachedPrefix:
         for write in pending:
             write.write(self.client, self.num_frozen_layers)
 
-    def _read_to_device(
+    def _read_staged(
         self, split: str, unique_ids: np.ndarray, length: int
-    ) -> tuple[np.ndarray, tuple[torch.Tensor, ...] | None]:
-        """Tags of `unique_ids`, and (when any is cached) their stored rows on the device in
-        float32 padded to `length` tokens (read in the stored dtype, converted on the
-        device)."""
+    ) -> tuple[_Staging, np.ndarray, tuple[torch.Tensor, ...]]:
+        """Tags of `unique_ids` and their stored rows (padded to `length` tokens, in the
+        stored dtype) in this split's staging buffers on the host."""
         staging = self._staging.get(split)
         if staging is None:
             fields = self.client.layout(split).fields
@@ -172,11 +171,40 @@ class CachedPrefix:
         tags, cached = self.client.read(
             split, unique_ids, out=buffers, as_stored=True, length=length
         )
-        if not (tags >= 1).any():
-            return tags, None
+        return staging, tags, cached
+
+    def _send(
+        self, staging: _Staging, cached: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, ...]:
+        """Staged rows to the device without waiting, converted to float32 there."""
         on_device = tuple(t.to(self.device, non_blocking=True) for t in cached)
         staging.sent()
-        return tags, tuple(t.float() if t.is_floating_point() else t for t in on_device)
+        return tuple(t.float() if t.is_floating_point() else t for t in on_device)
+
+    def _read_to_device(
+        self, split: str, unique_ids: np.ndarray, length: int
+    ) -> tuple[np.ndarray, tuple[torch.Tensor, ...] | None]:
+        """Tags of `unique_ids`, and (when any is cached) their stored rows on the device in
+        float32 padded to `length` tokens (read in the stored dtype, converted on the
+        device)."""
+        staging, tags, cached = self._read_staged(split, unique_ids, length)
+        if not (tags >= 1).any():
+            return tags, None
+        return tags, self._send(staging, cached)
+
+    def read_rows(self, split: str, ids: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        """The stored rows of `ids` (text at the longest of them) on the device exactly as a
+        step reads cached rows (the pinned staging buffers, a copy without waiting, float32
+        made on the device), whatever their tags: what the trainer times to decide whether
+        caching pays (trainer/caching.py)."""
+        ids_array = np.asarray(ids, dtype=np.int64)
+        layout = self.client.layout(split)
+        if layout.lengths is not None:
+            length = max(layout.lengths[i] for i in ids_array.tolist())
+        else:
+            length = layout.max_length or 0
+        staging, _, cached = self._read_staged(split, ids_array, length)
+        return self._send(staging, cached)
 
     def __call__(
         self,

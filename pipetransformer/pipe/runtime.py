@@ -21,6 +21,14 @@ their length in buckets, and a stage and schedule per shape alike: its micro-bat
 rows where they carried samples, and the last stage's outputs one row a sample. A one-stage
 layout (OneStageSchedule) and a sharded one take any length.
 
+Evaluation has stages and a schedule of its own per length, built at the first evaluation
+of that length. torch's schedule re-initialises its stages whenever it switches between
+`eval` and `step` (`_initialize_pp_stages`: `has_backward` changed): the warm-up vote (an
+int32 send and receive and a `.item()`), the receive buffers allocated again, the backward
+metadata inferred again, at the first training step after every evaluation. Apart, each
+schedule initialises once; the evaluation's stages hold input buffers without gradients
+(autopipe/memory.py counts them).
+
 Facts this rests on (measured on torch 2.14; re-check them on another release): shapes are
 declared, because DDP with inferred shapes crashes; the stage module handed to
 PipelineStage *is* the DDP module, so the schedule syncs gradients once per step; DDP never
@@ -41,18 +49,19 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining as pipelining
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel
 
 from pipetransformer.autopipe.planner import PipelinePlan
-from pipetransformer.config import MULTI_CHUNK_SCHEDULES, layout_schedule
+from pipetransformer.config import (
+    SCHEDULE_PROPERTIES,
+    SPLIT_BACKWARD_SCHEDULES,
+    layout_schedule,
+    split_backward_compile_problem,
+)
+from pipetransformer.models.compiled import is_compiled
 from pipetransformer.models.layered import ModelSpec, UnitSequence
 from pipetransformer.pipe.gradient_sync import GradientAllReduce
 from pipetransformer.pipe.timing import IntervalTimer
@@ -60,17 +69,13 @@ from pipetransformer.utils.padding import PackedShape
 
 logger = logging.getLogger(__name__)
 
-# What a layout runs (config/schedules.py `layout_schedule`) -> torch's class. The last two
-# take the list of the rank's chunks (PipelineScheduleMulti), the first two its one stage.
-SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "zero_bubble": ScheduleInterleavedZeroBubble,
-}
-# Schedules whose backward DDP cannot see (their chunks' gradients are averaged by
-# GradientAllReduce once per step instead: pipe/gradient_sync.py says why).
-SPLIT_BACKWARD_SCHEDULES = ("zero_bubble",)
+
+def torch_schedule_class(name: str) -> type:
+    """torch's class for what a layout runs (config/schedules.py `layout_schedule`): the
+    multi-chunk ones take the list of the rank's chunks (PipelineScheduleMulti), the others
+    its one stage."""
+    return getattr(pipelining, SCHEDULE_PROPERTIES[name].torch_class)
+
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -232,8 +237,8 @@ class PipelineSchedules:
         spec = self.spec.at_length(seq_length)
         rows = seq_length.rows if isinstance(seq_length, PackedShape) else None
         stages = [self._stage(chunk, spec, rows) for chunk in self.chunks]
-        schedule = SCHEDULES[self.schedule_name]
-        if self.schedule_name in MULTI_CHUNK_SCHEDULES:  # torch's PipelineScheduleMulti
+        schedule = torch_schedule_class(self.schedule_name)
+        if SCHEDULE_PROPERTIES[self.schedule_name].multi_chunk:  # torch's PipelineScheduleMulti
             return schedule(
                 stages,
                 n_microbatches=self.num_micro_batches,
@@ -325,22 +330,27 @@ class StageRuntime:
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def schedule(self, seq_length: int | PackedShape | None = None) -> object:
-        """The schedule of a step whose batch is `seq_length` tokens long (built the first
-        time that length is met: module docstring)."""
+    def schedule(
+        self, seq_length: int | PackedShape | None = None, training: bool = True
+    ) -> object:
+        """The schedule of a training step (or with `training` false an evaluation) whose
+        batch is `seq_length` tokens long (a packed batch's shape), built the first time
+        that shape is met for it (module docstring)."""
         if isinstance(self.schedules, OneStageSchedule):
             return self.schedules
-        if seq_length not in self._built:
-            self._built[seq_length] = self.schedules.schedule_for(seq_length)
-        return self._built[seq_length]
+        built = self._built if training else self._built_eval
+        if seq_length not in built:
+            built[seq_length] = self.schedules.schedule_for(seq_length)
+        return built[seq_length]
 
     @property
     def seq_lengths_built(self) -> list[int | PackedShape | None]:
-        """The sequence lengths this rank's pipeline stage has been built for."""
+        """The sequence lengths this rank's pipeline stage has been built for (training)."""
         return list(self._built)
 
     def __post_init__(self) -> None:
         self._built: dict[int | PackedShape | None, object] = {}
+        self._built_eval: dict[int | PackedShape | None, object] = {}
 
     def _autocast(self):
         """One autocast region for a whole step: autocast caches the low-precision copy of
@@ -392,7 +402,7 @@ class StageRuntime:
         the schedule's forward-only step builds an autograd graph otherwise, which the
         stage keeps (activations and all) until the next training step."""
         self.module.eval()
-        schedule = self.schedule(seq_length)
+        schedule = self.schedule(seq_length, training=False)
         try:
             with torch.no_grad():
                 if self.is_first:
@@ -469,7 +479,12 @@ def wrap_chunk(
             process_group=data_group,
             forward_sync_buffers=False,
             init_sync=False,  # replicas already hold identical weights (handoff is bit-exact)
-            # Gradients are views into the all-reduce buckets: no second copy of them.
+            # After each backward the gradients are views into the all-reduce buckets, so no
+            # second copy of them is held between steps. Not copy-free: the optimizer step
+            # sets them to None (trainer/step.py), so each backward makes a fresh gradient
+            # and the reducer copies it into its bucket once (`zero_grad(set_to_none=False)`
+            # would accumulate into the bucket views instead, for a memset a step: to be
+            # measured on a GPU, docs/gpus.md).
             gradient_as_bucket_view=True,
         )
         if hook is not None:
@@ -522,6 +537,8 @@ def build_stage_runtime(
         )
     micro = replica_batch // num_micro_batches
 
+    if runs in SPLIT_BACKWARD_SCHEDULES and any(is_compiled(m) for m in modules):
+        raise ValueError(f"trainer.compile: {split_backward_compile_problem(runs)}")
     by_hand = runs in SPLIT_BACKWARD_SCHEDULES and data_group is not None
     hook = CommTimer(comm_timer) if comm_timer is not None and not by_hand else None
     wrapped = [

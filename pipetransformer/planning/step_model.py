@@ -77,7 +77,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipetransformer.autopipe.planner import PipelinePlan
-from pipetransformer.config import MULTI_CHUNK_SCHEDULES, layout_schedule
+from pipetransformer.config import MULTI_CHUNK_SCHEDULES, SCHEDULE_PROPERTIES, layout_schedule
 
 # DDP's default bucket_cap_mb: the last bucket's all-reduce starts after the backward ends.
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -230,7 +230,10 @@ def predict_step(
             2 * (dp_degree - 1) / dp_degree * grads / bandwidth + 2 * (dp_degree - 1) * latency
         )
     hidden = 0.0
-    if overlap and allreduce > 0 and runs != "zero_bubble":
+    # A split backward (zero_bubble) writes the weight gradients past DDP: its rank averages
+    # them after the step (pipe/gradient_sync.py), where nothing hides the all-reduce.
+    after_step = runs is not None and SCHEDULE_PROPERTIES[runs].split_backward
+    if overlap and allreduce > 0 and not after_step:
         backward = max(
             scale * sum(times.trained_s[u] - times.frozen_s[u] for u in units) for units in trained
         )
@@ -270,7 +273,7 @@ def _chunked_compute(
         fill_s.append(scale * max(forward, inputs, forward + inputs - weight))
     busiest = max(sum(chunk_s[c] for c in plan.chunks_of_stage(s)) for s in range(plan.pipe_len))
     hops = plan.pipe_len - 1
-    fill = max(chunk_s) if schedule == "interleaved_1f1b" else max(fill_s)
+    fill = max(fill_s) if SCHEDULE_PROPERTIES[schedule].split_backward else max(chunk_s)
     compute = num_micro_batches * busiest + hops * fill
     return compute, compute / (num_micro_batches * busiest)
 

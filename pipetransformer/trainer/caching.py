@@ -20,7 +20,6 @@ import os
 import statistics
 import time
 
-import numpy as np
 import torch
 
 from pipetransformer.autocache import CacheClient, CacheDaemon, default_memory_budget
@@ -29,7 +28,7 @@ from pipetransformer.autopipe.planner import UnitCosts
 from pipetransformer.config import Config, ConfigError
 from pipetransformer.data import DataBundle
 from pipetransformer.models import ModelSpec
-from pipetransformer.pipe.transfer import to_device
+from pipetransformer.pipe.prefix import CachedPrefix
 from pipetransformer.runs.records import CacheCounters
 from pipetransformer.utils.units import prefix_end
 
@@ -126,16 +125,18 @@ class RunCache:
 
     def _measure_read(self, rows: int) -> float:
         """Seconds to read one sample from the store and bring it to the device as a step
-        does (stored dtype, then the copy to the device), averaged over every rank
-        (collective)."""
-        ids = np.arange(rows)
+        does, through the step's own path (pipe/prefix.py `CachedPrefix.read_rows`: the
+        stored dtype into pinned buffers allocated once and reused, a copy without waiting,
+        float32 made on the device; read into pageable memory and pinned at every repeat,
+        the read cost more than a step pays and caching switched on later than it should),
+        the device waited for once per repeat; averaged over every rank (collective)."""
         device = self.world.device
+        reader = CachedPrefix({}, 0, self.client, device)
+        ids = list(range(rows))
         times = []
         for _ in range(READ_REPEATS):
             start = time.perf_counter()
-            _, values = self.client.read("train", ids, as_stored=True)
-            on_device = [to_device(v, device) for v in values]
-            on_device = [v.float() if v.is_floating_point() else v for v in on_device]
+            on_device = reader.read_rows("train", ids)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
