@@ -24,6 +24,8 @@ DEFAULT_MARGIN_POINTS = 0.5
 NOT_WORSE, WORSE, INCONCLUSIVE = "not worse", "worse", "inconclusive"
 LOWER, HIGHER, NOT_DISTINGUISHED = "lower", "higher", "no"
 ONE_SEED = "one seed: no interval"
+
+
 @dataclass(frozen=True)
 class SeedRun:
     """What the statistics need of one finished run of one variant at one seed."""
