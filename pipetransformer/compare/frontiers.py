@@ -17,7 +17,7 @@ not: compute statistics (target.py) or run anything.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -180,19 +180,23 @@ def _side(name: str) -> str:
     return TITLES.get(name, name)
 
 
+Title = Callable[[str], str]
+
+
 def _seconds(value: float | None) -> str:
     return "not reached" if value is None else f"{value:.1f}"
 
 
-def report_lines(found: TimeToTargetResults, metric: str) -> list[str]:
-    """The report's sections: time-to-target, then frontier against frontier."""
-    system = _side(found.system)
+def report_lines(found: TimeToTargetResults, metric: str, title: Title = _side) -> list[str]:
+    """The report's sections: time-to-target, then frontier against frontier; `title(side)`
+    names a side (compare's titles by default)."""
+    system = title(found.system)
     if found.target_source == "given":
         how = "given (--target)"
     else:
         finals = found.reference_finals
         how = (
-            f"{_side(found.target_source)}'s median final {metric} over {len(finals)} seed(s) at "
+            f"{title(found.target_source)}'s median final {metric} over {len(finals)} seed(s) at "
             f"the config's epochs less the margin of {found.margin_points:.2f} points"
         )
     lines = [
@@ -219,7 +223,7 @@ def report_lines(found: TimeToTargetResults, metric: str) -> list[str]:
             f"{seed}: {_seconds(time_s)}" for seed, time_s in zip(side.seeds, side.times)
         )
         lines.append(
-            f"| {_side(side.side)} | {', '.join(map(str, found.budgets[side.side]))} "
+            f"| {title(side.side)} | {', '.join(map(str, found.budgets[side.side]))} "
             f"| {len(side.seeds)} | {side.reached} | {_seconds(side.median_s)} "
             f"[{_seconds(side.q1_s)}, {_seconds(side.q3_s)}] | {per_seed} |"
         )
@@ -231,7 +235,7 @@ def report_lines(found: TimeToTargetResults, metric: str) -> list[str]:
     ]
     for ratio in found.ratios:
         lines.append(
-            f"| {_side(ratio.peer)} | {len(ratio.seeds)} | {_ratio(ratio)} "
+            f"| {title(ratio.peer)} | {len(ratio.seeds)} | {_ratio(ratio)} "
             f"| {ratio.system_only} | {ratio.peer_only} | {ratio.neither} |"
         )
     if found.gaps:
@@ -254,8 +258,8 @@ def report_lines(found: TimeToTargetResults, metric: str) -> list[str]:
         ]
         for gap in found.gaps:
             lines.append(
-                f"| {_side(gap.reader)}, {gap.budget} epoch{'s' if gap.budget != 1 else ''} "
-                f"| {_side(gap.other)} | {len(gap.seeds)} "
+                f"| {title(gap.reader)}, {gap.budget} epoch{'s' if gap.budget != 1 else ''} "
+                f"| {title(gap.other)} | {len(gap.seeds)} "
                 f"| {gap.reader_time_s.mean:.1f} ± {gap.reader_time_s.std:.1f} "
                 f"| {_gap(gap)} | {gap.none_by_then} | {gap.beyond} |"
             )
@@ -278,7 +282,9 @@ def _gap(gap: FrontierGap) -> str:
     return f"{gap.points.mean:+.2f}{interval} ({min(known):+.2f} to {max(known):+.2f})"
 
 
-def plot_series(found: TimeToTargetResults, records: Sequence[RunRecord]) -> dict[str, Any]:
+def plot_series(
+    found: TimeToTargetResults, records: Sequence[RunRecord], title: Title = _side
+) -> dict[str, Any]:
     """What frontiers.png draws: per side every run's evaluations (training time, metric)
     and the median over the seeds of its frontier on a grid of times; the target."""
     sides = group_sides(records)
@@ -287,7 +293,7 @@ def plot_series(found: TimeToTargetResults, records: Sequence[RunRecord]) -> dic
     series: dict[str, Any] = {"target": found.target, "sides": {}}
     for side, seeded in sides.items():
         frontiers = {seed: frontier_points(runs) for seed, runs in seeded.items()}
-        series["sides"][_side(side)] = {
+        series["sides"][title(side)] = {
             "runs": [
                 {
                     "run": variant_title(r.variant),

@@ -118,16 +118,7 @@ def variant_overrides(config: Config, ablations: bool, peers: bool = False) -> d
         ]
         model = config.model
         if model.pretrained or model.model_name_or_path or model.checkpoint_path:
-            # What a DDP user can freeze without this system: the pretrained embedding,
-            # from the first step, no layer after it (no cache: DDP has none), so that
-            # freezing layers shows its own share.
-            variants[DDP_FROZEN_EMBEDDING] = [
-                "freeze.strategy=manual",
-                "freeze.manual_schedule=[0]",
-                "freeze.interval_steps=null",
-                "freeze.embedding=true",
-                *variants[DDP][1:],
-            ]
+            variants[DDP_FROZEN_EMBEDDING] = frozen_embedding_overrides(variants[DDP])
         # What a user of this model family runs today (compare/peers.py), on the DDP run's
         # batch: transformers' Trainer for text models, a plain timm + DDP loop for images.
         variants[peer_for(config)] = variants[DDP]
@@ -154,6 +145,19 @@ def variant_overrides(config: Config, ablations: bool, peers: bool = False) -> d
             variants["no_cache"] = ["cache.enabled=false"]
     variants[ELASTIC] = []
     return variants
+
+
+def frozen_embedding_overrides(ddp: list[str]) -> list[str]:
+    """What a DDP user can freeze without this system (`ddp`: DDP's overrides): the
+    pretrained embedding, from the first step, and no layer after it (one decision that
+    keeps 0 layers; no cache: DDP has none), so that freezing layers shows its own share."""
+    return [
+        "freeze.strategy=manual",
+        "freeze.manual_schedule=[0]",
+        "freeze.interval_steps=null",
+        "freeze.embedding=true",
+        *(o for o in ddp if not o.startswith("freeze.strategy=")),
+    ]
 
 
 def machine_description(config: Config) -> str:
