@@ -374,20 +374,19 @@ def _run_hf_trainer(
     batch = config.trainer.global_batch_size // world_size
     epoch_samples = math.ceil(len(data.train) / world_size)  # a rank's (DistributedSampler)
     steps = math.ceil(epoch_samples / batch)
-    began = [0]  # the global step the epoch began at
+    began = [0, 0]  # the epoch in progress (0-based) and the global step it began at
 
     def tick(state, epoch_end: bool) -> Tick:
-        epoch = round(state.epoch) - (1 if epoch_end else 0)  # Trainer's epoch is a float
-        step = steps - 1 if epoch_end else state.global_step - began[0] - 1
-        return peer_tick(epoch, step, steps, state.global_step, config, batch, epoch_samples)
+        step = steps - 1 if epoch_end else state.global_step - began[1] - 1
+        return peer_tick(began[0], step, steps, state.global_step, config, batch, epoch_samples)
 
     class Epochs(TrainerCallback):
         def on_epoch_begin(self, args, state, control, **kwargs):
-            began[0] = state.global_step
+            began[:] = [len(clock.records), state.global_step]
             clock.start()
 
         def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step - began[0] < steps:  # the epoch's last: at its end
+            if state.global_step - began[1] < steps:  # the epoch's last: at its end
                 evaluations.after_step(tick(state, epoch_end=False))
 
         def on_epoch_end(self, args, state, control, **kwargs):
