@@ -340,6 +340,11 @@ def tables(args, choice: str, rows: list[dict], found, metric: str) -> str:
     return "\n".join(lines)
 
 
+def with_harness(record, bench: dict) -> dict:
+    """A run's record (compare/records.py) with what the harness recorded around it."""
+    return {**dataclasses.asdict(record), "harness": bench[(record.variant, record.seed)]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--setting", choices=list(SETTINGS), required=True)
@@ -402,6 +407,9 @@ def main() -> None:
     if not args.report_only:
         run_seeds(args, setting, args.seeds, reported, common)
     records, bench = records_of(args.out, args.seeds, list(reported), args.budgets)
+    chose_records, chose_bench = (
+        records_of(args.out, args.choose_seeds, list(sides), args.budgets) if rows else ([], {})
+    )
     found = frontiers.time_to_target(records, args.epochs, args.margin, args.target, system)
     metric = records[0].metric_name if records else "accuracy"
     text = tables(args, choice, rows, found, metric)
@@ -417,7 +425,9 @@ def main() -> None:
         "chosen": choice,
         "choice": rows,
         "time_to_target": found.to_dict() if found else None,
-        "runs": [{**dataclasses.asdict(r), "harness": bench[(r.variant, r.seed)]} for r in records],
+        "runs": [with_harness(r, bench) for r in records],
+        # The runs the choice rests on (every candidate and peer on the choosing seeds).
+        "choice_runs": [with_harness(r, chose_bench) for r in chose_records],
     }
     (args.out / "time_to_target.json").write_text(json.dumps(results, indent=2))
     (args.out / "time_to_target.md").write_text(text + "\n")

@@ -362,3 +362,32 @@ def test_curves_must_name_variants_of_the_comparison(tmp_path, fake_training):
     with pytest.raises(ConfigError, match="--curves: fsdp is not a variant"):
         run_compare(config, QUICKSTART, [], tmp_path, False, budgets=[1], curves=["fsdp"])
     assert budget_of("fsdp_1ep") == 1  # with --peers it is one
+
+
+def test_the_benchmark_plans_each_side_as_a_fitted_curve():
+    """benchmarks/time_to_target.py without training: every side at every budget, fitted
+    (warm-up, and a freezing side's cadence); the peers as `compare --peers` runs them after
+    the setting's own overrides; candidates apart from the peers."""
+    import argparse
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import time_to_target as bench
+
+    args = argparse.Namespace(
+        setting="pipeline", tiny=True, epochs=2, train=0, override=["trainer.seed=0"]
+    )
+    setting = bench.SETTINGS["pipeline"]
+    common = bench.workload(args)
+    assert "trainer.evals_per_epoch=4" in common and common[-1] == "trainer.seed=0"
+    sides = bench.side_overrides(setting, ["default", "embedding_only"], common)
+    assert list(sides) == ["baseline", "fsdp", "elastic_default", "elastic_embedding_only"]
+    config = load_config(str(setting.config), common)
+    runs = bench.planned_runs(config, sides, [1, 2])
+    assert sorted(runs) == sorted(f"{side}_{b}ep" for side in sides for b in (1, 2))
+    # The full system's 1-epoch budget decides at the shares of its 2 epochs; the peers
+    # that never freeze have no cadence; FSDP2 shards whatever the setting's default.
+    assert runs["elastic_default_1ep"][-1] == "freeze.cadence_epochs=2"
+    assert not any("cadence" in o for o in runs["baseline_1ep"] + runs["fsdp_2ep"])
+    assert "pipeline.sharding=always" in runs["fsdp_1ep"]
+    assert bench.title("elastic_anneal") == "PipeTransformer, anneal"

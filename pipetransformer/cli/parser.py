@@ -170,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also run what users run instead: ddp (K=1, no freezing), "
         "freeze-ddp (K=1, freezing and AutoCache), fsdp (FSDP2 over every process, no "
-        "freezing) and freeze-fsdp (FSDP2, freezing and AutoCache)",
+        "freezing) and freeze-fsdp (FSDP2, freezing and AutoCache); for pretrained weights "
+        "also ddp_frozen_embedding (K=1, the embedding frozen, no layer)",
     )
     compare.add_argument(
         "--variants",
