@@ -173,8 +173,9 @@ class TimeToAccuracy:
 
 
 def against_curve(records: Sequence[RunRecord]) -> TimeToAccuracy | None:
-    """Every run that is not a curve point against its seed's DDP curve (budget runs and,
-    where it ran, the DDP variant at the config's epochs); None without budget runs."""
+    """Every run that is not a point of its seed's DDP curve (DDP's budget runs and, where
+    it ran, the DDP variant at the config's epochs) against that curve, other variants'
+    budget runs included; None without DDP's budget runs."""
     by_seed: dict[int | None, list[RunRecord]] = {}
     for record in records:
         if record.final_eval_metric is not None:
@@ -197,7 +198,7 @@ def against_curve(records: Sequence[RunRecord]) -> TimeToAccuracy | None:
             for r in sorted(points, key=lambda r: r.training_time_s)
         ]
         for run in runs:
-            if budget_of(run.variant) is not None:
+            if curve_of(run.variant) == DDP:  # a point of the curve itself
                 continue
             time_s, metric = run.training_time_s, run.final_eval_metric
             pairs.append(
