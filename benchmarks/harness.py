@@ -170,13 +170,16 @@ def shared_cores(record: dict) -> bool:
     return record["other_cpu_s"] > SHARED_SHARE * record["command_wall_s"]
 
 
-def run_alone(command: list[str], run_dir: Path, wait_s: float = 120.0) -> dict:
+def run_alone(
+    command: list[str], run_dir: Path, wait_s: float = 120.0, repeat: bool = True
+) -> dict:
     """Run `command` (which writes `run_dir`) alone on the machine, once more if something
-    else shared the cores; its record. A finished run is kept and its record returned."""
+    else shared the cores (`repeat`; a smoke run need not); its record. A finished run is
+    kept and its record returned."""
     if finished(run_dir):
         return json.loads((run_dir / RECORD).read_text())
     record = _run_once(command, run_dir, wait_s)
-    if shared_cores(record):
+    if repeat and shared_cores(record):
         print(
             f"  {run_dir}: other work took {record['other_cpu_s']:.0f} CPU s: run again",
             file=sys.stderr,

@@ -516,10 +516,18 @@ class DecisionSchedule:
     `warmup_epochs` epochs and none after the run's last step (nothing would train in the
     new layout). Pure: the trainer asks `due` once after every step. The step's epoch is
     handed in, not derived from a step count: with `trainer.batch_per_replica` an epoch's
-    steps change with the number of replicas."""
+    steps change with the number of replicas.
+
+    Fitted to a shorter run (`freeze.cadence_epochs` C, the run E epochs: a budget run of
+    `compare --budgets`): the decisions fall at the same shares of the run as in a run of C
+    epochs, so the interval (an epoch's steps for decisions at epoch ends) and the warm-up
+    are scaled by E / C and rounded up: a 1-epoch budget of a 3-epoch config deciding at
+    epoch ends decides after a third and two thirds of its epoch (`warmup_steps` then
+    replaces `warmup_epochs`)."""
 
     interval_steps: int | None
     warmup_epochs: int
+    warmup_steps: int | None = None  # fitted: no decision before this global step
 
     @classmethod
     def for_config(
@@ -535,24 +543,46 @@ class DecisionSchedule:
         run's, for autofreeze's 'auto' (the run's steps over `freeze.num_intervals`, rounded
         down, as its code has it)."""
         interval = config.interval_steps
+        reference = config.cadence_epochs or epochs  # the run the cadence is set for
         if interval == "auto" and config.strategy == "autofreeze":
             # As AutoFreeze's code cuts the run: int(epochs * steps / num_intervals).
-            interval = max(1, steps_per_epoch * epochs // config.num_intervals)
-        elif interval == "auto":
+            interval = max(1, steps_per_epoch * reference // config.num_intervals)
+        elif interval in ("auto", "measured"):
             interval = math.ceil(steps_per_epoch / DECISIONS_PER_EPOCH)
-        elif interval == "measured":
-            interval = max(math.ceil(steps_per_epoch / DECISIONS_PER_EPOCH), min_interval_steps)
-        return cls(interval, config.warmup_epochs)
+        if reference == epochs:
+            if config.interval_steps == "measured":
+                interval = max(interval, min_interval_steps)
+            return cls(interval, config.warmup_epochs)
+        # Fitted to this run's share of the reference run (class docstring), rounded up.
+        steps = steps_per_epoch if interval is None else interval
+        fitted = max(1, -(-steps * epochs // reference))
+        if config.interval_steps == "measured":
+            fitted = max(fitted, min_interval_steps)
+        warmup = -(-config.warmup_epochs * steps_per_epoch * epochs // reference)
+        return cls(fitted, config.warmup_epochs, warmup)
 
-    def due(self, epoch: int, epoch_end: bool, last: bool, steps_since_decision: int) -> bool:
+    def due(
+        self,
+        epoch: int,
+        epoch_end: bool,
+        last: bool,
+        steps_since_decision: int,
+        global_step: int = 0,
+    ) -> bool:
         """After a step of `epoch` (0-based); `epoch_end`: that step finished its epoch;
         `last`: it was the run's last step; `steps_since_decision`: steps since the previous
-        decision point (since the start before the first), this one included."""
+        decision point (since the start before the first), this one included;
+        `global_step`: steps of the run, this one included (a fitted warm-up reads it)."""
         if last:
             return False
         if self.interval_steps is None:
             return epoch_end and epoch + 1 >= self.warmup_epochs
-        return steps_since_decision >= self.interval_steps and epoch >= self.warmup_epochs
+        warm = (
+            epoch >= self.warmup_epochs
+            if self.warmup_steps is None
+            else (global_step >= self.warmup_steps)
+        )
+        return steps_since_decision >= self.interval_steps and warm
 
 
 def min_interval_for(transition_s: float, step_s: float) -> int:

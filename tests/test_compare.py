@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from helpers import TINY_QUICKSTART
 
 from pipetransformer.compare.ideal import (
@@ -19,7 +20,7 @@ from pipetransformer.compare.ideal import (
 from pipetransformer.compare.plots import write_plots
 from pipetransformer.compare.report import build_results, read_run, write_report
 from pipetransformer.runs.records import RunSummary
-from pipetransformer.utils.files import append_jsonl, write_json_atomic
+from pipetransformer.utils.files import append_jsonl, read_jsonl, write_json_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -224,9 +225,10 @@ def test_plots_are_pngs_with_the_expected_series(tmp_path):
 
 @pytest.mark.slow
 def test_compare_command_end_to_end(tmp_path):
-    """Slow: ~170 s on 2 cores (`compare --peers` runs seven variants: the baseline, DDP,
-    the plain timm + DDP loop, freeze + DDP, FSDP2, freeze + FSDP2 and the full system, and
-    DDP for 1 epoch, the default budget ladder below the config's 2)."""
+    """Slow: ~270 s on 2 busy cores (`compare --peers --curves ddp,elastic` runs seven variants:
+    the baseline, DDP, the plain timm + DDP loop, freeze + DDP, FSDP2, freeze + FSDP2 and
+    the full system, and DDP and the full system for 1 epoch, the default budget ladder
+    below the config's 2), every run evaluating 4 times an epoch."""
     out = tmp_path / "cmp"
     result = subprocess.run(
         [
@@ -236,7 +238,10 @@ def test_compare_command_end_to_end(tmp_path):
             "compare",
             str(ROOT / "configs" / "quickstart.yaml"),
             *TINY_QUICKSTART,
+            "trainer.evals_per_epoch=4",
             "--peers",
+            "--curves",
+            "ddp,elastic",
             "--out",
             str(out),
         ],
@@ -278,6 +283,29 @@ def test_compare_command_end_to_end(tmp_path):
     assert json.loads((out / "ddp_1ep" / "summary.json").read_text())["epochs"] == 1
     assert {v["variant"] for v in curve["variants"]} >= {"baseline", "elastic", "torch_ddp"}
     assert {(r["variant"], len(r["epochs"])) for r in results["runs"]} >= {("ddp_1ep", 1)}
+    # Every run, the peers outside this trainer included, evaluated at the same quarters of
+    # each epoch, off its training clock (time-to-target reads them).
+    quarters = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0]
+    for name in results["variants"]:
+        evaluations = [e["epochs_done"] for e in read_jsonl(out / name / "evaluations.jsonl")]
+        assert evaluations == quarters, name
+        assert json.loads((out / name / "summary.json").read_text())["eval_time_s"] > 0
+    found = results["time_to_target"]
+    assert found["target_source"] == "ddp" and found["budgets"]["elastic"] == [1, 2]
+    assert {s["side"] for s in found["sides"]} >= {"elastic", "ddp", "baseline", "torch_ddp"}
+    # The full system's 1-epoch budget decided at half its epoch (its config's epoch ends,
+    # 2 of them, fitted), froze and packed there.
+    assert (
+        yaml.safe_load((out / "elastic_1ep" / "config.yaml").read_text())["freeze"][
+            "cadence_epochs"
+        ]
+        == 2
+    )
+    budget_run = read_run(out / "elastic_1ep")
+    assert [t["global_step"] for t in budget_run["transitions"]] == [2]  # 4 steps an epoch
+    assert (out / "frontiers.png").is_file() and "## Time-to-target" in (
+        out / "report.md"
+    ).read_text()
     assert results["variants"]["fsdp"]["sharded"] and results["variants"]["freeze_fsdp"]["sharded"]
     assert not results["variants"]["elastic"]["sharded"]
     matrix = results["speedup_matrix"]

@@ -13,6 +13,7 @@ from pipetransformer.compare import rebuild_compare, run_compare, runner
 from pipetransformer.compare.budgets import (
     budget_of,
     budget_variants,
+    curve_of,
     default_ladder,
     fitted_warmup_steps,
 )
@@ -38,15 +39,23 @@ def test_budgets_fit_their_warmup_and_the_ladder_stays_below_the_epochs():
     assert fitted_warmup_steps(10, 3, 3) == 10 and fitted_warmup_steps(1, 30, 1) == 1
     assert fitted_warmup_steps(0, 3, 1) == 0
     config = load_config(QUICKSTART, ["trainer.epochs=3", "optimizer.warmup_steps=10"])
-    found = budget_variants(config, [1, 2, 3], ["freeze.strategy=none"], peers=True)
+    found = budget_variants(config, [1, 2, 3], ["freeze.strategy=none"], runs_full=True)
     assert list(found) == ["ddp_1ep", "ddp_2ep"]  # the DDP variant is the 3-epoch point
     assert found["ddp_1ep"] == [
         "freeze.strategy=none",
         "trainer.epochs=1",
         "optimizer.warmup_steps=3",
     ]
-    assert "ddp_3ep" in budget_variants(config, [3], [], peers=False)
+    assert "ddp_3ep" in budget_variants(config, [3], ["freeze.strategy=none"], runs_full=False)
+    # A freezing variant's budget runs decide at the same shares of their run as at the
+    # config's 3 epochs (freeze.cadence_epochs; tests/test_time_to_target.py checks where).
+    elastic = budget_variants(config, [1, 3], [], runs_full=True, variant="elastic")
+    assert elastic == {
+        "elastic_1ep": ["trainer.epochs=1", "optimizer.warmup_steps=3", "freeze.cadence_epochs=3"]
+    }
     assert budget_of("ddp_12ep") == 12 and budget_of("ddp") is None and budget_of("ddp_ep") is None
+    assert budget_of("freeze_ddp_2ep") == 2 and curve_of("freeze_ddp_2ep") == "freeze_ddp"
+    assert curve_of("ddp_1ep") == "ddp" and curve_of("freeze_only") == "freeze_only"
 
 
 def test_the_order_rotates_with_the_seed_and_is_kept_on_resume(tmp_path):
@@ -172,7 +181,9 @@ def test_compare_budgets_end_to_end(tmp_path, fake_training, capsys):
     assert len(runs) == 10
     elastic = runs[("elastic", 1)]
     assert [e["num_frozen_layers"] for e in elastic["epochs"]] == [0, 2, 4]
-    assert [e["elapsed_s"] for e in elastic["epochs"]] == pytest.approx([6.0, 12.0, 18.0])
+    # Training time at each epoch's end: these fakes wrote no evaluations.jsonl (as runs
+    # before issue 53), so their epochs' training seconds add up.
+    assert [e["training_time_s"] for e in elastic["epochs"]] == pytest.approx([5.5, 11.0, 16.5])
     assert [e["eval_metric"] for e in elastic["epochs"]] == pytest.approx([0.81, 0.82, 0.83])
     assert elastic["freeze_decided_by"] == {"bound": 2}
     assert [d["decided_by"] for d in elastic["decisions"]] == ["bound", "bound"]

@@ -1,6 +1,6 @@
 """compare over seeds: the statistics on hand-made numbers, the verdict at the margin's edges,
-time to target from records, and resuming / rebuilding a comparison over seeds from finished
-run directories (the runs are faked: no training process starts)."""
+and resuming / rebuilding a comparison over seeds from finished run directories (the runs
+are faked: no training process starts). Time-to-target: tests/test_time_to_target.py."""
 
 import json
 import math
@@ -24,15 +24,12 @@ from pipetransformer.compare.stats import (
     NOT_WORSE,
     ONE_SEED,
     WORSE,
-    EvalPoint,
     Interval,
     SeedRun,
     distinguishable,
-    evaluation_times,
     mean_std,
     seeded_stats,
     t_quantile_975,
-    time_to_target,
     verdict,
 )
 from pipetransformer.config import ConfigError, load_config
@@ -43,8 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
 
 
-def seed_run(variant, seed, wall, final, best=None, evaluations=()):
-    return SeedRun(variant, seed, wall, final, final if best is None else best, tuple(evaluations))
+def seed_run(variant, seed, wall, final, best=None):
+    return SeedRun(variant, seed, wall, final, final if best is None else best)
 
 
 def test_t_quantiles_are_the_tables():
@@ -188,45 +185,6 @@ def checkpoint(global_step, write_s):
     )
 
 
-def test_time_to_target_from_records():
-    lines = [
-        epoch_line(1, 0.5, 9.0),
-        epoch_line(2, None, 10.0),
-        epoch_line(3, 0.89, 10.0),
-        epoch_line(4, 0.95, 10.0),
-    ]
-    # Checkpoints after epochs 1 and 3 (written after their evaluation) and one mid-epoch 2.
-    checkpoints = [checkpoint(10, 2.0), checkpoint(15, 0.5), checkpoint(30, 4.0)]
-    points = evaluation_times(lines, checkpoints)
-    # Epoch 1: 9 + 1; epoch 3: 10 + 10 (no evaluation) + 11 + writes 2 + 0.5 before step 30;
-    # epoch 4: 31 + 11 + writes 6.5.
-    assert points == [EvalPoint(10.0, 0.5), EvalPoint(33.5, 0.89), EvalPoint(48.5, 0.95)]
-    assert time_to_target(points, 0.9 - 0.01) == 33.5  # reached at equality, float noise aside
-    assert time_to_target(points, 0.9) == 48.5
-    assert time_to_target(points, 0.96) is None
-    runs = [
-        seed_run(
-            "baseline", 0, 60.0, 0.90, evaluations=[EvalPoint(30.0, 0.88), EvalPoint(60.0, 0.90)]
-        ),
-        seed_run("elastic", 0, 58.0, 0.95, evaluations=points),
-        seed_run("baseline", 1, 60.0, 0.99, evaluations=[EvalPoint(60.0, 0.99)]),
-        seed_run("elastic", 1, 58.0, 0.95, evaluations=points),
-    ]
-    stats = seeded_stats(runs, "baseline", margin_points=2.0)
-    found = {(t.variant, t.seed): t.wall_s for t in stats.time_to_target}
-    # Targets: 0.88 at seed 0, 0.97 at seed 1.
-    assert found == {
-        ("baseline", 0): 30.0,
-        ("elastic", 0): 33.5,
-        ("baseline", 1): 60.0,
-        ("elastic", 1): None,
-    }
-    targets = {t.variant: t for t in stats.target_stats}
-    assert (targets["elastic"].reached, targets["elastic"].seeds) == (1, 2)
-    assert targets["elastic"].wall_s.mean == 33.5
-    assert targets["baseline"].wall_s.mean == pytest.approx(45.0)
-
-
 def fake_finished_run(run_dir: Path, wall: float, metrics: list[float], frozen: int = 0) -> None:
     """The records a finished run leaves: metrics.jsonl, events.jsonl, summary.json (last)."""
     for epoch, metric in enumerate(metrics, start=1):
@@ -303,7 +261,7 @@ def test_seeded_compare_skips_finished_runs_and_rebuilds(tmp_path, fake_training
     ).final_eval_metric == pytest.approx(0.90)
 
     results = json.loads((out / "results.json").read_text())
-    assert results["detail_seed"] == 0 and results["margin_points"] == 1.0
+    assert results["detail_seed"] == 0 and results["margin_points"] == 0.5  # the default
     assert "--seeds 0,1,2" in results["command"]
     (pair,) = results["seeded"]["pairs"]
     # Speedups 100/80, 100/79, 100/78; differences 0, -1, -2 points: mean -1, std 1.
@@ -362,12 +320,13 @@ def test_report_only_through_the_command_line(tmp_path, fake_training, capsys):
     assert results["seeded"]["variants"][0]["seeds"] == [0, 1, 2]
     assert results["seeded"]["pairs"][0]["seeds"] == [0, 1]
     assert main("--out", str(out), "--report-only", "--seeds", "0,1") == 2
-    assert main("--out", str(out), "--margin", "1") == 2  # a margin without seeds
+    assert main("--out", str(out), "--report-only", "--curves", "ddp") == 2
     assert main("--out", str(out), "--report-only", "--margin", "-1") == 2
     assert main("--seeds", "0,0", "--out", str(out)) == 2  # argparse: duplicate seeds
     assert main("--seeds", "0", "--repeats", "2", "--out", str(out)) == 2  # one or the other
     err = capsys.readouterr().err
-    assert "leave out --seeds/--repeats" in err and "not allowed with argument" in err
+    assert "leave out --seeds/--repeats/--budgets/--curves" in err
+    assert "not allowed with argument" in err
 
 
 def test_write_report_shows_one_seed_without_interval(tmp_path):
@@ -385,11 +344,6 @@ def test_write_report_shows_one_seed_without_interval(tmp_path):
     assert (
         "| elastic | 1 | 1.25x (1.25 - 1.25x); 1.25x | -2.00 ± 0.00 | - | one seed: no interval |"
         in text
-    )
-    # Target 0.89: the elastic run scores 0.8 at 40 s and 0.88 at 80 s, never 0.89; the
-    # baseline 0.9 at 100 s.
-    assert (
-        "| 0 | elastic | 0.8900 | never |" in text and "| 0 | baseline | 0.8900 | 100.0 |" in text
     )
 
 

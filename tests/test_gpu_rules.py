@@ -722,8 +722,9 @@ class _LoopRun:
         trainer.freezer = SimpleNamespace(due=lambda tick: False)
         trainer.checkpointer = SimpleNamespace(due=lambda tick: False, last_path="checkpoint")
         trainer._start_event = lambda: SimpleNamespace(decided_by_measured_time=())
-        trainer._end_epoch = lambda tick: None
-        trainer._finish = lambda wall_s: "finished"
+        trainer.training_clock = SimpleNamespace(start=lambda: None)
+        trainer._evaluate = lambda tick: None
+        trainer._finish = lambda: "finished"
         trainer.save_checkpoint = lambda tick, reason, metric=None: self.saved.append(
             (tick.global_step, reason)
         )

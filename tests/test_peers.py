@@ -13,6 +13,7 @@ from pipetransformer.compare import runner
 from pipetransformer.compare.report import read_run, read_seed_run, throughput
 from pipetransformer.config import load_config
 from pipetransformer.data import build_data
+from pipetransformer.utils.files import read_jsonl
 
 TINY_VIT = [
     "model.kwargs={embed_dim: 32, depth: 2, num_heads: 2, patch_size: 4}",
@@ -70,7 +71,8 @@ def test_the_torch_ddp_peer_on_two_processes_trains_as_one_does(tmp_path):
         assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-5)
     run = read_run(two)
     assert run["final_eval_metric"] == read_run(one)["final_eval_metric"]
-    assert run["eval_metric"][:-1] == [None] and 0 < run["final_eval_metric"] <= 1
+    # Scored at every epoch's end, as the trainer scores (evaluations.jsonl too).
+    assert None not in run["eval_metric"] and 0 < run["final_eval_metric"] <= 1
     assert read_seed_run(two, "torch_ddp", 0).training_time_s == run["training_time_s"] > 0
 
 
@@ -90,6 +92,7 @@ def hf_run(tmp_path_factory, sst2_dir):
             "data.eval_subset=64",
             "data.max_seq_length=16",
             "trainer.epochs=2",
+            "trainer.evals_per_epoch=2",
             "trainer.global_batch_size=32",
             "model.kwargs={hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2, "
             "intermediate_size: 64}",
@@ -100,9 +103,20 @@ def hf_run(tmp_path_factory, sst2_dir):
 
 
 def test_the_hf_trainer_peer_writes_a_run_compare_reads(hf_run):
-    """The steps the batch gives, scored on rank 0."""
+    """The steps the batch gives, scored on rank 0 at the trainer's evaluation points (half
+    of each epoch's samples and its end, trainer.evals_per_epoch 2), off its clock."""
     run = read_run(hf_run[0])
     assert [t["global_step"] for t in run["freeze_trajectory"]] == [4, 8]
+    evaluations = read_jsonl(hf_run[0] / "evaluations.jsonl")
+    assert [(e["global_step"], e["epochs_done"]) for e in evaluations] == [
+        (2, 0.5),
+        (4, 1.0),
+        (6, 1.5),
+        (8, 2.0),
+    ]
+    times = [e["training_time_s"] for e in evaluations]
+    assert times == sorted(times) and times[-1] <= run["training_time_s"]
+    assert run["eval_time_s"] == pytest.approx(sum(e["eval_time_s"] for e in evaluations))
     assert 0 < run["final_eval_metric"] <= 1 and run["metric_name"] == "accuracy"
     assert all(s > 0 for s in run["samples_per_s"])
     # Each sentence once an epoch, at its real length; batches padded to their longest

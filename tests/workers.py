@@ -824,3 +824,51 @@ def compiled_run(config_dict: dict, run_dir: str, frozen_after: int, steps: int)
         }
     finally:
         trainer.cleanup()
+
+
+def slow_evaluation_runs(config_dict: dict, root: str, sleep_s: float, resume_at_step: int):
+    """A whole Trainer run whose every evaluation and every checkpoint write takes `sleep_s`
+    more (a slow eval set, a slow disk), then the same run resumed from a copy cut back to
+    its checkpoint at `resume_at_step`. Returns rank 0's seconds around each `train()` and
+    the summaries: {name: (train_s, summary dict)}."""
+    import time
+
+    from pipetransformer.runs.checkpoint import Checkpointer
+    from pipetransformer.runs.rundir import RunOptions
+    from pipetransformer.trainer.evaluation import Evaluator
+
+    evaluate, prune = Evaluator._evaluate, Checkpointer._prune
+
+    def slow_evaluate(self, *args, **kwargs):
+        time.sleep(sleep_s)
+        return evaluate(self, *args, **kwargs)
+
+    def slow_prune(self, *args, **kwargs):  # rank 0, inside a save's timing; the rest wait
+        time.sleep(sleep_s)
+        return prune(self, *args, **kwargs)
+
+    from pipetransformer.config import config_from_dict
+    from pipetransformer.trainer.trainer import Trainer
+
+    def timed(run_dir: Path, options=None):
+        trainer = Trainer(config_from_dict(config_dict), run_dir, options)
+        try:
+            trainer.setup()
+            started = time.perf_counter()
+            summary = trainer.train()
+            return time.perf_counter() - started, summary.to_dict()
+        finally:
+            trainer.cleanup()
+
+    root = Path(root)
+    Evaluator._evaluate, Checkpointer._prune = slow_evaluate, slow_prune
+    try:
+        results = {"run": timed(root / "run")}
+        _fresh_rendezvous(
+            root / "port-resumed",
+            lambda: _continue_from(root / "run", root / "resumed", resume_at_step),
+        )
+        results["resumed"] = timed(root / "resumed", RunOptions(resume="required"))
+    finally:
+        Evaluator._evaluate, Checkpointer._prune = evaluate, prune
+    return results

@@ -350,14 +350,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.report_only:
         if not args.out:
             raise ConfigError("--report-only needs --out DIR: the directory of an earlier compare")
-        if seeds is not None or args.budgets is not None:
+        if seeds is not None or args.budgets is not None or args.curves is not None:
             raise ConfigError(
                 "--report-only reads the seeds and budgets from the directories in --out: "
-                "leave out --seeds/--repeats/--budgets"
+                "leave out --seeds/--repeats/--budgets/--curves"
             )
-        return rebuild_compare(config, args.config, args.overrides, Path(args.out), args.margin)
-    if args.margin is not None and seeds is None:
-        raise ConfigError("--margin judges differences over seeds: give --seeds or --repeats")
+        out = Path(args.out)
+        return rebuild_compare(config, args.config, args.overrides, out, args.margin, args.target)
     config = preflight(config)
     overrides = list(args.overrides)
     if config.data.name in ("hf", "hf_image"):  # every variant trains with what was found once
@@ -383,6 +382,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 only=args.variants,
                 budgets=args.budgets,
                 command=command,
+                curves=args.curves,
+                target=args.target,
             )
     except CompareStopped as stopped:  # one line; the run's checkpoint is where it says
         print(f"pipetransformer compare: {stopped}. Resume with: {command}", file=sys.stderr)

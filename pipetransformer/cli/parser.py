@@ -176,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run what users run instead: ddp (K=1, no freezing); hf_trainer "
         "(transformers' Trainer, for text models) or torch_ddp (a plain timm + DDP loop, for "
         "image models) on DDP's batch; freeze_ddp (K=1, freezing and AutoCache); fsdp (FSDP2 "
-        "over every process, no freezing); freeze_fsdp (FSDP2, freezing and AutoCache)",
+        "over every process, no freezing); freeze_fsdp (FSDP2, freezing and AutoCache); for "
+        "pretrained weights also ddp_frozen_embedding (K=1, the embedding frozen, no layer)",
     )
     compare.add_argument(
         "--variants",
@@ -204,17 +205,37 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         metavar="POINTS",
-        help="non-inferiority margin in metric points (default 1.0): a variant is 'not worse' "
-        "when the 95%% interval of its difference to the baseline lies above -POINTS",
+        help="margin in metric points (default 0.5): a variant is 'not worse' when the 95%% "
+        "interval of its difference to the baseline lies above -POINTS, and time-to-target's "
+        "target is the reference's median final metric less POINTS",
+    )
+    compare.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        metavar="METRIC",
+        help="time-to-target's target, in the metric's units as runs record it (accuracy "
+        "0.83); default: DDP's median final metric over the seeds at the config's epochs (the "
+        "baseline's where DDP did not run) less --margin",
     )
     compare.add_argument(
         "--budgets",
         type=_budget_list,
         default=None,
         metavar="E,E,...|none",
-        help="also run DDP for these epochs, each with its schedule fitted to its budget, and "
-        "report every variant's time-to-accuracy and accuracy at equal time against DDP's "
-        "curve (default with --peers: a ladder below the config's epochs; 'none': no budget)",
+        help="also run DDP (and the --curves variants) for these epochs, each with its "
+        "schedule fitted to its budget, and report every variant's time-to-accuracy and "
+        "accuracy at equal time against DDP's curve (default with --peers or --curves: a "
+        "ladder below the config's epochs; 'none': no budget)",
+    )
+    compare.add_argument(
+        "--curves",
+        type=lambda text: [w.strip() for w in text.split(",") if w.strip()],
+        default=None,
+        metavar="NAME,...",
+        help="the variants that run at every --budgets epoch count (default: ddp), each with "
+        "its schedule and a freezing variant's decision cadence fitted to the budget, e.g. "
+        "--curves ddp,elastic: time-to-target and frontier against frontier read them",
     )
     compare.add_argument(
         "--out", default=None, help="output directory (default: runs/compare/<config>-<time>)"

@@ -1,14 +1,18 @@
-"""`compare --budgets`: DDP at several budgets (epochs), each with its schedule fitted to
-its budget, and every variant set against the curve they make (docs/compare.md,
-"Time-to-accuracy"; the math is compare/curve.py).
+"""`compare --budgets`: variants at several budgets (epochs), each with its schedule fitted
+to its budget: DDP by default, and every variant `--curves` names (the full system, the
+peers); every variant set against DDP's curve (docs/compare.md, "Time-to-accuracy"; the
+math is compare/curve.py). Time-to-target and frontier against frontier read the same runs
+(compare/frontiers.py).
 
-A budget run is DDP (K = 1, no freezing, the `--peers` DDP variant's overrides) with
-`trainer.epochs` set to the budget. Its learning-rate schedule is fitted to the budget: the
-decay (cosine or linear) runs over the budget's own steps, as every run's does (the trainer
-decays over `trainer.epochs`), and the warm-up is the same share of the run as the
-config's: `optimizer.warmup_steps` x budget / the config's epochs, rounded, at least one
-step where the config warms up at all. A run given less time is then the run a user who
-simply trains less would make, not the first epochs of a longer run.
+A budget run `<variant>_<E>ep` is the variant (DDP: K = 1, no freezing, the `--peers` DDP
+variant's overrides) with `trainer.epochs` set to the budget. Its learning-rate schedule is
+fitted to the budget: the decay (cosine or linear) runs over the budget's own steps, as
+every run's does (the trainer decays over `trainer.epochs`), and the warm-up is the same
+share of the run as the config's: `optimizer.warmup_steps` x budget / the config's epochs,
+rounded, at least one step where the config warms up at all. A freezing variant's decision
+cadence is fitted alike (`freeze.cadence_epochs`: its decisions at the same shares of the
+run as at the config's epochs; freeze.py, DecisionSchedule). A run given less time is then
+the run a user who simply trains less would make, not the first epochs of a longer run.
 
 Owns: the budget variants' names and overrides, the default ladder, and the section of the
 results and report that sets every variant against DDP's curve. Must not: run anything
@@ -49,26 +53,34 @@ from pipetransformer.compare.report import DDP, TITLES, is_finished, seed_dir
 from pipetransformer.compare.stats import geometric_mean_ratio, mean_std
 from pipetransformer.config import Config, ConfigError
 
-_BUDGET = re.compile(r"^ddp_(\d+)ep$")
+_BUDGET = re.compile(r"^(.+)_(\d+)ep$")
 # With --peers and no --budgets: these shares of the config's epochs (rounded half up,
 # at least 1, below the config's epochs, which the DDP variant itself runs).
 LADDER_SHARES = (0.25, 0.5, 0.75)
 
 
-def budget_name(epochs: int) -> str:
-    return f"ddp_{epochs}ep"
+def budget_name(epochs: int, variant: str = DDP) -> str:
+    return f"{variant}_{epochs}ep"
 
 
 def budget_of(name: str) -> int | None:
-    """The budget (epochs) of a budget variant's name; None for any other variant."""
+    """The budget (epochs) of a budget run's name; None for any other variant."""
     found = _BUDGET.match(name)
-    return int(found.group(1)) if found else None
+    return int(found.group(2)) if found else None
+
+
+def curve_of(name: str) -> str:
+    """The variant whose curve a run is a point of: `ddp` for `ddp_2ep`, a variant's own."""
+    found = _BUDGET.match(name)
+    return found.group(1) if found else name
 
 
 def variant_title(name: str) -> str:
     budget = budget_of(name)
     if budget is not None:
-        return f"DDP, {budget} epoch{'s' if budget != 1 else ''} (schedule fitted)"
+        base = curve_of(name)
+        shown = "DDP" if base == DDP else TITLES.get(base, base)
+        return f"{shown}, {budget} epoch{'s' if budget != 1 else ''} (schedule fitted)"
     return TITLES.get(name, name)
 
 
@@ -86,33 +98,41 @@ def fitted_warmup_steps(warmup_steps: int, epochs: int, budget: int) -> int:
 
 
 def budget_variants(
-    config: Config, budgets: Sequence[int], ddp_overrides: Sequence[str], peers: bool
+    config: Config,
+    budgets: Sequence[int],
+    overrides: Sequence[str],
+    runs_full: bool,
+    variant: str = DDP,
 ) -> dict[str, list[str]]:
-    """Overrides of each budget run. With --peers the DDP variant is the point at the
-    config's epochs, so that budget is not run twice."""
+    """Overrides of each budget run of `variant` (whose own are `overrides`). `runs_full`:
+    the variant itself runs at the config's epochs (DDP under --peers), so that budget is
+    not run twice. A freezing variant's decision cadence is fitted to the budget."""
     if any(b < 1 for b in budgets):
         raise ConfigError(f"--budgets: epochs must be >= 1, got {list(budgets)}")
     epochs = config.trainer.epochs
     warmup = config.optimizer.warmup_steps
+    freezes = "freeze.strategy=none" not in overrides
     return {
-        budget_name(b): [
-            *ddp_overrides,
+        budget_name(b, variant): [
+            *overrides,
             f"trainer.epochs={b}",
             f"optimizer.warmup_steps={fitted_warmup_steps(warmup, epochs, b)}",
+            *([f"freeze.cadence_epochs={epochs}"] if freezes and b != epochs else []),
         ]
         for b in sorted(set(budgets))
-        if not (peers and b == epochs)
+        if not (runs_full and b == epochs)
     }
 
 
 def finished_budgets(directory: Path) -> list[str]:
-    """The budget variants whose run finished in `directory` (a seed's, or --out)."""
+    """The budget runs that finished in `directory` (a seed's, or --out), by variant then
+    budget."""
     found = [
-        (budget_of(path.name), path.name)
-        for path in directory.glob("ddp_*ep")
+        (curve_of(path.name), budget_of(path.name), path.name)
+        for path in directory.glob("*_*ep")
         if budget_of(path.name) is not None and (path / "summary.json").is_file()
     ]
-    return [name for _, name in sorted(found)]
+    return [name for _, _, name in sorted(found)]
 
 
 @dataclass(frozen=True)
@@ -153,17 +173,18 @@ class TimeToAccuracy:
 
 
 def against_curve(records: Sequence[RunRecord]) -> TimeToAccuracy | None:
-    """Every run that is not a curve point against its seed's DDP curve (budget runs and,
-    where it ran, the DDP variant at the config's epochs); None without budget runs."""
+    """Every run that is not a point of its seed's DDP curve (DDP's budget runs and, where
+    it ran, the DDP variant at the config's epochs) against that curve, other variants'
+    budget runs included; None without DDP's budget runs."""
     by_seed: dict[int | None, list[RunRecord]] = {}
     for record in records:
         if record.final_eval_metric is not None:
             by_seed.setdefault(record.seed, []).append(record)
-    if not any(budget_of(r.variant) is not None for r in records):
+    if not any(budget_of(r.variant) is not None and curve_of(r.variant) == DDP for r in records):
         return None
     curves, pairs = {}, []
     for seed, runs in by_seed.items():
-        points = [r for r in runs if budget_of(r.variant) is not None or r.variant == DDP]
+        points = [r for r in runs if curve_of(r.variant) == DDP]
         if not points:
             continue
         curve = monotone_curve([CurvePoint(r.training_time_s, r.final_eval_metric) for r in points])
@@ -177,7 +198,7 @@ def against_curve(records: Sequence[RunRecord]) -> TimeToAccuracy | None:
             for r in sorted(points, key=lambda r: r.training_time_s)
         ]
         for run in runs:
-            if budget_of(run.variant) is not None:
+            if curve_of(run.variant) == DDP:  # a point of the curve itself
                 continue
             time_s, metric = run.training_time_s, run.final_eval_metric
             pairs.append(
@@ -193,9 +214,7 @@ def against_curve(records: Sequence[RunRecord]) -> TimeToAccuracy | None:
     names = list(dict.fromkeys(p.variant for p in pairs))
     # DDP's time for as many epochs as a run trained, by seed: the fixed-epoch reference.
     ddp_times = {
-        (r.seed, len(r.epochs)): r.training_time_s
-        for r in records
-        if budget_of(r.variant) is not None or r.variant == DDP
+        (r.seed, len(r.epochs)): r.training_time_s for r in records if curve_of(r.variant) == DDP
     }
     epochs_of = {(r.variant, r.seed): len(r.epochs) for r in records}
     variants = []
@@ -214,7 +233,7 @@ def against_curve(records: Sequence[RunRecord]) -> TimeToAccuracy | None:
             )
         )
     curve_names = sorted(
-        {r.variant for r in records if budget_of(r.variant) is not None or r.variant == DDP},
+        {r.variant for r in records if curve_of(r.variant) == DDP},
         key=lambda n: budget_of(n) or math.inf,
     )
     return TimeToAccuracy(tuple(curve_names), curves, tuple(pairs), tuple(variants))
@@ -330,11 +349,15 @@ def collect_records(out: Path, seeds: Sequence[int] | None) -> list[RunRecord]:
 
 
 def add_to_results(
-    results: dict[str, Any], out: Path, seeds: Sequence[int] | None, metric: str
+    results: dict[str, Any],
+    records: Sequence[RunRecord],
+    out: Path,
+    seeds: Sequence[int] | None,
+    metric: str,
 ) -> tuple[list[str], list[str]]:
-    """Every run's record, each seed's run order, DDP's curve and every variant against it
-    into `results`; the report's lines and the plots written (accuracy_time.png)."""
-    records = collect_records(out, seeds)
+    """Every run's record (`collect_records`), each seed's run order, DDP's curve and every
+    variant against it into `results`; the report's lines and the plots written
+    (accuracy_time.png)."""
     results["runs"] = [r.to_dict() for r in records]
     if seeds is not None:
         results["run_order"] = {str(s): read_order(seed_dir(out, s)) for s in seeds}

@@ -28,11 +28,15 @@ into pinned memory and copied without blocking; otherwise a GPU speedup against 
 measure the settings, not the system. Every collective they make on the default group (NCCL
 on GPUs) carries device tensors, as NCCL requires.
 Their accuracy is scored on rank 0 the way the trainer scores its own (argmax over the
-evaluation split). Each writes the run records `compare` reads (summary.json, metrics.jsonl,
-events.jsonl), so they join the report and the statistics over seeds like any variant.
+evaluation split), at the trainer's evaluation points (trainer/evaluation.py
+`evaluation_due`: every epoch's end, and `trainer.evals_per_epoch` shares of each epoch's
+samples), each off their training clock as the trainer's are (`EpochClock`). Each writes
+the run records `compare` reads (summary.json, metrics.jsonl, evaluations.jsonl,
+events.jsonl), so they join the report, the statistics over seeds and time-to-target like
+any variant.
 
 Owns: the peers' training loops and their records. Must not: use anything of the trainer's
-step (that is what they are measured against).
+step (that is what they are measured against); they share its evaluation points only.
 """
 
 from __future__ import annotations
@@ -43,8 +47,6 @@ import logging
 import math
 import os
 import resource
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,15 +57,21 @@ from torch import nn
 
 from pipetransformer.compare.collators import collator as text_collator
 from pipetransformer.compare.collators import flattening_refusal, meta_text_model
+from pipetransformer.compare.peer_records import (
+    EpochClock,
+    PeerEvaluations,
+    peer_tick,
+    write_records,
+)
 from pipetransformer.compare.report import HF_TRAINER, TORCH_DDP
 from pipetransformer.config import Config
 from pipetransformer.data import DataBundle, build_data
 from pipetransformer.data.base import TensorSampleDataset
 from pipetransformer.data.loader import workers_per_process
 from pipetransformer.models.compiled import compile_unit, library_blocks
-from pipetransformer.runs.records import EpochMetrics, RunSummary
+from pipetransformer.runs.records import Evaluation, RunSummary
+from pipetransformer.trainer.clock import Tick
 from pipetransformer.trainer.optim import decay_groups, learning_rate
-from pipetransformer.utils.files import append_jsonl, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -99,19 +107,14 @@ def run_peer(
         config.data, seed=config.trainer.seed, model_name_or_path=config.model.model_name_or_path
     )
     if name == HF_TRAINER:
-        model, device, forward, epochs = _run_hf_trainer(
+        device, epochs, evaluations = _run_hf_trainer(
             config, data, run_dir, world_size, hf_optim, hf_collator
         )
     else:
-        model, device, forward, epochs = _run_torch_ddp(config, data, rank, world_size)
-    metric = eval_time_s = 0.0
-    if rank == 0:  # the other ranks wait for it in the reduction of the peak memory
-        started = time.perf_counter()
-        metric = _accuracy(model, data, device, forward, peer_math(config))
-        eval_time_s = time.perf_counter() - started
+        device, epochs, evaluations = _run_torch_ddp(config, data, rank, world_size)
     peak = _peak_rss_bytes(device)
     if rank == 0:
-        write_records(run_dir, epochs, metric, world_size, peak, eval_time_s)
+        write_records(run_dir, epochs, evaluations, world_size, peak)
 
 
 @dataclass(frozen=True)
@@ -219,85 +222,6 @@ def _peak_rss_bytes(device: torch.device) -> int:
     return int(peak.item())
 
 
-class EpochClock:
-    """Each epoch's training seconds and steps (evaluation and saving excluded)."""
-
-    def __init__(self) -> None:
-        self.records: list[dict] = []
-        self._started = time.perf_counter()
-
-    def start(self) -> None:
-        self._started = time.perf_counter()
-
-    def end(
-        self,
-        global_step: int,
-        samples: int,
-        train_loss: float,
-        lr: float,
-        tokens: tuple[int, int] = (0, 0),
-    ) -> None:
-        """`tokens`: the epoch's real and padded tokens (text; 0 for images)."""
-        seconds = time.perf_counter() - self._started
-        self.records.append(
-            {
-                "epoch": len(self.records) + 1,
-                "global_step": global_step,
-                "train_loss": train_loss,
-                "samples_per_s": samples / seconds if seconds > 0 else 0.0,
-                "epoch_time_s": seconds,
-                "lr": lr,
-                "real_tokens": tokens[0],
-                "padded_tokens": tokens[1],
-            }
-        )
-
-
-def write_records(
-    run_dir: Path,
-    epochs: list[dict],
-    metric: float,
-    world_size: int,
-    peak_rss_bytes: int,
-    eval_time_s: float = 0.0,
-) -> None:
-    """summary.json, metrics.jsonl and events.jsonl as the trainer writes them; the peer
-    evaluates once, after its last epoch."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for record in epochs:
-        last = record["epoch"] == len(epochs)
-        line = EpochMetrics(
-            **record,
-            eval_metric=metric if last else None,
-            num_frozen_layers=0,
-            pipe_len=1,
-            dp_degree=world_size,
-            num_micro_batches=1,
-            eval_time_s=eval_time_s if last else 0.0,
-        )
-        append_jsonl(run_dir / "metrics.jsonl", line.to_dict())
-    (run_dir / "events.jsonl").touch()
-    summary = RunSummary(
-        training_time_s=sum(r["epoch_time_s"] for r in epochs) + eval_time_s,
-        attempts=1,
-        final_eval_metric=metric,
-        best_eval_metric=metric,
-        epochs=len(epochs),
-        global_steps=epochs[-1]["global_step"] if epochs else 0,
-        num_transitions=0,
-        final_num_frozen_layers=0,
-        final_pipe_len=1,
-        final_dp_degree=world_size,
-        world_size=world_size,
-        device="cuda" if torch.cuda.is_available() else "cpu",
-        checkpoint=None,
-        metric_name="accuracy",
-        peak_rss_bytes=peak_rss_bytes,
-        freeze_strategy="none",  # a peer outside this trainer freezes nothing
-    )
-    write_json_atomic(run_dir / "summary.json", summary.to_dict())
-
-
 # --- hf_trainer -----------------------------------------------------------------------------
 
 
@@ -381,7 +305,7 @@ def _run_hf_trainer(
     world_size: int,
     hf_optim: str | None,
     hf_collator: str = "padding",
-) -> tuple[nn.Module, torch.device, Callable, list[dict]]:
+) -> tuple[torch.device, list[dict], list[Evaluation]]:
     try:
         import accelerate  # noqa: F401  (Trainer needs it for DDP)
         from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -442,14 +366,30 @@ def _run_hf_trainer(
 
     clock = EpochClock()
     tokens = TokenCounter(model)
+    rank = int(os.environ.get("RANK", "0"))
+    evaluations = PeerEvaluations(config, data, clock, rank)
+    batch = config.trainer.global_batch_size // world_size
+    epoch_samples = math.ceil(len(data.train) / world_size)  # a rank's (DistributedSampler)
+    steps = math.ceil(epoch_samples / batch)
+    began = [0, 0]  # the epoch in progress (0-based) and the global step it began at
+
+    def tick(state, epoch_end: bool) -> Tick:
+        step = steps - 1 if epoch_end else state.global_step - began[1] - 1
+        return peer_tick(began[0], step, steps, state.global_step, config, batch, epoch_samples)
 
     class Epochs(TrainerCallback):
         def on_epoch_begin(self, args, state, control, **kwargs):
+            began[:] = [len(clock.records), state.global_step]
             clock.start()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step - began[1] < steps:  # the epoch's last: at its end
+                evaluations.after_step(tick(state, epoch_end=False))
 
         def on_epoch_end(self, args, state, control, **kwargs):
             counted = tokens.take()  # before the clock: the step's kernels are done
             clock.end(state.global_step, len(data.train), float("nan"), 0.0, counted)
+            evaluations.at_epoch_end(tick(state, epoch_end=True))
 
     trainer = Trainer(
         model=model,
@@ -458,11 +398,13 @@ def _run_hf_trainer(
         data_collator=collator,
         callbacks=[Epochs()],
     )
+    device = trainer.model.device
+    evaluations.score = lambda: _accuracy(trainer.model, data, device, _text_forward, compute)
     output = trainer.train()
     tokens.counting = False
     for record in clock.records:  # Trainer reports the mean training loss over the run
         record["train_loss"] = float(output.training_loss)
-    return trainer.model, trainer.model.device, _text_forward, clock.records
+    return trainer.model.device, clock.records, evaluations.records
 
 
 def _image_forward(model: nn.Module, inputs: list[torch.Tensor]) -> torch.Tensor:
@@ -474,7 +416,7 @@ def _image_forward(model: nn.Module, inputs: list[torch.Tensor]) -> torch.Tensor
 
 def _run_torch_ddp(
     config: Config, data: DataBundle, rank: int, world_size: int
-) -> tuple[nn.Module, torch.device, Callable, list[dict]]:
+) -> tuple[torch.device, list[dict], list[Evaluation]]:
     from torch.nn.parallel import DistributedDataParallel
 
     from pipetransformer.models.image_models import create_timm_model
@@ -510,12 +452,14 @@ def _run_torch_ddp(
     total_steps = steps_per_epoch * config.trainer.epochs
     loss_fn = nn.CrossEntropyLoss()
     clock, step = EpochClock(), 0
+    evaluations = PeerEvaluations(config, data, clock, rank)
+    evaluations.score = lambda: _accuracy(model, data, device, _image_forward, compute)
     lr = config.optimizer.lr
     for epoch in range(config.trainer.epochs):
         sampler.set_epoch(epoch)
         clock.start()
         losses = []
-        for inputs, target in loader:
+        for index, (inputs, target) in enumerate(loader):
             lr = learning_rate(config.optimizer, step, total_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -529,6 +473,8 @@ def _run_torch_ddp(
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.detach())
             step += 1
+            tick = peer_tick(epoch, index, steps_per_epoch, step, config, batch, len(sampler))
+            evaluations.after_step(tick)
         if losses:
             mean_loss = torch.stack(losses).mean()
         else:
@@ -536,7 +482,11 @@ def _run_torch_ddp(
         dist.all_reduce(mean_loss)  # the global batch's mean: each rank holds half of it
         mean_loss = float(mean_loss) / world_size
         clock.end(step, len(data.train), mean_loss, lr)
-    return model, device, _image_forward, clock.records
+        last = steps_per_epoch - 1
+        evaluations.at_epoch_end(
+            peer_tick(epoch, last, steps_per_epoch, step, config, batch, len(sampler))
+        )
+    return device, clock.records, evaluations.records
 
 
 class _EpochBatches:

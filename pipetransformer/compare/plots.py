@@ -221,3 +221,29 @@ def plot_accuracy_time(series: dict[str, Any], metric: str, path: Path) -> dict[
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return series
+
+
+def plot_frontiers(series: dict[str, Any], metric: str, path: Path) -> dict[str, Any]:
+    """Every run's evaluations against training time, a colour a side (compare/frontiers.py's
+    `plot_series`), each side's frontier (the median over the seeds of the best reached by
+    then, a step function) and the target."""
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, (side, drawn) in enumerate(series["sides"].items()):
+        colour = colours[index % len(colours)]
+        for run in drawn["runs"]:
+            ax.plot(run["time_s"], run["metric"], marker=".", color=colour, alpha=0.3, lw=0.7)
+        frontier = drawn["frontier"]
+        known = [(t, m) for t, m in zip(frontier["time_s"], frontier["metric"]) if m is not None]
+        if known:
+            ax.step(*zip(*known), where="post", color=colour, lw=2, label=f"{side} (median)")
+    ax.axhline(series["target"], color="black", ls="--", lw=1, label="target")
+    ax.set_xlabel("training time (s), evaluation and checkpoints off the clock")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{metric} against training time: every run's evaluations and each frontier")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return series

@@ -1,8 +1,16 @@
-"""Every run of a comparison as its results file keeps it: per epoch its training and
-evaluation seconds, the time into the run at which the epoch's evaluation ended, the metric
-and the frozen layers; per freeze decision what set it (freeze.py, "Who decided"). So every
-per-epoch claim a report or a doc makes recomputes from the results file, for every seed,
-not only the seed a report shows in detail.
+"""Every run of a comparison as its results file keeps it: its training time (evaluation
+and checkpoint writes off the clock) with the seconds of both beside it; per epoch its
+training and evaluation seconds, the training time at its end, the metric and the frozen
+layers; every evaluation (`trainer.evals_per_epoch` an epoch) with the training time before
+it, which time-to-target reads; and per freeze decision its epoch and step, the per-layer
+gradient norms it read, the signal's proposal, Eq. 1's bound, the cap and what set the
+count (freeze.py, "Who decided"). So every claim a report or a doc makes recomputes from
+the results file, for every seed, not only the seed a report shows in detail.
+
+Runs recorded before issue 53 have no evaluations.jsonl: their evaluations are the epochs'
+ends, at the training time their epochs' lines add up (which left out evaluation and
+checkpoints already), and their summary's training_time_s includes both (`eval_time_s`
+None).
 
 Owns: `RunRecord` (read back from a run directory's metrics.jsonl, events.jsonl and
 summary.json) and the counts of who decided, summed by variant. Must not: compute
@@ -13,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,8 +28,8 @@ from typing import Any
 
 from pipetransformer.freeze import DECIDERS, SIGNAL
 from pipetransformer.runs.records import (
-    CheckpointEvent,
     EpochMetrics,
+    Evaluation,
     FreezeDecisionEvent,
     RunSummary,
     event_from_dict,
@@ -34,17 +41,27 @@ from pipetransformer.utils.files import read_jsonl
 class EpochRecord:
     epoch: int  # 1-based
     epoch_time_s: float  # training, evaluation and checkpoints apart
-    eval_time_s: float
-    # Seconds into the run when this epoch's evaluation ended: the epochs' training and
-    # evaluation so far plus the checkpoints written before it (compare/stats.py,
-    # evaluation_times).
-    elapsed_s: float
+    eval_time_s: float  # every evaluation of the epoch
+    # The run's training time at the epoch's end (its evaluation's record; in older runs
+    # the epochs' training seconds so far).
+    training_time_s: float
     eval_metric: float | None
     num_frozen_layers: int
     pipe_len: int
     dp_degree: int
     train_loss: float
     lr: float
+
+
+@dataclass(frozen=True)
+class EvaluationRecord:
+    """One evaluation: after how much training (seconds, evaluation and checkpoints off
+    the clock; epochs, fractional) and what it scored."""
+
+    global_step: int
+    epochs_done: float
+    training_time_s: float
+    eval_metric: float
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,9 @@ class DecisionRecord:
     proposed: int | None
     bound: int | None
     decided_by: str
+    epoch: int = 0  # 0-based epoch it was taken in
+    cap: int | None = None
+    layer_grad_norms: tuple[float, ...] | None = None  # per layer, what the rule read
 
 
 @dataclass(frozen=True)
@@ -70,6 +90,11 @@ class RunRecord:
     freeze_decisions: int = 0
     freeze_decided_by: dict[str, int] = field(default_factory=dict)
     decisions: tuple[DecisionRecord, ...] = ()
+    evaluations: tuple[EvaluationRecord, ...] = ()
+    # Off the training clock, every attempt; None for runs before issue 53 (their
+    # training_time_s counts both).
+    eval_time_s: float | None = None
+    checkpoint_time_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -81,17 +106,17 @@ def run_record(run_dir: Path, variant: str, seed: int | None) -> RunRecord:
     metrics = [EpochMetrics.from_dict(m) for m in read_jsonl(run_dir / "metrics.jsonl")]
     events_path = run_dir / "events.jsonl"
     events = [event_from_dict(e) for e in read_jsonl(events_path)] if events_path.is_file() else []
-    checkpoints = [e for e in events if isinstance(e, CheckpointEvent)]
-    epochs, elapsed_s = [], 0.0
+    evaluations = _evaluations(run_dir, metrics)
+    at_step = {e.global_step: e.training_time_s for e in evaluations}
+    epochs, trained_s = [], 0.0
     for line in metrics:
-        elapsed_s += line.epoch_time_s + line.eval_time_s
-        written_s = math.fsum(c.write_s for c in checkpoints if c.global_step < line.global_step)
+        trained_s += line.epoch_time_s
         epochs.append(
             EpochRecord(
                 epoch=line.epoch,
                 epoch_time_s=line.epoch_time_s,
                 eval_time_s=line.eval_time_s,
-                elapsed_s=elapsed_s + written_s,
+                training_time_s=at_step.get(line.global_step, trained_s),
                 eval_metric=line.eval_metric,
                 num_frozen_layers=line.num_frozen_layers,
                 pipe_len=line.pipe_len,
@@ -109,6 +134,9 @@ def run_record(run_dir: Path, variant: str, seed: int | None) -> RunRecord:
             e.proposed,
             e.bound,
             e.decided_by,
+            e.epoch,
+            e.cap,
+            tuple(e.layer_grad_norms) if e.layer_grad_norms is not None else None,
         )
         for e in events
         if isinstance(e, FreezeDecisionEvent)
@@ -124,7 +152,29 @@ def run_record(run_dir: Path, variant: str, seed: int | None) -> RunRecord:
         freeze_decisions=summary.freeze_decisions,
         freeze_decided_by=dict(summary.freeze_decided_by),
         decisions=tuple(decisions),
+        evaluations=tuple(evaluations),
+        eval_time_s=summary.eval_time_s,
+        checkpoint_time_s=summary.checkpoint_time_s,
     )
+
+
+def _evaluations(run_dir: Path, metrics: list[EpochMetrics]) -> list[EvaluationRecord]:
+    """The run's evaluations from evaluations.jsonl; for an older run (none), its epochs'
+    ends at the training seconds its epochs add up to."""
+    written = [Evaluation.from_dict(e) for e in read_jsonl(run_dir / "evaluations.jsonl")]
+    if written:
+        return [
+            EvaluationRecord(e.global_step, e.epochs_done, e.training_time_s, e.eval_metric)
+            for e in written
+        ]
+    found, trained_s = [], 0.0
+    for line in metrics:
+        trained_s += line.epoch_time_s
+        if line.eval_metric is not None:
+            found.append(
+                EvaluationRecord(line.global_step, float(line.epoch), trained_s, line.eval_metric)
+            )
+    return found
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,9 @@ from pipetransformer.compare.stats import (
     PairStats,
     SeededStats,
     SeedRun,
-    evaluation_times,
 )
 from pipetransformer.compare.timing import VariantAttempt, describe_attempt, read_attempts
 from pipetransformer.runs.records import (
-    CheckpointEvent,
     EpochMetrics,
     RunSummary,
     StartEvent,
@@ -32,6 +30,7 @@ from pipetransformer.utils.files import read_jsonl, write_json_atomic
 
 BASELINE = "baseline"
 DDP = "ddp"
+DDP_FROZEN_EMBEDDING = "ddp_frozen_embedding"
 FREEZE_DDP = "freeze_ddp"
 FSDP = "fsdp"
 FREEZE_FSDP = "freeze_fsdp"
@@ -44,6 +43,7 @@ REFUSED = "refused.json"  # in a variant's directory: it was refused (does not f
 TITLES = {
     BASELINE: "baseline (Pipe + DDP, no freezing)",
     DDP: "DDP (K = 1, no freezing)",
+    DDP_FROZEN_EMBEDDING: "DDP, embedding frozen (K = 1, no layer freezing)",
     HF_TRAINER: "transformers Trainer + DDP (no freezing)",
     TORCH_DDP: "timm model + plain DDP loop (no freezing)",
     FREEZE_DDP: "freeze + DDP (K = 1, freeze algorithm and AutoCache)",
@@ -108,6 +108,9 @@ def read_run(run_dir: Path) -> dict[str, Any]:
         "padded_tokens": [m.padded_tokens for m in metrics],
         "epoch_time_s": [m.epoch_time_s for m in metrics],
         "eval_time_s": sum(m.eval_time_s for m in metrics),
+        # Off training_time_s, every attempt (None: a run before issue 53, whose
+        # training_time_s counts evaluation and checkpoints).
+        "checkpoint_time_s": summary.checkpoint_time_s,
         "eval_metric": [m.eval_metric for m in metrics],
         "freeze_trajectory": [
             {
@@ -143,16 +146,12 @@ def read_seed_run(run_dir: Path, variant: str, seed: int) -> SeedRun:
     summary = RunSummary.from_dict(json.loads((run_dir / "summary.json").read_text()))
     if summary.final_eval_metric is None or summary.best_eval_metric is None:
         raise ValueError(f"{run_dir / 'summary.json'}: no eval metric (the run never evaluated)")
-    metrics = [EpochMetrics.from_dict(m) for m in read_jsonl(run_dir / "metrics.jsonl")]
-    events = [event_from_dict(e) for e in read_jsonl(run_dir / "events.jsonl")]
-    checkpoints = [e for e in events if isinstance(e, CheckpointEvent)]
     return SeedRun(
         variant=variant,
         seed=seed,
         training_time_s=summary.training_time_s,
         final_eval_metric=summary.final_eval_metric,
         best_eval_metric=summary.best_eval_metric,
-        evaluations=tuple(evaluation_times(metrics, checkpoints)),
     )
 
 
@@ -188,7 +187,8 @@ def build_results(
             steps_per_epoch=steps,
             cache=cache_enabled,
             baseline_wall_s=base["training_time_s"],
-            baseline_eval_s=base["eval_time_s"],
+            # Evaluation is on the training clock of runs before issue 53 only.
+            baseline_eval_s=base["eval_time_s"] if base["checkpoint_time_s"] is None else 0.0,
             elastic_wall_s=elastic["training_time_s"],
             eval_frozen=[point["num_frozen_layers"] for point in elastic["freeze_trajectory"]],
         )
@@ -394,30 +394,25 @@ def seeded_section(stats: SeededStats, metric: str) -> list[str]:
     """The tables over seeds: per variant, each variant against the baseline, per seed."""
     margin = stats.margin_points
     seeds = ", ".join(map(str, stats.seeds))
-    targets = {t.variant: t for t in stats.target_stats}
     lines = [
         "",
         f"## Over {len(stats.seeds)} seed(s): {seeds}",
         "",
-        f"Mean ± standard deviation over the seeds. **Target**: the same seed's baseline final "
-        f"{metric} less the margin of {margin:.2f} points; **time to target**: the wall time of "
-        "the first evaluation that reached it (over the seeds that did). A variant is **not "
+        "Mean ± standard deviation over the seeds; training time has evaluation and checkpoint "
+        "writes off the clock (time-to-target is its own section). A variant is **not "
         "worse** than the baseline when the 95% interval of its paired difference (t over the "
         f"seeds) lies above -{margin:.2f} points, **worse** when it lies below; its metric is "
         "**distinguishable** from the reference's (lower or higher) when the interval excludes "
         "0.",
         "",
-        f"| variant | seeds | wall time (s) | final {metric} | best {metric} "
-        "| time to target (s) | reached |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| variant | seeds | training time (s) | final {metric} | best {metric} |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
     for v in stats.variants:
-        target = targets[v.variant]
-        reach = _mean_std(target.wall_s, 1) if target.wall_s is not None else "never"
         lines.append(
             f"| {TITLES.get(v.variant, v.variant)} | {len(v.seeds)} "
             f"| {_mean_std(v.training_time_s, 1)} | {_mean_std(v.final_eval_metric, 4)} "
-            f"| {_mean_std(v.best_eval_metric, 4)} | {reach} | {target.reached}/{target.seeds} |"
+            f"| {_mean_std(v.best_eval_metric, 4)} |"
         )
     lines += [
         "",
@@ -451,14 +446,6 @@ def seeded_section(stats: SeededStats, metric: str) -> list[str]:
             "| --- | ---: | ---: | ---: | ---: | --- | --- |",
             *_pair_rows(stats.subject_pairs),
         ]
-    lines += [
-        "",
-        f"| seed | variant | target {metric} | time to target (s) |",
-        "| ---: | --- | ---: | ---: |",
-    ]
-    for t in sorted(stats.time_to_target, key=lambda t: t.seed):
-        reached = f"{t.wall_s:.1f}" if t.wall_s is not None else "never"
-        lines.append(f"| {t.seed} | {t.variant} | {t.target_metric:.4f} | {reached} |")
     return lines
 
 

@@ -1,8 +1,10 @@
 """`pipetransformer compare`: the baseline and the elastic system, one after the other, on the
 same seed, data and machine; with --ablations also the paper's speedup breakdown (Fig. 9);
 with --seeds every variant once per seed (trainer.seed), in `seed-<s>/<variant>/`, in an
-order that rotates with the seed (compare/order.py); with --budgets (or --peers) DDP at
-several budgets too, every variant set against their curve (compare/budgets.py).
+order that rotates with the seed (compare/order.py); with --budgets (or --peers) DDP, and
+every variant --curves names, at several budgets too, every variant set against DDP's
+curve (compare/budgets.py) and every side's time-to-target and frontier against the full
+system's (compare/frontiers.py).
 
 Owns: the variants' overrides, running them (local worker processes), skipping runs that
 finished earlier and resuming one a stop signal cut short from its checkpoint (an
@@ -28,10 +30,12 @@ from typing import Any
 
 import torch
 
+from pipetransformer.compare import frontiers
 from pipetransformer.compare.budgets import (
     add_to_results,
     budget_of,
     budget_variants,
+    collect_records,
     default_ladder,
     variant_title,
 )
@@ -41,6 +45,7 @@ from pipetransformer.compare.plots import write_plots, write_seeded_plots
 from pipetransformer.compare.report import (
     BASELINE,
     DDP,
+    DDP_FROZEN_EMBEDDING,
     ELASTIC,
     FREEZE_DDP,
     FREEZE_FSDP,
@@ -111,6 +116,9 @@ def variant_overrides(config: Config, ablations: bool, peers: bool = False) -> d
             "pipeline.sharding=never",
             *peer_batch,
         ]
+        model = config.model
+        if model.pretrained or model.model_name_or_path or model.checkpoint_path:
+            variants[DDP_FROZEN_EMBEDDING] = frozen_embedding_overrides(variants[DDP])
         # What a user of this model family runs today (compare/peers.py), on the DDP run's
         # batch: transformers' Trainer for text models, a plain timm + DDP loop for images.
         variants[peer_for(config)] = variants[DDP]
@@ -137,6 +145,19 @@ def variant_overrides(config: Config, ablations: bool, peers: bool = False) -> d
             variants["no_cache"] = ["cache.enabled=false"]
     variants[ELASTIC] = []
     return variants
+
+
+def frozen_embedding_overrides(ddp: list[str]) -> list[str]:
+    """What a DDP user can freeze without this system (`ddp`: DDP's overrides): the
+    pretrained embedding, from the first step, and no layer after it (one decision that
+    keeps 0 layers; no cache: DDP has none), so that freezing layers shows its own share."""
+    return [
+        "freeze.strategy=manual",
+        "freeze.manual_schedule=[0]",
+        "freeze.interval_steps=null",
+        "freeze.embedding=true",
+        *(o for o in ddp if not o.startswith("freeze.strategy=")),
+    ]
 
 
 def machine_description(config: Config) -> str:
@@ -202,15 +223,19 @@ def run_compare(
     only: list[str] | None = None,
     budgets: list[int] | None = None,
     command: str | None = None,
+    curves: list[str] | None = None,
+    target: float | None = None,
 ) -> int:
     """Run every variant (once per seed with `seeds`), then write the outputs. A variant whose
     run directory holds a finished run (summary.json) is not run again; one an interrupted
     comparison stopped resumes from its checkpoint. `only`: of the variants, these (and the
     baseline and the full system, which the report needs). `command`: the command line
     that made the comparison, as the report records it (shell-quoted, with --out).
-    `budgets`: DDP also at these epochs (compare/budgets.py); None: with `peers` (and DDP
-    among the variants run) the default ladder below the config's epochs, else none. Raises
-    CompareStopped on SIGINT or SIGTERM while it runs under `stop_signals_raise`."""
+    `budgets`: the `curves` (default: DDP) also at these epochs (compare/budgets.py); None:
+    the default ladder below the config's epochs with `peers` (and DDP among the variants
+    run) or `curves`, else none. `target`: time-to-target's, in the metric's units (None:
+    the reference's median less the margin; compare/frontiers.py). Raises CompareStopped
+    on SIGINT or SIGTERM while it runs under `stop_signals_raise`."""
     if config.freeze.strategy == "none":
         raise ConfigError(
             "freeze.strategy: compare needs a freeze strategy (the baseline turns it off)"
@@ -230,9 +255,17 @@ def run_compare(
     out.mkdir(parents=True, exist_ok=True)  # a refused command leaves nothing behind
     ladder = budgets
     if ladder is None:  # with --peers, DDP's default ladder, unless --variants left DDP out
-        ladder = default_ladder(config.trainer.epochs) if peers and DDP in variants else []
-    ddp = variant_overrides(config, ablations=False, peers=True)[DDP]
-    variants.update(budget_variants(config, ladder, ddp, peers and DDP in variants))
+        wanted = (peers and DDP in variants) or curves is not None
+        ladder = default_ladder(config.trainer.epochs) if wanted else []
+    every = variant_overrides(config, ablations=False, peers=True)
+    for name in curves or [DDP]:
+        if name not in variants and name != DDP:
+            raise ConfigError(
+                f"--curves: {name} is not a variant of this comparison "
+                f"({', '.join(variants)}; DDP always may be)"
+            )
+        own = variants.get(name, every[DDP])
+        variants.update(budget_variants(config, ladder, own, name in variants, name))
     # Seed by seed, so that an interrupted comparison leaves whole seeds behind; within a
     # seed in an order that rotates with the seed (compare/order.py), recorded.
     plan = [
@@ -259,6 +292,11 @@ def run_compare(
     context["command"] = command or context["command"]
     if command is None and budgets is not None:
         context["command"] += " --budgets " + (",".join(map(str, budgets)) or "none")
+    if command is None and curves is not None:
+        context["command"] += " --curves " + ",".join(curves)
+    if command is None and target is not None:
+        context["command"] += f" --target {target:g}"
+    context.update(margin_points=margin, target=target)
     if seeds is None:
         runs = {
             name: read_run(out / name)
@@ -392,12 +430,14 @@ def rebuild_compare(
     overrides: list[str],
     out: Path,
     margin_points: float | None = None,
+    target: float | None = None,
 ) -> int:
     """results.json, report.md and plots again from the variants' run directories in `out`
     (after an upgrade of the report, or when a later variant failed): nothing is rerun. The
     unit costs of an earlier results.json are reused, so the ideal speedup is comparable.
     A comparison over seeds (seed-<s>/ directories) is rebuilt from the seeds that finished;
-    the margin is the earlier one unless `margin_points` is given."""
+    the margin and the target are the earlier ones unless `margin_points` or `target` is
+    given."""
     seeded = finished_seed_runs(out)
     if seeded:
         found = {name for finished in seeded.values() for name in finished}
@@ -425,6 +465,8 @@ def rebuild_compare(
     )
     if margin_points is None:
         margin_points = previous.get("margin_points")
+    if target is None:
+        target = previous.get("target")
     context = _context(
         config,
         config_path,
@@ -436,6 +478,7 @@ def rebuild_compare(
     )
     # The command and machine that produced the runs, not this invocation's.
     context.update({key: previous[key] for key in context if key in previous})
+    context.update(margin_points=margin_points, target=target)
     costs = previous.get("unit_costs") or measured_unit_costs(config)
     if seeded:
         margin = DEFAULT_MARGIN_POINTS if margin_points is None else margin_points
@@ -492,7 +535,8 @@ def _write_outputs(
 ) -> int:
     results = build_results(runs, costs, config.cache.enabled, context)
     plots = write_plots(runs, out)
-    extra, extra_plots = add_to_results(results, out, None, runs[BASELINE]["metric_name"])
+    metric = runs[BASELINE]["metric_name"]
+    extra, extra_plots = _sections(results, out, None, metric, config.trainer.epochs)
     results["plots"] = sorted([*plots, *extra_plots])
     save_results(results, out)
     print(_with_section(write_report(results, out, sorted(plots)), extra, extra_plots, out))
@@ -500,8 +544,24 @@ def _write_outputs(
     return 0
 
 
+def _sections(
+    results: dict[str, Any], out: Path, seeds: list[int] | None, metric: str, epochs: int
+) -> tuple[list[str], list[str]]:
+    """Every run's record into `results`, with the sections read from them: against DDP's
+    budget curve (compare/budgets.py), time-to-target and frontier against frontier
+    (compare/frontiers.py, at results' margin and target); their lines and plots."""
+    records = collect_records(out, seeds)
+    lines, plots = add_to_results(results, records, out, seeds, metric)
+    margin = results.get("margin_points")
+    margin = DEFAULT_MARGIN_POINTS if margin is None else margin
+    more, more_plots = frontiers.add_to_results(
+        results, records, out, epochs, margin, results.get("target"), metric
+    )
+    return lines + more, plots + more_plots
+
+
 def _with_section(report: str, lines: list[str], plots: list[str], out: Path) -> str:
-    """report.md with the time-to-accuracy section (compare/budgets.py) appended."""
+    """report.md with the sections read from every run's record (`_sections`) appended."""
     if not lines and not plots:
         return report
     text = report + "\n".join([*lines, "", *[f"![{p}]({p})" for p in plots]]) + "\n"
@@ -543,7 +603,8 @@ def _write_seeded_outputs(
     results.update(detail_seed=detail, margin_points=margin_points, seeded=stats.to_dict())
     plots = write_seeded_plots(runs_by_seed, stats, detail, out)
     metric = runs_by_seed[detail][BASELINE]["metric_name"]
-    extra, extra_plots = add_to_results(results, out, list(runs_by_seed), metric)
+    seeds_done = list(runs_by_seed)
+    extra, extra_plots = _sections(results, out, seeds_done, metric, config.trainer.epochs)
     results["plots"] = sorted([*plots, *extra_plots])
     save_results(results, out)
     report = write_report(results, out, sorted(plots), stats)

@@ -1,9 +1,9 @@
 """Statistics of a comparison repeated over seeds. Pure: numbers in, typed results out.
 
 Owns: mean and spread per variant, each variant paired with the baseline by seed (speedup,
-metric difference with its t-interval, a non-inferiority verdict against a margin), the time
-each run takes to reach the baseline's accuracy, and the wall time of a run's evaluations
-from its records. Must not read or write files: report.py reads the run directories.
+metric difference with its t-interval, a non-inferiority verdict against a margin). Must
+not read or write files: report.py reads the run directories. Time-to-target is
+compare/target.py's.
 
 Units: eval metrics are fractions (accuracy, F1), as the runs record them; the report shows
 their differences in points (100 x the fraction), so the margin and the differences here are
@@ -18,24 +18,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipetransformer.runs.records import CheckpointEvent, EpochMetrics
-
 POINTS_PER_UNIT = 100.0  # a metric of 0.9712 is 97.12 points
-DEFAULT_MARGIN_POINTS = 1.0
+# Non-inferiority, and the target's distance below the reference (compare/target.py).
+DEFAULT_MARGIN_POINTS = 0.5
 NOT_WORSE, WORSE, INCONCLUSIVE = "not worse", "worse", "inconclusive"
 LOWER, HIGHER, NOT_DISTINGUISHED = "lower", "higher", "no"
 ONE_SEED = "one seed: no interval"
-# A metric equal to its target can come out a hair below it after the subtraction
-# (0.9 - 0.01 = 0.89000000000000001); counts that far below still reach it.
-_TARGET_SLACK = 1e-9
-
-
-@dataclass(frozen=True)
-class EvalPoint:
-    """One evaluation of a run: when it ended (seconds into the run) and what it scored."""
-
-    wall_s: float
-    eval_metric: float
 
 
 @dataclass(frozen=True)
@@ -47,7 +35,6 @@ class SeedRun:
     training_time_s: float
     final_eval_metric: float
     best_eval_metric: float
-    evaluations: tuple[EvalPoint, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,36 +84,12 @@ class PairStats:
 
 
 @dataclass(frozen=True)
-class TimeToTarget:
-    """When a variant's run first scored at least the same seed's baseline final metric less
-    the margin; None: it never did."""
-
-    variant: str
-    seed: int
-    target_metric: float
-    wall_s: float | None
-
-
-@dataclass(frozen=True)
-class TargetStats:
-    """A variant's time to target over the seeds: mean and spread over the seeds that
-    reached it."""
-
-    variant: str
-    reached: int
-    seeds: int
-    wall_s: MeanStd | None
-
-
-@dataclass(frozen=True)
 class SeededStats:
     baseline: str
     margin_points: float
     seeds: tuple[int, ...]
     variants: tuple[VariantStats, ...]
     pairs: tuple[PairStats, ...]
-    time_to_target: tuple[TimeToTarget, ...]
-    target_stats: tuple[TargetStats, ...]
     # The same pairing against a peer (DDP under --peers), for the variants that are neither
     # the baseline nor the peer: is the full system distinguishable from what a user runs?
     peer: str | None = None
@@ -216,32 +179,6 @@ def distinguishable(interval: Interval | None) -> str:
     )
 
 
-def time_to_target(evaluations: Sequence[EvalPoint], target_metric: float) -> float | None:
-    for point in evaluations:
-        if point.eval_metric >= target_metric - _TARGET_SLACK:
-            return point.wall_s
-    return None
-
-
-def evaluation_times(
-    metrics: Sequence[EpochMetrics], checkpoints: Sequence[CheckpointEvent] = ()
-) -> list[EvalPoint]:
-    """Each evaluation of a run at the second it ended: the training and evaluation seconds
-    of the epochs up to it (metrics.jsonl) plus the checkpoint writes before it, which the
-    epochs' times leave out (an epoch's checkpoint is written after its evaluation). At the
-    last evaluation this is a little under summary.json's wall time, which also counts the
-    loop's bookkeeping (1-2% in the 2-epoch runs of the end-to-end test, less in longer)."""
-    points, elapsed_s = [], 0.0
-    for line in metrics:
-        elapsed_s += line.epoch_time_s + line.eval_time_s
-        if line.eval_metric is not None:
-            written_s = math.fsum(
-                c.write_s for c in checkpoints if c.global_step < line.global_step
-            )
-            points.append(EvalPoint(elapsed_s + written_s, line.eval_metric))
-    return points
-
-
 def seeded_stats(
     runs: Sequence[SeedRun],
     baseline: str,
@@ -267,7 +204,6 @@ def seeded_stats(
         for name, seeded in by_variant.items()
         if name != baseline and set(seeded) & set(base)
     )
-    targets = tuple(_times_to_target(by_variant, base, margin_points))
     reference = by_variant.get(peer) if peer is not None else None
     peer_pairs = (
         tuple(
@@ -294,8 +230,6 @@ def seeded_stats(
         seeds=tuple(sorted({run.seed for run in runs})),
         variants=variants,
         pairs=pairs,
-        time_to_target=targets,
-        target_stats=tuple(_target_stats(name, targets) for name in by_variant),
         peer=peer if reference else None,
         peer_pairs=peer_pairs,
         subject=subject if mine else None,
@@ -338,23 +272,3 @@ def _pair_stats(
         speedup_of_mean_times=math.fsum(base[s].training_time_s for s in seeds)
         / math.fsum(seeded[s].training_time_s for s in seeds),
     )
-
-
-def _times_to_target(
-    by_variant: dict[str, dict[int, SeedRun]], base: dict[int, SeedRun], margin_points: float
-) -> list[TimeToTarget]:
-    """Every run's time to the same seed's baseline final metric less the margin."""
-    found = []
-    for name, seeded in by_variant.items():
-        for seed in sorted(set(seeded) & set(base)):
-            target = base[seed].final_eval_metric - margin_points / POINTS_PER_UNIT
-            found.append(
-                TimeToTarget(name, seed, target, time_to_target(seeded[seed].evaluations, target))
-            )
-    return found
-
-
-def _target_stats(name: str, targets: Sequence[TimeToTarget]) -> TargetStats:
-    own = [t for t in targets if t.variant == name]
-    reached = [t.wall_s for t in own if t.wall_s is not None]
-    return TargetStats(name, len(reached), len(own), mean_std(reached) if reached else None)

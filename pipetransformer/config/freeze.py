@@ -61,6 +61,13 @@ class FreezeConfig:
     # time between decisions, which depends on the machine's load (docs/architecture.md,
     # "Decision cadence").
     interval_steps: int | Literal["auto", "measured"] | None = "auto"
+    # The run length (epochs) the decision cadence above is set for; null: this run's
+    # (trainer.epochs). A shorter run with the config's epochs here (a budget run of
+    # `compare --budgets`) decides at the same shares of its run as the config's run does:
+    # the interval and freeze.warmup_epochs scaled by trainer.epochs / cadence_epochs, so a
+    # 1-epoch budget of a 3-epoch config deciding at epoch ends decides after a third and
+    # two thirds of its epoch (freeze.py, DecisionSchedule). The rule is unchanged.
+    cadence_epochs: int | None = None
     # For strategy 'autofreeze' with interval_steps 'auto': decide every 1/num_intervals of
     # the run's steps (AutoFreeze's --num_intervals: 10 its argparse default, 20 in the
     # command its README gives).
@@ -87,6 +94,8 @@ class FreezeConfig:
             _fail("freeze.interval_steps", "must be >= 1, 'auto', 'measured' or null")
         if self.warmup_epochs < 0:
             _fail("freeze.warmup_epochs", "must be >= 0")
+        if self.cadence_epochs is not None and self.cadence_epochs < 1:
+            _fail("freeze.cadence_epochs", f"must be >= 1 or null, got {self.cadence_epochs}")
         if self.max_frozen_layers is not None and self.max_frozen_layers < 0:
             _fail("freeze.max_frozen_layers", "must be >= 0 or null")
         if self.strategy == "manual":

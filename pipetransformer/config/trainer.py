@@ -31,6 +31,11 @@ class TrainerConfig:
     # at the step log, at most one every this many seconds (0: at every step log).
     progress_interval_s: float = 30.0
     eval_interval_epochs: int = 1
+    # Evaluations an epoch, at the same shares of it in every run: the k-th after the first
+    # step that reaches k/N of the epoch's samples (the last at its end), whatever the
+    # layout and its steps an epoch (trainer/evaluation.py). Each is off the training
+    # clock and a line of evaluations.jsonl; time-to-target reads them (docs/compare.md).
+    evals_per_epoch: int = 1
     # Seconds a collective may wait for a peer before the run fails (gloo's default is 30 min).
     timeout_s: float = 600.0
     progress_bar: bool = True
@@ -79,6 +84,13 @@ class TrainerConfig:
             _fail("trainer.progress_interval_s", f"must be >= 0, got {self.progress_interval_s}")
         if self.eval_interval_epochs < 1:
             _fail("trainer.eval_interval_epochs", "must be >= 1")
+        if self.evals_per_epoch < 1:
+            _fail("trainer.evals_per_epoch", f"must be >= 1, got {self.evals_per_epoch}")
+        if self.evals_per_epoch > 1 and self.eval_interval_epochs > 1:
+            _fail(
+                "trainer.evals_per_epoch",
+                "evaluating several times an epoch needs trainer.eval_interval_epochs 1",
+            )
         if self.timeout_s <= 0:
             _fail("trainer.timeout_s", "must be > 0")
         if self.max_restarts < 0:

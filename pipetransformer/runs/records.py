@@ -1,8 +1,13 @@
 """The records a run writes, as types shared by their writer (the trainer) and their readers
-(`compare`, resume, export, tests): one line of metrics.jsonl per epoch, of steps.jsonl per
-logged step, and of events.jsonl per event (transition, profiling, checkpoint, resume,
-start); summary.json at the end; and the values that make up an epoch's line (evaluation
-results, cache counters).
+(`compare`, resume, export, tests): one line of metrics.jsonl per epoch, of evaluations.jsonl
+per evaluation, of steps.jsonl per logged step, and of events.jsonl per event (transition,
+profiling, checkpoint, resume, start); summary.json at the end; and the values that make up
+an epoch's line (evaluation results, cache counters).
+
+**Clocks.** `training_time_s` (summary.json, and an evaluation's time into the run) is the
+training loop's seconds with evaluation and checkpoint writes off the clock, every attempt
+added (work a crash lost included); `eval_time_s` and `checkpoint_time_s` are beside it.
+Summaries before issue 53 lack those two (None): their training_time_s includes both.
 
 Epochs are counted as each file has always counted them: a line of metrics.jsonl or
 steps.jsonl names its epoch 1-based (`epoch`), an event the 0-based epoch it happened in,
@@ -65,8 +70,10 @@ class CacheCounters(Record):
 class RunSummary(Record):
     """summary.json: how a run ended (over all its attempts)."""
 
-    # The training loop's seconds, all attempts added (set-up, worker start and the
-    # interpreter's start-up not included); summaries before issue 42 call it wall_time_s.
+    # The training loop's seconds, all attempts added, evaluation and checkpoint writes off
+    # the clock (set-up, worker start and the interpreter's start-up not included);
+    # summaries before issue 42 call it wall_time_s, and before issue 53 it includes
+    # evaluation and checkpoints (eval_time_s None there).
     training_time_s: float
     attempts: int
     final_eval_metric: float | None
@@ -94,6 +101,10 @@ class RunSummary(Record):
     peak_rss_bytes: int | None = None
     peak_allocated_bytes: int | None = None
     freeze_strategy: str = ""  # freeze.strategy ("": a summary of an older run)
+    # The seconds kept off training_time_s, all attempts added: every evaluation, and every
+    # checkpoint write; None in older summaries (their training_time_s counts both).
+    eval_time_s: float | None = None
+    checkpoint_time_s: float | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunSummary:
@@ -200,7 +211,7 @@ class EpochMetrics(Record):
     exact_match: float | None = None  # question answering
     # Classification and regression: every metric of the evaluation (EvalResult.scores).
     scores: dict[str, float] | None = None
-    eval_time_s: float = 0.0
+    eval_time_s: float = 0.0  # every evaluation of the epoch (one, at its end, by default)
     transition_time_s: float = 0.0
     ddp_comm_s: float = 0.0
     ddp_comm_share: float = 0.0
@@ -219,6 +230,30 @@ class EpochMetrics(Record):
     # images and in older records. Real tokens per second: real_tokens / epoch_time_s.
     real_tokens: int = 0
     padded_tokens: int = 0
+
+
+@dataclass
+class Evaluation(Record):
+    """One line of evaluations.jsonl: an evaluation of the whole eval set, where the run was
+    (`trainer.evals_per_epoch` of them an epoch, at the same shares of it in every run) and
+    how much training it had had. Time-to-target reads these (compare/target.py)."""
+
+    global_step: int
+    epoch: int  # 1-based epoch it was taken in
+    # Epochs of training before it: 0.25 after a quarter of the first epoch's samples.
+    epochs_done: float
+    samples: int  # training samples before it (epochs_done x the training set)
+    # Training seconds before it: the clock of summary.json's training_time_s (evaluation
+    # and checkpoint writes off it, every attempt added).
+    training_time_s: float
+    eval_time_s: float  # this evaluation's seconds
+    eval_metric: float
+    checkpoint_time_s: float = 0.0  # checkpoint writes before it, every attempt added
+    eval_loss: float | None = None
+    scores: dict[str, float] | None = None
+    num_frozen_layers: int = 0
+    pipe_len: int = 1
+    dp_degree: int = 1
 
 
 @dataclass
@@ -378,7 +413,7 @@ class FreezeDecisionEvent(Event):
     new_num_frozen_layers: int
     proposed: int | None  # the signal's own proposal (None: the rule read no signal)
     bound: int | None  # Eq. 1's bound (None: the rule has none, or freeze.eq1_bound false)
-    cap: int
+    cap: int  # the most layers that may be frozen (freeze.max_frozen_layers, or L - 1)
     decided_by: str  # signal, agree, bound, cap, schedule, no_signal or plan
     layer_grad_norms: list[float] | None = None  # the per-layer norms it read, if any
     # optimizer.layerwise_anneal (None without it; pipetransformer/anneal.py): the count the

@@ -1,5 +1,5 @@
-"""Run outputs: metrics.jsonl, steps.jsonl, events.jsonl, summary.json, the progress bar,
-and optionally TensorBoard and Weights & Biases.
+"""Run outputs: metrics.jsonl, evaluations.jsonl, steps.jsonl, events.jsonl, summary.json,
+the progress bar, and optionally TensorBoard and Weights & Biases.
 
 Only the reporting rank (global rank 0) writes; every value it writes was reduced over the
 ranks that own it before it got here. The JSON-lines files are always written; TensorBoard
@@ -18,7 +18,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipetransformer.runs.records import EpochMetrics, Event, RunSummary, StepMetrics
+from pipetransformer.runs.records import (
+    EpochMetrics,
+    Evaluation,
+    Event,
+    RunSummary,
+    StepMetrics,
+)
 from pipetransformer.utils.files import append_jsonl, write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -205,6 +211,11 @@ class Reporter:
                 {f"epoch/{k}": v for k, v in scalars.items()} | {"epoch": record.epoch},
                 step=record.global_step,
             )
+
+    def evaluation(self, record: Evaluation) -> None:
+        """One line of evaluations.jsonl (every evaluation, at an epoch's end or inside it)."""
+        if self.enabled:
+            append_jsonl(self.run_dir / "evaluations.jsonl", record.to_dict())
 
     def event(self, record: Event) -> None:
         if self.enabled:

@@ -35,6 +35,7 @@ from pipetransformer.runs.rundir import (
     RunLock,
     RunOptions,
     prepare_run_dir,
+    previous_attempt_excluded_s,
     previous_attempt_wall_s,
     truncate_after,
     write_run_id,
@@ -82,6 +83,9 @@ class Resumption:
     checkpoint: Path
     previous_attempt_wall_s: float
     record: CheckpointRecord | None = None
+    # Of previous_attempt_wall_s: its evaluations and checkpoint writes (off the clock).
+    previous_attempt_eval_s: float = 0.0
+    previous_attempt_checkpoint_s: float = 0.0
     load_s: float = 0.0
 
     @property
@@ -101,6 +105,8 @@ class Resumption:
             )
         state = dataclasses.replace(self.record.state)
         state.previous_attempts_wall_s += self.previous_attempt_wall_s
+        state.previous_attempts_eval_s += self.previous_attempt_eval_s
+        state.previous_attempts_checkpoint_s += self.previous_attempt_checkpoint_s
         state.attempt += 1
         return state
 
@@ -189,6 +195,7 @@ def _prepare(run_dir: Path, options: RunOptions) -> Resumption | None:
         return None
     state = read_run_state(checkpoint).state
     previous = previous_attempt_wall_s(run_dir)  # before the records it reads are trimmed
+    eval_s, checkpoint_s = previous_attempt_excluded_s(run_dir)
     truncate_after(run_dir, state.global_step, state.epoch, state.step_in_epoch)
     logger.info(
         "resuming from %s (global step %d, attempt %d)",
@@ -196,4 +203,9 @@ def _prepare(run_dir: Path, options: RunOptions) -> Resumption | None:
         state.global_step,
         state.attempt + 1,
     )
-    return Resumption(checkpoint, previous)
+    return Resumption(
+        checkpoint,
+        previous,
+        previous_attempt_eval_s=eval_s,
+        previous_attempt_checkpoint_s=checkpoint_s,
+    )

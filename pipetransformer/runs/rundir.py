@@ -29,7 +29,7 @@ from pipetransformer.runs.checkpoint import (
     find_checkpoint,
     remove_interrupted_writes,
 )
-from pipetransformer.runs.records import StartEvent, event_from_dict
+from pipetransformer.runs.records import CheckpointEvent, StartEvent, event_from_dict
 from pipetransformer.utils.files import read_jsonl, rewrite_jsonl, write_text_atomic
 
 logger = logging.getLogger(__name__)
@@ -198,6 +198,9 @@ def truncate_after(run_dir: Path, global_step: int, epoch: int, step_in_epoch: i
     """Drop the records written after a checkpoint at `global_step` (`epoch` in progress,
     0-based, with `step_in_epoch` of its steps taken): the resumed run writes them again."""
     dropped = rewrite_jsonl(run_dir / "metrics.jsonl", lambda r: r["epoch"] <= epoch)
+    dropped += rewrite_jsonl(
+        run_dir / "evaluations.jsonl", lambda r: r["global_step"] <= global_step
+    )
     dropped += rewrite_jsonl(run_dir / "steps.jsonl", lambda r: r["global_step"] <= global_step)
     dropped += rewrite_jsonl(
         run_dir / "events.jsonl", lambda r: r.get("global_step", 0) <= global_step
@@ -225,7 +228,12 @@ def previous_attempt_wall_s(run_dir: Path) -> float:
         return 0.0
     written = [
         p.stat().st_mtime
-        for p in (run_dir / "metrics.jsonl", run_dir / "events.jsonl", run_dir / "steps.jsonl")
+        for p in (
+            run_dir / "metrics.jsonl",
+            run_dir / "evaluations.jsonl",
+            run_dir / "events.jsonl",
+            run_dir / "steps.jsonl",
+        )
         if p.exists()
     ]
     checkpoints = run_dir / CHECKPOINTS / "latest"
@@ -233,3 +241,23 @@ def previous_attempt_wall_s(run_dir: Path) -> float:
         written.append(checkpoints.stat().st_mtime)
     last = max(written, default=starts[-1].time)
     return max(0.0, min(last, time.time()) - starts[-1].time)
+
+
+def previous_attempt_excluded_s(run_dir: Path) -> tuple[float, float]:
+    """The seconds of the attempt that ran last that were off its training clock: its
+    evaluations and its checkpoint writes (records after its start, those a resume is about
+    to drop included: they took its time all the same)."""
+    events = list(map(event_from_dict, read_jsonl(run_dir / "events.jsonl")))
+    starts = [e for e in events if isinstance(e, StartEvent)]
+    if not starts:
+        return 0.0, 0.0
+    began = starts[-1].global_step
+    eval_s = sum(
+        float(r.get("eval_time_s", 0.0))
+        for r in read_jsonl(run_dir / "evaluations.jsonl")
+        if r["global_step"] > began
+    )
+    checkpoint_s = sum(
+        e.write_s for e in events if isinstance(e, CheckpointEvent) and e.global_step > began
+    )
+    return eval_s, checkpoint_s

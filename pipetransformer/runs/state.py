@@ -96,12 +96,17 @@ class RunState:
     epoch_transition_s: float = 0.0
     epoch_comm_s: float = 0.0
     epoch_padded_tokens: int = 0
+    epoch_eval_s: float = 0.0  # evaluations inside the epoch so far (trainer.evals_per_epoch)
     last_eval_metric: float | None = None
     best_eval_metric: float | None = None
     num_transitions: int = 0
-    # Attempts of this run (1 = never resumed) and the wall time of the earlier ones.
+    # Attempts of this run (1 = never resumed) and the wall time of the earlier ones, with
+    # the seconds of it their evaluations and checkpoint writes took (off the training
+    # clock: trainer/clock.py's TrainingClock).
     attempt: int = 1
     previous_attempts_wall_s: float = 0.0
+    previous_attempts_eval_s: float = 0.0
+    previous_attempts_checkpoint_s: float = 0.0
     # Shares of the training samples by the frozen boundary of their AutoCache entry
     # (planning/run_model.py CachedShares.to_dict; empty: none cached).
     cache_shares: dict[str, Any] = field(default_factory=dict)

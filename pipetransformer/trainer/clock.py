@@ -24,6 +24,7 @@ changes and the place is the step count, exactly as before.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -43,6 +44,8 @@ class Tick:
     schedule_step: float = -1.0  # this step's place in the learning-rate schedule (0-based)
     schedule_steps: int = 0  # the schedule's length
     samples: int = 0  # of its node's epoch order this step trains (shape padding aside)
+    samples_before: int = 0  # of its node's epoch order trained before this step
+    epoch_samples: int = 0  # a node's epoch (the sampler's epoch_samples)
 
     @property
     def epoch_start(self) -> bool:
@@ -67,6 +70,21 @@ class Tick:
     def steps_done_in_epoch(self) -> int:
         """Steps of this step's epoch taken once it is done."""
         return self.step_in_epoch + 1
+
+    @property
+    def epochs_done(self) -> float:
+        """Epochs trained once this step is done: its epoch's share of samples added."""
+        if self.epoch_end or self.epoch_samples <= 0:
+            return float(self.completed_epochs)
+        return self.epoch + (self.samples_before + self.samples) / self.epoch_samples
+
+    def reaches(self, part: int, parts: int) -> bool:
+        """Whether this step is the first to take its epoch's training to `part`/`parts` of
+        its samples (a node's), whatever the batch: exact, in integers."""
+        if self.epoch_samples <= 0:
+            return self.epoch_end and part >= parts
+        point = part * self.epoch_samples
+        return self.samples_before * parts < point <= (self.samples_before + self.samples) * parts
 
 
 class StepClock:
@@ -126,6 +144,8 @@ class StepClock:
                 schedule_place(state.epoch, offset, per_epoch, reference),
                 schedule_steps,
                 min(sampler.node_batch_size_now, sampler.epoch_samples - offset),
+                offset,
+                sampler.epoch_samples,
             )
             self.cached.record(self.cache_serves_at, tick.samples / sampler.epoch_samples)
             if tick.epoch_end:
@@ -139,3 +159,48 @@ class StepClock:
                 state.samples_in_epoch = offset + sampler.node_batch_size_now
             self.last = tick
             yield tick
+
+
+class TrainingClock:
+    """The run's training seconds: the training loop's time with every evaluation and
+    checkpoint write taken off it, the earlier attempts' added (their wall time less their
+    evaluations and checkpoint writes, from the run state; work a crash lost counts, as it
+    cost training time). summary.json's `training_time_s` and every evaluation's time into
+    the run read this one clock, so a time-to-target measures training alone.
+    `time.perf_counter` is read at each call (a test's stalled clock applies)."""
+
+    def __init__(self, state: RunState) -> None:
+        self.state = state
+        self.eval_s = 0.0  # this attempt's, off the clock
+        self.checkpoint_s = 0.0
+        self._started = time.perf_counter()
+
+    def start(self) -> None:
+        """The loop starts: this attempt's clock runs from now."""
+        self._started = time.perf_counter()
+        self.eval_s = self.checkpoint_s = 0.0
+
+    def exclude_evaluation(self, seconds: float) -> None:
+        self.eval_s += seconds
+
+    def exclude_checkpoint(self, seconds: float) -> None:
+        self.checkpoint_s += seconds
+
+    def training_s(self) -> float:
+        """Training seconds so far, every attempt."""
+        state = self.state
+        earlier = (
+            state.previous_attempts_wall_s
+            - state.previous_attempts_eval_s
+            - state.previous_attempts_checkpoint_s
+        )
+        now = time.perf_counter() - self._started - self.eval_s - self.checkpoint_s
+        return max(0.0, earlier) + max(0.0, now)
+
+    @property
+    def total_eval_s(self) -> float:
+        return self.state.previous_attempts_eval_s + self.eval_s
+
+    @property
+    def total_checkpoint_s(self) -> float:
+        return self.state.previous_attempts_checkpoint_s + self.checkpoint_s

@@ -4,8 +4,17 @@ padded length (a bucket in a pipeline of several stages), as training batches do
 (trainer/step.py); with data.group_by_length the eval set goes longest first, so each batch
 holds samples of similar length.
 
-Owns: `Evaluator` (its cadence, the pass, the run's last and best metric). Must not: know
-how a task scores (trainer/tasks.py, trainer/qa.py do) or write records.
+When: at the end of every `trainer.eval_interval_epochs`-th epoch and of the last, and with
+`trainer.evals_per_epoch` N > 1 also after the first step that takes an epoch to k/N of its
+samples (k < N). The points are shares of the epoch's samples, not step counts, so runs in
+layouts with other steps an epoch (AutoDP under trainer.batch_per_replica) evaluate at the
+same points, to within a step's batch; with a fixed global batch exactly. Every evaluation
+is off the training clock (trainer/clock.py, TrainingClock) and becomes an `Evaluation`
+record: where the run was and how much training it had had.
+
+Owns: `Evaluator` (its cadence, the pass, the run's last and best metric, the evaluation's
+record). Must not: know how a task scores (trainer/tasks.py, trainer/qa.py do) or write
+records (the trainer hands them to the reporter).
 """
 
 from __future__ import annotations
@@ -16,16 +25,27 @@ import torch
 
 from pipetransformer.autodp.control import Control
 from pipetransformer.autodp.sampler import EvalSampler
-from pipetransformer.config import Config
+from pipetransformer.config import Config, TrainerConfig
 from pipetransformer.data import DataBundle
 from pipetransformer.data.loader import BatchLoader, workers_per_process
 from pipetransformer.pipe.transfer import to_device
-from pipetransformer.runs.records import EvalResult
+from pipetransformer.runs.records import EvalResult, Evaluation
 from pipetransformer.runs.state import RunState
 from pipetransformer.trainer.caching import RunCache
-from pipetransformer.trainer.clock import Tick
+from pipetransformer.trainer.clock import Tick, TrainingClock
 from pipetransformer.trainer.distributed import WorldInfo
 from pipetransformer.trainer.step import Stage, step_seq_length
+
+
+def evaluation_due(tick: Tick, trainer: TrainerConfig) -> bool:
+    """Whether an evaluation follows `tick`'s step: at the end of every
+    `trainer.eval_interval_epochs`-th epoch and of the last, and at the
+    `trainer.evals_per_epoch` points inside every epoch (module docstring). The peers of
+    `compare` (compare/peers.py) evaluate at the same points."""
+    if tick.epoch_end:
+        return tick.completed_epochs % trainer.eval_interval_epochs == 0 or tick.last
+    parts = trainer.evals_per_epoch
+    return any(tick.reaches(part, parts) for part in range(1, parts))
 
 
 class Evaluator:
@@ -57,9 +77,34 @@ class Evaluator:
         self._loader.close()
 
     def due(self, tick: Tick) -> bool:
-        """At the end of every `trainer.eval_interval_epochs`-th epoch and of the last."""
-        interval = self.config.trainer.eval_interval_epochs
-        return tick.epoch_end and (tick.completed_epochs % interval == 0 or tick.last)
+        return evaluation_due(tick, self.config.trainer)
+
+    def evaluate_at(
+        self, tick: Tick, stage: Stage, clock: TrainingClock
+    ) -> tuple[EvalResult, float, Evaluation]:
+        """The evaluation due after `tick`'s step, off the training clock: its metrics, its
+        seconds and its record (collective)."""
+        training_s = clock.training_s()
+        result, seconds = self.evaluate(stage)
+        clock.exclude_evaluation(seconds)
+        layout = stage.layout
+        epochs_done = tick.epochs_done
+        record = Evaluation(
+            global_step=tick.global_step,
+            epoch=tick.epoch + 1,
+            epochs_done=epochs_done,
+            samples=round(epochs_done * len(self.data.train)),
+            training_time_s=training_s,
+            eval_time_s=seconds,
+            eval_metric=result.eval_metric,
+            checkpoint_time_s=clock.total_checkpoint_s,
+            eval_loss=result.eval_loss,
+            scores=result.scores,
+            num_frozen_layers=layout.plan.num_frozen_layers,
+            pipe_len=layout.pipe_len,
+            dp_degree=layout.dp_degree,
+        )
+        return result, seconds, record
 
     def evaluate(self, stage: Stage) -> tuple[EvalResult, float]:
         """The eval set's metrics and the seconds they took (collective)."""

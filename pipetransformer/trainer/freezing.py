@@ -206,7 +206,11 @@ class FreezeControl:
         if self.config.freeze.strategy == "none":  # the baseline and the peers never freeze:
             return False  # no decision point, no collective to agree on zero layers
         return self.schedule.due(
-            tick.epoch, tick.epoch_end, tick.last, self.metrics.steps_since_decision
+            tick.epoch,
+            tick.epoch_end,
+            tick.last,
+            self.metrics.steps_since_decision,
+            tick.global_step,
         )
 
     @property
@@ -327,7 +331,7 @@ class FreezeControl:
         for global_step in range(after_step + 1, total + 1):
             since += 1
             epoch, epoch_end = (global_step - 1) // per_epoch, global_step % per_epoch == 0
-            if self.schedule.due(epoch, epoch_end, global_step == total, since):
+            if self.schedule.due(epoch, epoch_end, global_step == total, since, global_step):
                 count, since = count + 1, 0
         return count
 

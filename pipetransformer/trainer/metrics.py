@@ -100,6 +100,8 @@ class MetricsTracker:
         self._carried_grad_sq = list(grad_sq) if len(grad_sq) == num_units else [0.0] * num_units
         self._carried_steps = carried.interval_steps
         self._epoch_padded_tokens = carried.epoch_padded_tokens
+        self._epoch_eval_s = carried.epoch_eval_s
+        carried.epoch_eval_s = 0.0
         carried.epoch_loss_sum = carried.epoch_train_s = carried.epoch_transition_s = (
             carried.epoch_comm_s
         ) = 0.0
@@ -120,6 +122,7 @@ class MetricsTracker:
         self._epoch_transition_s = 0.0
         self._epoch_comm_s = 0.0
         self._epoch_padded_tokens = 0  # every rank counts the global step's
+        self._epoch_eval_s = 0.0  # evaluations inside the epoch (trainer.evals_per_epoch)
         self._carried_epoch = (0.0, 0.0, 0.0, 0.0)
         self._bar_epoch: int | None = None
 
@@ -171,6 +174,12 @@ class MetricsTracker:
         """Seconds inside the epoch that were not training (a checkpoint write)."""
         if self._epoch_started is not None:
             self._epoch_excluded_s += seconds
+
+    def add_evaluation(self, seconds: float) -> None:
+        """An evaluation inside the epoch (not at its end): off its training time, into its
+        evaluation time."""
+        self.exclude(seconds)
+        self._epoch_eval_s += seconds
 
     @property
     def steps_since_decision(self) -> int:
@@ -234,7 +243,7 @@ class MetricsTracker:
                 scores=evaluation.scores if evaluation else None,
                 samples_per_s=self.num_train_samples / train_s,
                 epoch_time_s=train_s,
-                eval_time_s=eval_s,
+                eval_time_s=self._epoch_eval_s + eval_s,
                 transition_time_s=transition_s,
                 ddp_comm_s=comm_s,
                 ddp_comm_share=comm_s / train_s,
@@ -308,6 +317,7 @@ class MetricsTracker:
             epoch_transition_s=transition,
             epoch_comm_s=comm,
             epoch_padded_tokens=self._epoch_padded_tokens,
+            epoch_eval_s=self._epoch_eval_s,
             interval_grad_sq=self._grad_squares(dp_degree),
             interval_steps=self.steps_since_decision,
         )

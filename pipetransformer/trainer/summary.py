@@ -15,6 +15,7 @@ from pipetransformer.config import decided_by_measured_time
 from pipetransformer.planning import PlanContext
 from pipetransformer.runs.records import RunSummary, StartEvent
 from pipetransformer.runs.state import RunState
+from pipetransformer.trainer.clock import TrainingClock
 from pipetransformer.trainer.distributed import WorldInfo
 
 
@@ -46,7 +47,7 @@ def run_summary(
     state: RunState,
     layout: Layout,
     world: WorldInfo,
-    wall_s: float,
+    clock: TrainingClock,
     peaks: tuple[int, int | None],
     *,
     metric_name: str,
@@ -57,10 +58,13 @@ def run_summary(
     num_layers: int,
     freeze_strategy: str = "",
 ) -> RunSummary:
-    """`wall_s`: this attempt's training time; `peaks`: (resident set, CUDA allocation)."""
+    """`clock`: the run's training clock (every attempt; evaluation and checkpoint writes
+    off it, beside it); `peaks`: (resident set, CUDA allocation)."""
     peak_rss, peak_allocated = peaks
     return RunSummary(
-        training_time_s=state.previous_attempts_wall_s + wall_s,
+        training_time_s=clock.training_s(),
+        eval_time_s=clock.total_eval_s,
+        checkpoint_time_s=clock.total_checkpoint_s,
         attempts=state.attempt,
         final_eval_metric=state.last_eval_metric,
         best_eval_metric=state.best_eval_metric,

@@ -6,8 +6,8 @@ pipeline's own, DDP's, the control group's small collectives (autodp/control.py)
 handoff at transitions and checkpoint writes.
 
 `train()` is the loop: one tick of the clock per step; after it each periodic component
-says whether it acts now (`due(tick)`): the step log, evaluation at an epoch's end, a freeze
-decision, a checkpoint; and every rank agrees on whether a stop signal arrived. At a
+says whether it acts now (`due(tick)`): the step log, evaluation (off the training clock),
+a freeze decision, a checkpoint; and every rank agrees on whether a stop signal arrived. At a
 decision point: freeze decides F (pure) -> AutoPipe plans the layout (planning/, pure) ->
 AutoDP moves units and optimizer state, rebuilds the groups -> the stage is rebuilt.
 Everything that must survive a crash is `self.state` (a RunState) and the statefuls of
@@ -67,7 +67,7 @@ from pipetransformer.runs.state import (
 )
 from pipetransformer.trainer import optim
 from pipetransformer.trainer.caching import RunCache
-from pipetransformer.trainer.clock import StepClock, Tick
+from pipetransformer.trainer.clock import StepClock, Tick, TrainingClock
 from pipetransformer.trainer.distributed import WorldInfo, init_distributed, peak_memory
 from pipetransformer.trainer.evaluation import Evaluator
 from pipetransformer.trainer.freezing import FreezeControl
@@ -250,6 +250,7 @@ class Trainer:
             config, self.data.train, self.sampler, start_replicas, self.plan.initial_pipe_len
         )
         self.clock = StepClock(self.state, self.sampler, config.trainer.epochs, start_replicas)
+        self.training_clock = TrainingClock(self.state)  # evaluation, checkpoints off it
         self.metrics = MetricsTracker(
             control=control,
             reporter=self.reporter,
@@ -458,7 +459,7 @@ class Trainer:
     def train(self) -> RunSummary:
         """Train to the last epoch (from wherever the state says the run is). Raises
         RunStopped after writing a checkpoint when a stop signal arrives."""
-        started = time.perf_counter()
+        self.training_clock.start()
         start = self._start_event()
         if start.decided_by_measured_time and self.control.rank == 0:
             logger.info(
@@ -471,7 +472,7 @@ class Trainer:
             self.metrics.record(tick, self.steps.run(tick, self.stage))
             if self.metrics.due(tick):
                 self.metrics.log_steps(tick, self.stage.layout, *self.steps.learning_rates(tick))
-            evaluation = self._end_epoch(tick) if tick.epoch_end else None
+            evaluation = self._evaluate(tick)
             if self.freezer.due(tick):
                 self._decision_point(tick)
             stop = self.stop_poll.poll(tick) if self.stop_poll.due(tick) else 0
@@ -489,13 +490,20 @@ class Trainer:
                     state.step_in_epoch,
                     str(self.checkpointer.last_path),
                 )
-        return self._finish(time.perf_counter() - started)
+        return self._finish()
 
-    def _end_epoch(self, tick: Tick) -> EvalResult | None:
-        """Evaluation when due and the epoch's metrics line (collective)."""
-        evaluation, eval_s = (
-            self.evaluator.evaluate(self.stage) if self.evaluator.due(tick) else (None, 0.0)
-        )
+    def _evaluate(self, tick: Tick) -> EvalResult | None:
+        """Evaluation when due, off the training clock, and at an epoch's end the epoch's
+        metrics line (collective)."""
+        evaluation, eval_s = None, 0.0
+        if self.evaluator.due(tick):
+            evaluation, eval_s, record = self.evaluator.evaluate_at(
+                tick, self.stage, self.training_clock
+            )
+            self.reporter.evaluation(record)
+        if not tick.epoch_end:
+            self.metrics.add_evaluation(eval_s)
+            return evaluation
         self.metrics.end_epoch(
             tick,
             self.stage.layout,
@@ -628,16 +636,17 @@ class Trainer:
             )
         )
         self.metrics.exclude(saved.write_s)  # writing a checkpoint is not training time
+        self.training_clock.exclude_checkpoint(saved.write_s)
 
     # ------------------------------------------------------------------ records
 
-    def _finish(self, wall_s: float) -> RunSummary:
+    def _finish(self) -> RunSummary:
         last = self.checkpointer.last_path
         summary = run_summary(
             self.state,
             self.stage.layout,
             self.world,
-            wall_s,
+            self.training_clock,
             peak_memory(self.control, self.world.device),
             metric_name=self.task.metric_name,
             final_scores=self.evaluator.last_scores,
