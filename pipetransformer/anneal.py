@@ -120,6 +120,7 @@ class Position:
     steps_since_decision: int
     decision_index: int
     num_frozen_layers: int
+    global_step: int = 0  # steps taken (a fitted warm-up counts them: freeze.cadence_epochs)
 
 
 def decision_places(cadence: Cadence, position: Position) -> list[float]:
@@ -127,12 +128,14 @@ def decision_places(cadence: Cadence, position: Position) -> list[float]:
     trainer's clock does (trainer/clock.py) and asking the schedule as FreezeControl does."""
     places = []
     epoch, samples, since = position.epoch, position.samples_in_epoch, position.steps_since_decision
+    step = position.global_step
     while epoch < cadence.epochs:
         samples = min(samples + cadence.node_batch, cadence.epoch_samples)
         since += 1
+        step += 1
         epoch_end = samples >= cadence.epoch_samples
         last = epoch_end and epoch == cadence.epochs - 1
-        due = cadence.schedule.due(epoch, epoch_end, last, since)
+        due = cadence.schedule.due(epoch, epoch_end, last, since, step)
         if epoch_end:
             epoch, samples = epoch + 1, 0
         if due:

@@ -35,8 +35,11 @@ from pipetransformer.trainer.metrics import FreezeSignal
 L = 6
 
 
-def cadence(interval=None, epochs=3, epoch_samples=4000, batch=32, warmup_epochs=0) -> Cadence:
-    return Cadence(epochs, epoch_samples, batch, batch, DecisionSchedule(interval, warmup_epochs))
+def cadence(
+    interval=None, epochs=3, epoch_samples=4000, batch=32, warmup_epochs=0, warmup_steps=None
+) -> Cadence:
+    schedule = DecisionSchedule(interval, warmup_epochs, warmup_steps)
+    return Cadence(epochs, epoch_samples, batch, batch, schedule)
 
 
 def start() -> Position:
@@ -66,19 +69,23 @@ def brute_force_places(c: Cadence) -> list[float]:
         epoch, in_epoch = (global_step - 1) // steps, (global_step - 1) % steps
         since += 1
         epoch_end = in_epoch == steps - 1
-        if c.schedule.due(epoch, epoch_end, global_step == c.epochs * steps, since):
+        if c.schedule.due(epoch, epoch_end, global_step == c.epochs * steps, since, global_step):
             places.append(float(global_step))
             since = 0
     return places
 
 
-@pytest.mark.parametrize("interval, warmup_epochs", [(None, 0), (42, 0), (7, 1), (None, 2)])
-def test_decision_places_are_where_the_trainer_decides(interval, warmup_epochs):
-    c = cadence(interval, warmup_epochs=warmup_epochs)
+@pytest.mark.parametrize(
+    "interval, warmup_epochs, warmup_steps",
+    # the last: a budget run's fitted cadence (freeze.cadence_epochs), its warm-up in steps
+    [(None, 0, None), (42, 0, None), (7, 1, None), (None, 2, None), (42, 1, 60)],
+)
+def test_decision_places_are_where_the_trainer_decides(interval, warmup_epochs, warmup_steps):
+    c = cadence(interval, warmup_epochs=warmup_epochs, warmup_steps=warmup_steps)
     assert decision_places(c, start()) == brute_force_places(c)
     # From the middle of an interval, with its steps carried (a resume): the same tail.
     since = 135 - max([0.0] + [p for p in brute_force_places(c) if p <= 135])
-    assert decision_places(c, Position(1, 32 * 10, int(since), 0, 0)) == [
+    assert decision_places(c, Position(1, 32 * 10, int(since), 0, 0, 135)) == [
         p for p in brute_force_places(c) if p > 135
     ]
 

@@ -181,6 +181,7 @@ class FreezeControl:
             self.metrics.steps_since_decision,
             state.decision_index,
             num_frozen_layers,
+            state.global_step,
         )
         plan = plan_freezes(
             self.decider, self.config.optimizer, self._cadence(), position, previous
