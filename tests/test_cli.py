@@ -61,8 +61,14 @@ def test_compare_help_names_exactly_the_variants_it_accepts():
     from pipetransformer.config import load_config
 
     accepted = set()
-    for config in (QUICKSTART, ROOT / "configs" / "bert_sst2_local.yaml"):  # image, text
-        accepted |= set(variant_overrides(load_config(config), ablations=True, peers=True))
+    # image, text, and pretrained weights (which add ddp_frozen_embedding)
+    for config, overrides in (
+        (QUICKSTART, []),
+        (ROOT / "configs" / "bert_sst2_local.yaml", []),
+        (QUICKSTART, ["model.pretrained=true"]),
+    ):
+        found = variant_overrides(load_config(config, overrides), ablations=True, peers=True)
+        accepted |= set(found)
     accepted -= {BASELINE, ELASTIC}
     flags = _compare_help()
     named = " ".join([flags["peers"], flags["ablations"]])
