@@ -96,12 +96,20 @@ def test_over_seeds_the_ratio_is_a_geometric_mean_and_censoring_is_said():
     exact = ratio_stats([Bounded(2.0), Bounded(0.5), Bounded(1.0)])
     assert (exact.mean, exact.kind, exact.at_least, exact.n) == (pytest.approx(1.0), EXACT, 0, 3)
     assert exact.low < 1.0 < exact.high
-    # Seeds above every DDP point enter with their bound: the mean is then a lower bound.
-    censored = ratio_stats([Bounded(1.2), Bounded(1.5, AT_LEAST), Bounded(1.3)])
-    assert censored.kind == AT_LEAST and censored.at_least == 1
-    assert censored.mean == pytest.approx(math.exp(sum(map(math.log, (1.2, 1.5, 1.3))) / 3))
-    assert fmt_ratio(censored).startswith("at least 1.33x [")
-    assert "1 of 3 seed(s) bounded" in fmt_ratio(censored)
+    # A bound is never averaged with values (issue 53: "at least 1.11x [0.44, 2.79]" came
+    # from 0.91x, 0.87x and a bound of 1.70x): no mean, no interval, the seeds' range.
+    censored = ratio_stats([Bounded(0.91), Bounded(1.70, AT_LEAST), Bounded(0.87)])
+    assert (censored.kind, censored.mean, censored.low) == (MIXED, None, None)
+    assert censored.at_least == 1
+    assert (
+        fmt_ratio(censored) == "no estimate: 1 seed(s) at least, 0 at most, 2 exact (0.87 to 1.70)"
+    )
+    # Every seed bounded the same way: the mean is a bound, with no interval.
+    bounded = ratio_stats([Bounded(1.2, AT_LEAST), Bounded(1.5, AT_LEAST)])
+    assert bounded.kind == AT_LEAST and (bounded.low, bounded.high) == (None, None)
+    assert bounded.mean == pytest.approx(math.sqrt(1.2 * 1.5))
+    assert fmt_ratio(bounded).startswith("at least 1.34x (")
+    assert "[" not in fmt_ratio(bounded) and "2 of 2 seed(s) bounded" in fmt_ratio(bounded)
     # Bounds both ways: no estimate.
     mixed = ratio_stats([Bounded(1.2, AT_MOST), Bounded(1.5, AT_LEAST)])
     assert (mixed.kind, mixed.mean, mixed.low) == (MIXED, None, None)
@@ -117,4 +125,9 @@ def test_over_seeds_the_difference_is_a_mean_with_a_t_interval():
     assert (stats.low, stats.high) == (pytest.approx(0.1 - half), pytest.approx(0.1 + half))
     assert fmt_points(stats).startswith("+0.10 [")
     late = difference_stats([Bounded(-0.2, AT_MOST), Bounded(-0.4)])
-    assert late.kind == AT_MOST and fmt_points(late).startswith("at most -0.30")
+    assert (late.kind, late.mean, late.low) == (MIXED, None, None)
+    assert fmt_points(late).startswith("no estimate: 0 seed(s) at least, 1 at most, 1 exact")
+    both = difference_stats([Bounded(-0.2, AT_MOST), Bounded(-0.4, AT_MOST)])
+    assert both.kind == AT_MOST and fmt_points(both) == (
+        "at most -0.30 (-0.40 to -0.20), 2 of 2 seed(s) bounded"
+    )

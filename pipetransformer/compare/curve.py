@@ -17,10 +17,11 @@ answers two questions about a variant that trained for time t to metric a:
 
 Over seeds each seed's variant is set against the same seed's curve; ratios average as
 geometric means with a t interval on the logarithms (as compare/stats.py's speedups), the
-differences as means with a t interval. A seed whose value is a bound enters with its bound:
-when every such seed is bounded the same way the mean is a bound the same way ("at least":
-the seeds' true values can only raise it), and the interval is the interval of the bounds,
-indicative only; bounds both ways leave no estimate ("mixed").
+differences as means with a t interval, only where every seed's value is a value. A bound is
+never averaged with values: where some seeds are bounds and some values there is no mean
+and no interval, only the seeds' own figures; where every seed is bounded the same way the
+mean is a bound the same way ("at least": the seeds' true values can only raise it), with no
+interval; bounds both ways leave no estimate ("mixed").
 
 Must not: read files or know variant names (compare/budgets.py does).
 """
@@ -131,11 +132,16 @@ class BoundedStats:
 
 
 def _kind(values: Sequence[Bounded]) -> tuple[int, int, str]:
+    """Seeds bounded each way, and what a mean over them would be: a value (every seed
+    exact), a bound (every seed bounded the same way), or none (MIXED: bounds with values,
+    or bounds both ways)."""
     at_least = sum(v.kind == AT_LEAST for v in values)
     at_most = sum(v.kind == AT_MOST for v in values)
-    if at_least and at_most:
-        return at_least, at_most, MIXED
-    return at_least, at_most, AT_LEAST if at_least else AT_MOST if at_most else EXACT
+    if at_least == len(values):
+        return at_least, at_most, AT_LEAST
+    if at_most == len(values):
+        return at_least, at_most, AT_MOST
+    return at_least, at_most, MIXED if at_least or at_most else EXACT
 
 
 def ratio_stats(values: Sequence[Bounded]) -> BoundedStats:
@@ -144,11 +150,11 @@ def ratio_stats(values: Sequence[Bounded]) -> BoundedStats:
         raise ValueError("ratio_stats: no values")
     at_least, at_most, kind = _kind(values)
     ratio = geometric_mean_ratio([v.value for v in values])
-    mixed = kind == MIXED
+    exact = kind == EXACT
     return BoundedStats(
-        None if mixed else ratio.mean,
-        None if mixed else ratio.low,
-        None if mixed else ratio.high,
+        None if kind == MIXED else ratio.mean,
+        ratio.low if exact else None,
+        ratio.high if exact else None,
         ratio.min,
         ratio.max,
         ratio.n,
@@ -165,12 +171,11 @@ def difference_stats(values: Sequence[Bounded]) -> BoundedStats:
         raise ValueError("difference_stats: no values")
     at_least, at_most, kind = _kind(values)
     numbers = [v.value for v in values]
-    interval = confidence_interval(numbers)
-    mixed = kind == MIXED
+    interval = confidence_interval(numbers) if kind == EXACT else None
     return BoundedStats(
-        None if mixed else mean_std(numbers).mean,
-        None if mixed or interval is None else interval.low,
-        None if mixed or interval is None else interval.high,
+        None if kind == MIXED else mean_std(numbers).mean,
+        None if interval is None else interval.low,
+        None if interval is None else interval.high,
         min(numbers),
         max(numbers),
         len(numbers),
@@ -193,9 +198,10 @@ def fmt_points(stats: BoundedStats) -> str:
 def _fmt(stats: BoundedStats, shown, bare) -> str:
     bounded = stats.at_least + stats.at_most
     if stats.kind == MIXED or stats.mean is None:
+        exact = stats.n - stats.at_least - stats.at_most
         return (
-            f"no estimate: {stats.at_least} seed(s) at least, {stats.at_most} at most "
-            f"({bare(stats.min)} to {bare(stats.max)})"
+            f"no estimate: {stats.at_least} seed(s) at least, {stats.at_most} at most, "
+            f"{exact} exact ({bare(stats.min)} to {bare(stats.max)})"
         )
     text = shown(stats.mean)
     if stats.low is not None and stats.high is not None and math.isfinite(stats.low):
