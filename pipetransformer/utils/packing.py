@@ -51,11 +51,14 @@ class Packing:
         # Each sample's packed row (global over the batch) and its first token in it.
         self.sample_row = torch.tensor(sample_row, dtype=torch.long)
         offsets = torch.tensor(sample_offset, dtype=torch.long)
+        # Index arithmetic from the lengths alone, with no read of a tensor's value on the
+        # host: the sizes come from the Python lists (`output_size`), not from the tensors.
         counts = torch.tensor(self.lengths, dtype=torch.long)
-        within = torch.arange(int(counts.sum())) - torch.repeat_interleave(
-            torch.cumsum(counts, 0) - counts, counts
+        total = sum(self.lengths)
+        within = torch.arange(total) - torch.repeat_interleave(
+            torch.cumsum(counts, 0) - counts, counts, output_size=total
         )
-        sample = torch.repeat_interleave(torch.arange(n), counts)
+        sample = torch.repeat_interleave(torch.arange(n), counts, output_size=total)
         # Every real token, sample by sample: its flat place padded (n, width) and packed
         # (num_rows, width).
         self.padded_index = sample * width + within
@@ -68,8 +71,10 @@ class Packing:
         # The sample whose extra rows each packed row carries: the one at its first token;
         # an empty row, its micro-batch's first sample.
         self.row_owner = torch.arange(self.num_rows) // rows * b
-        first = offsets == 0
-        self.row_owner[self.sample_row[first]] = torch.arange(n)[first]
+        first = [i for i, offset in enumerate(sample_offset) if offset == 0]
+        self.row_owner[torch.tensor([sample_row[i] for i in first], dtype=torch.long)] = (
+            torch.tensor(first, dtype=torch.long)
+        )
 
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
         """(n, row_length [+ extra rows], ...) one sample a row -> (num_rows, row_length
