@@ -313,7 +313,7 @@ def test_a_step_packs_at_the_batchs_length_and_a_pipeline_in_buckets():
     )
     assert share == pytest.approx(packed / (12 * 64))
     batch_config = config_from_dict(
-        {**config.to_dict(), "data": {"name": "sst2", "max_seq_length": 64}}
+        {**config.to_dict(), "data": {"name": "sst2", "max_seq_length": 64, "padding": "batch"}}
     )
     assert share < padded_length_share(batch_config, split, sampler, 1)
 
@@ -335,8 +335,10 @@ def test_auto_packs_a_batch_where_packing_saves_enough_of_its_tokens():
     assert isinstance(shape, PackedShape) and packing_pays(shape, 16, 8)
     assert shape.tokens(8) <= (1 - PACKING_MIN_SAVING) * 8 * 16
     assert step_seq_length(config, one, split, list(range(8, 16))) == 16  # padded
-    with pytest.raises(ConfigError, match="data.padding: 'auto' lays text samples"):
-        config_from_dict({"data": {"name": "digits", "padding": "auto"}})
+    # The default: data without a sequence takes it as nothing to pack; 'packed' is refused.
+    assert config_from_dict({"data": {"name": "digits", "padding": "auto"}}).data.padding == "auto"
+    with pytest.raises(ConfigError, match="data.padding: 'packed' lays text samples"):
+        config_from_dict({"data": {"name": "digits", "padding": "packed"}})
 
 
 def test_a_pipeline_budgets_the_receive_buffers_of_every_packed_shape():

@@ -91,7 +91,12 @@ def test_real_lengths_are_one_past_the_last_attended_position():
 
 
 def test_the_padding_keys_are_checked_and_name_themselves():
-    assert DataConfig(name="sst2").padding == "batch"
+    # Packing where it pays is the default (docs/architecture.md, "Which padding by
+    # default"); data without a sequence takes it as a no-op, and refuses 'packed' by name.
+    assert DataConfig(name="sst2").padding == "auto"
+    assert DataConfig(name="digits").padding == "auto"
+    with pytest.raises(ConfigError, match="data.padding: 'packed' .*'digits' is not text"):
+        DataConfig(name="digits", padding="packed")
     assert DataConfig(name="sst2").pad_to_multiple_of == 8
     assert not DataConfig(name="sst2").group_by_length
     with pytest.raises(ConfigError, match="data.pad_to_multiple_of: must be >= 1"):
@@ -132,7 +137,7 @@ def test_a_pipeline_stage_budgets_the_receive_buffers_of_every_bucket():
         received = (1 if stage == 0 else 2) * 2 * 4 * (4 / 2)
         assert buckets.boundary - one.boundary == pytest.approx((share - 1) * received)
         assert buckets.activations == one.activations and buckets.parameters == one.parameters
-    text = {"model": {"name": "bert"}, "data": {"name": "sst2"}}
+    text = {"model": {"name": "bert"}, "data": {"name": "sst2", "padding": "batch"}}
     assert receive_buffer_share(config_from_dict(text)) == pytest.approx(share)
     text["data"]["padding"] = "max_length"
     assert receive_buffer_share(config_from_dict(text)) == 1.0
@@ -386,18 +391,27 @@ def test_the_eval_set_goes_longest_first_once_when_grouped():
 
 def test_a_pipeline_runs_a_batch_in_its_bucket_and_one_stage_at_its_own_length():
     config = config_from_dict(
-        {"model": {"name": "bert"}, "data": {"name": "sst2", "max_seq_length": 16}}
+        {
+            "model": {"name": "bert"},
+            "data": {"name": "sst2", "padding": "batch", "max_seq_length": 16},
+        }
     )
     split = text_split([3, 9, 12, 5, 1, 2])
     one, two = SimpleNamespace(pipe_len=1), SimpleNamespace(pipe_len=2)
     assert step_seq_length(config, one, split, [0, 3]) == 8
     assert step_seq_length(config, two, split, [0, 1]) == 16
     config = config_from_dict(
-        {"model": {"name": "bert"}, "data": {"name": "sst2", "max_seq_length": 16}}
+        {
+            "model": {"name": "bert"},
+            "data": {"name": "sst2", "padding": "batch", "max_seq_length": 16},
+        }
     )
     long = text_split([3, 9, 12, 5, 1, 2, 40, 30], max_length=64, multiple=8)
     wide = config_from_dict(
-        {"model": {"name": "bert"}, "data": {"name": "sst2", "max_seq_length": 64}}
+        {
+            "model": {"name": "bert"},
+            "data": {"name": "sst2", "padding": "batch", "max_seq_length": 64},
+        }
     )
     assert step_seq_length(wide, one, long, [6, 0]) == 40  # 40 is a multiple of 8
     assert step_seq_length(wide, two, long, [6, 0]) == 64  # buckets 8, 16, 32, 64
@@ -423,7 +437,7 @@ def test_whether_the_cache_pays_is_judged_at_the_batches_real_lengths():
         {
             "model": {"name": "bert"},
             "trainer": {"global_batch_size": 4},
-            "data": {"name": "sst2", "max_seq_length": 16},
+            "data": {"name": "sst2", "padding": "batch", "max_seq_length": 16},
         }
     )
     split = text_split([3, 3, 3, 3, 12, 3, 3, 3], max_length=16)
@@ -436,7 +450,7 @@ def test_whether_the_cache_pays_is_judged_at_the_batches_real_lengths():
         {
             "model": {"name": "bert"},
             "trainer": {"global_batch_size": 4},
-            "data": {"name": "sst2", "max_seq_length": 64},
+            "data": {"name": "sst2", "padding": "batch", "max_seq_length": 64},
         }
     )
     wide = text_split([3, 3, 20, 3, 3, 3, 3, 3], max_length=64)
@@ -500,7 +514,7 @@ def _text_config(data_dir: Path, **data) -> dict:
                 "validation": str(data_dir / "dev.csv"),
             },
             "max_seq_length": 32,
-            **data,
+            **{"padding": "batch", **data},  # per-batch padding unless a run says otherwise
         },
     }
 
