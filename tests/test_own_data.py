@@ -224,6 +224,7 @@ def test_pairs_csv_fine_tunes_through_a_transition_and_its_export_answers_with_l
         "data.max_seq_length=24",
         "data.metric=f1",
         "freeze.strategy=alpha_schedule",  # a transition for sure
+        "freeze.warmup_epochs=0",  # the config waits 2 epochs for its random BERT
         "trainer.epochs=2",
         "trainer.global_batch_size=32",
         "optimizer.warmup_steps=2",

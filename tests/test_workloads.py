@@ -153,6 +153,7 @@ def test_bert_sst2_local_elastic_run_reaches_a_transition(tmp_path, sst2_dir):
         "bert_sst2_local.yaml",
         tmp_path,
         "freeze.strategy=alpha_schedule",  # a transition for sure: the closed form needs no signal
+        "freeze.warmup_epochs=0",  # the config waits 2 epochs for its random BERT
         "trainer.epochs=2",
         "data.train_subset=512",
         "data.max_seq_length=32",
