@@ -107,7 +107,9 @@ def test_no_shared_memory_left_after_an_exception(tmp_path):
     assert own_stores(tmp_path / "cache") == []
 
 
+@pytest.mark.slow
 def test_no_shared_memory_left_after_sigkill(tmp_path):
+    """Slow: about 8 s (a training run started, killed and its shared memory checked)."""
     cache_dir = tmp_path / "cache"
     process = subprocess.Popen(
         [

@@ -445,9 +445,11 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.slow
 def test_expandable_segments_are_on_before_cuda_first_initialises_under_torchrun(tmp_path):
-    """A torchrun worker's start-up (`pipetransformer train` with torchrun's environment, a
-    fresh interpreter, CUDA faked) up to the first call that initialises CUDA: the caching
+    """Slow: about 9 s (a fresh interpreter importing the package). A torchrun worker's
+    start-up (`pipetransformer train` with torchrun's environment, a fresh interpreter, CUDA
+    faked) up to the first call that initialises CUDA: the caching
     allocator's own settings (it parses them once, at that moment) have expandable segments.
     The preflight's `get_device_capability` initialised CUDA before `init_distributed` set
     PYTORCH_CUDA_ALLOC_CONF, so every torchrun run had them off (the memory model's 5%
