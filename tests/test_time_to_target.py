@@ -381,7 +381,13 @@ def test_the_benchmark_plans_each_side_as_a_fitted_curve():
     common = bench.workload(args)
     assert "trainer.evals_per_epoch=4" in common and common[-1] == "trainer.seed=0"
     sides = bench.side_overrides(setting, ["default", "embedding_only"], common)
-    assert list(sides) == ["baseline", "fsdp", "elastic_default", "elastic_embedding_only"]
+    assert list(sides) == [
+        "baseline",
+        "fsdp",
+        "ddp_frozen_embedding",
+        "elastic_default",
+        "elastic_embedding_only",
+    ]
     config = load_config(str(setting.config), common)
     runs = bench.planned_runs(config, sides, [1, 2])
     assert sorted(runs) == sorted(f"{side}_{b}ep" for side in sides for b in (1, 2))
