@@ -10,7 +10,9 @@ compare/target.py): the target (the reference peer's median final accuracy at th
 budget less `--margin`), each side's time-to-target (median and interquartile range over
 the seeds, how many reached it), each peer's over the full system's paired by seed with a
 95% t interval over the seeds where both reached it, and every run's end read on the other
-side's frontier (the best reached by then, a step function).
+side's frontier (the best reached by then, a step function); then, at a fixed budget, each
+peer's full-budget run against the system's, paired by seed (time ratio and accuracy
+difference, each with its interval).
 
 Settings:
 
@@ -82,6 +84,7 @@ from pipetransformer.compare.plots import plot_frontiers
 from pipetransformer.compare.records import run_record
 from pipetransformer.compare.report import BASELINE, DDP, DDP_FROZEN_EMBEDDING, FSDP, TITLES
 from pipetransformer.compare.runner import frozen_embedding_overrides, variant_overrides
+from pipetransformer.compare.stats import confidence_interval, geometric_mean_ratio
 from pipetransformer.compare.target import median
 from pipetransformer.config import load_config
 
@@ -302,7 +305,7 @@ def choose(args, setting: Setting) -> tuple[str, list[dict]]:
     return min(rows, key=rank)["candidate"], rows
 
 
-def tables(args, choice: str, rows: list[dict], found, metric: str) -> str:
+def tables(args, choice: str, rows: list[dict], found, metric: str, records=()) -> str:
     chose = (
         f"Chosen on seeds {', '.join(map(str, args.choose_seeds))}"
         if rows
@@ -342,7 +345,54 @@ def tables(args, choice: str, rows: list[dict], found, metric: str) -> str:
         lines.append("\nNo run of the reporting seeds finished yet.")
     else:
         lines += frontiers.report_lines(found, metric, title)
+        peers = [side.side for side in found.sides if side.side != found.system]
+        lines += full_budget_lines(records, found.system, peers, args.epochs, metric)
     return "\n".join(lines)
+
+
+def full_budget_lines(records, system: str, peers, epochs: int, metric: str) -> list[str]:
+    """Each peer against the full system at the full budget, paired by seed over the seeds
+    where both finished it: the peer's training time over the system's (geometric mean of
+    the per-seed ratios, 95% t interval on their logarithms) and the system's final metric
+    less the peer's (points, with its t interval). A fixed budget, not time-to-target."""
+    final = {
+        (r.variant, r.seed): r
+        for r in records
+        if r.final_eval_metric is not None and r.training_time_s > 0
+    }
+    mine = budget_name(epochs, system)
+    lines = [
+        "",
+        f"## At the full budget ({epochs} epochs)",
+        "",
+        f"Each side's {epochs}-epoch run against {title(system)}'s at the same seed: the "
+        "side's training time over its own (geometric mean of the per-seed ratios, 95% t "
+        f"interval on the logarithms) and its final {metric} less the side's, in points.",
+        "",
+        f"| side | seeds | its time over {title(system)}'s [95%] (range) | "
+        f"{title(system)} less it, points [95%] (by seed) |",
+        "| --- | ---: | --- | --- |",
+    ]
+    for peer in peers:
+        theirs = budget_name(epochs, peer)
+        seeds = sorted(s for (v, s) in final if v == theirs and (mine, s) in final)
+        if not seeds:
+            continue
+        ratios = [final[theirs, s].training_time_s / final[mine, s].training_time_s for s in seeds]
+        points = [
+            100 * (final[mine, s].final_eval_metric - final[theirs, s].final_eval_metric)
+            for s in seeds
+        ]
+        ratio = geometric_mean_ratio(ratios)
+        band = f" [{ratio.low:.2f}, {ratio.high:.2f}]" if ratio.low is not None else ""
+        interval = confidence_interval(points)
+        spread = f" [{interval.low:+.2f}, {interval.high:+.2f}]" if interval else ""
+        lines.append(
+            f"| {title(peer)} | {len(seeds)} | {ratio.mean:.2f}x{band} "
+            f"({ratio.min:.2f}-{ratio.max:.2f}) | {sum(points) / len(points):+.2f}{spread} "
+            f"({', '.join(f'{x:+.2f}' for x in points)}) |"
+        )
+    return lines
 
 
 def with_harness(record, bench: dict) -> dict:
@@ -417,7 +467,7 @@ def main() -> None:
     )
     found = frontiers.time_to_target(records, args.epochs, args.margin, args.target, system)
     metric = records[0].metric_name if records else "accuracy"
-    text = tables(args, choice, rows, found, metric)
+    text = tables(args, choice, rows, found, metric, records)
     args.out.mkdir(parents=True, exist_ok=True)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     results = {

@@ -397,3 +397,36 @@ def test_the_benchmark_plans_each_side_as_a_fitted_curve():
     assert not any("cadence" in o for o in runs["baseline_1ep"] + runs["fsdp_2ep"])
     assert "pipeline.sharding=always" in runs["fsdp_1ep"]
     assert bench.title("elastic_anneal") == "PipeTransformer, anneal"
+
+
+def test_the_benchmarks_full_budget_table_pairs_each_peer_with_the_system_by_seed():
+    """benchmarks/time_to_target.py's fixed-budget table, on hand-made records: the peer's
+    time over the system's as a geometric mean of per-seed ratios, the system's final metric
+    less the peer's in points; a seed only one side finished is left out, and a peer with
+    no full-budget run has no row."""
+    import sys
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import time_to_target as bench
+
+    def run(variant, seed, seconds, final):
+        return SimpleNamespace(
+            variant=variant, seed=seed, training_time_s=seconds, final_eval_metric=final
+        )
+
+    records = [
+        run("elastic_default_3ep", 0, 10.0, 0.80),
+        run("elastic_default_3ep", 1, 10.0, 0.82),
+        run("elastic_default_3ep", 2, 10.0, 0.90),
+        run("baseline_3ep", 0, 20.0, 0.81),
+        run("baseline_3ep", 1, 30.0, 0.80),
+        run("baseline_1ep", 2, 5.0, 0.70),  # not the full budget: not paired
+        run("fsdp_1ep", 0, 9.0, 0.75),
+    ]
+    lines = bench.full_budget_lines(records, "elastic_default", ["baseline", "fsdp"], 3, "acc")
+    rows = [line for line in lines if line.startswith("| baseline") or line.startswith("| FSDP")]
+    assert len(rows) == 1  # FSDP2 has no 3-epoch run
+    # ratios 2 and 3: geometric mean sqrt(6); points -1 and +2: mean +0.5
+    assert "| 2 | 2.45x [" in rows[0] and "(2.00-3.00)" in rows[0]
+    assert "+0.50 [" in rows[0] and "(-1.00, +2.00)" in rows[0]
