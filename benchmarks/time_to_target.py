@@ -84,7 +84,7 @@ from pipetransformer.compare.plots import plot_frontiers
 from pipetransformer.compare.records import run_record
 from pipetransformer.compare.report import BASELINE, DDP, DDP_FROZEN_EMBEDDING, FSDP, TITLES
 from pipetransformer.compare.runner import frozen_embedding_overrides, variant_overrides
-from pipetransformer.compare.stats import confidence_interval, geometric_mean_ratio
+from pipetransformer.compare.stats import SeedRun, seeded_stats
 from pipetransformer.compare.target import median
 from pipetransformer.config import load_config
 
@@ -352,15 +352,20 @@ def tables(args, choice: str, rows: list[dict], found, metric: str, records=()) 
 
 def full_budget_lines(records, system: str, peers, epochs: int, metric: str) -> list[str]:
     """Each peer against the full system at the full budget, paired by seed over the seeds
-    where both finished it: the peer's training time over the system's (geometric mean of
-    the per-seed ratios, 95% t interval on their logarithms) and the system's final metric
-    less the peer's (points, with its t interval). A fixed budget, not time-to-target."""
-    final = {
-        (r.variant, r.seed): r
+    where both finished it (compare's seeded statistics with the system as the subject): the
+    peer's training time over the system's (geometric mean, 95% t interval on the
+    logarithms) and the system's final metric less the peer's (points, t interval). A fixed
+    budget, not time-to-target."""
+    names = {budget_name(epochs, side): side for side in [system, *peers]}
+    runs = [
+        SeedRun(names[r.variant], r.seed, r.training_time_s, r.final_eval_metric, 0.0)
         for r in records
-        if r.final_eval_metric is not None and r.training_time_s > 0
-    }
-    mine = budget_name(epochs, system)
+        if r.variant in names and r.final_eval_metric is not None
+    ]
+    if not any(run.variant == system for run in runs):
+        return []
+    stats = seeded_stats(runs, baseline=system, subject=system)
+    finals = {(run.variant, run.seed): run.final_eval_metric for run in runs}
     lines = [
         "",
         f"## At the full budget ({epochs} epochs)",
@@ -373,24 +378,18 @@ def full_budget_lines(records, system: str, peers, epochs: int, metric: str) -> 
         f"{title(system)} less it, points [95%] (by seed) |",
         "| --- | ---: | --- | --- |",
     ]
-    for peer in peers:
-        theirs = budget_name(epochs, peer)
-        seeds = sorted(s for (v, s) in final if v == theirs and (mine, s) in final)
-        if not seeds:
-            continue
-        ratios = [final[theirs, s].training_time_s / final[mine, s].training_time_s for s in seeds]
-        points = [
-            100 * (final[mine, s].final_eval_metric - final[theirs, s].final_eval_metric)
-            for s in seeds
-        ]
-        ratio = geometric_mean_ratio(ratios)
-        band = f" [{ratio.low:.2f}, {ratio.high:.2f}]" if ratio.low is not None else ""
-        interval = confidence_interval(points)
-        spread = f" [{interval.low:+.2f}, {interval.high:+.2f}]" if interval else ""
+    for pair in stats.subject_pairs:
+        band = pair.speedup_interval
+        band = f" [{band.low:.2f}, {band.high:.2f}]" if band else ""
+        spread = pair.interval_points
+        spread = f" [{spread.low:+.2f}, {spread.high:+.2f}]" if spread else ""
+        by_seed = ", ".join(
+            f"{100 * (finals[system, s] - finals[pair.variant, s]):+.2f}" for s in pair.seeds
+        )
         lines.append(
-            f"| {title(peer)} | {len(seeds)} | {ratio.mean:.2f}x{band} "
-            f"({ratio.min:.2f}-{ratio.max:.2f}) | {sum(points) / len(points):+.2f}{spread} "
-            f"({', '.join(f'{x:+.2f}' for x in points)}) |"
+            f"| {title(pair.variant)} | {len(pair.seeds)} | {pair.speedup_mean:.2f}x{band} "
+            f"({pair.speedup_min:.2f}-{pair.speedup_max:.2f}) | "
+            f"{pair.metric_difference_points.mean:+.2f}{spread} ({by_seed}) |"
         )
     return lines
 
