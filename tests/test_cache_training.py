@@ -203,6 +203,9 @@ def test_the_shipped_squad_config_caches_and_trains_as_recomputing(tmp_path):
         "trainer.progress_bar=false",
         f"cache.dir={tmp_path / 'cache'}",
         "cache.profile=false",  # serve even where this tiny model recomputes faster
+        # The shipped config cuts stages on measured times: under load the cut moves, which
+        # moves the dropout streams and the losses (0.3% on CI's machine), cache or not.
+        "pipeline.balance=params",
     ]
     shipped = load_config(ROOT / "configs" / "bert_squad_local.yaml")
     assert shipped.cache.enabled
