@@ -405,15 +405,14 @@ def test_the_benchmarks_full_budget_table_pairs_each_peer_with_the_system_by_see
     less the peer's in points; a seed only one side finished is left out, and a peer with
     no full-budget run has no row."""
     import sys
-    from types import SimpleNamespace
+
+    from pipetransformer.compare.stats import SeedRun
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import time_to_target as bench
 
-    def run(variant, seed, seconds, final):
-        return SimpleNamespace(
-            variant=variant, seed=seed, training_time_s=seconds, final_eval_metric=final
-        )
+    def run(variant, seed, seconds, final):  # the fields a run record shares with SeedRun
+        return SeedRun(variant, seed, seconds, final, final)
 
     records = [
         run("elastic_default_3ep", 0, 10.0, 0.80),
