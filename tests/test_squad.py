@@ -39,7 +39,7 @@ from pipetransformer.data.squad_metric import (
 )
 from pipetransformer.data.text import WordVocabTokenizer, load_tokenizer
 from pipetransformer.runs.records import EvalResult
-from pipetransformer.trainer.qa import QuestionAnsweringTask
+from pipetransformer.tasks import QuestionAnsweringTask
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ from pipetransformer.autodp.topology import Layout
 from pipetransformer.autopipe.planner import UnitCosts, balance
 from pipetransformer.models import unit_param_names
 from pipetransformer.pipe import build_stage_runtime
+from pipetransformer.tasks import ClassificationTask, loss_weights
 from pipetransformer.trainer.distributed import init_distributed
-from pipetransformer.trainer.tasks import ClassificationTask, loss_weights
 
 
 def fixed_batch(kind: str, batch_size: int):

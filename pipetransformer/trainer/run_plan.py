@@ -4,7 +4,7 @@ config. Measured unit profiles balance the stages (balance: time), tell when the
 and what a stage holds in memory.
 
 Owns: which measurements a run's plan needs, and assembling the plan from them. Must not:
-plan layouts itself (planning/ does) or measure (trainer/profiler.py does).
+plan layouts itself (planning/ does) or measure (profiling/run_profiler.py does).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from pipetransformer.config import Config
 from pipetransformer.models import ModelSpec
 from pipetransformer.planning import PlanContext, device_memory_budget, profiling_micro_batch_size
 from pipetransformer.planning.cluster import measured_cluster, step_pricer, unit_times
+from pipetransformer.profiling import RunProfiler
 from pipetransformer.runs.state import RunState
 from pipetransformer.trainer.distributed import WorldInfo
-from pipetransformer.trainer.profiler import RunProfiler
 
 
 @dataclass

@@ -65,6 +65,7 @@ from pipetransformer.runs.state import (
     RunState,
     Stateful,
 )
+from pipetransformer.tasks import task_for
 from pipetransformer.trainer import optim
 from pipetransformer.trainer.caching import RunCache
 from pipetransformer.trainer.clock import StepClock, Tick, TrainingClock
@@ -84,7 +85,6 @@ from pipetransformer.trainer.step import (
 )
 from pipetransformer.trainer.stop_poll import StopPoll
 from pipetransformer.trainer.summary import run_summary, start_event
-from pipetransformer.trainer.tasks import task_for
 from pipetransformer.trainer.transition import hand_over, transition_event
 from pipetransformer.utils.stopping import RunStopped, StopRequest
 
