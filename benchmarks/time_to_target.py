@@ -83,9 +83,9 @@ from pipetransformer.compare.order import record_order, rotated_order
 from pipetransformer.compare.plots import plot_frontiers
 from pipetransformer.compare.records import run_record
 from pipetransformer.compare.report import BASELINE, DDP, DDP_FROZEN_EMBEDDING, FSDP, TITLES
-from pipetransformer.compare.runner import frozen_embedding_overrides, variant_overrides
 from pipetransformer.compare.stats import SeedRun, seeded_stats
 from pipetransformer.compare.target import median
+from pipetransformer.compare.variants import frozen_embedding_overrides, variant_overrides
 from pipetransformer.config import load_config
 
 # name -> (what it is, overrides on top of the setting's)

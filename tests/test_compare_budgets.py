@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipetransformer.compare import rebuild_compare, run_compare, runner
+from pipetransformer.compare import CompareRequest, execute, outputs, rebuild_compare, run_compare
 from pipetransformer.compare.budgets import (
     budget_of,
     budget_variants,
@@ -151,8 +151,8 @@ def fake_training(monkeypatch):
             config.optimizer.warmup_steps,
         )
 
-    monkeypatch.setattr(runner, "launch_local", launch_local)
-    monkeypatch.setattr(runner, "measured_unit_costs", lambda config: None)
+    monkeypatch.setattr(execute, "launch_local", launch_local)
+    monkeypatch.setattr(outputs, "measured_unit_costs", lambda config: None)
     return launched
 
 
@@ -161,7 +161,10 @@ def test_compare_budgets_end_to_end(tmp_path, fake_training, capsys):
     overrides = ["trainer.epochs=3", "optimizer.warmup_steps=10"]
     config = load_config(QUICKSTART, overrides)
     assert (
-        run_compare(config, QUICKSTART, overrides, out, False, seeds=[0, 1], budgets=[1, 2, 3]) == 0
+        run_compare(
+            config, CompareRequest(QUICKSTART, out, overrides, seeds=[0, 1], budgets=[1, 2, 3])
+        )
+        == 0
     )
     # Five runs a seed, in an order that rotates with the seed, each budget with its warm-up.
     planned = ["baseline", "elastic", "ddp_1ep", "ddp_2ep", "ddp_3ep"]
@@ -240,7 +243,7 @@ def test_compare_budgets_end_to_end(tmp_path, fake_training, capsys):
     # --report-only: the same figures from the records, nothing run.
     fake_training.clear()
     (out / "report.md").unlink()
-    assert rebuild_compare(config, QUICKSTART, [], out) == 0
+    assert rebuild_compare(config, CompareRequest(QUICKSTART, out)) == 0
     again = json.loads((out / "results.json").read_text())
     assert fake_training == []
     assert again["time_to_accuracy"] == results["time_to_accuracy"]
@@ -252,7 +255,7 @@ def test_without_seeds_one_curve_and_the_detail_tables_keep_their_variants(tmp_p
     out = tmp_path / "one"
     overrides = ["trainer.epochs=2"]
     config = load_config(QUICKSTART, overrides)
-    assert run_compare(config, QUICKSTART, overrides, out, False, budgets=[1]) == 0
+    assert run_compare(config, CompareRequest(QUICKSTART, out, overrides, budgets=[1])) == 0
     results = json.loads((out / "results.json").read_text())
     assert list(results["variants"]) == ["baseline", "elastic"]
     (elastic,) = [v for v in results["time_to_accuracy"]["variants"] if v["variant"] == "elastic"]

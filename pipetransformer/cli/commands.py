@@ -336,6 +336,7 @@ def _predict(config: Config, args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from pipetransformer.compare import (
+        CompareRequest,
         CompareStopped,
         rebuild_compare,
         run_compare,
@@ -356,37 +357,39 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 "leave out --seeds/--repeats/--budgets/--curves"
             )
         out = Path(args.out)
-        return rebuild_compare(config, args.config, args.overrides, out, args.margin, args.target)
+        request = CompareRequest(
+            args.config, out, list(args.overrides), margin_points=args.margin, target=args.target
+        )
+        return rebuild_compare(config, request)
     config = preflight(config)
-    overrides = list(args.overrides)
+    found = []
     if config.data.name in ("hf", "hf_image"):  # every variant trains with what was found once
         if config.data.name == "hf":
-            overrides.append(f"data.task={config.data.task}")
+            found.append(f"data.task={config.data.task}")
         if config.data.labels is not None:
-            overrides.append(f"data.labels={json.dumps(config.data.label_names)}")
-    out = Path(args.out) if args.out else _default_run_dir(args.config, config, "runs/compare")
-    # The command as typed, with the --out a rerun needs to resume this comparison.
-    words = ["pipetransformer", *args.argv] + ([] if args.out else ["--out", str(out)])
-    command = shlex.join(words)
+            found.append(f"data.labels={json.dumps(config.data.label_names)}")
+    request = CompareRequest(
+        args.config,
+        Path(args.out) if args.out else _default_run_dir(args.config, config, "runs/compare"),
+        list(args.overrides),
+        ablations=args.ablations,
+        peers=args.peers,
+        seeds=seeds,
+        margin_points=args.margin,
+        only=args.variants,
+        budgets=args.budgets,
+        curves=args.curves,
+        target=args.target,
+        found=found,
+    )
     try:
-        with stop_signals_raise(out):
-            return run_compare(
-                config,
-                args.config,
-                overrides,
-                out,
-                ablations=args.ablations,
-                peers=args.peers,
-                seeds=seeds,
-                margin_points=args.margin,
-                only=args.variants,
-                budgets=args.budgets,
-                command=command,
-                curves=args.curves,
-                target=args.target,
-            )
+        with stop_signals_raise(request.out):
+            return run_compare(config, request)
     except CompareStopped as stopped:  # one line; the run's checkpoint is where it says
-        print(f"pipetransformer compare: {stopped}. Resume with: {command}", file=sys.stderr)
+        print(
+            f"pipetransformer compare: {stopped}. Resume with: {request.command_line()}",
+            file=sys.stderr,
+        )
         return exit_code_for(stopped.signum)
 
 
