@@ -287,7 +287,7 @@ def test_a_torchvision_built_for_another_torch_is_one_line(monkeypatch):
     import importlib.abc
     from importlib import metadata
 
-    from pipetransformer.cli.libraries import matching_torchvision
+    from pipetransformer.cli.libraries import matching_torchvision, reinstall_options
 
     class OtherBuild(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
@@ -303,5 +303,22 @@ def test_a_torchvision_built_for_another_torch_is_one_line(monkeypatch):
     torch_version, vision_version = metadata.version("torch"), metadata.version("torchvision")
     assert f"torchvision {vision_version} does not import beside torch {torch_version}" in line
     assert "operator torchvision::nms does not exist" in line
-    assert f"pip install 'torchvision=={matching_torchvision(torch_version)}.*'" in line
+    wanted = matching_torchvision(torch_version)
+    assert f"pip install {reinstall_options(torch_version)} 'torchvision=={wanted}.*'" in line
     assert (matching_torchvision("2.14.1+cpu"), matching_torchvision("2.0.0")) == ("0.29", "0.15")
+
+
+def test_a_library_fix_reinstalls_from_the_build_torch_came_from():
+    """The fix names the build, not only the version: 'pip install torchvision==0.29.*' where
+    0.29.1 of the wrong build is installed does nothing, and 'pip install torch' on a CPU
+    machine with PyTorch's CPU build would fetch PyPI's CUDA build."""
+    from pipetransformer.cli.libraries import _message, reinstall_options
+
+    cpu = reinstall_options("2.14.1+cpu")
+    assert cpu == "--force-reinstall --no-deps --index-url https://download.pytorch.org/whl/cpu"
+    assert reinstall_options("2.14.1") == "--force-reinstall --no-deps"  # PyPI's build
+    assert "/whl/cu128" in reinstall_options("2.14.1+cu128")
+    line = _message("torchvision", "2.14.1+cpu", "operator torchvision::nms does not exist")
+    assert line.endswith(f"pip install {cpu} 'torchvision==0.29.*'")
+    line = _message("torch", "2.14.1+cpu", "libtorch_cpu.so: cannot open shared object file")
+    assert "--index-url https://download.pytorch.org/whl/cpu" in line and "'torch==" in line

@@ -112,6 +112,11 @@ def test_the_closing_line_says_time_metric_freezing_layout_and_outputs():
         "done: training 57 s over 2 attempts, this command 31 s: "
     )
     assert resumed.closing_line("runs/q").startswith("done: training 57 s over 2 attempts: ")
+    # A 60-row run trains for under a second: its clock says so, not "training 0 s".
+    short = dataclasses.replace(summary, training_time_s=0.42)
+    assert short.closing_line("runs/q", total_s=9.2).startswith(
+        "done: training 0.4 s, this command 9.2 s: "
+    )
     # summary.json files written before the field was named for what it is still load.
     old = {**summary.to_dict(), "wall_time_s": 12.5}
     del old["training_time_s"]

@@ -18,8 +18,14 @@ import time
 import uuid
 from pathlib import Path
 
-from pipetransformer.cli.preflight import preflight
-from pipetransformer.config import Config, ConfigError, load_config, read_config_data
+from pipetransformer.cli.preflight import preflight, resolve_model_settings
+from pipetransformer.config import (
+    Config,
+    ConfigError,
+    load_config,
+    pretrained_settings,
+    read_config_data,
+)
 
 logger = logging.getLogger("pipetransformer.cli")
 _STARTED = time.monotonic()  # when this command began (its imports are before)
@@ -35,6 +41,23 @@ def _default_run_dir(
 
     stem = run_name(config_path, config.data)
     return Path(prefix) / f"{stem}-{run_id or time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def say_resolved_settings(config_path: str | None, overrides: list[str], notes: list[str]) -> None:
+    """The settings this run takes from what it is rather than from the file's values, in one
+    line on the reporting process: the config's when_pretrained settings where the weights
+    are trained (config/loader.py), and `notes` (cli/preflight.py `resolve_model_settings`)."""
+    parts = [
+        f"{key} {json.dumps(value)} (random weights: {json.dumps(before)})"
+        for key, value, before in pretrained_settings(config_path, overrides)
+    ]
+    if parts:
+        parts[0] = (
+            f"the config's when_pretrained settings, as pretrained weights are named: {parts[0]}"
+        )
+    parts += notes
+    if parts and os.environ.get("RANK", "0") == "0":
+        print(f"pipetransformer: {'; '.join(parts)}", file=sys.stderr)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -56,7 +79,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         from pipetransformer.runs.rundir import check_resumable
 
         check_resumable(Path(args.resume))
-    config = preflight(config)
+    config, _, notes = resolve_model_settings(preflight(config))
+    say_resolved_settings(args.config, overrides, notes)
     resume = "required" if args.resume else config.trainer.resume
     run_dir = Path(
         args.resume
@@ -284,7 +308,8 @@ def _train_under_torchrun(
 def cmd_plan(args: argparse.Namespace) -> int:
     from pipetransformer.planning.table import format_plan_table, plan_table
 
-    config = load_config(args.config, args.overrides)
+    config, _, notes = resolve_model_settings(load_config(args.config, args.overrides))
+    say_resolved_settings(args.config, args.overrides, notes)
     if args.predict:
         return _predict(config, args)
     rows = plan_table(config)
@@ -361,8 +386,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             args.config, out, list(args.overrides), margin_points=args.margin, target=args.target
         )
         return rebuild_compare(config, request)
-    config = preflight(config)
-    found = []
+    config, found, notes = resolve_model_settings(preflight(config))
+    say_resolved_settings(args.config, list(args.overrides), notes)
     if config.data.name in ("hf", "hf_image"):  # every variant trains with what was found once
         if config.data.name == "hf":
             found.append(f"data.task={config.data.task}")

@@ -10,7 +10,10 @@ anything outside config/, start processes or measure anything.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pipetransformer.config.errors import _fail
+from pipetransformer.config.model import looks_like_path
 from pipetransformer.config.run import Config
 from pipetransformer.config.schedules import (
     SCHEDULE_PROPERTIES,
@@ -113,6 +116,16 @@ def split_backward_compile_problem(schedule: str) -> str:
         "the matmuls (or fail on AOTAutograd's donated buffers); use trainer.compile=false "
         "or pipeline.schedule interleaved_1f1b"
     )
+
+
+def check_model_path(config: Config) -> None:
+    """A model.model_name_or_path meant as a local directory must exist: said before the
+    checks that take any model path for a text model's (a missing directory on an image
+    config read as "an image dataset; model.name is BERT"). Made where a command line is
+    read (load_config), not where a run's recorded config is read back."""
+    path = config.model.model_name_or_path
+    if path is not None and looks_like_path(path) and not Path(path).expanduser().exists():
+        _fail("model.model_name_or_path", f"no such directory: {path}")
 
 
 def check_config(config: Config, world_size: int | None = None) -> None:

@@ -120,6 +120,8 @@ class RunSummary(Record):
         where it ended and where its outputs are."""
 
         def duration(seconds_total: float) -> str:
+            if seconds_total < 9.95:  # a short run's seconds are not 0 s
+                return f"{seconds_total:.1f} s"
             minutes, seconds = divmod(round(seconds_total), 60)
             return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
 
