@@ -4,7 +4,7 @@ compute, across freeze transitions, and through checkpoints at other layouts.
 - FSDP2 against DDP: 2 gloo ranks, the same seed, config and batches, AdamW, nothing
   frozen: the same loss at every step (1e-5) and the same final parameters (rtol 1e-4 /
   atol 1e-5: the reduce-scatter sums in another order than the all-reduce; Adam amplifies
-  that, PYTORCH_NOTES.md).
+  that, docs/pytorch.md).
 - With freezing (the elastic tests' config on 2 ranks: SGD with momentum, F 0 -> 3 -> 5 at
   epoch ends, AutoCache serving the frozen prefix): the losses and final parameters of
   single-process training with the same freeze points (the elastic tests' tolerances). Each

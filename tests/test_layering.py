@@ -154,3 +154,29 @@ def test_the_documented_import_chain_is_the_enforced_one():
         assert all(len(group) == 1 for group in layers), chain
         order = [group.pop() for group in layers]
         assert order == sorted(order, reverse=True), chain
+
+
+# Files of the project's workspace that a user's clone does not have: what they said that
+# the code relies on lives in docs/ (docs/pytorch.md, docs/architecture.md's vocabulary).
+OUTSIDE_FILES = (
+    "PYTORCH_NOTES.md",
+    "DESIGN.md",
+    "STYLE.md",
+    "design document",
+    "shared/paper",
+)
+
+
+def test_nothing_cites_a_file_a_clone_does_not_have():
+    root = PACKAGE.parent
+    found = [
+        f"{path.relative_to(root)}: {name}"
+        for folder in ("pipetransformer", "tests", "docs", "benchmarks", "configs", "launch")
+        for path in sorted((root / folder).rglob("*"))
+        if path.suffix in (".py", ".md", ".yaml", ".sh") and path.name != "test_layering.py"
+        for name in OUTSIDE_FILES
+        if name in path.read_text()
+    ]
+    readme = (root / "README.md").read_text()
+    found += [f"README.md: {name}" for name in OUTSIDE_FILES if name in readme]
+    assert not found, found
