@@ -130,6 +130,7 @@ def _fake_run(run_dir: Path, variant: str, epochs: int, seed: int, warmup: int) 
         metric_name="accuracy",
         freeze_decisions=sum(decided_by.values()),
         freeze_decided_by=decided_by,
+        format_version=3,  # evaluations at epoch ends only (runs/records.py, "Formats")
     )
     write_json_atomic(run_dir / "summary.json", summary.to_dict())
 
@@ -184,8 +185,8 @@ def test_compare_budgets_end_to_end(tmp_path, fake_training, capsys):
     assert len(runs) == 10
     elastic = runs[("elastic", 1)]
     assert [e["num_frozen_layers"] for e in elastic["epochs"]] == [0, 2, 4]
-    # Training time at each epoch's end: these fakes wrote no evaluations.jsonl (as runs
-    # before issue 53), so their epochs' training seconds add up.
+    # Training time at each epoch's end: these fakes are of summary format 3 (no
+    # evaluations.jsonl), so their epochs' training seconds add up.
     assert [e["training_time_s"] for e in elastic["epochs"]] == pytest.approx([5.5, 11.0, 16.5])
     assert [e["eval_metric"] for e in elastic["epochs"]] == pytest.approx([0.81, 0.82, 0.83])
     assert elastic["freeze_decided_by"] == {"bound": 2}
