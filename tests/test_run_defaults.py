@@ -7,11 +7,13 @@ wrong for the case the docs point to. No worker starts here."""
 
 from __future__ import annotations
 
+import argparse
 import shlex
 from pathlib import Path
 
 import pytest
 from helpers import ROOT, run_cli
+from test_benchmark_settings import shell_benchmark_overrides
 
 from pipetransformer.config import ConfigError, load_config, pretrained_settings
 
@@ -30,33 +32,57 @@ def model_dir(tmp_path) -> Path:
     return path
 
 
-def benchmark_settings(script: str) -> dict[str, str]:
-    """The `key=value` overrides a benchmark shell script passes to the CLI."""
-    text = (ROOT / "benchmarks" / script).read_text()
-    command = text.split("exec pipetransformer ", 1)[1].split("--out", 1)[0]
-    words = shlex.split(command.replace("\\\n", " "))
-    return dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
-
-
 def value_of(config, key: str):
     section, name = key.split(".")
     return getattr(getattr(config, section), name)
 
 
-def test_the_sst2_config_takes_the_minilm_benchmarks_settings_where_weights_are_named(
-    model_dir,
-):
+def test_the_readmes_minilm_command_runs_as_the_benchmarks_chose(model_dir, monkeypatch):
+    """The README's "Offline pretrained BERT" command as written, against the freeze-rule
+    frontier's run of the config's default (benchmarks/freeze_frontier.py `eq1_epoch_emb`,
+    which chose it): the same rate, warm-up, batch, rule, cadence, embedding and cache; only
+    the frontier's data subset and sequence length are its own."""
+    import freeze_frontier
+    import harness
+    from test_doc_commands import documented_commands
+
+    (command,) = {
+        c
+        for where, c in documented_commands()
+        if where == "README.md" and "$MINILM" in c and "save_model" not in c
+    }
+    words = shlex.split(command.replace("$MINILM", str(model_dir)))
+    readme = load_config(ROOT / words[2], words[3:])
+    monkeypatch.setattr(harness, "minilm_dir", lambda script: str(model_dir))
+    args = argparse.Namespace(tiny=False, train=4000, epochs=3)
+    frontier = load_config(
+        SST2,
+        [*freeze_frontier.common_overrides(args), *freeze_frontier.VARIANTS["eq1_epoch_emb"][3]],
+    )
+    for key in (
+        "optimizer.lr",
+        "optimizer.warmup_steps",
+        "trainer.global_batch_size",
+        "trainer.epochs",
+        "freeze.warmup_epochs",
+        "freeze.strategy",
+        "freeze.interval_steps",
+        "freeze.alpha",
+        "model.kwargs",
+        "cache.enabled",
+    ):
+        assert value_of(readme, key) == value_of(frontier, key), key
+    assert readme.embedding_frozen and frontier.embedding_frozen
+    assert readme.data.train_subset is None  # all of the user's data
+
+
+def test_the_sst2_config_takes_its_pretrained_settings_where_weights_are_named(model_dir):
     random = load_config(SST2)
     assert (random.optimizer.lr, random.freeze.warmup_epochs) == (5e-4, 2)
     assert random.data.train_subset == 8000 and random.model.kwargs
     named = load_config(SST2, [f"model.model_name_or_path={model_dir}"])
-    bench = benchmark_settings("bert_sst2_minilm.sh")
-    assert named.optimizer.lr == float(bench["optimizer.lr"]) == 1e-4
-    assert named.freeze.warmup_epochs == int(bench["freeze.warmup_epochs"]) == 0
-    assert named.optimizer.warmup_steps == int(bench["optimizer.warmup_steps"])
-    assert named.trainer.global_batch_size == int(bench["trainer.global_batch_size"])
+    assert (named.optimizer.lr, named.freeze.warmup_epochs) == (1e-4, 0)
     assert named.model.kwargs == {} and named.data.train_subset is None
-    assert named.embedding_frozen  # freeze.embedding: auto, as before
     # What the command line sets wins; the start line lists what applied and what it replaced.
     given = [f"model.model_name_or_path={model_dir}", "optimizer.lr=3e-5"]
     assert load_config(SST2, given).optimizer.lr == 3e-5
@@ -65,6 +91,10 @@ def test_the_sst2_config_takes_the_minilm_benchmarks_settings_where_weights_are_
     assert applied["freeze.warmup_epochs"] == (0, 2)
     assert applied["data.train_subset"] == (None, 8000)
     assert pretrained_settings(SST2, []) == []
+    # A checkpoint of the tiny model is trained weights, not a named pretrained model: its
+    # architecture stays the file's.
+    checkpoint = load_config(SST2, ["model.checkpoint_path=tiny.pt"])
+    assert checkpoint.model.kwargs and checkpoint.embedding_frozen
 
 
 def test_the_squad_config_starts_as_ddp_and_takes_its_benchmarks_settings(model_dir):
@@ -79,10 +109,10 @@ def test_the_squad_config_starts_as_ddp_and_takes_its_benchmarks_settings(model_
     plan = PlanContext.build(config, describe_model(config), World(2, 2), None, None)
     assert plan.initial_pipe_len == 1
     named = load_config(SQUAD, [f"model.model_name_or_path={model_dir}"])
-    bench = benchmark_settings("bert_squad_minilm.sh")
+    _, overrides = shell_benchmark_overrides("bert_squad_minilm.sh", model_dir)
+    bench = load_config(SQUAD, overrides)
     for key in ("optimizer.lr", "trainer.epochs", "data.max_seq_length", "data.doc_stride"):
-        value = value_of(named, key)
-        assert value == type(value)(bench[key]), key
+        assert value_of(named, key) == value_of(bench, key), key
     assert named.data.train_subset is None and named.data.eval_subset is None
     assert named.freeze.warmup_epochs == 0 and named.model.kwargs == {}
 
