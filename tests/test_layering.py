@@ -157,7 +157,7 @@ def test_the_documented_import_chain_is_the_enforced_one():
 
 
 # Files of the project's workspace that a user's clone does not have: what they said that
-# the code relies on lives in docs/ (docs/pytorch.md, docs/architecture.md's vocabulary).
+# the code relies on lives in docs/ (docs/pytorch.md, docs/vocabulary.md).
 OUTSIDE_FILES = (
     "PYTORCH_NOTES.md",
     "DESIGN.md",
