@@ -65,6 +65,12 @@ class TrainerConfig:
     # What compiles the graphs: 'inductor' (generated kernels); 'aot_eager' and 'eager'
     # trace without generating code (to check a model compiles, or find what breaks).
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    # Activation checkpointing: each trained unit (a layer's attention or MLP sublayer)
+    # keeps only its inputs for the backward and recomputes its forward there, about a
+    # third more compute for the activations of one unit at a time instead of all of them
+    # (what transformers' gradient_checkpointing does per layer); counted by the memory model
+    # (autopipe/memory.py), so a layout that fits only with it is planned with it.
+    activation_checkpointing: bool = False
     # Audit the data order: every first-stage rank appends the sample ids it trains on
     # (shape padding left out) to RUN_DIR/samples/rank<r>.jsonl, one line per step.
     record_sample_ids: bool = False

@@ -506,10 +506,12 @@ def build_stage_runtime(
     device: torch.device,
     autocast_dtype: torch.dtype | None = None,
     comm_timer: IntervalTimer | None = None,
+    activation_checkpointing: bool = False,
 ) -> StageRuntime:
     """`schedule_name`: pipeline.schedule (the layout runs `layout_schedule` of it);
     `comm_timer`: where the data group's all-reduce intervals are marked (DDP's, or the
-    GradientAllReduce's under zero_bubble)."""
+    GradientAllReduce's under zero_bubble); `activation_checkpointing`: the trained units
+    recompute their forward in the backward (models/layered.py UnitSequence)."""
     frozen_end = plan.frozen_end
     runs = layout_schedule(schedule_name, plan.pipe_len, plan.virtual_stages)
     chunk_ids = plan.chunks_of_stage(stage_index)
@@ -518,7 +520,11 @@ def build_stage_runtime(
         start, end = plan.stage_ranges[chunk]
         chunk_units = list(range(start, end))
         modules.append(
-            UnitSequence([units[u] for u in chunk_units], [u < frozen_end for u in chunk_units])
+            UnitSequence(
+                [units[u] for u in chunk_units],
+                [u < frozen_end for u in chunk_units],
+                checkpoint=activation_checkpointing,
+            )
         )
     module: nn.Module = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
     # Units come in whatever mode they were left in (the profiler measures them in eval

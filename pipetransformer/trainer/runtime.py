@@ -47,6 +47,8 @@ def build_runtime(
             data_group=groups.data,
             device=world.device,
             autocast_dtype=getattr(torch, name) if name else None,
+            activation_checkpointing=config.trainer.activation_checkpointing,
+            reshard_after_forward=config.pipeline.fsdp_reshard_after_forward,
         )
     return build_stage_runtime(
         plan=layout.plan,
@@ -61,4 +63,5 @@ def build_runtime(
         device=world.device,
         autocast_dtype=getattr(torch, name) if name else None,
         comm_timer=comm_timer,
+        activation_checkpointing=config.trainer.activation_checkpointing,
     )
