@@ -162,8 +162,9 @@ counted in summary.json)
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipetransformer.config import FreezeConfig
@@ -184,7 +185,8 @@ CAP = "cap"  # max_frozen_layers (or every layer it allows is frozen already)
 SCHEDULE = "schedule"  # a rule without a signal: alpha_schedule, manual
 NO_SIGNAL = "no_signal"  # nothing to read yet (a first decision that only measures)
 PLAN = "plan"  # layer-wise annealing froze layers the rule held back (their rate reached 0)
-DECIDERS = (SIGNAL, AGREE, BOUND, CAP, SCHEDULE, NO_SIGNAL, PLAN)
+LAYOUT = "layout"  # freeze.memory_aware held the rule to the fewest layers that pay a layout
+DECIDERS = (SIGNAL, AGREE, BOUND, CAP, SCHEDULE, NO_SIGNAL, PLAN, LAYOUT)
 
 
 @dataclass(frozen=True)
@@ -219,6 +221,22 @@ def _outcome(previous: int, proposed: int | None, bound: int | None, cap: int) -
     else:
         by = BOUND if bound is not None and bound <= cap else CAP
     return FreezeOutcome(decided, proposed, bound, cap, by)
+
+
+def fewest_that_pay(
+    outcome: FreezeOutcome, previous: int, pays: Callable[[int], bool]
+) -> FreezeOutcome:
+    """freeze.memory_aware: of the layers `outcome` freezes, only the fewest whose freezing
+    pays, `pays(F)` saying whether at F frozen layers AutoPipe packs the pipeline onto fewer
+    devices or AutoDP adds a replica; nothing where no count up to the rule's pays. A layer
+    frozen for no layout buys its backward and costs its learning, which a run that trains
+    it longer keeps (the pipeline ground's peak, docs/benchmarks.md); the rule's signal and
+    bound still say which layers may freeze at all."""
+    wanted = outcome.num_frozen_layers
+    decided = next((count for count in range(previous + 1, wanted + 1) if pays(count)), previous)
+    if decided == wanted:
+        return outcome
+    return dataclasses.replace(outcome, num_frozen_layers=decided, decided_by=LAYOUT)
 
 
 def eq1_bound(num_frozen_layers: int, num_layers: int, alpha: float) -> int:

@@ -208,6 +208,13 @@ def _check_layerwise_anneal(config: Config) -> None:
     # still run from a config that anneals.
     if freeze.strategy == "none":
         return
+    if freeze.memory_aware:
+        _fail(
+            key,
+            "freeze.memory_aware freezes only where a layout would change, which the plan "
+            "cannot know at start-up (it depends on the layouts the memory model allows); "
+            "use one of the two",
+        )
     if freeze.strategy in ("gradient_norm", "gradient_norm_inclusive") and not freeze.eq1_bound:
         _fail(
             key,

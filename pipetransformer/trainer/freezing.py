@@ -22,6 +22,7 @@ functions do) or carry out a transition (the trainer does).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipetransformer.anneal import (
@@ -40,6 +41,7 @@ from pipetransformer.freeze import (
     DecisionSchedule,
     FreezeDecider,
     FreezeOutcome,
+    fewest_that_pay,
     min_interval_for,
     signal_fraction,
 )
@@ -230,13 +232,16 @@ class FreezeControl:
         dp_degree: int,
         unit_momentum_sq: list[float] | None = None,
         unit_grad_sums: tuple[list[float], int] | None = None,
+        pays: Callable[[int], bool] | None = None,
     ) -> Decision:
         """The decision at this point (collective); starts the next interval.
         `unit_momentum_sq`: per unit, ||m||^2 of the optimizer's moving average of gradients
         summed over the ranks (replicas counted once): signal_to_noise reads it.
         `unit_grad_sums`: per unit, the L1 norm of the gradient summed over the interval
         (over the whole model, replicas counted once), and the steps the sum holds:
-        autofreeze reads it."""
+        autofreeze reads it. `pays`: whether freezing that many layers changes the layout
+        (fewer stages or more replicas; the same on every rank), which freeze.memory_aware
+        reads."""
         self.state.decision_index += 1
         signal = self.metrics.freeze_signal(dp_degree, with_norms=self.needs_grad_norms)
         fractions = sums = None
@@ -253,6 +258,10 @@ class FreezeControl:
             sums,
             self.state.previous_layer_grad_sums,
         )
+        if self.config.freeze.memory_aware:
+            if pays is None:
+                raise ValueError("freeze.memory_aware needs the layouts' `pays`")
+            outcome = fewest_that_pay(outcome, num_frozen_layers, pays)
         decided, decided_by, planned = outcome.num_frozen_layers, outcome.decided_by, None
         if self.plan is not None:
             # The layers whose rate reached zero freeze; more if the rule says so (anneal.py).

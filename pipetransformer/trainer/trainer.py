@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -524,7 +525,7 @@ class Trainer:
             else None
         )
         decision = self.freezer.decide(
-            layout.plan.num_frozen_layers, layout.dp_degree, momentum, sums
+            layout.plan.num_frozen_layers, layout.dp_degree, momentum, sums, self._pays(layout)
         )
         self.reporter.event(
             decision.event(layout.plan.num_frozen_layers, self.state.decision_index, tick)
@@ -544,6 +545,16 @@ class Trainer:
             )
             if cadence is not None:
                 self.reporter.event(cadence)
+
+    def _pays(self, layout: Layout) -> Callable[[int], bool]:
+        """Whether freezing that many layers moves the run out of `layout` into fewer stages
+        or more replicas (freeze.memory_aware); planned, not measured: the same on every rank."""
+
+        def pays(num_frozen_layers: int) -> bool:
+            new = self.layout_for(num_frozen_layers, layout.pipe_len, layout)
+            return new.pipe_len < layout.pipe_len or new.dp_degree > layout.dp_degree
+
+        return pays
 
     def unit_momentum_sq(self) -> list[float]:
         """Per unit, ||m||^2 of the optimizer's moving average of gradients over the whole
