@@ -340,3 +340,25 @@ def test_a_frozen_embedding_counts_when_the_start_is_chosen():
     trained_start = TOY.peak_bytes(balance(costs, 0, 1), shape)[0]
     assert frozen_start < trained_start
     assert choose_initial_pipe_len(config, costs, TOY, frozen_start, 2) == 1
+
+
+def test_a_configured_layout_that_cannot_fit_a_declared_budget_is_refused():
+    """pipeline.initial_pipe_len given outright, sharding 'never', under a declared
+    pipeline.device_memory_bytes: a first layout predicted above it is refused in one line
+    naming the key (a peer that does not fit is refused, never run slowly)."""
+    settings = {
+        "trainer": {"global_batch_size": 8, "nproc_per_node": 2},
+        "pipeline": {"initial_pipe_len": 1, "sharding": "never", "balance": "params"},
+        "model": {"name": TINY_VIT.name, "kwargs": TINY_VIT.kwargs},
+    }
+    spec = tiny_vit().spec
+    unlimited = PlanContext.build(config_from_dict(settings), spec, World(2, 2))
+    need = max(unlimited.layout_bytes(unlimited.layout_for(0, 1)))
+
+    def declared(budget: float) -> dict:
+        return {**settings, "pipeline": {**settings["pipeline"], "device_memory_bytes": budget}}
+
+    fits = PlanContext.build(config_from_dict(declared(int(need))), spec, World(2, 2), None)
+    assert fits.initial_pipe_len == 1
+    with pytest.raises(DoesNotFit, match=r"pipeline.initial_pipe_len: 1 stage\(s\) do not fit"):
+        PlanContext.build(config_from_dict(declared(int(need) - 1)), spec, World(2, 2))

@@ -273,6 +273,38 @@ def _require_sharded_fit(
         )
 
 
+def _require_configured_fit(
+    config: Config, costs: UnitCosts, memory: MemoryModel, world_size: int
+) -> None:
+    """A pipeline length given outright (sharding 'never') under a declared
+    pipeline.device_memory_bytes whose first layout is predicted not to fit is refused
+    (DoesNotFit), not run: on a GPU it would run out of memory, and a comparison that ran it
+    on the CPU would compare against a layout its user could not have (a peer that does not
+    fit is refused, never run slowly)."""
+    budget = config.pipeline.device_memory_bytes
+    if budget is None or config.pipeline.sharding != "never":
+        return
+    pipe_len = config.pipeline.initial_pipe_len
+    plan = balance(
+        costs,
+        0,
+        pipe_len,
+        config.autopipe.partition_method,
+        frozen_embedding=config.embedding_frozen,
+        virtual_stages=_initial_virtual_stages(config, costs, pipe_len),
+    )
+    need = max(memory.peak_bytes(plan, _layout_shape(config, pipe_len, world_size, pipe_len)))
+    if need > budget:
+        remedies = "more stages, pipeline.initial_pipe_len=auto, pipeline.sharding=auto"
+        if not config.trainer.activation_checkpointing:
+            remedies += " or trainer.activation_checkpointing=true"
+        raise DoesNotFit(
+            f"pipeline.initial_pipe_len: {pipe_len} stage(s) do not fit: the largest is "
+            f"predicted at {format_bytes(need)} a process at 0 frozen layers, "
+            f"pipeline.device_memory_bytes allows {format_bytes(budget)}; use {remedies}"
+        )
+
+
 def _initial_virtual_stages(config: Config, costs: UnitCosts, pipe_len: int) -> int:
     """The chunks a stage of a run starting at `pipe_len` holds, at 0 frozen layers."""
     pipeline = config.pipeline
@@ -370,6 +402,7 @@ class PlanContext:
         initial = choose_initial_pipe_len(config, costs, memory, budget_bytes, world.world_size)
         config = resolve(config, world, initial_pipe_len=initial)
         check_virtual_stages(config, costs.num_units, initial)
+        _require_configured_fit(config, costs, memory, world.world_size)
         if config.pipeline.sharding == "always" and budget_bytes is not None:
             _require_sharded_fit(config, costs, memory, budget_bytes, world.world_size)
         fits = None
