@@ -330,6 +330,12 @@ def test_compare_curves_end_to_end(tmp_path, fake_training):
     ddp_two = gaps[("ddp", "elastic", 2)]
     assert ddp_two["differences"] == [pytest.approx(-10.0), pytest.approx(5.0)]
     assert ddp_two["beyond"] == 2
+    # Peaks: the full system's best over its curve 0.90 and 0.75 against DDP's 0.80 and 0.80.
+    peaks = {p["peer"]: p for p in found["peaks"]}
+    assert peaks["ddp"]["differences"] == [pytest.approx(10.0), pytest.approx(-5.0)]
+    assert peaks["ddp"]["points"]["mean"] == pytest.approx(2.5)
+    assert peaks["ddp"]["system_peak"] == pytest.approx(0.825)
+    assert peaks["ddp"]["peer_peak"] == pytest.approx(0.80)
     # Every run and every evaluation in the records; the decisions keep norms and cap.
     records = {(r["variant"], r["seed"]): r for r in results["runs"]}
     assert len(records[("elastic_1ep", 0)]["evaluations"]) == 4
@@ -344,6 +350,8 @@ def test_compare_curves_end_to_end(tmp_path, fake_training):
     # that never reached it.
     assert "| PipeTransformer (full system) | 1, 2 | 2 | 1 | not reached [not reached, " in report
     assert "| DDP (K = 1, no freezing) | 1 | 3.33x (3.33-3.33) | 0 | 1 | 0 |" in report
+    assert "## Peak" in report
+    assert "| DDP (K = 1, no freezing) | 2 | 0.8250 | 0.8000 | +2.50 [" in report
     assert "frontiers.png" in results["plots"]
     assert (out / "frontiers.png").read_bytes()[:4] == b"\x89PNG"
 
