@@ -139,9 +139,20 @@ def run_seeds(args, setting: Setting, seeds: list[int], sides: dict, common: lis
         over_seeds([seed], order, run_one, lambda n, s: args.out / f"seed-{s}" / n)
 
 
+# With --records FILE: the runs a results file holds, in place of the run directories.
+SAVED: list[dict] = []
+
+
 def records_of(out: Path, seeds: list[int], sides: list[str], budgets: list[int]):
     """The finished runs' records (compare/records.py) and the harness's, of these sides."""
     found, bench = [], {}
+    if SAVED:
+        names = {budget_name(budget, side) for side in sides for budget in budgets}
+        for saved in SAVED:
+            if saved["seed"] in seeds and saved["variant"] in names:
+                found.append(RunRecord.from_dict(saved))
+                bench[(saved["variant"], saved["seed"])] = saved.get("harness", {})
+        return found, bench
     for seed in seeds:
         for side in sides:
             for budget in budgets:
@@ -495,11 +506,16 @@ def full_budget_lines(records, system: str, peers, epochs: int, metric: str) -> 
 
 
 def with_harness(out: Path, record: RunRecord, bench: dict) -> dict:
-    """A run's record (compare/records.py) with its layouts and what the harness recorded."""
+    """A run's record (compare/records.py) with its layouts and what the harness recorded
+    (from --records: as the file held them)."""
+    saved = next(
+        (r for r in SAVED if (r["variant"], r["seed"]) == (record.variant, record.seed)), None
+    )
     run_dir = out / f"seed-{record.seed}" / record.variant
+    layouts = saved.get("layouts") if saved is not None else layouts_of(run_dir)
     return {
         **dataclasses.asdict(record),
-        "layouts": layouts_of(run_dir),
+        "layouts": layouts,
         "harness": bench[(record.variant, record.seed)],
     }
 
@@ -554,7 +570,19 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--tiny", action="store_true", help="a smoke run of the script")
     parser.add_argument("--report-only", action="store_true", help="no runs: the tables")
+    parser.add_argument(
+        "--records",
+        type=Path,
+        default=None,
+        help="with --report-only: the tables from a time_to_target.json's records (its runs "
+        "and choice_runs) instead of the run directories under --out",
+    )
     args = parser.parse_args()
+    if args.records is not None:
+        if not args.report_only:
+            sys.exit("--records: only with --report-only (it runs nothing)")
+        saved = json.loads(args.records.read_text())
+        SAVED.extend([*saved["runs"], *saved.get("choice_runs", [])])
     setting = SETTINGS[args.setting]
     args.epochs = 2 if args.tiny else setting.epochs
     budgets = args.budgets or ("1,2" if args.tiny else ",".join(map(str, setting.budgets)))
@@ -621,11 +649,15 @@ def main() -> None:
     )
     extra["layouts"] = {
         side: {
-            r.seed: layouts_of(args.out / f"seed-{r.seed}" / r.variant)
+            r.seed: with_harness(args.out, r, bench)["layouts"]
             for r in records
             if r.variant == budget_name(args.epochs, side)
         }
         for side in reported
+    }
+    extra["layouts"] = {
+        side: {seed: found_ for seed, found_ in per_seed.items() if found_}
+        for side, per_seed in extra["layouts"].items()
     }
     extra["layouts"] = {side: found_ for side, found_ in extra["layouts"].items() if found_}
     metric = records[0].metric_name if records else "accuracy"
