@@ -155,7 +155,7 @@ SETTINGS = {
         (BASELINE, FSDP),
         30,
         (15, 30),
-        ("default", "anneal"),
+        ("default", "memory_aware"),
         reference=BASELINE,
     ),
 }
