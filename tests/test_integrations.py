@@ -310,6 +310,37 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[index], "labels": int(self.ids[index, 0] > 25)}
 
 
+def test_the_hf_trainer_peer_records_its_callbacks_decisions_as_the_trainers(tmp_path):
+    """`compare.peers --hf-callback` (the benchmark's sides): `freeze` takes the config's
+    freeze section as the callback's keys, `embedding` freezes the embedding alone; the
+    decisions land in events.jsonl and summary.json as the trainer's, each epoch's line
+    with the layers frozen at its end, so compare's records read them."""
+    from pipetransformer.compare.peer_records import write_records
+    from pipetransformer.compare.peers import freeze_callback
+    from pipetransformer.compare.records import run_record
+    from pipetransformer.config import load_config
+    from pipetransformer.runs.records import Evaluation, FreezeDecisionEvent
+
+    config = load_config(None, ["freeze.strategy=alpha_schedule", "freeze.alpha=0.5"])
+    rule = freeze_callback(config, "freeze").freezer.config
+    assert (rule.strategy, rule.alpha, rule.interval_steps) == ("alpha_schedule", 0.5, "auto")
+    alone = freeze_callback(config, "embedding").freezer.config
+    assert (alone.strategy, alone.manual_schedule, alone.embedding) == ("manual", [0], True)
+    assert freeze_callback(config, None) is None
+    epochs = [
+        {"epoch": e, "global_step": 4 * e, "train_loss": 0.5, "samples_per_s": 10.0}
+        | {"epoch_time_s": 1.0, "lr": 0.1, "real_tokens": 0, "padded_tokens": 0}
+        for e in (1, 2)
+    ]
+    evaluations = [Evaluation(4 * e, e, float(e), 16 * e, float(e), 0.1, 0.5) for e in (1, 2)]
+    decision = FreezeDecisionEvent(1, 0, 4, 0, 2, 2, 2, 3, "agree", [0.1, 0.2, 0.3, 0.4])
+    write_records(tmp_path, epochs, evaluations, 2, 1, [decision])
+    record = run_record(tmp_path, "trainer_freeze", 0)
+    assert [d.new_num_frozen_layers for d in record.decisions] == [2]
+    assert record.freeze_decided_by == {"agree": 1}
+    assert [e.num_frozen_layers for e in record.epochs] == [2, 2]
+
+
 # --- DDP ----------------------------------------------------------------------------------
 
 

@@ -312,7 +312,13 @@ class Freezer:
             "freeze_cap": outcome.cap,
         }
         self.progress.decisions.append(
-            {**record, "epoch": epoch, "global_step": global_step, "layer_grad_norms": norms}
+            {
+                **record,
+                "previous_frozen_layers": previous,
+                "epoch": epoch,
+                "global_step": global_step,
+                "layer_grad_norms": norms,
+            }
         )
         if rank() == 0:
             logger.info(
