@@ -33,9 +33,12 @@ Figures (compare's statistics, nothing recomputed here):
   its budget runs; plain `Trainer`'s and the embedding side's against the callback's,
   paired by seed; each side's budget ends read on the other's frontier.
 
-    python benchmarks/trainer_callback.py --data-root ../shared/data/sst2 \
-        --out runs/trainer_callback            # add --report-only: the tables again
-    python benchmarks/trainer_callback.py --data-root ../shared/data/sst2 --tiny --out /tmp/tc
+    python benchmarks/trainer_callback.py --data-root SST2_DIR --out runs/trainer_callback
+    python benchmarks/trainer_callback.py --data-root SST2_DIR --out runs/trainer_callback \
+        --report-only                          # the tables again from the records
+    python benchmarks/trainer_callback.py --data-root SST2_DIR --tiny --out /tmp/tc  # smoke
+
+(SST2_DIR: GLUE's SST-2 train.tsv and dev.tsv, https://dl.fbaipublicfiles.com/glue/data/SST-2.zip.)
 
 Each run is a fresh process tree alone on the machine (harness.py: waits for idle cores,
 runs again a run that shared them), seed by seed, each seed's runs in an order that rotates
@@ -303,10 +306,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument(
-        "--data-root",
-        type=Path,
-        default=ROOT.parent / "shared" / "data" / "sst2",
-        help="GLUE SST-2's train.tsv and dev.tsv",
+        "--data-root", type=Path, required=True, help="GLUE SST-2's train.tsv and dev.tsv"
     )
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--train", type=int, default=2000, help="training sentences")
