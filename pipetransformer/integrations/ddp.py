@@ -31,12 +31,11 @@ from torch.nn.parallel import DistributedDataParallel
 def ddp_of(model: nn.Module | None) -> DistributedDataParallel | None:
     """The DDP wrapper in `model`'s wrappers (torch.compile's `_orig_mod` and other
     `module` attributes followed outward in), or None."""
-    seen = 0
-    while model is not None and seen < 8:
-        if isinstance(model, DistributedDataParallel):
+    for _ in range(8):
+        if model is None or isinstance(model, DistributedDataParallel):
             return model
-        model = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
-        seen += 1
+        inner = getattr(model, "_orig_mod", None)
+        model = inner if inner is not None else getattr(model, "module", None)
     return None
 
 
