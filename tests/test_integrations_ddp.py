@@ -4,8 +4,8 @@ without `find_unused_parameters` (hf_freeze_script.py and lightning_freeze_scrip
 against the same script in one process. One launch per script serves every test of it.
 
 Slow (`pytest -m slow`, which CI runs): the Trainer launch (4 runs on 2 processes, one
-compiled) with its single-process reference took 58 s, the Lightning launch with its
-reference 24 s, on this 2-core VM while other work shared it."""
+compiled) with its single-process reference took 45-58 s, the Lightning launch with its
+reference 17-24 s, on this 2-core VM while other work shared it (two measurements)."""
 
 from __future__ import annotations
 
