@@ -237,6 +237,7 @@ def test_signal_to_noise_freezes_the_noisy_bottom_layers_up_to_the_bound():
 
     def decide(*args, **kwargs) -> int:
         return signal_to_noise_outcome(*args, **kwargs).num_frozen_layers
+
     # Layers 0-2 noisy, 3 still learning: 3 freeze (bound at F=0, L=6, alpha=1/2 is 3).
     assert decide(0, [0.01, 0.02, 0.05, 0.6, 0.01, 0.01], 0.5, 0.1, 5) == 3
     # The bound caps it (alpha 1/3 of 6 -> 2), and freezing stops at the first layer that

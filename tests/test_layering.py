@@ -1,8 +1,8 @@
-"""Imports go one way: cli -> (compare, export) -> (trainer, launcher) -> runs -> planning ->
-fsdp -> (autodp, pipe) -> anneal -> (freeze, autopipe, autocache, models, data) -> (config,
-utils). Siblings
-never import each other, and nothing imports a module that imports it back (no cycle,
-function-local imports included)."""
+"""Imports go one way: cli -> (compare, export) -> (trainer, integrations, launcher) -> runs ->
+planning -> fsdp -> (autodp, pipe) -> (anneal, freeze_signal) -> (freeze, autopipe,
+autocache, models, data) -> (config, utils). Siblings never import each other (the trainer
+and the integrations share the freeze signal's bookkeeping and driver from below them), and
+nothing imports a module that imports it back (no cycle, function-local imports included)."""
 
 import ast
 from pathlib import Path
@@ -18,12 +18,16 @@ LAYERS = {
     "models": 1,
     "data": 1,
     "anneal": 1.5,  # layer-wise annealing's plan: reads the freeze rules (freeze.py)
+    # The freeze signal's bookkeeping and the decision driver: the trainer's and the
+    # integrations' (one implementation both import).
+    "freeze_signal": 1.5,
     "autodp": 2,
     "pipe": 2,
     "fsdp": 2.5,  # the sharded layout's runtime: shares the first stage's prefix with pipe/
     "planning": 3,
     "runs": 3.5,  # a run's records, directory, checkpoints and resume: below trainer, launcher
     "trainer": 4,
+    "integrations": 4,  # callbacks for other trainers: the trainer's sibling, not its user
     "launcher": 4,
     "compare": 5,
     "export": 5,

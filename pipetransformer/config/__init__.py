@@ -39,6 +39,7 @@ from pipetransformer.config.loader import (
     load_config,
     parse_override,
     read_config_data,
+    section_from_dict,
 )
 from pipetransformer.config.logging import LoggingConfig
 from pipetransformer.config.model import TEXT_MODEL_TYPES, ModelConfig
@@ -106,6 +107,7 @@ __all__ = [
     "parse_override",
     "pipe_len_candidates",
     "read_config_data",
+    "section_from_dict",
     "reachable_pipe_lens",
     "split_backward_compile_problem",
     "resolve",

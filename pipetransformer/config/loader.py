@@ -2,7 +2,8 @@
 against its section's annotations (unknown keys get a 'did you mean'), and the resolved
 config back out as YAML or as the list of settings that changed.
 
-Owns: load_config, config_from_dict, the overrides, config_yaml and config_changes.
+Owns: load_config, config_from_dict, section_from_dict, the overrides, config_yaml and
+config_changes.
 Must not: import anything outside config/; every check is the sections' or checks.py's.
 """
 
@@ -185,6 +186,13 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     config = _build(Config, data, "")
     check_config(config)
     return config
+
+
+def section_from_dict(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    """One section's dataclass from plain values (`prefix`: its key, e.g. 'freeze.'), typed
+    and checked as a config file's section is: the same one-line errors naming the key (an
+    integration takes the freeze keys as keyword arguments)."""
+    return _build(cls, data, prefix)
 
 
 def config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, Any, Any]]:
