@@ -33,8 +33,12 @@ def build_runtime(
     loss_fn: Callable,
     comm_timer: IntervalTimer | None = None,
 ) -> StageRuntime | None:
-    """None for a rank without a role in `layout`. Collective over the layout's groups."""
+    """None for a rank without a role in `layout`. Collective over the layout's groups.
+    `comm_timer` marks the data-parallel all-reduce only where logging.time_communication
+    asks for it: timing DDP's buckets takes a Python hook in place of its C++ all-reduce."""
     role = layout.role(world.rank)
+    if not config.logging.time_communication:
+        comm_timer = None
     if role is None:
         return None
     name = config.trainer.autocast_dtype
