@@ -73,3 +73,87 @@ def test_the_default_step_reduces_in_ddps_own_all_reduce_without_a_python_hook(t
     assert hooks == ([runtime.comm_timer.hook] if timed else [])
     assert (runtime.comm_timer is not None) == timed
     groups.destroy()
+
+
+# ----------------------------------------------------------------------------- handoff
+
+
+def test_a_run_of_transitions_opens_no_nccl_communicator_per_pair_of_ranks(monkeypatch):
+    """The unit handoff at a transition sent each unit with a plain `dist.send` / `dist.recv`
+    on the default group: ProcessGroupNCCL opens a 2-rank communicator for every new pair of
+    ranks that talk that way, one after another inside the transition, each holding NCCL
+    buffers on both GPUs for the rest of the run (the memory model counts none of them).
+    Eight ranks (threads over tests/fake_nccl.py: real tensors through mailboxes, NCCL's
+    rule for which communicator a call runs on) through transitions 8 -> 4 -> 2 -> 1 stages
+    of a tiny BERT, AdamW state with every trained unit: every rank ends with exactly the
+    units the new layout gives it, bit-exact, and the handoffs of the whole run used the
+    default group's own communicator only (batched point-to-point), however many pairs of
+    ranks exchanged units."""
+    import copy
+
+    from fake_nccl import FakeNccl
+    from helpers import tiny_bert
+
+    from pipetransformer.autodp.handoff import execute_transfers, plan_transfers
+    from pipetransformer.autodp.topology import Layout
+    from pipetransformer.autopipe.planner import UnitCosts, balance
+    from pipetransformer.utils.units import param_key
+
+    model = tiny_bert()
+    skeletons = dict(enumerate(tiny_bert(device="meta").units))
+    costs = UnitCosts.from_param_counts(model.spec.unit_param_counts, 1 / 6)
+    layouts = [
+        Layout(balance(costs, f, k), 8, 8, 8 // k) for f, k in [(0, 8), (1, 4), (2, 2), (3, 1)]
+    ]
+    control = object()  # the gloo control group: object lists only
+    fake = FakeNccl(8, control)
+    fake.install(monkeypatch)
+
+    def states_of(units: dict) -> dict:
+        return {
+            param_key(u, name): {"step": torch.tensor(3.0), "exp_avg": p.detach() * 2}
+            for u, unit in units.items()
+            for name, p in unit.named_parameters()
+        }
+
+    held = [
+        {u: copy.deepcopy(model.units[u]) for u in layouts[0].units_of_rank(r)} for r in range(8)
+    ]
+    states = [states_of(units) for units in held]
+    pairs = set()
+    for old, new in zip(layouts, layouts[1:]):
+        transfers = plan_transfers(old, new)
+        pairs |= {tuple(sorted((t.src, t.dst))) for t in transfers}
+
+        def hand_over(rank, old=old, new=new, transfers=transfers):
+            keep = set(new.units_of_rank(rank))
+            received, received_states = execute_transfers(
+                transfers,
+                rank,
+                held[rank],
+                states[rank],
+                skeletons,
+                control,
+                torch.device("cpu"),
+                keep,
+            )
+            return {**held[rank], **received}, {**states[rank], **received_states}
+
+        for rank, (units, unit_states) in enumerate(fake.run(hand_over)):
+            assert sorted(units) == new.units_of_rank(rank), (rank, new.describe())
+            for u, unit in units.items():
+                for (name, got), want in zip(
+                    unit.state_dict().items(), model.units[u].state_dict().values()
+                ):
+                    assert torch.equal(got, want), (rank, u, name)
+            # What hand_over keeps: the state of the units trained from now on.
+            trained = {u: model.units[u] for u in units if u >= new.plan.frozen_end}
+            expected = states_of(trained)
+            unit_states = {k: v for k, v in unit_states.items() if k in expected}
+            assert unit_states.keys() == expected.keys()
+            for key, state in unit_states.items():
+                assert torch.equal(state["exp_avg"], expected[key]["exp_avg"]), key
+            held[rank], states[rank] = units, unit_states
+    assert len(pairs) > 8  # units crossed between many pairs of ranks
+    assert fake.plain_calls == 0
+    assert fake.communicators() == {("group", "world")}
