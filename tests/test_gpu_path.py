@@ -157,3 +157,104 @@ def test_a_run_of_transitions_opens_no_nccl_communicator_per_pair_of_ranks(monke
     assert len(pairs) > 8  # units crossed between many pairs of ranks
     assert fake.plain_calls == 0
     assert fake.communicators() == {("group", "world")}
+
+
+# ----------------------------------------------------------------------------- zero bubble
+
+
+def test_zero_bubble_reduces_each_chunk_when_its_weight_gradients_finish_in_place(
+    fake_world, monkeypatch
+):
+    """Zero bubble's data parallelism flattened every trained gradient into a new buffer
+    after the whole step, all-reduced it with nothing left to overlap, and copied it back
+    (two gradient-sized copies a step, fully exposed). Rank 0 of a fake world of 2 stages x
+    2 replicas (2 chunks a rank, 4 micro-batches), torch's own zero-bubble schedule: each
+    chunk's all-reduce starts, asynchronously, right after that chunk's last weight gradient
+    (chunk 2's while chunk 0 still has weight gradients to run), on the very buffer the
+    gradients are views of; nothing is flattened or unflattened; the step waits for both."""
+    from helpers import tiny_bert
+    from torch.distributed.pipelining import PipelineStage
+
+    from pipetransformer.autodp.groups import build_training_groups
+    from pipetransformer.autodp.topology import Layout
+    from pipetransformer.autopipe.planner import UnitCosts, balance
+    from pipetransformer.pipe import build_stage_runtime
+    from pipetransformer.trainer.tasks import ClassificationTask
+
+    fake_world(4)
+    model = tiny_bert()
+    costs = UnitCosts.from_param_counts(model.spec.unit_param_counts, 1 / 6)
+    layout = Layout(balance(costs, 0, 2, virtual_stages=2), 4, 4, 2).with_micro_batches(4)
+    groups = build_training_groups(layout, 0, 60)
+    log = []
+    weight = PipelineStage.backward_weight_one_chunk
+
+    def logged_weight(stage, micro_batch, last_backward=False):
+        log.append(("W", stage.stage_index))
+        return weight(stage, micro_batch, last_backward=last_backward)
+
+    class Work:
+        def wait(self):
+            log.append("wait")
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        log.append(("all_reduce", tensor.untyped_storage().data_ptr(), async_op))
+        return Work() if async_op else None
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a gradient-sized copy")
+
+    monkeypatch.setattr(PipelineStage, "backward_weight_one_chunk", logged_weight)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(torch._utils, "_flatten_dense_tensors", refused)
+    monkeypatch.setattr(torch._utils, "_unflatten_dense_tensors", refused)
+    runtime = build_stage_runtime(
+        plan=layout.plan,
+        stage_index=0,
+        replica_batch_size=8,
+        units={u: model.units[u] for u in layout.units_of_rank(0)},
+        spec=model.spec,
+        loss_fn=ClassificationTask.loss_fn,
+        schedule_name="zero_bubble",
+        pipeline_group=groups.pipeline,
+        data_group=groups.data,
+        device=torch.device("cpu"),
+    )
+    ids = torch.randint(1, 50, (8, 16))
+    runtime.train_step([ids, torch.zeros_like(ids), torch.ones_like(ids)], None)
+    log.append("end")
+    buffers = {
+        chunk: [b.flat.untyped_storage().data_ptr() for b in bucket_list]
+        for chunk, bucket_list in runtime.gradient_sync.buckets.items()
+    }
+    assert sorted(buffers) == layout.plan.chunks_of_stage(0) == [0, 2]
+    last_weight = {c: max(i for i, e in enumerate(log) if e == ("W", c)) for c in buffers}
+    for chunk, pointers in buffers.items():
+        (launched,) = [i for i, e in enumerate(log) if e[0] == "all_reduce" and e[1] in pointers]
+        assert log[launched][2], "asynchronous"
+        assert launched == last_weight[chunk] + 1, (chunk, log)
+    assert last_weight[2] < last_weight[0]  # chunk 2 reduces while chunk 0 still computes
+    assert log[-3:] == ["wait", "wait", "end"]
+    for chunk, bucket_list in runtime.gradient_sync.buckets.items():
+        for bucket in bucket_list:
+            for p in bucket.parameters:
+                assert p.grad.untyped_storage().data_ptr() == buffers[chunk][0]
+    groups.destroy()
+
+
+def test_the_memory_model_counts_no_bucket_copy_of_zero_bubbles_gradients():
+    """Zero bubble's gradients are views of the buffers it reduces: a stage of 2 replicas
+    holds one copy of its trained gradients, where DDP (interleaved 1F1B) holds its
+    buckets besides; a one-stage layout runs DDP under either setting."""
+    from pipetransformer.autopipe.memory import LayoutShape, MemoryModel
+    from pipetransformer.autopipe.planner import UnitCosts, balance
+
+    model = MemoryModel((100,) * 6, (10,) * 6, (4,) * 6, 2, 2.0)
+    costs = UnitCosts.from_param_counts([1] * 6, 1 / 6)
+    chunked = balance(costs, 0, 2, virtual_stages=2)
+    for schedule, buckets in [("zero_bubble", 0.0), ("interleaved_1f1b", 400.0)]:
+        shape = LayoutShape(4, 4, 2, schedule)
+        memory = model.stage_memory(chunked, 0, shape)
+        assert (memory.gradients, memory.ddp_buckets) == (400.0, buckets), schedule
+        one_stage = model.stage_memory(balance(costs, 0, 1), 0, shape)
+        assert one_stage.ddp_buckets == one_stage.gradients == 600.0

@@ -683,6 +683,7 @@ def zero_bubble_average(runtime, units, inputs, target, data_group) -> dict:
         runtime.module.train()
         for p in params:
             p.grad = None
+        sync.prepare()  # the gradients as views of its buffer, as a zero-bubble step has them
         ClassificationTask.loss_fn(runtime.module(*inputs), target).backward()
         if drop is not None and torch.distributed.get_rank() == 1:
             named[drop].grad = None
