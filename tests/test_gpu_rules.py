@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from families import FAMILIES, TEXT_FAMILIES, batch, text_batch
-from gpu_audit import HostReads, collective_order_problem
+from gpu_audit import FakeCudaStreams, HostReads, collective_order_problem
 from helpers import ROOT, run_cli, tiny_bert, tiny_vit
 
 from pipetransformer.config import load_config
@@ -951,6 +951,7 @@ def test_autocache_on_a_gpu_stages_rows_in_two_pinned_buffers_and_writes_after_t
     monkeypatch.setattr(torch.cuda, "Event", OrderedEvent)
     OrderedEvent.log, OrderedEvent.made = [], 0
     log = OrderedEvent.log
+    FakeCudaStreams().install(monkeypatch, events=False, copies=False)  # tests/test_gpu_path.py
     pinned, empty = [], torch.empty
 
     def recording_empty(*args, pin_memory=False, **kwargs):
@@ -1048,6 +1049,7 @@ def test_autocaches_read_measurement_copies_from_pinned_memory_on_a_gpu(monkeypa
     monkeypatch.setattr(torch, "empty", recording_empty)
     monkeypatch.setattr(torch.cuda, "Event", OrderedEvent)
     OrderedEvent.log, OrderedEvent.made = [], 0
+    FakeCudaStreams().install(monkeypatch, events=False, copies=False)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned_copies.append(self) or self)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waits.append(device))
     cuda = torch.device("cuda", 0)
