@@ -337,3 +337,123 @@ def test_cached_rows_go_to_the_device_on_a_side_stream_ordered_by_events(monkeyp
         if step == 2:  # buffer 1 again: refilled only after step 0's copy is done
             step_zero = [e for e in log[: starts[1]] if e[0] == "record" and e[2] == "side1"]
             assert calls.index(("host_wait", step_zero[0][1])) < read
+
+
+# ----------------------------------------------------------------------------- compiled text
+
+
+@pytest.fixture
+def dynamo():
+    """A clean dynamo and its settings and the graph counts put back afterwards."""
+    from pipetransformer.models.compiled import COMPILES
+
+    config = torch._dynamo.config
+    saved = (config.recompile_limit, config.fail_on_recompile_limit_hit)
+    compiles = dict(COMPILES)
+    torch._dynamo.reset()
+    yield COMPILES
+    torch._dynamo.reset()
+    config.recompile_limit, config.fail_on_recompile_limit_hit = saved
+    COMPILES.clear()
+    COMPILES.update(compiles)
+
+
+SST2_LOCAL = ROOT / "configs" / "bert_sst2_local.yaml"
+# Replica batches of 4 samples (real lengths; max_seq_length 16, multiples of 8): padded to
+# 16 tokens and to 8, each packing into fewer rows than samples.
+LENGTH_SETS = ([3, 3, 3, 16], [3, 3, 3, 3])
+
+
+def micro_batches(config, pipe_len: int, num_micro_batches: int, lengths: list[int]):
+    """The first micro-batch of the replica batch of samples of `lengths`, as the trainer
+    shapes it (trainer/step.py `step_seq_length`: padded, or packed where data.padding says)
+    for a layout of `pipe_len` stages and `num_micro_batches` micro-batches: token ids, token
+    types, mask (or segment ids and sample starts)."""
+    from types import SimpleNamespace
+
+    from pipetransformer.trainer.step import step_seq_length
+    from pipetransformer.utils.packing import Packing
+    from pipetransformer.utils.padding import PackedShape, padded_length
+
+    data = config.data
+    dataset = SimpleNamespace(
+        lengths=lengths,
+        batch_length=lambda ids: padded_length(
+            max(lengths[i] for i in ids), data.pad_to_multiple_of, data.max_seq_length
+        ),
+    )
+    layout = SimpleNamespace(
+        pipe_len=pipe_len, plan=SimpleNamespace(num_micro_batches=num_micro_batches)
+    )
+    shape = step_seq_length(config, layout, dataset, list(range(len(lengths))))
+    width = shape.row_length if isinstance(shape, PackedShape) else shape
+    mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+    padded = (torch.randint(1, 50, mask.shape) * mask, torch.zeros_like(mask), mask)
+    if not isinstance(shape, PackedShape):
+        micro = len(lengths) // num_micro_batches
+        return tuple(t[:micro] for t in padded)
+    ids, types, segments, starts = Packing(lengths, shape).inputs(padded)
+    rows, samples = shape.rows, shape.samples
+    return ids[:rows], types[:rows], segments[:rows], starts[:samples]
+
+
+def run_units(units, inputs, num_frozen: int, evaluation: bool) -> None:
+    """One micro-batch through every unit as a stage runs them: the first `num_frozen` units
+    frozen (eval mode, no autograd), the rest trained, then backward; or an evaluation."""
+    for index, unit in enumerate(units):
+        trained = index >= num_frozen
+        unit.requires_grad_(trained)
+        unit.train(trained and not evaluation)
+    x = inputs
+    for index, unit in enumerate(units):
+        with torch.set_grad_enabled(index >= num_frozen and not evaluation):
+            x = unit(*x) if isinstance(x, tuple) else unit(x)
+    if not evaluation:
+        x.float().sum().backward()
+
+
+@pytest.mark.parametrize("padding", ["auto", "packed"])
+def test_compiled_units_stay_under_their_graph_bound_with_packed_and_padded_batches(
+    padding, dynamo
+):
+    """Under data.padding auto (the default) packed batches compile graphs of their own: with
+    micro-batches of 4, 2 and 1 samples, padded and packed, BERT's attention unit reached
+    exactly the limit of 16, and a packed micro-batch in one row passed it (an error in the
+    middle of a step). A tiny BERT compiled (dynamo's graphs, eager backend), the batches
+    the trainer makes of two replica batches of 4 samples at 1, 2 and 4 micro-batches in a
+    pipeline (bucketed shapes), all units trained and after a transition freezing layer 0,
+    each trained and evaluated: the attention unit (the class with the most states) within
+    `unit_graph_bound` for the padding, reaching it under auto, a form's worth of graphs
+    under the limit. About 8 s (18 s on 2 shared, loaded cores: dynamo's first compile)."""
+    from helpers import tiny_bert
+
+    from pipetransformer.models import compiled
+    from pipetransformer.models.compiled import UNIT_STATES, compile_units, unit_graph_bound
+
+    overrides = [
+        f"data.padding={padding}",
+        "data.max_seq_length=16",
+        "data.pad_to_multiple_of=8",
+        "trainer.compile=true",
+    ]
+    config = load_config(SST2_LOCAL, overrides)
+    units = list(tiny_bert(seq_len=16).units)
+    # The class with the most states and forms (the others' graphs are a subset of its).
+    attention = [u for u in units if type(u).__name__ == "BertAttentionUnit"]
+    compile_units(attention, "eager", text=True)
+    before = dynamo["BertAttentionUnit"]
+    packed = 0
+    for num_frozen in (0, 3):  # a transition freezes layer 0: its units frozen, 3 first trained
+        for num_micro_batches in (1, 2, 4):
+            for lengths in LENGTH_SETS:
+                batch = micro_batches(config, 2, num_micro_batches, lengths)
+                packed += len(batch) == 4
+                run_units(units, batch, num_frozen, evaluation=False)
+                run_units(units, batch, num_frozen, evaluation=True)
+    assert packed > 0  # packed batches were made
+    bound = unit_graph_bound(one_sample=True, packed=True)
+    graphs = dynamo["BertAttentionUnit"] - before
+    assert graphs <= bound
+    if padding == "auto":  # every state of every form: padded, of one sample, packed
+        assert graphs == bound == 12
+    assert compiled.UNIT_RECOMPILE_LIMIT - bound >= UNIT_STATES  # a form's worth of room
