@@ -457,3 +457,100 @@ def test_compiled_units_stay_under_their_graph_bound_with_packed_and_padded_batc
     if padding == "auto":  # every state of every form: padded, of one sample, packed
         assert graphs == bound == 12
     assert compiled.UNIT_RECOMPILE_LIMIT - bound >= UNIT_STATES  # a form's worth of room
+
+
+# ----------------------------------------------------------------------------- compile warm-up
+
+COMPILED_VIT = {
+    "trainer": {
+        "epochs": 1,
+        "global_batch_size": 16,
+        "nproc_per_node": 1,
+        "device": "cpu",
+        "progress_bar": False,
+        "log_interval_steps": 1000,
+        "compile": True,
+        "compile_backend": "eager",
+    },
+    "optimizer": {"name": "sgd", "lr": 0.05},
+    "model": {
+        "name": "vit_tiny_patch16_224",
+        "kwargs": {"patch_size": 4, "embed_dim": 32, "depth": 2, "num_heads": 2},
+    },
+    "data": {"name": "digits", "image_size": 8, "train_subset": 160, "eval_subset": 20},
+    "pipeline": {"initial_pipe_len": 1, "balance": "params", "num_micro_batches": 4},
+    "freeze": {"strategy": "gradient_norm", "interval_steps": 1000},
+    "cache": {"enabled": False},
+}
+
+
+def _new(before: dict, after: dict) -> dict:
+    new = {name: count - before.get(name, 0) for name, count in after.items()}
+    return {name: count for name, count in new.items() if count}
+
+
+def _compiled_bert(sst2_root) -> dict:
+    """COMPILED_VIT's run with a tiny BERT on SST-2 text, packed, in bf16."""
+    import copy
+
+    config = copy.deepcopy(COMPILED_VIT)
+    config["trainer"]["precision"] = "bf16"
+    config["model"] = {
+        "name": "bert",
+        "kwargs": {
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "intermediate_size": 64,
+        },
+    }
+    config["data"] = {
+        "name": "sst2",
+        "root": str(sst2_root),
+        "max_seq_length": 32,
+        "train_subset": 160,
+        "eval_subset": 16,
+        "padding": "packed",
+    }
+    return config
+
+
+@pytest.mark.parametrize("kind", ["vit", pytest.param("bert-packed", marks=pytest.mark.slow)])
+def test_a_compiled_layout_compiles_every_graph_before_its_first_step(kind, tmp_path, sst2_dir):
+    """Units compiled at their first forward: on the first step and again after every
+    transition, while the ranks downstream sat in posted NCCL receives (a large model or a
+    slow host reaches the NCCL timeout). One process, `trainer.compile` (dynamo's graphs,
+    eager backend), micro-batches of 4 samples: setup compiles every graph the layout runs
+    (each class trained and evaluated), so neither the steps nor an evaluation compile one; the
+    transition that freezes layer 0 compiles the frozen and first-trained variants before
+    its first step, records the seconds as its `compile_s`, and again nothing compiles in
+    the steps and the evaluation after it. The same with a tiny BERT's packed text in bf16
+    (slow: 28 s on 2 loaded cores; the ViT run about 8 s, 20 s loaded)."""
+    from helpers import run_workers
+    from workers import warmed_run
+
+    config = COMPILED_VIT if kind == "vit" else _compiled_bert(sst2_dir)
+    (result,) = run_workers(warmed_run, 1, config, str(tmp_path / "run"), 1, 2)
+    setup, first, transition, second = result["compiles"]
+    assert _new({}, setup), "setup compiled the layout's graphs"
+    assert _new(setup, first) == {}, "the first steps and evaluation compiled nothing"
+    assert _new(first, transition), "the transition compiled its new variants"
+    assert _new(transition, second) == {}, "nothing compiled after the transition either"
+    record = result["transition"]
+    assert 0 < record["compile_s"] <= record["total_s"]
+    assert all(loss is not None for loss in result["losses"])
+
+
+def test_a_unit_past_its_graph_limit_fails_every_rank_before_a_step():
+    """A unit class past its graph limit raised on the one rank that compiled it, in the
+    middle of a step, leaving its peers blocked in NCCL until the watchdog. Two gloo ranks
+    warm a DDP layout's compiled units (pipe/warmup.py) as the trainer does before a first
+    step, rank 1 with a limit of one graph a class: both ranks raise, after waiting for each
+    other, naming rank 1 and the key."""
+    from helpers import run_workers
+    from workers import warm_up_with_a_limit
+
+    messages = run_workers(warm_up_with_a_limit, 2)
+    assert messages[0] == messages[1]
+    assert messages[0].startswith("trainer.compile: rank 1 could not compile its units")
+    assert "needed more than 1 compiled graphs" in messages[0]

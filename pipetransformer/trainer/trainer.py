@@ -73,7 +73,7 @@ from pipetransformer.trainer.evaluation import Evaluator
 from pipetransformer.trainer.freezing import FreezeControl
 from pipetransformer.trainer.metrics import MetricsTracker
 from pipetransformer.trainer.run_plan import plan_run
-from pipetransformer.trainer.runtime import build_runtime
+from pipetransformer.trainer.runtime import build_runtime, warm_up_layout
 from pipetransformer.trainer.statefuls import checkpoint_statefuls, seed_streams
 from pipetransformer.trainer.step import (
     Batches,
@@ -302,6 +302,8 @@ class Trainer:
         the profiling seconds it took over (unit costs, micro-batches)."""
         times: dict[str, float] = {}
         self.stage = self._enter(layout, units, {}, times)
+        if "compile_s" in times and self.world.rank == 0:
+            logger.info("compiled the first layout's units in %.1f s", times["compile_s"])
         if resumption is not None:
             started = time.perf_counter()
             same_world = resumption.world_size == self.world.world_size
@@ -387,6 +389,15 @@ class Trainer:
                     p.grad = None
         if self.config.trainer.compile:  # units not compiled yet: those that arrived
             compile_units(units.values(), self.config.trainer.compile_backend, self.spec.text)
+            times["compile_s"] = warm_up_layout(  # every graph, before any step (collective)
+                layout,
+                self.world,
+                self.config,
+                units,
+                self.spec,
+                self.control,
+                one_sample=self.cache_serves(frozen),
+            )
         layout = self._resolve_micro_batches(layout, units, groups)
         times["profile_s"] = self.profiler.take_seconds()
         started = time.perf_counter()
@@ -539,8 +550,10 @@ class Trainer:
             layout.sharded,
         ):
             record = self.transition(decision.num_frozen_layers, decision.layer_grad_norms, tick)
-            cadence = self.freezer.space(
-                record.total_s - record.profile_s, decision.step_s, tick.global_step
+            cadence = self.freezer.space(  # less its one-off measuring and compiling
+                record.total_s - record.profile_s - record.compile_s,
+                decision.step_s,
+                tick.global_step,
             )
             if cadence is not None:
                 self.reporter.event(cadence)
