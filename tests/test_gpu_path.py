@@ -554,3 +554,187 @@ def test_a_unit_past_its_graph_limit_fails_every_rank_before_a_step():
     assert messages[0] == messages[1]
     assert messages[0].startswith("trainer.compile: rank 1 could not compile its units")
     assert "needed more than 1 compiled graphs" in messages[0]
+
+
+# ----------------------------------------------------------------------------- varlen attention
+
+
+def _packed_micro_batch(lengths: list[int], rows: int, width: int = 16):
+    """A micro-batch of samples of `lengths` packed in `rows` rows of `width` tokens (more
+    rows than it needs: the last ones empty), as the trainer makes it."""
+    from pipetransformer.utils.packing import Packing
+    from pipetransformer.utils.padding import PackedShape
+
+    shape = PackedShape(rows, width, len(lengths))
+    mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+    padded = (torch.randint(1, 50, mask.shape) * mask, torch.zeros_like(mask), mask)
+    return Packing(lengths, shape), Packing(lengths, shape).inputs(padded)
+
+
+def test_varlen_offsets_cut_a_packed_batch_at_its_samples_and_row_ends():
+    """Every sample a piece, the padding at each row's end a piece (empty where the row is
+    full), an empty row a piece, computed on the device without a host read, as many as
+    samples + rows + 1 whatever the values (a shape the pipeline and compiled graphs can
+    declare)."""
+    from gpu_audit import HostReads
+
+    from pipetransformer.models.packed import varlen_offsets
+
+    # Rows of 16 (longest first): [12, 3] and 1 of padding, [9, 7] full, [5] and 11 of
+    # padding, an empty row.
+    _, (_, _, segments, starts) = _packed_micro_batch([9, 12, 7, 5, 3], rows=4)
+    with HostReads() as audit:
+        offsets = varlen_offsets(segments, starts)
+    assert audit.reads == []
+    assert offsets.tolist() == [0, 12, 15, 16, 25, 32, 32, 37, 48, 64]
+    flat = segments.reshape(-1)
+    for begin, end in zip(offsets.tolist(), offsets.tolist()[1:]):  # one sample, or padding
+        assert len(set(flat[begin:end].tolist())) <= 1, (begin, end)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_bert_attention_on_a_packed_batch_by_varlen_equals_the_dense_mask():
+    """Packed rows ran block-diagonal masked SDPA, whose cost grows with the square of a
+    row's length, where GPUs run padding-free batches through variable-length attention. A
+    tiny BERT's attention unit on a packed micro-batch (a full row, a row with padding, an
+    empty row), variable-length (SDPA over nested jagged tensors, as it runs on CUDA without
+    flash-attention; forced here on the CPU) against the dense mask: the same outputs, every
+    token's, and the same gradients."""
+    from helpers import tiny_bert
+
+    from pipetransformer.models import packed as packing
+
+    unit = tiny_bert(seq_len=16).units[1].train()  # dropout 0 in the tiny model
+    _, (_, _, segments, starts) = _packed_micro_batch([9, 12, 7, 5, 3], rows=4)
+    hidden = torch.randn(4, 16, 32)
+    results = []
+    for varlen in (False, True):
+        packing_use = packing.use_varlen
+        packing.use_varlen = lambda h, varlen=varlen: varlen
+        try:
+            x = hidden.clone().requires_grad_(True)
+            out = unit(x, segments, starts)[0]
+            out.square().sum().backward()
+        finally:
+            packing.use_varlen = packing_use
+        results.append((out.detach(), x.grad, [p.grad.clone() for p in unit.parameters()]))
+        unit.zero_grad(set_to_none=True)
+    (dense, dense_input, dense_params), (varlen, varlen_input, varlen_params) = results
+    torch.testing.assert_close(varlen, dense, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(varlen_input, dense_input, rtol=1e-4, atol=1e-5)
+    for got, want in zip(varlen_params, dense_params):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_bert_attention_on_a_gpu_with_flash_attention_calls_its_varlen_kernel(monkeypatch):
+    """On CUDA in bfloat16 where the `flash_attn` package is installed, a packed batch goes to
+    `flash_attn_varlen_func` (a stand-in recording its arguments; fake CUDA tensors): flat
+    (tokens, heads, head_dim) queries, keys and values, int32 cumulative lengths of samples
+    + rows + 1 pieces, the row's length as the longest, BERT's scale and its dropout in
+    training; no mask is built, and nothing is copied between host and device."""
+    import sys
+    import types
+
+    from gpu_audit import DeviceCopies
+    from helpers import tiny_bert
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pipetransformer.models import packed as packing
+
+    calls = []
+
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, **kwargs):
+        calls.append((q.shape, q.dtype, cu_q.dtype, cu_q.shape, max_q, dropout_p, kwargs))
+        return torch.empty_like(q)
+
+    flash = types.ModuleType("flash_attn")
+    flash.flash_attn_varlen_func = flash_attn_varlen_func
+    monkeypatch.setitem(sys.modules, "flash_attn", flash)
+    monkeypatch.setattr(packing, "FLASH_ATTN_INSTALLED", True)
+    monkeypatch.setattr(packing, "same_sample", lambda *a, **k: pytest.fail("a dense mask"))
+    cuda = torch.device("cuda", 0)
+    unit = tiny_bert(seq_len=16, device="meta").units[1].to(torch.bfloat16)
+    unit.attention.self.dropout.p = 0.1
+    _, (_, _, segments, starts) = _packed_micro_batch([9, 12, 7, 5, 3], rows=4)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        # bfloat16 weights (CUDA's autocast is off without a GPU, even for fake tensors)
+        unit = unit.to_empty(device=cuda).train()
+        hidden = torch.empty(4, 16, 32, device=cuda, dtype=torch.bfloat16)
+        segments, starts = segments.to(cuda), starts.to(cuda)
+        with DeviceCopies() as copies:
+            out = unit(hidden, segments, starts)[0]
+    assert copies.found == []  # nothing between host and device on the way
+    assert out.shape == (4, 16, 32) and out.device.type == "cuda"
+    ((shape, dtype, cu_dtype, cu_shape, longest, dropout, kwargs),) = calls
+    assert (tuple(shape), dtype) == ((64, 2, 16), torch.bfloat16)
+    assert (cu_dtype, tuple(cu_shape), longest, dropout) == (torch.int32, (10,), 16, 0.1)
+    assert kwargs["softmax_scale"] == pytest.approx(16**-0.5)
+
+
+@pytest.mark.parametrize("family, refused", [("deberta-v2", True), ("bert", False)])
+def test_padding_auto_pads_per_batch_where_the_attention_takes_no_packed_batch(family, refused):
+    """data.padding auto with an attention implementation that takes no mask
+    (`flash_attention_2`) raised at the first packed forward, naming a `packed` setting the
+    user never set. Resolved at config time now: for a family without a variable-length
+    path, auto becomes per-batch padding with a note for the start line, and packed is one
+    line naming data.padding; BERT's units run packed batches under it (varlen)."""
+    from pipetransformer.config import ConfigError, resolve_padding
+    from pipetransformer.models.packed import refusal_for
+
+    config = load_config(SST2_LOCAL, [])
+    assert config.data.padding == "auto"
+    reason = refusal_for(family, "flash_attention_2")
+    assert (reason is not None) == refused
+    assert refusal_for(family, "sdpa") is None and refusal_for(family, "eager") is None
+    resolved, note = resolve_padding(config, reason)
+    if not refused:
+        assert resolved is config and note is None
+        return
+    assert resolved.data.padding == "batch"
+    assert note.startswith("data.padding auto: per-batch padding (attention 'flash_attention_2'")
+    with pytest.raises(ConfigError, match="^data.padding: 'packed' needs attention confined"):
+        resolve_padding(load_config(SST2_LOCAL, ["data.padding=packed"]), reason)
+    assert resolve_padding(load_config(SST2_LOCAL, ["data.padding=batch"]), reason)[1] is None
+
+
+def test_the_trainer_resolves_padding_before_planning_and_says_so_at_the_start(
+    monkeypatch, sst2_dir, caplog
+):
+    """The trainer's own set-up (`_build_model`, before the plan and the resolved config are
+    written), for a model whose units refuse packed batches (the refusal stubbed: a flash
+    attention model needs a GPU): data.padding auto becomes batch and the data line at the
+    start says why."""
+    import logging
+
+    from pipetransformer.config import config_from_dict
+    from pipetransformer.trainer import trainer as trainer_module
+    from pipetransformer.trainer.distributed import WorldInfo
+
+    monkeypatch.setattr(trainer_module, "packed_refusal", lambda model: "no packed path")
+    config = config_from_dict(
+        {
+            "model": {
+                "name": "bert",
+                "kwargs": {
+                    "hidden_size": 32,
+                    "num_hidden_layers": 1,
+                    "num_attention_heads": 2,
+                    "intermediate_size": 64,
+                },
+            },
+            "data": {
+                "name": "sst2",
+                "root": str(sst2_dir),
+                "max_seq_length": 16,
+                "train_subset": 32,
+                "eval_subset": 8,
+            },
+        }
+    )
+    trainer = trainer_module.Trainer.__new__(trainer_module.Trainer)
+    trainer.config, trainer.world = config, WorldInfo(0, 1, 0, 1, torch.device("cpu"))
+    with caplog.at_level(logging.INFO, logger=trainer_module.__name__):
+        trainer._build_model(None)
+    assert trainer.config.data.padding == "batch"
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: ")]
+    assert line.endswith("; data.padding auto: per-batch padding (no packed path)")

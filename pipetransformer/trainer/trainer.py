@@ -33,12 +33,13 @@ from pipetransformer.autodp.groups import (
 )
 from pipetransformer.autodp.handoff import plan_transfers
 from pipetransformer.autodp.topology import Layout
-from pipetransformer.config import Config, frozen_random_embedding, resolve
+from pipetransformer.config import Config, frozen_random_embedding, resolve, resolve_padding
 from pipetransformer.data import build_data
 from pipetransformer.data.describe import describe_bundle
 from pipetransformer.fsdp import shard_optimizer_states
 from pipetransformer.models import build_model
 from pipetransformer.models.compiled import compile_units
+from pipetransformer.models.packed import packed_refusal
 from pipetransformer.pipe import StageRuntime
 from pipetransformer.pipe.prefix import CachedPrefix
 from pipetransformer.pipe.timing import IntervalTimer
@@ -163,8 +164,18 @@ class Trainer:
             seed=config.trainer.seed,
             model_name_or_path=config.model.model_name_or_path,
         )
+        self.task = task_for(
+            self.data.task, self.data.num_classes, config.data.metric, len(self.data.eval)
+        )
+        self.model_args = self.data.model_args()
+        self.skeleton = build_model(config.model, device="meta", **self.model_args)
+        self.spec = self.skeleton.spec
+        # Packed text needs units that run it under the model's attention (models/packed.py).
+        self.config, padding_note = resolve_padding(config, packed_refusal(self.skeleton))
+        config = self.config
         if self.world.rank == 0:  # what it read: before an epoch shows a wrong column
-            logger.info("data: %s", describe_bundle(self.data))
+            note = f"; {padding_note}" if padding_note else ""
+            logger.info("data: %s%s", describe_bundle(self.data), note)
             if frozen_random_embedding(config):
                 logger.warning(
                     "freeze.embedding: the embedding is frozen from the first step but the "
@@ -172,12 +183,6 @@ class Trainer:
                     "model.pretrained or model.checkpoint_path), so it will never train; "
                     "set freeze.embedding=auto (the default), or name pretrained weights"
                 )
-        self.task = task_for(
-            self.data.task, self.data.num_classes, config.data.metric, len(self.data.eval)
-        )
-        self.model_args = self.data.model_args()
-        self.skeleton = build_model(config.model, device="meta", **self.model_args)
-        self.spec = self.skeleton.spec
         if resumption is not None:
             self.state = resumption.state(self.spec)
         # Same seed on every rank: the full model is initialised identically everywhere
