@@ -738,3 +738,59 @@ def test_the_trainer_resolves_padding_before_planning_and_says_so_at_the_start(
     assert trainer.config.data.padding == "batch"
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: ")]
     assert line.endswith("; data.padding auto: per-batch padding (no packed path)")
+
+
+# ----------------------------------------------------------------------------- small pieces
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_packed_shapes_are_one_form_of_input_for_compiled_units(compiled):
+    """A micro-batch of one sample is never packed (one row: the padded batch itself, and a
+    graph of its own for compiled units); compiled, a packed micro-batch takes at least two
+    rows, so no packed dimension has size 1 (models/compiled.py `unit_graph_bound`)."""
+    from pipetransformer.trainer.step import batch_shape
+    from pipetransformer.utils.padding import PackedShape
+
+    overrides = ["data.padding=packed", f"trainer.compile={str(compiled).lower()}"]
+    config = load_config(SST2_LOCAL, overrides)
+    lengths = [3, 3, 3, 3]
+    assert batch_shape(config, lengths, 1, 8, bucketed=True) == 8  # one sample: padded
+    shape = batch_shape(config, lengths, 4, 16, bucketed=False)  # all four fit one row
+    assert shape == PackedShape(2 if compiled else 1, 16, 4)
+
+
+def test_zero_bubbles_buffer_counts_a_missing_or_replaced_gradient(fake_world):
+    """After `prepare` every trained gradient is a view of its chunk's buffer; one that a
+    step set to None counts as zero and one that something replaced is copied in, so every
+    replica reduces the same bytes and every parameter leaves with a view of the average."""
+    from pipetransformer.pipe.gradient_sync import GradientAllReduce
+
+    fake_world(2)  # the fake all-reduce leaves the values: the average is half of them
+    first, second = torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)
+    chunks = {0: list(first.parameters()), 1: list(second.parameters())}
+    sync = GradientAllReduce(chunks, dist.group.WORLD)
+    sync.prepare()
+    (bucket,) = sync.buckets[0]
+    assert all(p.grad.data_ptr() >= bucket.flat.data_ptr() for p in first.parameters())
+    first(torch.ones(4, 3)).sum().backward()
+    made = first.weight.grad.clone()
+    first.bias.grad = None  # a step left it without a gradient
+    second.weight.grad = torch.full_like(second.weight, 4.0)  # replaced, not accumulated
+    sync()
+    torch.testing.assert_close(first.weight.grad, made / 2)
+    assert torch.equal(first.bias.grad, torch.zeros(2))
+    assert torch.equal(second.weight.grad, torch.full_like(second.weight, 2.0))
+    for p in [*first.parameters(), *second.parameters()]:
+        assert p.grad._base is not None  # a view of its chunk's buffer
+
+
+def test_the_compare_report_says_when_a_run_did_not_time_its_all_reduce(tmp_path):
+    """A run without logging.time_communication records no DDP time: its report cell says
+    so rather than 0.0%; a run from before the key timed it (its share is shown)."""
+    from pipetransformer.compare.report import _comm_share, _timed_communication
+
+    assert _timed_communication(tmp_path)  # no config.yaml: an old run
+    (tmp_path / "config.yaml").write_text("logging:\n  time_communication: false\n")
+    assert not _timed_communication(tmp_path)
+    assert _comm_share({"ddp_comm_share": 0.0, "ddp_comm_timed": False}) == "not timed"
+    assert _comm_share({"ddp_comm_share": 0.125}) == "12.5%"
