@@ -9,12 +9,10 @@ or hold the optimizer (the trainer's stage does).
 
 from __future__ import annotations
 
-import datetime
 import time
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pipetransformer.autodp.control import Control
@@ -109,20 +107,11 @@ def warm_up_layout(
             warm_up_units(units, layout.plan.frozen_end, spec, forms, world.device, dtype)
         except Exception as exc:  # noqa: BLE001 - every rank is told, then raises
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    agree_compiled(control, error, config.trainer.compile_timeout_s)
-    return time.perf_counter() - started
-
-
-def agree_compiled(control: Control, error: str | None, timeout_s: float) -> None:
-    """Every rank has compiled (or failed to): wait up to `timeout_s` for the slowest, then
-    raise CompileFailed on every rank if any failed (collective over the control group)."""
-    if control.group is not None:
-        timeout = datetime.timedelta(seconds=timeout_s)
-        dist.monitored_barrier(group=control.group, timeout=timeout, wait_all_ranks=True)
-    failed = [(rank, e) for rank, e in enumerate(control.all_gather(error)) if e is not None]
+    failed = control.failures(error, config.trainer.compile_timeout_s)
     if failed:
         rank, reason = failed[0]
         raise CompileFailed(
             f"trainer.compile: rank {rank} could not compile its units before the layout's "
             f"first step ({reason}); no step was taken"
         )
+    return time.perf_counter() - started
