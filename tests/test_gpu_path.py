@@ -794,3 +794,32 @@ def test_the_compare_report_says_when_a_run_did_not_time_its_all_reduce(tmp_path
     assert not _timed_communication(tmp_path)
     assert _comm_share({"ddp_comm_share": 0.0, "ddp_comm_timed": False}) == "not timed"
     assert _comm_share({"ddp_comm_share": 0.125}) == "12.5%"
+
+
+def test_the_warm_up_runs_every_familys_units_and_leaves_no_trace():
+    """What the warm-up runs before a compiled layout's first step (pipe/warmup.py), eagerly
+    here: every family's units (tests/families.py) in every state, padded, of one sample and
+    packed (text), under bf16 autocast, the first 3 frozen: nothing fails on its inputs of
+    zeros, and the weights, gradients, modes and random stream are as they were (a compiled
+    run trains what an eager one does)."""
+    from families import FAMILIES
+
+    from pipetransformer.pipe.warmup import warm_up_forms, warm_up_units
+
+    for name, family in FAMILIES.items():
+        model = family.build(dropout=True)
+        units = dict(enumerate(model.units))
+        for index, unit in units.items():
+            unit.requires_grad_(index >= 3)
+            unit.train(index % 2 == 0)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        forms = warm_up_forms(model.spec, [4], packs=True, one_sample=True)
+        assert len(forms) == (3 if model.spec.text else 2), name
+        rng = torch.get_rng_state()
+        warm_up_units(units, 3, model.spec, forms, torch.device("cpu"), torch.bfloat16)
+        assert torch.equal(torch.get_rng_state(), rng), name
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, before[key]), (name, key)
+        for index, unit in units.items():
+            assert unit.training == (index % 2 == 0), (name, index)
+            assert all(p.grad is None for p in unit.parameters()), (name, index)
