@@ -8,7 +8,9 @@ For one rank of a layout (stage s of K, M micro-batches of m samples, R replicas
     optimizer       Adam/AdamW two moments, SGD with momentum one buffer, per trained parameter
     gradient sums   freeze.strategy autofreeze: each trained parameter's gradients summed
                     over the decision interval, a float32 copy of it (trainer/step.py)
-    DDP buckets     a flat copy of the trained gradients when R > 1 (DDP's reducer buckets)
+    DDP buckets     a flat copy of the trained gradients when R > 1 (DDP's reducer buckets);
+                    none under zero_bubble, whose gradients are views of the flat buffers
+                    it reduces (pipe/gradient_sync.py)
     activations     what autograd saves for backward, per micro-batch still waiting for its
                     backward: GPipe holds all M, 1F1B at most K - s on stage s, one
                     stage (K = 1) one: each micro-batch's backward follows its forward
@@ -322,15 +324,18 @@ class MemoryModel:
         shape: LayoutShape,
         activations: float,
         boundary: float,
+        reduced_in_place: bool = False,
     ) -> StageMemory:
-        """A stage's terms from the units it holds and trains (no overlap)."""
+        """A stage's terms from the units it holds and trains (no overlap).
+        `reduced_in_place`: the gradients are views of the buffers the data-parallel
+        all-reduce reduces (zero bubble's, pipe/gradient_sync.py): no bucket copy."""
         grads = float(sum(self.param_bytes[u] for u in trained))
         return StageMemory(
             parameters=float(sum(self.param_bytes[u] for u in held)),
             gradients=grads,
             optimizer=grads * self.optimizer_state_factor,
             gradient_sums=grads * self.gradient_sums_factor,
-            ddp_buckets=grads if shape.dp_degree > 1 else 0.0,
+            ddp_buckets=grads if shape.dp_degree > 1 and not reduced_in_place else 0.0,
             activations=activations,
             boundary=boundary,
         )
@@ -361,7 +366,7 @@ class MemoryModel:
             for chunk, most in zip(chunks, in_flight)
         )
         boundary += self._prefix_boundary(plan, stage, m)
-        return self._terms(held, trained, shape, activations, scale * boundary)
+        return self._terms(held, trained, shape, activations, scale * boundary, split)
 
     def sharded_memory(self, plan: PipelinePlan, shape: LayoutShape) -> StageMemory:
         """One rank of a sharded layout (FSDP2 over `shape.dp_degree` ranks, `plan` a single

@@ -45,7 +45,12 @@ from pipetransformer.config.logging import LoggingConfig
 from pipetransformer.config.model import TEXT_MODEL_TYPES, ModelConfig
 from pipetransformer.config.optimizer import OptimizerConfig
 from pipetransformer.config.pipeline import PipelineConfig
-from pipetransformer.config.resolve import World, decided_by_measured_time, resolve
+from pipetransformer.config.resolve import (
+    World,
+    decided_by_measured_time,
+    resolve,
+    resolve_padding,
+)
 from pipetransformer.config.run import Config
 from pipetransformer.config.schedules import (
     AUTO_VIRTUAL_STAGES,
@@ -111,6 +116,7 @@ __all__ = [
     "reachable_pipe_lens",
     "split_backward_compile_problem",
     "resolve",
+    "resolve_padding",
     "smallest_micro_batches",
     "virtual_stages_for",
     "virtual_stages_problem",

@@ -34,12 +34,13 @@ from pipetransformer.autodp.groups import (
 )
 from pipetransformer.autodp.handoff import plan_transfers
 from pipetransformer.autodp.topology import Layout
-from pipetransformer.config import Config, frozen_random_embedding, resolve
+from pipetransformer.config import Config, frozen_random_embedding, resolve, resolve_padding
 from pipetransformer.data import build_data
 from pipetransformer.data.describe import describe_bundle
 from pipetransformer.fsdp import shard_optimizer_states
 from pipetransformer.models import build_model
 from pipetransformer.models.compiled import compile_units
+from pipetransformer.models.packed import packed_refusal
 from pipetransformer.pipe import StageRuntime
 from pipetransformer.pipe.prefix import CachedPrefix
 from pipetransformer.pipe.timing import IntervalTimer
@@ -74,7 +75,7 @@ from pipetransformer.trainer.evaluation import Evaluator
 from pipetransformer.trainer.freezing import FreezeControl
 from pipetransformer.trainer.metrics import MetricsTracker
 from pipetransformer.trainer.run_plan import plan_run
-from pipetransformer.trainer.runtime import build_runtime
+from pipetransformer.trainer.runtime import build_runtime, warm_up_layout
 from pipetransformer.trainer.statefuls import checkpoint_statefuls, seed_streams
 from pipetransformer.trainer.step import (
     Batches,
@@ -164,8 +165,18 @@ class Trainer:
             seed=config.trainer.seed,
             model_name_or_path=config.model.model_name_or_path,
         )
+        self.task = task_for(
+            self.data.task, self.data.num_classes, config.data.metric, len(self.data.eval)
+        )
+        self.model_args = self.data.model_args()
+        self.skeleton = build_model(config.model, device="meta", **self.model_args)
+        self.spec = self.skeleton.spec
+        # Packed text needs units that run it under the model's attention (models/packed.py).
+        self.config, padding_note = resolve_padding(config, packed_refusal(self.skeleton))
+        config = self.config
         if self.world.rank == 0:  # what it read: before an epoch shows a wrong column
-            logger.info("data: %s", describe_bundle(self.data))
+            note = f"; {padding_note}" if padding_note else ""
+            logger.info("data: %s%s", describe_bundle(self.data), note)
             if frozen_random_embedding(config):
                 logger.warning(
                     "freeze.embedding: the embedding is frozen from the first step but the "
@@ -173,12 +184,6 @@ class Trainer:
                     "model.pretrained or model.checkpoint_path), so it will never train; "
                     "set freeze.embedding=auto (the default), or name pretrained weights"
                 )
-        self.task = task_for(
-            self.data.task, self.data.num_classes, config.data.metric, len(self.data.eval)
-        )
-        self.model_args = self.data.model_args()
-        self.skeleton = build_model(config.model, device="meta", **self.model_args)
-        self.spec = self.skeleton.spec
         if resumption is not None:
             self.state = resumption.state(self.spec)
         # Same seed on every rank: the full model is initialised identically everywhere
@@ -303,6 +308,8 @@ class Trainer:
         the profiling seconds it took over (unit costs, micro-batches)."""
         times: dict[str, float] = {}
         self.stage = self._enter(layout, units, {}, times)
+        if "compile_s" in times and self.world.rank == 0:
+            logger.info("compiled the first layout's units in %.1f s", times["compile_s"])
         if resumption is not None:
             started = time.perf_counter()
             same_world = resumption.world_size == self.world.world_size
@@ -388,6 +395,15 @@ class Trainer:
                     p.grad = None
         if self.config.trainer.compile:  # units not compiled yet: those that arrived
             compile_units(units.values(), self.config.trainer.compile_backend, self.spec.text)
+            times["compile_s"] = warm_up_layout(  # every graph, before any step (collective)
+                layout,
+                self.world,
+                self.config,
+                units,
+                self.spec,
+                self.control,
+                one_sample=self.cache_serves(frozen),
+            )
         layout = self._resolve_micro_batches(layout, units, groups)
         times["profile_s"] = self.profiler.take_seconds()
         started = time.perf_counter()
@@ -540,8 +556,10 @@ class Trainer:
             layout.sharded,
         ):
             record = self.transition(decision.num_frozen_layers, decision.layer_grad_norms, tick)
-            cadence = self.freezer.space(
-                record.total_s - record.profile_s, decision.step_s, tick.global_step
+            cadence = self.freezer.space(  # less its one-off measuring and compiling
+                record.total_s - record.profile_s - record.compile_s,
+                decision.step_s,
+                tick.global_step,
             )
             if cadence is not None:
                 self.reporter.event(cadence)
