@@ -1,8 +1,13 @@
-"""Zero bubble's data parallelism, three ways, on one layout of K stages x R replicas (issue 55):
+"""Zero bubble's data parallelism, four ways, on one layout of K stages x R replicas (issues
+55 and 61):
 
-- `after_step`: what the trainer runs (pipe/gradient_sync.py): no chunk in DDP, the rank's
-  trained gradients in one flat buffer, averaged over the stage's data group by one
-  all-reduce after the whole step (nothing overlaps it);
+- `per_chunk`: what the trainer runs (pipe/gradient_sync.py): no chunk in DDP; each chunk's
+  trained gradients are views of one flat buffer, all-reduced in place and asynchronously as
+  soon as torch's schedule has run that chunk's last weight gradient (its REDUCE_GRAD
+  action), while the rank's other chunks still compute; the step waits for them at its end;
+- `after_step`: what the trainer ran before issue 61 (`AfterStepAllReduce` below): the
+  rank's trained gradients flattened into a new buffer after the whole step, all-reduced
+  with nothing left to overlap, and copied back (two gradient-sized copies a step);
 - `replicate`: each trained chunk under torch's `replicate` (FSDP2's DDP,
   `torch.distributed._composable.replicate_with_fsdp`) over the data group, so torch's
   zero-bubble schedule reduces a chunk's gradients right after that chunk's last weight
@@ -16,7 +21,7 @@ Each variant is one launch of K x R processes (gloo on this CPU; on a GPU node r
 `--device cuda`, one process per GPU): the same tiny-to-BERT-base units, stages balanced by
 parameter counts, v chunks a rank, M micro-batches; `--warmup` steps then `--steps` timed
 steps behind a barrier, each rank's step seconds. `--check` first runs one step of each
-variant on the same batch and compares every rank's gradients with `after_step`'s (the
+variant on the same batch and compares every rank's gradients with `per_chunk`'s (the
 average over replicas: the variants must compute the same thing before their times mean
 anything).
 
@@ -41,7 +46,35 @@ from pathlib import Path
 
 from harness import ROOT, write_results
 
-VARIANTS = ("after_step", "replicate", "interleaved_ddp")
+VARIANTS = ("per_chunk", "after_step", "replicate", "interleaved_ddp")
+
+
+class AfterStepAllReduce:
+    """The trainer's zero-bubble averaging before issue 61: after the whole step, every
+    trained gradient flattened into a new buffer, averaged by one all-reduce, copied back."""
+
+    def __init__(self, parameters, group) -> None:
+        import torch.distributed as dist
+
+        self.parameters = [p for p in parameters if p.requires_grad]
+        self.group = group
+        self.replicas = dist.get_world_size(group)
+
+    def prepare(self) -> None:
+        """Nothing before the step: the gradients are made as autograd makes them."""
+
+    def __call__(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        for p in self.parameters:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in self.parameters]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        flat.div_(self.replicas)
+        dist.all_reduce(flat, group=self.group)
+        torch._foreach_copy_(grads, torch._utils._unflatten_dense_tensors(flat, grads))
 
 
 def _bert(args):
@@ -116,6 +149,9 @@ def worker(args, variant: str, check: bool) -> dict:
         data_group=None if variant == "replicate" else groups.data,
         device=world.device,
     )
+    if variant == "after_step":  # before any stage is built: plain PipelineStages
+        runtime.schedules.gradient_sync = None
+        runtime.gradient_sync = AfterStepAllReduce(runtime.trainable_parameters(), groups.data)
     if variant == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate
         from torch.distributed.device_mesh import DeviceMesh
@@ -165,7 +201,7 @@ def worker(args, variant: str, check: bool) -> dict:
 
 
 def check(args) -> dict:
-    """Every variant's gradients after one step against after_step's: the largest relative
+    """Every variant's gradients after one step against per_chunk's: the largest relative
     difference (norm of the difference over the norm) per variant."""
     import torch
 
@@ -173,7 +209,7 @@ def check(args) -> dict:
 
     nproc = args.pipe_len * args.replicas
     grads = {v: launch_local(nproc, worker, (args, v, True)) for v in VARIANTS}
-    reference = {n: g for rank in grads["after_step"] for n, g in rank["grads"].items()}
+    reference = {n: g for rank in grads["per_chunk"] for n, g in rank["grads"].items()}
     worst = {}
     for variant, ranks in grads.items():
         errors = [
@@ -184,7 +220,7 @@ def check(args) -> dict:
         worst[variant] = max(errors)
         print(f"  {variant}: largest relative difference {worst[variant]:.2e}", file=sys.stderr)
     if any(error > 1e-4 for error in worst.values()):
-        sys.exit(f"the variants disagree with after_step: {worst}")
+        sys.exit(f"the variants disagree with per_chunk: {worst}")
     del torch
     return worst
 
@@ -195,8 +231,8 @@ def table(args, measured: dict, checked: dict | None) -> str:
         f"M = {args.micro_batches}; BERT of {args.layers} layers, hidden {args.hidden}, "
         f"batch {args.batch} x {args.seq} tokens; {args.device}",
         "",
-        "| variant | step, median over ranks' medians (ms) | slowest rank (ms) | vs after_step |"
-        + (" gradients vs after_step |" if checked else ""),
+        "| variant | step, median over ranks' medians (ms) | slowest rank (ms) | vs per_chunk |"
+        + (" gradients vs per_chunk |" if checked else ""),
         "| --- | ---: | ---: | ---: |" + (" ---: |" if checked else ""),
     ]
     base = None

@@ -5,7 +5,14 @@ FreezeOut (Brock, Lim, Ritchie, Weston, "FreezeOut: Accelerate Training by Progr
 Freezing Layers", 2017) anneals each layer's learning rate to zero by its own freeze time,
 so a layer stops annealed rather than cut off mid-schedule. Here the freeze times come from
 the freeze rule (its *plan*), not from FreezeOut's cubic spacing (docs/architecture.md,
-"Layer-wise annealing").
+"Layer-wise annealing"). Two shapes (`optimizer.layerwise_anneal`):
+    freezeout       FreezeOut's own: a cosine from lr / t_i at the warm-up's end to zero at
+                    the layer's freeze time, t_i that time's share of the run's steps (its
+                    code's default `scale_lr`: a layer that trains for a shorter share
+                    starts higher, so each gets about the same sum of rates); the warm-up
+                    ramps to lr / t_i.
+    run_schedule    (`true`) this project's variant: the run's own warm-up and decay shape
+                    (cosine or linear) squeezed onto each freeze time, no rate scaling.
 
 The plan (`plan_freezes`)
     From the run's position (epoch, samples of it trained, steps since the last decision,
@@ -35,18 +42,20 @@ Places
     0 at p, as the run's schedule reaches its floor at the place of the step after the last.
 
 Each layer's curve (`LayerCurve`, `layer_learning_rate`)
-    The run's warm-up, then the run's decay shape (cosine or linear) run to zero at the
-    layer's freeze place instead of at the run's end (whatever `optimizer.min_lr_ratio`: the
-    floor is for the layers that train to the end). A curve is a progress through the shape,
-    linear in the place from an anchor: (W, 0) for a plan made at the start (W the warm-up
-    steps), so progress = (s - W) / (p - W), the run's shape squeezed into [W, p].
+    The run's warm-up, then the decay shape (the run's, or FreezeOut's cosine) run to zero
+    at the layer's freeze place instead of at the run's end (whatever
+    `optimizer.min_lr_ratio`: the floor is for the layers that train to the end), times the
+    curve's `scale` (FreezeOut's 1 / t_i, fixed when the layer's curve is first made; 1 for
+    run_schedule). A curve is a progress through the shape, linear in the place from an
+    anchor: (W, 0) for a plan made at the start (W the warm-up steps), so progress =
+    (s - W) / (p - W), the shape squeezed into [W, p].
 
 Re-planning (`plan_freezes` with the previous plan, at every decision point and at a resume)
     The plan is made again from where the run is. A layer whose freeze place is unchanged
     keeps its curve (so re-planning a run that follows its plan changes nothing, bit for
     bit). A layer whose place moved is re-anchored at the current place with the progress it
-    has reached, and runs on linearly to 1 at its new place: its learning rate stays
-    continuous and still reaches zero exactly at its new freeze place.
+    has reached, and runs on linearly to 1 at its new place, keeping its scale: its learning
+    rate stays continuous and still reaches zero exactly at its new freeze place.
 
 At a decision point (`reconcile`)
     The layers whose learning rate has reached zero (freeze place <= the current place)
@@ -166,12 +175,14 @@ class LayerCurve:
     freeze_at: float | None = None
     anchor_place: float = 0.0
     anchor_progress: float = 0.0
+    scale: float = 1.0  # the layer's initial rate over optimizer.lr (FreezeOut's 1 / t_i)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "freeze_at": self.freeze_at,
             "anchor_place": self.anchor_place,
             "anchor_progress": self.anchor_progress,
+            "scale": self.scale,
         }
 
     @classmethod
@@ -181,6 +192,7 @@ class LayerCurve:
             None if freeze_at is None else float(freeze_at),
             float(data.get("anchor_place", 0.0)),
             float(data.get("anchor_progress", 0.0)),
+            float(data.get("scale", 1.0)),
         )
 
 
@@ -215,10 +227,18 @@ def layer_learning_rate(
     if place >= curve.freeze_at:
         return 0.0
     if config.warmup_steps and place < config.warmup_steps:
-        return run_rate
-    return config.lr * decay_shape(
-        config.lr_schedule, curve_progress(config, curve, place, total_steps)
-    )
+        return run_rate * curve.scale
+    shape = "cosine" if config.anneal_shape == "freezeout" else config.lr_schedule
+    progress = curve_progress(config, curve, place, total_steps)
+    return config.lr * curve.scale * decay_shape(shape, progress)
+
+
+def initial_scale(config: OptimizerConfig, freeze_at: float | None, total_steps: int) -> float:
+    """A new curve's scale: FreezeOut's 1 / t_i, t_i = `freeze_at` over the run's steps
+    (module docstring); 1 for run_schedule and for a layer that never freezes."""
+    if config.anneal_shape != "freezeout" or freeze_at is None or freeze_at <= 0:
+        return 1.0
+    return max(1.0, total_steps / freeze_at)
 
 
 @dataclass(frozen=True)
@@ -276,15 +296,21 @@ def plan_freezes(
         if layer < position.num_frozen_layers:
             # Frozen: its curve records when it froze (now, if the rule froze it early).
             if kept.freeze_at is None or kept.freeze_at > now:
-                kept = LayerCurve(now, now, curve_progress(optimizer, kept, now, total))
+                progress = curve_progress(optimizer, kept, now, total)
+                kept = LayerCurve(now, now, progress, kept.scale)
             curves.append(kept)
         elif old is not None and kept.freeze_at == freeze_at[layer]:
             curves.append(kept)  # its place did not move: its curve goes on unchanged
         elif old is None and now <= optimizer.warmup_steps:
-            curves.append(LayerCurve(freeze_at[layer]))  # from the warm-up's end, progress 0
+            # From the warm-up's end, progress 0.
+            scale = initial_scale(optimizer, freeze_at[layer], total)
+            curves.append(LayerCurve(freeze_at[layer], scale=scale))
         else:
             progress = curve_progress(optimizer, kept, now, total)
-            curves.append(LayerCurve(freeze_at[layer], now, progress))
+            scale = kept.scale
+            if old is None:
+                scale = initial_scale(optimizer, freeze_at[layer], total)
+            curves.append(LayerCurve(freeze_at[layer], now, progress, scale))
     return FreezePlan(tuple(curves))
 
 

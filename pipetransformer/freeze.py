@@ -1,169 +1,53 @@
 """Freeze algorithm: how many bottom layers have converged. Pure: numbers in, a number out.
 
-`num_frozen_layers` (F) counts frozen layers from the bottom; the embedding freezes with
-the first of them, the head never freezes. A decision never lowers F and never exceeds
-`max_frozen_layers` (default L - 1: one block always trains).
+`num_frozen_layers` (F) counts frozen layers from the bottom; the embedding freezes with the
+first of them (or from the first step, `freeze.embedding`), the head never does. A decision
+never lowers F and never exceeds `max_frozen_layers` (default L - 1). docs/architecture.md
+("A training step and a decision point") gives each rule's reasoning and readings.
 
-The bound (Eq. 1's first term, one rounding for every rule and every prediction)
-    B(F) = F + ceil(alpha * (L - F))
+Eq. 1's bound, one rounding for every rule and every prediction:
+    B(F) = F + ceil(alpha (L - F))      (a product within 1e-6 of an integer is that integer)
+    Rounded up so each decision may freeze a layer until the cap (rounded down it stalls once
+    alpha (L - F) < 1); iterated, it never falls behind the released code's closed form
+    ceil(L (1 - (1 - alpha)^T)) and may run one layer ahead of it (`bound_trajectory`).
 
-    The paper writes F_{T-1} + alpha (L - F_{T-1}) and gives its closed form
-    L (1 - (1 - alpha)^T) (section 3.1, Appendix B), neither a whole number of layers.
-    The authors' released code (Distributed-AI/PipeTransformer, freeze/auto_freeze.py)
-    rounds the closed form *up* at every epoch; this bound rounds Eq. 1's own expression up
-    at every decision. Up, because rounding down stalls freezing as soon as
-    alpha (L - F) < 1 (L = 12, alpha = 1/3: floor stops at F = 10 and never reaches the
-    cap of 11), while rounding up lets every decision freeze at least one layer until the
-    cap. Iterated from F = 0 with whole layers, the bound never falls below the released
-    code's ceil(L (1 - (1 - alpha)^T)) and can run ahead of it, because each decision
-    rounds up again: equal for L = 8 and 12 at alpha = 1/3 (12: 4, 7, 9, 10, 11) and at
-    alpha = 1/2, one layer ahead at most for alpha = 1/3 (L = 24: 8, 14, 18, 20, 22 against
-    8, 14, 17, 20, 21), more for small alpha (`bound_trajectory`). A product within 1e-6 of
-    an integer counts as that integer, so alpha written as 0.3333333333 acts as 1/3 and
-    0.1 * 30 as 3.
+The rules (`freeze.strategy`); each with a signal proposes P, then F = max(F', min(P, B, cap)):
+    gradient_norm            Eq. 1 as Appendix B states it: P = argmin_{l >= F'} ||g_l||, the
+                             layers below the least-moving one freeze. ||g_l||: layer l's RMS
+                             gradient norm over the interval, reduced over every rank. Ties go
+                             to the lower layer; NaN or infinite norms are never the argmin.
+    gradient_norm_inclusive  the same with the argmin layer frozen too (P + 1).
+    convergence              P = the end of the run of layers from F' up whose norm changed
+                             by less than `convergence_threshold` since the last decision
+                             (the first decision only measures).
+    signal_to_noise          P = the end of the run of layers whose gradient is mostly noise:
+                             rho = clamp((r - c) / (1 - c), 0, 1) below `signal_threshold`,
+                             r = ||m||^2 / E||g||^2 (m the optimizer's moving average),
+                             c = (1 - beta) / (1 + beta) (`signal_fraction`).
+    autofreeze               AutoFreeze (Liu et al. 2021): each layer's gradient summed over
+                             the interval (L1 norm per step), its relative change since the
+                             last decision; P = the first active layer whose change reaches
+                             the `percentile` of the active layers'. No bound.
+    alpha_schedule           the released code's closed form ceil(L (1 - (1 - alpha)^T)).
+    manual                   `manual_schedule[T - 1]` (the last entry repeats).
+    none                     F = 0: the baseline.
+T counts decision points from 1; `DecisionSchedule` places them (epoch ends, or every
+`interval_steps` steps, fitted to a shorter budget by `cadence_epochs`).
+`freeze.eq1_bound: false` drops B: the signal alone decides, up to the cap.
 
-gradient_norm (the paper's Eq. 1, as Appendix B states it)
-    F_T = min(B(F_{T-1}),  argmin_{l in [F_{T-1}, L)} ||g_l||)
-
-    The layers *preceding* the layer with the smallest gradient norm freeze; that layer
-    stays active (Appendix B: "all layers preceding the layer with the smallest gradient
-    norm", bounded by B). Layers are
-    counted from 0, so the argmin's index is the number of layers below it: an argmin at
-    the lowest active layer freezes nothing. ||g_l|| is layer l's gradient norm over the
-    decision interval (the trainer's RMS over the interval's steps, reduced over all
-    ranks, so every rank holds the same numbers). Ties go to the lower layer (fewer layers
-    freeze on an ambiguous signal); a NaN or infinite norm is never the argmin, and when no
-    active layer has a finite norm nothing freezes. Negative norms are errors.
-
-gradient_norm_inclusive (this project's earlier reading of Eq. 1)
-    F_T = min(B(F_{T-1}),  argmin_{l in [F_{T-1}, L)} ||g_l|| + 1)
-
-    The argmin layer freezes too, as the least-moving layer. One layer more aggressive than
-    the paper's rule; the measured runs of docs/benchmarks.md made before the paper's
-    reading was adopted used it (with the bound rounded down).
-
-convergence (this project's rule: freeze a layer once its gradient norm has stopped changing)
-    r_l = | ||g_l||_T - ||g_l||_{T-1} | / ||g_l||_{T-1}
-    F_T = min(B(F_{T-1}),  F_{T-1} + c)
-
-    ||g_l|| is the same per-layer signal gradient_norm reads. c is the number of
-    consecutive active layers, from F_{T-1} up, whose r_l is strictly below `threshold`:
-    freezing stops at the first layer that has not converged, whatever lies above it. The
-    previous decision's norms are handed in: the trainer keeps them in the checkpointed run
-    state (`previous_layer_grad_norms`); with none (the first decision, or an empty list:
-    the run state's default) nothing freezes. |change| counts, so a norm that rose a little
-    has converged as much as one that fell a little. A layer without a usable ratio has not
-    converged, so freezing stops there: a previous norm of 0 (no gradient, so no relative
-    change; 0 -> 0 included), or a NaN or infinite norm on either side. A norm that dropped
-    to 0 changed by 100%.
-    Negative norms, a negative or NaN threshold and norm lists of different lengths are
-    errors (ValueError). Against gradient_norm: a layer whose gradient is small but still
-    moving does not freeze, and nothing freezes before two decisions have been measured.
-    It is not AutoFreeze's criterion (below), though it was called that here before: it
-    compares RMS norms of single steps, which at small batches are mostly minibatch noise,
-    against an absolute threshold, where AutoFreeze ranks the change of accumulated
-    gradients against the active layers' median.
-
-autofreeze (Liu, Agarwal, Venkataraman, "AutoFreeze: Automatically Freezing Model Blocks to
-Accelerate Fine-tuning", 2021, and its released code)
-    s_l = || sum_t g_{l,t} ||_1 / n     (the interval's gradients summed, then the L1 norm)
-    r_l = | s_l,T - s_l,T-1 | / s_l,T-1
-    m   = percentile_p { r_l : l in [F_{T-1}, L) }     (p = `freeze.percentile`, 50: median)
-    F_T = the first l >= F_{T-1} with r_l >= m
-
-    Each layer's gradient is accumulated over the interval, so steps' noise cancels in the
-    sum and what is left is the drift; the layers below the first active layer whose drift
-    still changes at least as much as the median's freeze: a rank among the active layers,
-    no absolute threshold and no alpha bound (at most about half the active layers freeze
-    at once, since half the ratios reach the median). The released code sums the gradient
-    vectors over the interval and takes their L1 norm; here the sum is divided by the n
-    steps it holds, which changes nothing for equal intervals and keeps an interval that a
-    resume cut short comparable. Percentiles interpolate linearly between ranks (numpy's
-    default, which the released code calls). Its first decision only measures; a layer
-    without a usable ratio (a previous signal of 0, a NaN or infinite one) ranks as
-    unconverged (the released code gives such a layer 0). Its interval in the released code
-    is the run's steps over `--num_intervals`, rounded down: 10 by its argparse default, 20
-    in its README's command; `freeze.interval_steps: auto` gives that for this rule, with
-    `freeze.num_intervals` (default 10). Its code sums the raw gradients, before its
-    optimizer clips them, and trains the embedding until the first layer freezes:
-    `freeze.signal_gradients: auto` (raw for this rule) and `freeze.embedding: false` do
-    the same; `true` (frozen from the first step), and the default `auto` on pretrained
-    weights, are this project's option, not AutoFreeze's.
-
-signal_to_noise (a layer has converged when its gradient is mostly minibatch noise)
-    rho_l = clamp((r_l - c) / (1 - c), 0, 1),  r_l = ||m_l||^2 / E||g_l||^2,
-    c = (1 - beta) / (1 + beta)
-    F_T = min(B(F_{T-1}),  F_{T-1} + s)
-
-    The gradient signal-to-noise ratio (Liu et al., "Understanding Why Neural Networks
-    Generalize Well Through GSNR of Parameters", ICLR 2020; McCandlish et al., "An Empirical
-    Model of Large-Batch Training", 2018, for the noise scale). A step's gradient g is the
-    expected gradient mu plus noise of covariance Sigma; near convergence mu vanishes and
-    what is left is noise. The optimizer already keeps an exponential moving average m of
-    the gradients (Adam's first moment, bias-corrected; SGD's momentum buffer times
-    1 - momentum), with E||m||^2 = ||mu||^2 + c tr(Sigma) for its decay beta, while the
-    trainer measures E||g||^2 = ||mu||^2 + tr(Sigma) over the decision interval. So rho_l
-    estimates ||mu||^2 / E||g||^2, the share of layer l's gradient that is signal: near 1
-    while it still moves in one direction, near 0 once steps only jitter it. s is the number
-    of consecutive active layers, from F_{T-1} up, whose rho_l is strictly below
-    `threshold` (`freeze.signal_threshold`). Against the paper's rule it does not read a
-    gradient that is small because the learning rate decays or warm-up ended as
-    convergence (the ratio does not scale with the gradient, and a layer whose small
-    gradient is consistent keeps training); against `convergence` it needs no second
-    decision to compare with. A NaN ratio (no gradient measured) has not converged: freezing
-    stops there. Ratios outside [0, 1] after the noise floor is removed are clamped; a
-    negative input is an error.
-
-    What it measures is McCandlish et al.'s simple noise scale, per layer, not the GSNR of
-    the ICLR paper (that one is per parameter, over per-sample gradients): tr(Sigma) is the
-    noise of a *batch* gradient, so rho depends on the global batch size B
-    (B_noise = B (1 - rho) / rho is the batch-free quantity). A threshold chosen at one
-    batch size does not carry to another; at small batches rho is low from the first
-    decision and the rule freezes at the bound. With coupled weight decay (Adam, or SGD with
-    weight_decay) the moving average holds the decay term and the measured gradient norms
-    do not, so such configs are refused (config.py); AdamW decouples it.
-
-alpha_schedule (the closed form the paper's released code ran)
-    F_T = ceil(L * (1 - (1 - alpha)^T))
-
-manual
-    F_T = manual_schedule[T - 1] (the last entry repeats).
-
-none
-    F_T = 0: the baseline.
-
-T counts decision points from 1. The paper's T is an epoch ("iterations (i.e., epoch)",
-Appendix B): `freeze.interval_steps: null` decides at epoch ends (`DecisionSchedule`), the
-paper's cadence; 'auto' decides three times an epoch (a tenth of the run for autofreeze,
-`freeze.num_intervals`), three times the paper's pace for Eq. 1.
-
-Without the bound (`freeze.eq1_bound: false`)
-    gradient_norm, gradient_norm_inclusive, convergence and signal_to_noise drop B(F): the
-    signal alone decides, up to `max_frozen_layers` (alpha is then unused). The paper's
-    alpha is in (0, 1), so alpha near 1 only raises the bound (F + ceil(alpha (L - F)) is L
-    for alpha > 1 - 1/(L - F)); dropping it is the explicit switch.
-
-Who decided (`FreezeOutcome.decided_by`, every decision recorded in events.jsonl and
-counted in summary.json)
-    Each rule with a signal first computes its own proposal P (the argmin for Eq. 1, the end
-    of the run of converged layers for convergence and signal_to_noise, the first layer at
-    the percentile for autofreeze); then F = max(F_prev, min(P, B, cap)). `signal`: P was
-    below min(B, cap), so the signal held freezing back; `agree`: P equalled it; `bound`:
-    P was above B (B <= cap), so Eq. 1's bound set F and the signal decided nothing;
-    `cap`: max_frozen_layers set it (or nothing was left to freeze); `no_signal`: the rule
-    had nothing to read (a first decision that only measures, no finite norm); `schedule`:
-    alpha_schedule and manual, which read no signal. Where the per-layer norms fall from
-    the bottom layer to the top (the pretrained MiniLM fine-tune of docs/benchmarks.md
-    section 16), Eq. 1's argmin is always the top layer, P = L - 1 exceeds B at every
-    decision, and every decision is `bound`: the rule runs as the bound's fixed schedule.
-    `plan`: with `optimizer.layerwise_anneal`, layers whose learning rate had reached zero
-    by their planned freeze froze although the rule would have frozen fewer (anneal.py).
+Who decided (`FreezeOutcome.decided_by`, recorded with every decision): `signal` (P below
+what the bound and the cap allowed), `agree` (P equal to it), `bound` (Eq. 1's bound held P
+back), `cap`, `no_signal` (nothing to read yet), `schedule` (alpha_schedule, manual), `plan`
+(layer-wise annealing froze layers whose rate had reached zero, anneal.py) and `layout`
+(`freeze.memory_aware` kept only the fewest layers that change the layout,
+`fewest_that_pay`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipetransformer.config import FreezeConfig
@@ -184,7 +68,8 @@ CAP = "cap"  # max_frozen_layers (or every layer it allows is frozen already)
 SCHEDULE = "schedule"  # a rule without a signal: alpha_schedule, manual
 NO_SIGNAL = "no_signal"  # nothing to read yet (a first decision that only measures)
 PLAN = "plan"  # layer-wise annealing froze layers the rule held back (their rate reached 0)
-DECIDERS = (SIGNAL, AGREE, BOUND, CAP, SCHEDULE, NO_SIGNAL, PLAN)
+LAYOUT = "layout"  # freeze.memory_aware held the rule to the fewest layers that pay a layout
+DECIDERS = (SIGNAL, AGREE, BOUND, CAP, SCHEDULE, NO_SIGNAL, PLAN, LAYOUT)
 
 
 @dataclass(frozen=True)
@@ -221,6 +106,22 @@ def _outcome(previous: int, proposed: int | None, bound: int | None, cap: int) -
     return FreezeOutcome(decided, proposed, bound, cap, by)
 
 
+def fewest_that_pay(
+    outcome: FreezeOutcome, previous: int, pays: Callable[[int], bool]
+) -> FreezeOutcome:
+    """freeze.memory_aware: of the layers `outcome` freezes, only the fewest whose freezing
+    pays, `pays(F)` saying whether at F frozen layers AutoPipe packs the pipeline onto fewer
+    devices or AutoDP adds a replica; nothing where no count up to the rule's pays. A layer
+    frozen for no layout buys its backward and costs its learning, which a run that trains
+    it longer keeps (the pipeline ground's peak, docs/benchmarks.md); the rule's signal and
+    bound still say which layers may freeze at all."""
+    wanted = outcome.num_frozen_layers
+    decided = next((count for count in range(previous + 1, wanted + 1) if pays(count)), previous)
+    if decided == wanted:
+        return outcome
+    return dataclasses.replace(outcome, num_frozen_layers=decided, decided_by=LAYOUT)
+
+
 def eq1_bound(num_frozen_layers: int, num_layers: int, alpha: float) -> int:
     """B(F) = F + ceil(alpha (L - F)): the most layers Eq. 1 lets a decision freeze (the
     module docstring says why up)."""
@@ -241,11 +142,6 @@ def bound_trajectory(
         frozen = _clamp(frozen, eq1_bound(frozen, num_layers, alpha), cap)
         values.append(frozen)
     return values
-
-
-def gradient_norm_decision(*args, **kwargs) -> int:
-    """`gradient_norm_outcome`'s layer count (the same arguments)."""
-    return gradient_norm_outcome(*args, **kwargs).num_frozen_layers
 
 
 def gradient_norm_outcome(
@@ -284,11 +180,6 @@ def signal_fraction(momentum_sq: float, mean_grad_sq: float, beta: float) -> flo
         return math.nan
     floor = (1 - beta) / (1 + beta)
     return min(1.0, max(0.0, (momentum_sq / mean_grad_sq - floor) / (1 - floor)))
-
-
-def signal_to_noise_decision(*args, **kwargs) -> int:
-    """`signal_to_noise_outcome`'s layer count (the same arguments)."""
-    return signal_to_noise_outcome(*args, **kwargs).num_frozen_layers
 
 
 def signal_to_noise_outcome(
@@ -340,11 +231,6 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * fraction
 
 
-def autofreeze_decision(*args, **kwargs) -> int:
-    """`autofreeze_outcome`'s layer count (the same arguments)."""
-    return autofreeze_outcome(*args, **kwargs).num_frozen_layers
-
-
 def autofreeze_outcome(
     num_frozen_layers: int,
     layer_grad_sums: Sequence[float],
@@ -376,22 +262,8 @@ def autofreeze_outcome(
     return _outcome(previous, next(l for l in active if ratios[l] >= cut), None, cap)
 
 
-def alpha_schedule_decision(
-    decision_index: int, num_layers: int, alpha: float, previous: int, max_frozen_layers: int
-) -> int:
-    proposed = _closed_form(decision_index, num_layers, alpha)
-    return _scheduled(previous, proposed, max_frozen_layers).num_frozen_layers
-
-
 def _closed_form(decision_index: int, num_layers: int, alpha: float) -> int:
     return math.ceil(num_layers * (1 - (1 - alpha) ** decision_index) - _ROUNDING_SLACK)
-
-
-def manual_decision(
-    decision_index: int, schedule: Sequence[int], previous: int, max_frozen_layers: int
-) -> int:
-    proposed = schedule[min(decision_index, len(schedule)) - 1]
-    return _scheduled(previous, proposed, max_frozen_layers).num_frozen_layers
 
 
 def _scheduled(previous: int, proposed: int, max_frozen_layers: int) -> FreezeOutcome:
@@ -615,11 +487,6 @@ def _relative_change(previous_norm: float, norm: float) -> float:
     if not (math.isfinite(previous_norm) and math.isfinite(norm)) or previous_norm == 0:
         return math.inf
     return abs(norm - previous_norm) / previous_norm
-
-
-def convergence_decision(*args, **kwargs) -> int:
-    """`convergence_outcome`'s layer count (the same arguments)."""
-    return convergence_outcome(*args, **kwargs).num_frozen_layers
 
 
 def convergence_outcome(

@@ -491,3 +491,91 @@ class PipelineTraffic(TorchDispatchMode):
         if func.overloadpacket.__name__ in self.ALLOCATING:
             self._count("allocations")
         return func(*args, **(kwargs or {}))
+
+
+class FakeCudaStreams:
+    """torch.cuda's streams and events, and `Tensor.record_stream`, on a machine without CUDA
+    (with FakeTensorMode's CUDA tensors), each call logged in order to `log`:
+
+        ("copy", stream)            a tensor moved to a CUDA device while `stream` is current
+        ("use", stream)             a CUDA tensor converted (`.float()`) on `stream`
+        ("record", event, stream)   an event recorded on a stream
+        ("wait_event", stream, e)   a stream told to wait for an event (no host wait)
+        ("host_wait", event)        the host waiting for an event (`synchronize`)
+        ("record_stream", stream)   a tensor marked as used on a stream
+
+    Streams are named "compute" (the current one to start with) and "side1", "side2", ...
+    in the order they are made; events "e1", "e2", ...; `events=False` leaves
+    torch.cuda.Event as it is (a test that fakes events itself)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        self.made = {"side": 0, "e": 0}
+        self.current = "compute"
+
+    def install(self, monkeypatch, events: bool = True, copies: bool = True) -> None:
+        from contextlib import contextmanager
+
+        fake = self
+
+        class Stream:
+            def __init__(self, device=None, priority=0) -> None:
+                fake.made["side"] += 1
+                self.name = f"side{fake.made['side']}"
+
+            def wait_event(self, event) -> None:
+                fake.log.append(("wait_event", self.name, getattr(event, "name", event)))
+
+            def wait_stream(self, other) -> None:
+                fake.log.append(("wait_stream", self.name, other.name))
+
+        class Current(Stream):
+            def __init__(self, name: str) -> None:
+                self.name = name
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                fake.made["e"] += 1
+                self.name = f"e{fake.made['e']}"
+
+            def record(self, stream=None) -> None:
+                where = stream.name if stream is not None else fake.current
+                fake.log.append(("record", self.name, where))
+
+            def synchronize(self) -> None:
+                fake.log.append(("host_wait", self.name))
+
+        @contextmanager
+        def stream(chosen):
+            before, fake.current = fake.current, chosen.name
+            try:
+                yield
+            finally:
+                fake.current = before
+
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Current(fake.current))
+        monkeypatch.setattr(torch.cuda, "stream", stream)
+        monkeypatch.setattr(
+            torch.Tensor,
+            "record_stream",
+            lambda tensor, s: fake.log.append(("record_stream", s.name)),
+        )
+        if events:
+            monkeypatch.setattr(torch.cuda, "Event", Event)
+        if copies:
+            to, as_float = torch.Tensor.to, torch.Tensor.float
+
+            def logged_to(tensor, *args, **kwargs):
+                out = to(tensor, *args, **kwargs)
+                if out.device.type == "cuda" and tensor.device.type != "cuda":
+                    fake.log.append(("copy", fake.current))
+                return out
+
+            def logged_float(tensor, *args, **kwargs):
+                if tensor.device.type == "cuda":
+                    fake.log.append(("use", fake.current))
+                return as_float(tensor, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, "to", logged_to)
+            monkeypatch.setattr(torch.Tensor, "float", logged_float)

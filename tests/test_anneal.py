@@ -150,6 +150,50 @@ def test_each_layer_reaches_zero_at_its_planned_step_and_the_head_keeps_the_runs
             assert rate(config, curve, middle, total) == pytest.approx(config.lr / 2)
 
 
+@pytest.mark.parametrize("run_shape", ["linear", "cosine"])
+def test_freezeout_is_a_cosine_from_lr_over_t_to_zero_whatever_the_runs_shape(run_shape):
+    """optimizer.layerwise_anneal 'freezeout' (Brock et al. 2017 with its code's default
+    scale_lr): layer i starts its decay at lr / t_i, t_i its freeze place's share of the
+    run, and follows a cosine to zero there; the warm-up ramps to lr / t_i; the head keeps
+    the run's schedule. 'run_schedule' (true) is the run's shape at lr."""
+    config = OptimizerConfig(
+        lr=1e-3, warmup_steps=10, lr_schedule=run_shape, layerwise_anneal="freezeout"
+    )
+    assert config.anneal_shape == "freezeout"
+    assert OptimizerConfig(layerwise_anneal=True).anneal_shape == "run_schedule"
+    assert OptimizerConfig().anneal_shape is None
+    plan = plan_freezes(decider(strategy="gradient_norm"), config, cadence(42), start())
+    total = 375
+    assert plan.freeze_places() == [42, 42, 84, 84, 126, None]
+    for curve in plan.curves[:5]:
+        p = curve.freeze_at
+        assert curve.scale == pytest.approx(total / p)
+        top = config.lr * total / p
+        assert rate(config, curve, config.warmup_steps, total) == pytest.approx(top)
+        middle = config.warmup_steps + (p - config.warmup_steps) / 2
+        assert rate(config, curve, middle, total) == pytest.approx(top / 2)  # a cosine's middle
+        quarter = config.warmup_steps + (p - config.warmup_steps) / 4
+        assert rate(config, curve, quarter, total) == pytest.approx(
+            top * 0.5 * (1 + math.cos(math.pi / 4))
+        )
+        assert rate(config, curve, p - 1, total) > 0 and rate(config, curve, p, total) == 0
+        warming = config.warmup_steps / 2  # the run's warm-up, scaled
+        assert rate(config, curve, warming, total) == pytest.approx(
+            optim.learning_rate(config, warming, total) * top / config.lr
+        )
+    head = plan.curves[5]
+    assert head.scale == 1.0
+    assert rate(config, head, 100, total) == optim.learning_rate(config, 100, total)
+    # The scale survives the run state and a re-plan that moves a layer (continuity).
+    assert FreezePlan.from_list(plan.to_list()) == plan
+    replanned = plan_freezes(
+        decider(strategy="gradient_norm"), config, cadence(42), Position(0, 42 * 32, 0, 1, 4), plan
+    )
+    moved = replanned.curves[4]
+    assert moved.freeze_at == 84 and moved.scale == plan.curves[4].scale
+    assert rate(config, moved, 42, total) == pytest.approx(rate(config, plan.curves[4], 42, total))
+
+
 def test_replanning_a_run_that_follows_its_plan_changes_nothing():
     """At each decision point and at a resume mid-interval: the same curves, bit for bit."""
     d, c = decider(strategy="gradient_norm"), cadence(42)

@@ -14,7 +14,7 @@ from pipetransformer.config import ConfigError, FreezeConfig, config_from_dict
 from pipetransformer.freeze import (
     DecisionSchedule,
     FreezeDecider,
-    autofreeze_decision,
+    autofreeze_outcome,
     percentile,
 )
 
@@ -22,7 +22,7 @@ L = 6
 
 
 def decide(frozen, sums, previous, q=50.0, max_frozen=L - 1):
-    return autofreeze_decision(frozen, sums, previous, q, max_frozen)
+    return autofreeze_outcome(frozen, sums, previous, q, max_frozen).num_frozen_layers
 
 
 @pytest.mark.parametrize("q", [0, 10, 25, 50, 62.5, 90, 100])

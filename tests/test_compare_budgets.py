@@ -204,6 +204,7 @@ def test_compare_budgets_end_to_end(tmp_path, fake_training, capsys):
                 "schedule": 0,
                 "no_signal": 0,
                 "plan": 0,
+                "layout": 0,
             },
         }
     ]

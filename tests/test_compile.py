@@ -56,8 +56,9 @@ def test_a_compiled_run_trains_as_the_uncompiled_one_through_a_transition(tmp_pa
     assert result["losses"] == pytest.approx(plain["losses"], rel=1e-5)
     assert plain["compiles"] == [{}, {}, {}]
     first, after, steady = result["compiles"]
-    # One graph per unit class: both attention (and MLP) units run their class's graph.
-    assert first == {"VitEmbedding": 1, "VitAttention": 1, "VitMlp": 1, "VitHead": 1}
+    # One graph per unit class and state (trained, and evaluation: compiled before the first
+    # step, pipe/warmup.py): both attention (and MLP) units run their class's graphs.
+    assert first == {"VitEmbedding": 2, "VitAttention": 2, "VitMlp": 2, "VitHead": 2}
     assert _new_compiles(first, after) == {
         "VitEmbedding": 1,
         "VitAttention": 2,

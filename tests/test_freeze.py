@@ -7,12 +7,22 @@ import pytest
 from pipetransformer.config import ConfigError, FreezeConfig
 from pipetransformer.freeze import (
     FreezeDecider,
-    alpha_schedule_decision,
     bound_trajectory,
     check_freeze_config,
     eq1_bound,
-    gradient_norm_decision,
+    gradient_norm_outcome,
 )
+
+
+def gradient_norm_decision(*args, **kwargs) -> int:
+    return gradient_norm_outcome(*args, **kwargs).num_frozen_layers
+
+
+def alpha_schedule_decision(t: int, num_layers: int, alpha: float, frozen: int, cap: int) -> int:
+    """The closed form's count at decision `t` from `frozen`, through the rule's one
+    implementation (FreezeDecider)."""
+    config = FreezeConfig(strategy="alpha_schedule", alpha=alpha, max_frozen_layers=cap)
+    return FreezeDecider(config, num_layers).decide(t, frozen)
 
 
 def test_eq1_bound_rounds_up():
@@ -223,9 +233,11 @@ def test_signal_fraction_removes_the_moving_averages_noise_floor():
 def test_signal_to_noise_freezes_the_noisy_bottom_layers_up_to_the_bound():
     import math
 
-    from pipetransformer.freeze import signal_to_noise_decision
+    from pipetransformer.freeze import signal_to_noise_outcome
 
-    decide = signal_to_noise_decision
+    def decide(*args, **kwargs) -> int:
+        return signal_to_noise_outcome(*args, **kwargs).num_frozen_layers
+
     # Layers 0-2 noisy, 3 still learning: 3 freeze (bound at F=0, L=6, alpha=1/2 is 3).
     assert decide(0, [0.01, 0.02, 0.05, 0.6, 0.01, 0.01], 0.5, 0.1, 5) == 3
     # The bound caps it (alpha 1/3 of 6 -> 2), and freezing stops at the first layer that

@@ -10,17 +10,25 @@ import pytest
 
 from pipetransformer.autodp.control import Control
 from pipetransformer.config import ConfigError, FreezeConfig, config_from_dict, load_config
-from pipetransformer.freeze import FreezeDecider, convergence_decision
+from pipetransformer.freeze import FreezeDecider, convergence_outcome
 from pipetransformer.runs.state import RunState
 from pipetransformer.trainer.freezing import FreezeControl
 from pipetransformer.trainer.metrics import FreezeSignal
 
 L = 6
+
+
+def convergence_count(*args) -> int:
+    return convergence_outcome(*args).num_frozen_layers
+
+
 STEADY = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
 
 
 def decide(frozen, norms, previous, alpha=0.9, threshold=0.05, max_frozen=L - 1):
-    return convergence_decision(frozen, norms, previous, alpha, threshold, max_frozen)
+    return convergence_outcome(
+        frozen, norms, previous, alpha, threshold, max_frozen
+    ).num_frozen_layers
 
 
 def test_first_decision_freezes_nothing():
@@ -53,13 +61,13 @@ def test_only_active_layers_are_tested():
 def test_alpha_cap_binds():
     steady = [1.0] * 12
     # F=0, L=12, alpha=1/3: the bound is 4 even though all 12 have converged.
-    assert convergence_decision(0, steady, steady, 1 / 3, 0.05, 11) == 4
+    assert convergence_count(0, steady, steady, 1 / 3, 0.05, 11) == 4
     # F=4: Eq. 1's bound, rounded up as every rule rounds it: 4 + ceil(8/3) = 7.
-    assert convergence_decision(4, steady, steady, 1 / 3, 0.05, 11) == 7
+    assert convergence_count(4, steady, steady, 1 / 3, 0.05, 11) == 7
     # A rounded alpha counts as the fraction: 9 + ceil(3 * 0.3333333333) = 10.
-    assert convergence_decision(9, steady, steady, 0.3333333333, 0.05, 11) == 10
+    assert convergence_count(9, steady, steady, 0.3333333333, 0.05, 11) == 10
     # ceil(alpha * (L - F)) = 1 while a layer remains: 10 -> 11, the cap.
-    assert convergence_decision(10, steady, steady, 1 / 3, 0.05, 11) == 11
+    assert convergence_count(10, steady, steady, 1 / 3, 0.05, 11) == 11
 
 
 def test_max_frozen_layers_binds():

@@ -113,6 +113,43 @@ def test_fsdp_computes_what_ddp_computes_and_its_transitions_keep_every_bit(tmp_
     assert_handoffs_bit_exact(snapshots)
 
 
+def test_shard_grad_op_and_checkpointed_ddp_compute_what_ddp_computes(tmp_path):
+    """The peers a user tries where a replica does not fit: FSDP2 keeping each layer's
+    gathered parameters until its backward (pipeline.fsdp_reshard_after_forward=false, with
+    activation checkpointing), and DDP with activation checkpointing: the same losses and
+    weights as plain DDP over one epoch (2 ranks, 2 micro-batches a step, AdamW, clipped)."""
+    common = dict(
+        trainer__nproc_per_node=2,
+        trainer__epochs=1,
+        optimizer__name="adamw",
+        optimizer__lr=0.003,
+        optimizer__max_grad_norm=0.5,
+        freeze__strategy="none",
+        freeze__manual_schedule=[],
+        pipeline__initial_pipe_len=1,
+        pipeline__num_micro_batches=2,
+    )
+    runs = {
+        "ddp": elastic_config(**common),
+        "zero2": elastic_config(
+            **common,
+            pipeline__sharding="always",
+            pipeline__fsdp_reshard_after_forward=False,
+            trainer__activation_checkpointing=True,
+        ),
+        "checkpointed": elastic_config(**common, trainer__activation_checkpointing=True),
+    }
+    states = {
+        name: run_workers(elastic_run, 2, config, str(tmp_path / name))[0]["state"][0]
+        for name, config in runs.items()
+    }
+    assert [m["sharded"] for m in metrics(tmp_path / "zero2")] == [True]
+    want = step_losses(tmp_path / "ddp")
+    for name in ("zero2", "checkpointed"):
+        assert step_losses(tmp_path / name) == pytest.approx(want, abs=1e-5), name
+        assert_state_close(states[name], states["ddp"], 1e-4, 1e-5)
+
+
 def assert_handoffs_bit_exact(snapshots: list[dict]) -> None:
     """Every parameter equal before and after each transition, and the optimizer state of
     those still trained; none for those frozen by it."""

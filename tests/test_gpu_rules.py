@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from families import FAMILIES, TEXT_FAMILIES, batch, text_batch
-from gpu_audit import HostReads, collective_order_problem
+from gpu_audit import FakeCudaStreams, HostReads, collective_order_problem
 from helpers import ROOT, run_cli, tiny_bert, tiny_vit
 
 from pipetransformer.config import load_config
@@ -58,15 +58,22 @@ def test_a_forward_and_backward_read_nothing_on_the_host(name, padding):
     "name, padding",
     [(name, "padded") for name in FAMILIES] + [(n, "packed") for n in TEXT_FAMILIES],
 )
-def test_a_forward_on_a_gpu_copies_nothing_between_host_and_device(name, padding):
+def test_a_forward_on_a_gpu_copies_nothing_between_host_and_device(name, padding, monkeypatch):
     """Every unit's forward, library code included, on fake CUDA tensors (the devices a GPU
     run has), seen at the operator level (`DeviceCopies`): no blocking copy between host and
     device. DeBERTa's attention units called transformers' `build_relative_position`, whose
     `torch.tensor(mid - 1).type_as(positions)` copied a host scalar to the device in every
     attention unit (4 a forward here); the positions are now made once per length and
-    device, on the device. The package-only audit (`BlockingTransfers`) did not see it."""
+    device, on the device. The package-only audit (`BlockingTransfers`) did not see it.
+    Packed batches through the dense mask (the CPU's path, and a compiled unit's without
+    flash-attention): fake tensors cannot make nested ones; the variable-length path on
+    CUDA is audited in tests/test_gpu_path.py, up to a stand-in kernel."""
     from gpu_audit import DeviceCopies
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pipetransformer.models import packed as packing
+
+    monkeypatch.setattr(packing, "use_varlen", lambda hidden: False)
 
     family = FAMILIES[name]
     model = family.build(dropout=True).train()
@@ -951,6 +958,7 @@ def test_autocache_on_a_gpu_stages_rows_in_two_pinned_buffers_and_writes_after_t
     monkeypatch.setattr(torch.cuda, "Event", OrderedEvent)
     OrderedEvent.log, OrderedEvent.made = [], 0
     log = OrderedEvent.log
+    FakeCudaStreams().install(monkeypatch, events=False, copies=False)  # tests/test_gpu_path.py
     pinned, empty = [], torch.empty
 
     def recording_empty(*args, pin_memory=False, **kwargs):
@@ -1048,6 +1056,7 @@ def test_autocaches_read_measurement_copies_from_pinned_memory_on_a_gpu(monkeypa
     monkeypatch.setattr(torch, "empty", recording_empty)
     monkeypatch.setattr(torch.cuda, "Event", OrderedEvent)
     OrderedEvent.log, OrderedEvent.made = [], 0
+    FakeCudaStreams().install(monkeypatch, events=False, copies=False)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned_copies.append(self) or self)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waits.append(device))
     cuda = torch.device("cuda", 0)

@@ -1,7 +1,9 @@
-"""Imports go one way: cli -> (compare, export) -> (trainer, launcher) -> (tasks, profiling) ->
-runs -> planning -> fsdp -> (autodp, pipe) -> anneal -> (freeze, autopipe, autocache, models,
-data) -> (config, utils). Siblings never import each other, and nothing imports a module that
-imports it back (no cycle, function-local imports included)."""
+"""Imports go one way: cli -> (compare, export) -> (trainer, integrations, launcher) ->
+(tasks, profiling) -> runs -> planning -> fsdp -> (autodp, pipe) -> (anneal, freeze_signal) ->
+(freeze, autopipe, autocache, models, data) -> (config, utils). Siblings never import each
+other (the trainer and the integrations share the freeze signal's bookkeeping and driver
+from below them), and nothing imports a module that imports it back (no cycle,
+function-local imports included)."""
 
 import ast
 from pathlib import Path
@@ -17,6 +19,9 @@ LAYERS = {
     "models": 1,
     "data": 1,
     "anneal": 1.5,  # layer-wise annealing's plan: reads the freeze rules (freeze.py)
+    # The freeze signal's bookkeeping and the decision driver: the trainer's and the
+    # integrations' (one implementation both import).
+    "freeze_signal": 1.5,
     "autodp": 2,
     "pipe": 2,
     "fsdp": 2.5,  # the sharded layout's runtime: shares the first stage's prefix with pipe/
@@ -25,6 +30,7 @@ LAYERS = {
     "tasks": 3.75,  # targets, losses and scoring per head: read a run's EvalResult record
     "profiling": 3.75,  # measuring inside a run, collectively: reads planning's profile keys
     "trainer": 4,
+    "integrations": 4,  # callbacks for other trainers: the trainer's sibling, not its user
     "launcher": 4,
     "compare": 5,
     "export": 5,

@@ -290,3 +290,84 @@ def test_autofreezes_gradient_sums_are_in_the_memory_model():
             {"model": model, "data": {"name": "digits"}, "freeze": {"strategy": strategy}}
         )
         assert memory_model(config, describe_model(config)).gradient_sums_factor == factor
+
+
+def test_activation_checkpointing_saves_inputs_and_one_units_recompute():
+    """With checkpointing a trained unit keeps its input (the previous unit's 4 output bytes
+    a profile micro-batch) instead of its 10 saved bytes, and the backward rebuilds one
+    unit's full 10 once; the planner then fits a layout that did not fit without it."""
+    checkpointed = dataclasses.replace(TOY, activation_checkpointing=True)
+    plan = balance(UnitCosts.from_param_counts([1] * 6, 1 / 6), 0, 2)  # [0, 3), [3, 6)
+    shape = LayoutShape(micro_batch_size=4, num_micro_batches=3, dp_degree=2)
+    plain, saved = TOY.stage_memory(plan, 1, shape), checkpointed.stage_memory(plan, 1, shape)
+    # 3 micro-batches x (4 / 2) x units 3, 4, 5: 10 bytes each without, inputs of 4 with.
+    assert plain.activations == 3 * 2 * 30
+    assert saved.activations == 3 * 2 * (4 + 4 + 4) + 2 * 10
+    assert (saved.parameters, saved.gradients, saved.optimizer) == (
+        plain.parameters,
+        plain.gradients,
+        plain.optimizer,
+    )
+    assert saved.total < plain.total
+    # Unit 0 (the embedding) has no input to keep; a frozen unit saves nothing either way.
+    assert checkpointed.unit_saved_bytes(0) == 0 and checkpointed.unit_saved_bytes(3) == 4
+    assert checkpointed.recompute_bytes([]) == 0 and TOY.recompute_bytes([1, 2]) == 0
+    sharded = checkpointed.sharded_memory(balance(plan_costs(), 0, 1), whole_shape())
+    assert sharded.activations == 2 * (0 + 4 * 5) + 2 * 10
+
+
+def plan_costs() -> UnitCosts:
+    return UnitCosts.from_param_counts([1] * 6, 1 / 6)
+
+
+def test_shard_grad_op_holds_every_trained_layer_gathered():
+    """pipeline.fsdp_reshard_after_forward false: the trained units' unsharded 600 bytes are
+    held from forward to backward, plus one layer's (200) gradients and reduce-scatter copy,
+    where full sharding holds four copies of the largest layer."""
+    plan = balance(plan_costs(), 0, 1)
+    zero2 = dataclasses.replace(TOY, reshard_after_forward=False)
+    assert TOY.sharded_memory(plan, whole_shape()).gathered == 4 * 200
+    assert zero2.sharded_memory(plan, whole_shape()).gathered == 600 + 2 * 200
+    frozen = balance(plan_costs(), 1, 1)  # units [3, 6) trained
+    assert zero2.sharded_memory(frozen, whole_shape()).gathered == 300 + 2 * 200
+
+
+def test_a_frozen_embedding_counts_when_the_start_is_chosen():
+    """pipeline.initial_pipe_len auto with the embedding frozen from the first step: the
+    embedding holds no gradient or optimizer state in the replica whose fit decides the
+    start (the start used to be priced with the embedding trained)."""
+    config = config_from_dict(
+        {
+            "trainer": {"nproc_per_node": 2, "global_batch_size": 8},
+            "pipeline": {"initial_pipe_len": "auto", "num_micro_batches": 1},
+            "freeze": {"strategy": "gradient_norm", "embedding": True},
+        }
+    )
+    costs = plan_costs()
+    shape = LayoutShape(4, 1, 2)
+    frozen_start = TOY.peak_bytes(balance(costs, 0, 1, frozen_embedding=True), shape)[0]
+    trained_start = TOY.peak_bytes(balance(costs, 0, 1), shape)[0]
+    assert frozen_start < trained_start
+    assert choose_initial_pipe_len(config, costs, TOY, frozen_start, 2) == 1
+
+
+def test_a_configured_layout_that_cannot_fit_a_declared_budget_is_refused():
+    """pipeline.initial_pipe_len given outright, sharding 'never', under a declared
+    pipeline.device_memory_bytes: a first layout predicted above it is refused in one line
+    naming the key (a peer that does not fit is refused, never run slowly)."""
+    settings = {
+        "trainer": {"global_batch_size": 8, "nproc_per_node": 2},
+        "pipeline": {"initial_pipe_len": 1, "sharding": "never", "balance": "params"},
+        "model": {"name": TINY_VIT.name, "kwargs": TINY_VIT.kwargs},
+    }
+    spec = tiny_vit().spec
+    unlimited = PlanContext.build(config_from_dict(settings), spec, World(2, 2))
+    need = max(unlimited.layout_bytes(unlimited.layout_for(0, 1)))
+
+    def declared(budget: float) -> dict:
+        return {**settings, "pipeline": {**settings["pipeline"], "device_memory_bytes": budget}}
+
+    fits = PlanContext.build(config_from_dict(declared(int(need))), spec, World(2, 2), None)
+    assert fits.initial_pipe_len == 1
+    with pytest.raises(DoesNotFit, match=r"pipeline.initial_pipe_len: 1 stage\(s\) do not fit"):
+        PlanContext.build(config_from_dict(declared(int(need) - 1)), spec, World(2, 2))

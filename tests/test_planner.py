@@ -191,3 +191,36 @@ def test_compression_compares_parameter_sizes_not_the_balanced_costs():
     fast = uniform
     with pytest.raises(ValueError, match="one size per unit"):
         AutoPipePlanner(fast, 2, sizes=UnitCosts.from_param_counts([1, 2], 1 / 6))
+
+
+def test_compression_by_memory_packs_where_the_device_holds_it():
+    """autopipe.compression 'memory': with a device budget, fitting it decides (the proxy's
+    size test is not asked); without one, the packed plan's predicted peak against the
+    initial plan's. Toy memory: 1 byte per trained unit held, 0.1 per frozen one."""
+    costs = vit_like()
+
+    def peak(plan):
+        return max(
+            sum(0.1 if u < plan.frozen_end else 1.0 for u in range(a, b))
+            + (0.1 * plan.prefix_end if s == 0 else 0)
+            for s, (a, b) in enumerate(plan.stage_ranges)
+        )
+
+    by_params = AutoPipePlanner(costs, 2)
+    initial_peak = peak(by_params.initial)  # 9 units: 9.0
+    # The proxy holds 2 stages at F = 2; by memory, one stage of 13 trained units and a
+    # prefix of 5 (13.5) is more than the initial 9.0 as well ...
+    assert by_params.plan(2, 2).pipe_len == 2
+    by_bytes = AutoPipePlanner(costs, 2, peak_bytes=peak)
+    assert by_bytes.initial_max_size == initial_peak
+    assert by_bytes.plan(2, 2).pipe_len == 2
+    # ... until enough is frozen: F = 5 (7 trained, prefix of 11: 8.1 <= 9.0).
+    assert by_bytes.plan(5, 2).pipe_len == 1
+    # With a device budget, a layout that fits it packs although it is above the initial
+    # plan's peak (the budget is what the initial peak stands for).
+    roomy = AutoPipePlanner(costs, 2, fits=lambda plan: peak(plan) <= 14.0, peak_bytes=peak)
+    assert roomy.plan(2, 2).pipe_len == 1
+    # The proxy under the same budget still holds it at 2 stages (Eq. 2 on sizes).
+    assert AutoPipePlanner(costs, 2, fits=lambda plan: peak(plan) <= 14.0).plan(2, 2).pipe_len == 2
+    tight = AutoPipePlanner(costs, 2, fits=lambda plan: peak(plan) <= 12.0, peak_bytes=peak)
+    assert tight.plan(2, 2).pipe_len == 2

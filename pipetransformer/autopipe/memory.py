@@ -8,7 +8,9 @@ For one rank of a layout (stage s of K, M micro-batches of m samples, R replicas
     optimizer       Adam/AdamW two moments, SGD with momentum one buffer, per trained parameter
     gradient sums   freeze.strategy autofreeze: each trained parameter's gradients summed
                     over the decision interval, a float32 copy of it (trainer/step.py)
-    DDP buckets     a flat copy of the trained gradients when R > 1 (DDP's reducer buckets)
+    DDP buckets     a flat copy of the trained gradients when R > 1 (DDP's reducer buckets);
+                    none under zero_bubble, whose gradients are views of the flat buffers
+                    it reduces (pipe/gradient_sync.py)
     activations     what autograd saves for backward, per micro-batch still waiting for its
                     backward: GPipe holds all M, 1F1B at most K - s on stage s, one
                     stage (K = 1) one: each micro-batch's backward follows its forward
@@ -76,6 +78,14 @@ state sharded over the R replicas; `sharded_memory`) holds on each rank:
     boundary        the prefix's output for the replica batch, the logits of a micro-batch
     overlap         with one micro-batch, as GPipe's: the smaller of gradients and activations;
                     with more, the sharded gradients are held while later ones run: none
+
+With activation checkpointing (trainer.activation_checkpointing) a trained unit saves only
+its inputs for the backward (the previous unit's output bytes) in place of `saved_bytes`,
+and its backward rebuilds its full activations for the one micro-batch it runs: one
+trained unit's saved bytes, the largest the rank holds, counted once on top. With
+`pipeline.fsdp_reshard_after_forward: false` (ZeRO-2) the gathered parameters of every
+trained layer stay from its forward to its backward: `gathered` holds the trained units'
+unsharded bytes plus the largest group's unsharded gradients and reduce-scatter copy.
 
 A transition (`move_bytes`) holds something else: no activations, but for a while both
 layouts' weights. Walking the transfer list in the order every rank runs it
@@ -212,10 +222,34 @@ class MemoryModel:
     # Bytes of gradient sums per trained parameter byte: 1 under freeze.strategy autofreeze
     # (float32 sums of float32 parameters), else 0. Dropped at a transition: not moved.
     gradient_sums_factor: float = 0.0
+    # trainer.activation_checkpointing: a trained unit saves its inputs only (module docstring).
+    activation_checkpointing: bool = False
+    # pipeline.fsdp_reshard_after_forward (sharded layouts only).
+    reshard_after_forward: bool = True
+
+    def unit_saved_bytes(self, unit: int) -> int:
+        """What a trained unit saves for its backward, a micro-batch of the profile's size:
+        its measured saved bytes, or with activation checkpointing its inputs."""
+        if not self.activation_checkpointing:
+            return self.saved_bytes[unit]
+        return self.output_bytes[unit - 1] if unit > 0 else 0
+
+    def recompute_bytes(self, trained: Iterable[int]) -> int:
+        """With activation checkpointing, the activations one trained unit's backward
+        rebuilds (the largest of `trained`, a micro-batch of the profile's size); else 0."""
+        if not self.activation_checkpointing:
+            return 0
+        return max((self.saved_bytes[u] for u in trained), default=0)
 
     @classmethod
     def from_profile(
-        cls, profile, optimizer_name: str, momentum: float = 0.9, gradient_sums: bool = False
+        cls,
+        profile,
+        optimizer_name: str,
+        momentum: float = 0.9,
+        gradient_sums: bool = False,
+        activation_checkpointing: bool = False,
+        reshard_after_forward: bool = True,
     ) -> MemoryModel:
         """From a UnitProfile (autopipe/profiles.py); `gradient_sums`: AutoFreeze's."""
         return cls(
@@ -225,6 +259,8 @@ class MemoryModel:
             profile.micro_batch_size,
             optimizer_state_factor(optimizer_name, momentum),
             1.0 if gradient_sums else 0.0,
+            activation_checkpointing,
+            reshard_after_forward,
         )
 
     def stage_memory(self, plan: PipelinePlan, stage: int, shape: LayoutShape) -> StageMemory:
@@ -249,7 +285,8 @@ class MemoryModel:
         grads = float(sum(self.param_bytes[u] for u in trained))
         boundary = self._chunk_boundary(plan, stage, in_flight, m, shape.receive_buffer_share)
         boundary += self._prefix_boundary(plan, stage, m)
-        activations = in_flight * scale * sum(self.saved_bytes[u] for u in trained)
+        activations = in_flight * scale * sum(self.unit_saved_bytes(u) for u in trained)
+        activations += scale * self.recompute_bytes(trained)
         with_gradients = activations + grads
         if m == in_flight:  # no forward after the first backward (GPipe; 1F1B with M <= K - s)
             with_gradients = max(activations, activations * (in_flight - 1) / in_flight + grads)
@@ -287,15 +324,18 @@ class MemoryModel:
         shape: LayoutShape,
         activations: float,
         boundary: float,
+        reduced_in_place: bool = False,
     ) -> StageMemory:
-        """A stage's terms from the units it holds and trains (no overlap)."""
+        """A stage's terms from the units it holds and trains (no overlap).
+        `reduced_in_place`: the gradients are views of the buffers the data-parallel
+        all-reduce reduces (zero bubble's, pipe/gradient_sync.py): no bucket copy."""
         grads = float(sum(self.param_bytes[u] for u in trained))
         return StageMemory(
             parameters=float(sum(self.param_bytes[u] for u in held)),
             gradients=grads,
             optimizer=grads * self.optimizer_state_factor,
             gradient_sums=grads * self.gradient_sums_factor,
-            ddp_buckets=grads if shape.dp_degree > 1 else 0.0,
+            ddp_buckets=grads if shape.dp_degree > 1 and not reduced_in_place else 0.0,
             activations=activations,
             boundary=boundary,
         )
@@ -314,18 +354,19 @@ class MemoryModel:
         held = units + (list(range(plan.prefix_end)) if stage == 0 else [])
         saved = [
             scale
-            * sum(self.saved_bytes[u] for u in range(*plan.stage_ranges[c]) if u >= frozen_end)
+            * sum(self.unit_saved_bytes(u) for u in range(*plan.stage_ranges[c]) if u >= frozen_end)
             for c in chunks
         ]
         order = rank_order(schedule, plan.pipe_len, plan.virtual_stages, m, stage)
         split = SCHEDULE_PROPERTIES[schedule].split_backward
         activations, in_flight = held_activations(order, saved, release="W" if split else "B")
+        activations += scale * self.recompute_bytes(trained)
         boundary = sum(
             self._chunk_boundary(plan, chunk, most, m, shape.receive_buffer_share)
             for chunk, most in zip(chunks, in_flight)
         )
         boundary += self._prefix_boundary(plan, stage, m)
-        return self._terms(held, trained, shape, activations, scale * boundary)
+        return self._terms(held, trained, shape, activations, scale * boundary, split)
 
     def sharded_memory(self, plan: PipelinePlan, shape: LayoutShape) -> StageMemory:
         """One rank of a sharded layout (FSDP2 over `shape.dp_degree` ranks, `plan` a single
@@ -338,10 +379,14 @@ class MemoryModel:
         trained = range(frozen_end, num_units)
         scale = shape.micro_batch_size / self.profile_micro_batch_size
         shard = sum(self.param_bytes[u] for u in trained) / shards
-        activations = scale * sum(self.saved_bytes[u] for u in trained)
+        activations = scale * sum(self.unit_saved_bytes(u) for u in trained)
+        activations += scale * self.recompute_bytes(trained)
         largest = max(
             sum(self.param_bytes[u] for u in group) for group in shard_groups(frozen_end, num_units)
         )
+        gathered = 4.0 * largest
+        if not self.reshard_after_forward:  # every trained layer gathered until its backward
+            gathered = float(sum(self.param_bytes[u] for u in trained)) + 2.0 * largest
         boundary = self.output_bytes[num_units - 1]
         if plan.prefix_end > 0:  # computed or read for the whole replica batch up front
             boundary += shape.num_micro_batches * self.output_bytes[plan.prefix_end - 1]
@@ -354,7 +399,7 @@ class MemoryModel:
             activations=activations,
             boundary=scale * boundary,
             overlap=min(activations, shard) if shape.num_micro_batches == 1 else 0.0,
-            gathered=4.0 * largest if shards > 1 else 0.0,
+            gathered=gathered if shards > 1 else 0.0,
         )
 
     def sharded_move_bytes(

@@ -29,11 +29,13 @@ from pipetransformer.compare.report import BASELINE, DDP, ELASTIC, TITLES
 from pipetransformer.compare.target import (
     BudgetEnd,
     FrontierGap,
+    PeakDifference,
     Point,
     SideTarget,
     TargetRatio,
     frontier_gap,
     median_frontier,
+    peak_difference,
     reference_target,
     side_target,
     side_time_to_target,
@@ -59,6 +61,8 @@ class TimeToTargetResults:
     sides: tuple[SideTarget, ...]
     ratios: tuple[TargetRatio, ...]
     gaps: tuple[FrontierGap, ...]
+    # The system's peak (best over its whole curve) less each peer's, paired by seed.
+    peaks: tuple[PeakDifference, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -95,10 +99,11 @@ def time_to_target(
     margin_points: float,
     target: float | None = None,
     system: str = ELASTIC,
+    references: Sequence[str] = REFERENCES,
 ) -> TimeToTargetResults | None:
     """Everything the two sections show, from the runs' records; None without the full
-    system, or without a target (none given and no reference side ran the config's
-    epochs)."""
+    system, or without a target (none given and no side of `references` ran the config's
+    epochs: the first that did sets it)."""
     sides = group_sides(records)
     if system not in sides:
         return None
@@ -106,7 +111,7 @@ def time_to_target(
     if target is None:
         found = [
             (side, finals)
-            for side in REFERENCES
+            for side in references
             if (finals := _finals_at(sides.get(side, {}), epochs))
         ]
         if not found:
@@ -141,7 +146,18 @@ def time_to_target(
         sides=(times[system], *(times[side] for side in others)),
         ratios=tuple(target_ratio(times[side], times[system]) for side in others),
         gaps=tuple(gaps),
+        peaks=tuple(
+            peak_difference(side, system, _peaks(sides[side]), _peaks(sides[system]))
+            for side in others
+        ),
     )
+
+
+def _peaks(seeded: dict[int | None, list[RunRecord]]) -> dict[int | None, float]:
+    """Per seed, the best metric of every evaluation of the side's runs."""
+    return {
+        seed: max(point.metric for point in frontier_points(runs)) for seed, runs in seeded.items()
+    }
 
 
 def _finals_at(seeded: dict[int | None, list[RunRecord]], epochs: int) -> tuple[float, ...]:
@@ -238,6 +254,25 @@ def report_lines(found: TimeToTargetResults, metric: str, title: Title = _side) 
             f"| {title(ratio.peer)} | {len(ratio.seeds)} | {_ratio(ratio)} "
             f"| {ratio.system_only} | {ratio.peer_only} | {ratio.neither} |"
         )
+    if found.peaks:
+        lines += [
+            "",
+            "## Peak",
+            "",
+            f"A side's **peak** at a seed: the best {metric} over every evaluation of all its "
+            f"runs. {system}'s peak less each side's, paired by seed, in points with a 95% t "
+            "interval (non-inferior at a margin where the interval's lower end lies above "
+            "minus the margin); each side's mean peak over those seeds.",
+            "",
+            f"| side | seeds | {system}'s mean peak | side's mean peak | {system} less side, "
+            "points [95%] (per seed) |",
+            "| --- | ---: | ---: | ---: | --- |",
+        ]
+        for peak in found.peaks:
+            lines.append(
+                f"| {title(peak.peer)} | {len(peak.seeds)} | {_metric(peak.system_peak)} "
+                f"| {_metric(peak.peer_peak)} | {_peak(peak)} |"
+            )
     if found.gaps:
         lines += [
             "",
@@ -272,6 +307,18 @@ def _ratio(ratio: TargetRatio) -> str:
         return "-"
     interval = f" [{stats.low:.2f}, {stats.high:.2f}]" if stats.low is not None else ""
     return f"{stats.mean:.2f}x{interval} ({stats.min:.2f}-{stats.max:.2f})"
+
+
+def _metric(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def _peak(peak: PeakDifference) -> str:
+    if peak.points is None:
+        return "-"
+    interval = f" [{peak.interval.low:+.2f}, {peak.interval.high:+.2f}]" if peak.interval else ""
+    per_seed = ", ".join(f"{d:+.2f}" for d in peak.differences)
+    return f"{peak.points.mean:+.2f}{interval} ({per_seed})"
 
 
 def _gap(gap: FrontierGap) -> str:

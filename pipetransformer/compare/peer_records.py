@@ -3,7 +3,8 @@ own: each epoch's training seconds with evaluation off the clock (`EpochClock`),
 trainer's evaluation points (`PeerEvaluations`, trainer/evaluation.py `evaluation_due`:
 every epoch's end and `trainer.evals_per_epoch` shares of each epoch's samples) scored on
 rank 0, and the run records `compare` reads (summary.json, metrics.jsonl,
-evaluations.jsonl, events.jsonl: `write_records`).
+evaluations.jsonl, events.jsonl: `write_records`; with a freezing callback in the peer,
+its decisions as the trainer's freeze events).
 
 Owns: the peers' clock, evaluation points and records. Must not: train (peers.py does) or
 know how a peer scores (it is handed `score`).
@@ -20,7 +21,12 @@ import torch
 
 from pipetransformer.config import Config
 from pipetransformer.data import DataBundle
-from pipetransformer.runs.records import EpochMetrics, Evaluation, RunSummary
+from pipetransformer.runs.records import (
+    EpochMetrics,
+    Evaluation,
+    FreezeDecisionEvent,
+    RunSummary,
+)
 from pipetransformer.trainer.clock import Tick
 from pipetransformer.trainer.evaluation import evaluation_due
 from pipetransformer.utils.files import append_jsonl, write_json_atomic
@@ -142,18 +148,22 @@ def write_records(
     evaluations: list[Evaluation],
     world_size: int,
     peak_rss_bytes: int,
+    decisions: list[FreezeDecisionEvent] = (),
 ) -> None:
     """summary.json, metrics.jsonl, evaluations.jsonl and events.jsonl as the trainer writes
     them: an epoch's line carries its end's evaluation and the seconds of all of its
-    evaluations; training_time_s is the epochs' training, evaluation off it."""
+    evaluations; training_time_s is the epochs' training, evaluation off it. `decisions`:
+    a freezing callback's (integrations/), as freeze events, each epoch's line with the
+    layers frozen at its end."""
     run_dir.mkdir(parents=True, exist_ok=True)
     for record in epochs:
         own = [e for e in evaluations if e.epoch == record["epoch"]]
         at_end = [e for e in own if e.epochs_done >= record["epoch"]]
+        before = [d for d in decisions if d.global_step <= record["global_step"]]
         line = EpochMetrics(
             **record,
             eval_metric=at_end[-1].eval_metric if at_end else None,
-            num_frozen_layers=0,
+            num_frozen_layers=before[-1].new_num_frozen_layers if before else 0,
             pipe_len=1,
             dp_degree=world_size,
             num_micro_batches=1,
@@ -163,6 +173,11 @@ def write_records(
     for evaluation in evaluations:
         append_jsonl(run_dir / "evaluations.jsonl", evaluation.to_dict())
     (run_dir / "events.jsonl").touch()
+    for decision in decisions:
+        append_jsonl(run_dir / "events.jsonl", decision.to_dict())
+    decided_by: dict[str, int] = {}
+    for decision in decisions:
+        decided_by[decision.decided_by] = decided_by.get(decision.decided_by, 0) + 1
     metrics = [e.eval_metric for e in evaluations]
     summary = RunSummary(
         training_time_s=sum(r["epoch_time_s"] for r in epochs),
@@ -173,8 +188,8 @@ def write_records(
         best_eval_metric=max(metrics) if metrics else None,
         epochs=len(epochs),
         global_steps=epochs[-1]["global_step"] if epochs else 0,
-        num_transitions=0,
-        final_num_frozen_layers=0,
+        num_transitions=sum(d.new_num_frozen_layers > d.old_num_frozen_layers for d in decisions),
+        final_num_frozen_layers=decisions[-1].new_num_frozen_layers if decisions else 0,
         final_pipe_len=1,
         final_dp_degree=world_size,
         world_size=world_size,
@@ -182,5 +197,7 @@ def write_records(
         checkpoint=None,
         metric_name="accuracy",
         peak_rss_bytes=peak_rss_bytes,
+        freeze_decisions=len(decisions),
+        freeze_decided_by=decided_by,
     )
     write_json_atomic(run_dir / "summary.json", summary.to_dict())

@@ -7,6 +7,11 @@
 - `torch_ddp` (image models): the plain loop a timm user writes: the timm model in
   `DistributedDataParallel`, AdamW, a `DistributedSampler`, clipping, one step per batch.
 
+`hf_trainer` can run with this project's `FreezeCallback` added (`hf_callback`, the
+`--hf-callback` of `main`): `freeze` (the config's `freeze:` section as the callback's keys)
+or `embedding` (the embedding frozen from the first step, no layer): `Trainer` with freezing
+as a user adds it (integrations/transformers.py), its decisions recorded as the trainer's.
+
 Both train what the trainer trains: the same model weights (the same seed before the model
 is built, or the same pretrained directory), the same data (`build_data`: the same subsets,
 tokenisation and image transforms), batch, optimizer, weight decay groups, schedule,
@@ -41,6 +46,7 @@ step (that is what they are measured against); they share its evaluation points 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import logging
@@ -69,7 +75,7 @@ from pipetransformer.data import DataBundle, build_data
 from pipetransformer.data.base import TensorSampleDataset
 from pipetransformer.data.loader import workers_per_process
 from pipetransformer.models.compiled import compile_unit, library_blocks
-from pipetransformer.runs.records import Evaluation, RunSummary
+from pipetransformer.runs.records import Evaluation, FreezeDecisionEvent, RunSummary
 from pipetransformer.trainer.clock import Tick
 from pipetransformer.trainer.optim import decay_groups, learning_rate
 
@@ -88,11 +94,13 @@ def run_peer(
     run_dir: Path,
     hf_optim: str | None = None,
     hf_collator: str = "padding",
+    hf_callback: str | None = None,
 ) -> None:
     """One rank of peer `name` (a worker of the local launcher or of torchrun). `hf_optim`:
     the Trainer's `optim` (None: TrainingArguments' own default, as its users get it);
     `hf_collator`: 'padding' (DataCollatorWithPadding) or 'flattening'
-    (DataCollatorWithFlattening, where the model supports it: `flattening_refusal`)."""
+    (DataCollatorWithFlattening, where the model supports it: `flattening_refusal`);
+    `hf_callback`: None, or the freezing callback added to the Trainer (`HF_CALLBACKS`)."""
     _set_threads()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -106,15 +114,16 @@ def run_peer(
     data = build_data(
         config.data, seed=config.trainer.seed, model_name_or_path=config.model.model_name_or_path
     )
+    decisions = []
     if name == HF_TRAINER:
-        device, epochs, evaluations = _run_hf_trainer(
-            config, data, run_dir, world_size, hf_optim, hf_collator
+        device, epochs, evaluations, decisions = _run_hf_trainer(
+            config, data, run_dir, world_size, hf_optim, hf_collator, hf_callback
         )
     else:
         device, epochs, evaluations = _run_torch_ddp(config, data, rank, world_size)
     peak = _peak_rss_bytes(device)
     if rank == 0:
-        write_records(run_dir, epochs, evaluations, world_size, peak)
+        write_records(run_dir, epochs, evaluations, world_size, peak, decisions)
 
 
 @dataclass(frozen=True)
@@ -298,6 +307,52 @@ def optim_arguments(config: Config, hf_optim: str | None) -> dict[str, str]:
     return {} if hf_optim is None else {"optim": hf_optim}
 
 
+# `--hf-callback`: the freezing callback added to the Trainer, as its keys from the config.
+HF_CALLBACKS = ("freeze", "embedding")
+# The embedding frozen from the first step and no layer after it (the time-to-target
+# benchmark's `embedding_only`, as a Trainer user gets it).
+EMBEDDING_ONLY = {
+    "strategy": "manual",
+    "manual_schedule": [0],
+    "interval_steps": None,
+    "embedding": True,
+}
+
+
+def freeze_callback(config: Config, kind: str | None):
+    """The FreezeCallback of `--hf-callback` (None: none): `freeze` takes the config's
+    freeze section as its keys, `embedding` freezes the embedding alone."""
+    if kind is None:
+        return None
+    if kind not in HF_CALLBACKS:
+        raise ValueError(f"--hf-callback: one of {', '.join(HF_CALLBACKS)}, got {kind!r}")
+    from pipetransformer.integrations.transformers import FreezeCallback
+
+    keys = dataclasses.asdict(config.freeze) if kind == "freeze" else EMBEDDING_ONLY
+    return FreezeCallback(**keys)
+
+
+def _decision_events(callback) -> list[FreezeDecisionEvent]:
+    """A freezing callback's decisions as the trainer's freeze events."""
+    if callback is None:
+        return []
+    return [
+        FreezeDecisionEvent(
+            decision_index=d["freeze_decision"],
+            epoch=d["epoch"],
+            global_step=d["global_step"],
+            old_num_frozen_layers=d["previous_frozen_layers"],
+            new_num_frozen_layers=d["frozen_layers"],
+            proposed=d["freeze_proposed"],
+            bound=d["freeze_bound"],
+            cap=d["freeze_cap"],
+            decided_by=d["freeze_decided_by"],
+            layer_grad_norms=d["layer_grad_norms"],
+        )
+        for d in callback.freezer.progress.decisions
+    ]
+
+
 def _run_hf_trainer(
     config: Config,
     data: DataBundle,
@@ -305,7 +360,8 @@ def _run_hf_trainer(
     world_size: int,
     hf_optim: str | None,
     hf_collator: str = "padding",
-) -> tuple[torch.device, list[dict], list[Evaluation]]:
+    hf_callback: str | None = None,
+) -> tuple[torch.device, list[dict], list[Evaluation], list[FreezeDecisionEvent]]:
     try:
         import accelerate  # noqa: F401  (Trainer needs it for DDP)
         from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -391,12 +447,15 @@ def _run_hf_trainer(
             clock.end(state.global_step, len(data.train), float("nan"), 0.0, counted)
             evaluations.at_epoch_end(tick(state, epoch_end=True))
 
+    # The freezing callback before the clock's: a decision at an epoch's end is on the
+    # epoch's training time, as the trainer's transitions are.
+    freezing = freeze_callback(config, hf_callback)
     trainer = Trainer(
         model=model,
         args=args,
         train_dataset=_TextDataset(data.train),
         data_collator=collator,
-        callbacks=[Epochs()],
+        callbacks=[c for c in (freezing, Epochs()) if c is not None],
     )
     device = trainer.model.device
     evaluations.score = lambda: _accuracy(trainer.model, data, device, _text_forward, compute)
@@ -404,7 +463,7 @@ def _run_hf_trainer(
     tokens.counting = False
     for record in clock.records:  # Trainer reports the mean training loss over the run
         record["train_loss"] = float(output.training_loss)
-    return trainer.model.device, clock.records, evaluations.records
+    return trainer.model.device, clock.records, evaluations.records, _decision_events(freezing)
 
 
 def _image_forward(model: nn.Module, inputs: list[torch.Tensor]) -> torch.Tensor:
@@ -559,6 +618,13 @@ def main(argv: list[str] | None = None) -> int:
         help="DataCollatorWithPadding (default) or DataCollatorWithFlattening (refused where "
         "the model cannot keep a row's samples apart)",
     )
+    parser.add_argument(
+        "--hf-callback",
+        default=None,
+        choices=HF_CALLBACKS,
+        help="hf_trainer with this project's FreezeCallback: 'freeze' (the config's freeze "
+        "section as its keys) or 'embedding' (the embedding frozen, no layer)",
+    )
     args = parser.parse_args(argv)
     setup_logging(0)
     config = load_config(args.config, args.overrides)
@@ -569,10 +635,14 @@ def main(argv: list[str] | None = None) -> int:
     args.run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("summary.json", "metrics.jsonl", "events.jsonl"):
         (args.run_dir / stale).unlink(missing_ok=True)
+    if args.hf_callback is not None:
+        if args.name != HF_TRAINER:
+            parser.exit(2, f"--hf-callback: a callback of {HF_TRAINER}, not of {args.name}\n")
+        freeze_callback(config, args.hf_callback)  # its keys checked before any process starts
     launch_local(
         config.nproc_per_node,
         run_peer,
-        (args.name, config, args.run_dir, args.hf_optim, args.hf_collator),
+        (args.name, config, args.run_dir, args.hf_optim, args.hf_collator, args.hf_callback),
     )
     summary = RunSummary.from_dict(json.loads((args.run_dir / "summary.json").read_text()))
     print(summary.closing_line(str(args.run_dir)))

@@ -99,6 +99,27 @@ class RunRecord:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunRecord:
+        """A record as `to_dict` wrote it (a results file's `runs`); keys it does not know
+        (a benchmark's own, such as the harness's record) are left out."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {key: value for key, value in data.items() if key in known}
+        values["epochs"] = tuple(EpochRecord(**e) for e in data.get("epochs", ()))
+        values["decisions"] = tuple(
+            DecisionRecord(
+                **{
+                    **d,
+                    "layer_grad_norms": None
+                    if d.get("layer_grad_norms") is None
+                    else tuple(d["layer_grad_norms"]),
+                }
+            )
+            for d in data.get("decisions", ())
+        )
+        values["evaluations"] = tuple(EvaluationRecord(**e) for e in data.get("evaluations", ()))
+        return cls(**values)
+
 
 def run_record(run_dir: Path, variant: str, seed: int | None) -> RunRecord:
     """A finished run's record, from what it wrote."""

@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from pipetransformer.compare.ideal import StepLayout, ideal_speedup, segments_from_run
 from pipetransformer.compare.stats import (
     MeanStd,
@@ -83,6 +85,23 @@ def finished_seed_runs(out: Path) -> dict[int, list[str]]:
     return dict(sorted(found.items()))
 
 
+def _timed_communication(run_dir: Path) -> bool:
+    """Whether the run in `run_dir` timed its data-parallel all-reduce (its resolved config's
+    logging.time_communication; a run without one, from before the key, always did)."""
+    resolved = run_dir / "config.yaml"
+    if not resolved.exists():
+        return True
+    logging_section = (yaml.safe_load(resolved.read_text()) or {}).get("logging") or {}
+    return bool(logging_section.get("time_communication", True))
+
+
+def _comm_share(run: dict[str, Any]) -> str:
+    """The report's DDP comm share cell ('not timed' unless logging.time_communication)."""
+    if not run.get("ddp_comm_timed", True):
+        return "not timed"
+    return f"{100 * run['ddp_comm_share']:.1f}%"
+
+
 def read_run(run_dir: Path) -> dict[str, Any]:
     """One variant's entry of results.json, from the records its run wrote."""
     summary_path = run_dir / "summary.json"
@@ -133,6 +152,8 @@ def read_run(run_dir: Path) -> dict[str, Any]:
         else None,
         "device_memory_bytes": starts[0].device_memory_bytes if starts else None,
         "ddp_comm_share": comm / epoch_time if epoch_time > 0 else 0.0,
+        # Whether the run timed it (logging.time_communication: off by default).
+        "ddp_comm_timed": _timed_communication(run_dir),
         "steps_per_epoch": metrics[0].global_step if metrics else 0,
         "sharded": bool(metrics and metrics[-1].sharded),
         "peak_rss_bytes": summary.peak_rss_bytes,
@@ -286,7 +307,7 @@ def write_report(
             f"{results['speedups'][name]:.2f}x | "
             f"{run['final_eval_metric']:.4f} | {run['best_eval_metric']:.4f} | "
             f"{run['freeze_trajectory'][-1]['num_frozen_layers']} | {_fmt_layout(run)} | "
-            f"{100 * run['ddp_comm_share']:.1f}% |"
+            f"{_comm_share(run)} |"
         )
     for name, reason in results.get("refused", {}).items():
         lines.append(f"| {TITLES.get(name, name)} | refused: {reason} | | | | | | |")
@@ -324,10 +345,11 @@ def write_report(
             "",
             (
                 "| epoch | step | frozen | pipe_len | dp_degree | units moved | plan (ms) "
-                "| state move (ms) | groups (ms) | micro-batch profiling (ms) | rebuild (ms) "
-                "| total (ms) |"
+                "| state move (ms) | groups (ms) | micro-batch profiling (ms) | compile (ms) "
+                "| rebuild (ms) | total (ms) |"
             ),
-            "| ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+            "| ---: |",
         ]
         for e in map(TransitionEvent.from_dict, events):
             lines.append(
@@ -336,8 +358,8 @@ def write_report(
                 f"{e.old_pipe_len} → {e.new_pipe_len} | "
                 f"{e.old_dp_degree} → {e.new_dp_degree} | "
                 f"{e.units_moved} | {1000 * e.plan_s:.1f} | {1000 * e.state_move_s:.1f} | "
-                f"{1000 * e.groups_s:.1f} | {1000 * e.profile_s:.1f} | {1000 * e.rebuild_s:.1f} | "
-                f"{1000 * e.total_s:.1f} |"
+                f"{1000 * e.groups_s:.1f} | {1000 * e.profile_s:.1f} | {1000 * e.compile_s:.1f} | "
+                f"{1000 * e.rebuild_s:.1f} | {1000 * e.total_s:.1f} |"
             )
     lines += _when_section(runs)
     if plots:

@@ -17,6 +17,9 @@ seed a side is the evaluations of all its budget runs: points (training time, me
   over the system, paired by seed, over the seeds where both reached: the geometric mean
   with a 95% t interval on the logarithms (compare/stats.py), and how many seeds the
   system alone, the peer alone or neither reached.
+- **Peak**: a side's best metric at a seed over every evaluation of all its budget runs
+  (the frontier's last value); the system's peak less each peer's, paired by seed, in
+  points with a 95% t interval: the non-inferiority figure (its lower end against a margin).
 - **Frontier against frontier**: a side's frontier at a seed is the step function "the best
   metric any of its evaluations reached by time t" (not straight lines between budgets,
   which on a concave curve would understate the side read between its points). Each side's
@@ -178,6 +181,43 @@ def target_ratio(peer: SideTarget, system: SideTarget) -> TargetRatio:
         count(True, False),
         count(False, True),
         count(False, False),
+    )
+
+
+@dataclass(frozen=True)
+class PeakDifference:
+    """The system's peak (its best metric over its whole curve) less a peer's, paired by
+    seed, in points: per seed, the mean with a 95% t interval (None under two seeds), and
+    each side's mean peak over those seeds (as a metric, not points)."""
+
+    peer: str
+    system: str
+    seeds: tuple[int | None, ...]
+    differences: tuple[float, ...]  # points, in the order of `seeds`
+    points: MeanStd | None
+    interval: Interval | None
+    system_peak: float | None
+    peer_peak: float | None
+
+
+def peak_difference(
+    peer: str,
+    system: str,
+    peer_peaks: Mapping[int | None, float],
+    system_peaks: Mapping[int | None, float],
+) -> PeakDifference:
+    """The system's peaks less the peer's at the seeds both have (module docstring)."""
+    seeds = tuple(s for s in system_peaks if s in peer_peaks)
+    differences = tuple(POINTS_PER_UNIT * (system_peaks[s] - peer_peaks[s]) for s in seeds)
+    return PeakDifference(
+        peer,
+        system,
+        seeds,
+        differences,
+        mean_std(differences) if differences else None,
+        confidence_interval(differences),
+        math.fsum(system_peaks[s] for s in seeds) / len(seeds) if seeds else None,
+        math.fsum(peer_peaks[s] for s in seeds) / len(seeds) if seeds else None,
     )
 
 

@@ -19,6 +19,7 @@ from pipetransformer.config.checks import (
     frozen_random_embedding,
     initial_pipe_lens,
     pipe_len_candidates,
+    random_embedding_warning,
     reachable_pipe_lens,
     split_backward_compile_problem,
 )
@@ -42,12 +43,18 @@ from pipetransformer.config.loader import (
     parse_override,
     pretrained_settings,
     read_config_data,
+    section_from_dict,
 )
 from pipetransformer.config.logging import LoggingConfig
 from pipetransformer.config.model import TEXT_MODEL_TYPES, ModelConfig, looks_like_path
 from pipetransformer.config.optimizer import OptimizerConfig
 from pipetransformer.config.pipeline import PipelineConfig
-from pipetransformer.config.resolve import World, decided_by_measured_time, resolve
+from pipetransformer.config.resolve import (
+    World,
+    decided_by_measured_time,
+    resolve,
+    resolve_padding,
+)
 from pipetransformer.config.run import Config
 from pipetransformer.config.schedules import (
     AUTO_VIRTUAL_STAGES,
@@ -113,9 +120,12 @@ __all__ = [
     "pretrained_settings",
     "pipe_len_candidates",
     "read_config_data",
+    "section_from_dict",
+    "random_embedding_warning",
     "reachable_pipe_lens",
     "split_backward_compile_problem",
     "resolve",
+    "resolve_padding",
     "smallest_micro_batches",
     "virtual_stages_for",
     "virtual_stages_problem",

@@ -21,6 +21,12 @@ class AutoPipeConfig:
     # 'greedy' fills stages towards the average as the paper's Algorithm 1 does (without its
     # variance term); 'optimal' minimises the largest stage exactly.
     partition_method: Literal["greedy", "optimal"] = "greedy"
+    # What the compression criterion (the paper's Eq. 2) compares: 'params', the paper's
+    # proxy (each stage's parameter size, frozen units at lambda_frozen); 'memory', what the
+    # proxy stands for: each stage's predicted peak bytes from the measured unit profile
+    # (autopipe/memory.py), without a profile parameters, gradients and optimizer state
+    # (autopipe/planner.py).
+    compression: Literal["params", "memory"] = "params"
 
     def __post_init__(self) -> None:
         if not 0 <= self.lambda_frozen <= 1:

@@ -106,6 +106,18 @@ def frozen_random_embedding(config: Config) -> bool:
     return config.embedding_frozen and not config.starts_from_trained_weights
 
 
+def random_embedding_warning(config: Config) -> str | None:
+    """What a run with `frozen_random_embedding` warns at its start; None for any other."""
+    if not frozen_random_embedding(config):
+        return None
+    return (
+        "freeze.embedding: the embedding is frozen from the first step but the model starts "
+        "from random weights (no model.model_name_or_path, model.pretrained or "
+        "model.checkpoint_path), so it will never train; set freeze.embedding=auto (the "
+        "default), or name pretrained weights"
+    )
+
+
 def split_backward_compile_problem(schedule: str) -> str:
     """Why a compiled unit cannot run under `schedule`'s split backward (pipe/runtime.py
     refuses it too, for a caller that built its units compiled)."""
@@ -144,6 +156,8 @@ def check_config(config: Config, world_size: int | None = None) -> None:
     schedule = config.pipeline.schedule
     if config.trainer.compile and SCHEDULE_PROPERTIES[schedule].split_backward:
         _fail("trainer.compile", split_backward_compile_problem(schedule))
+    if config.trainer.activation_checkpointing:
+        _check_activation_checkpointing(config)
     augmented = config.data.augment and config.data.name in (
         "cifar10",
         "cifar100",
@@ -188,6 +202,26 @@ def check_config(config: Config, world_size: int | None = None) -> None:
         _fail("data.name", f"'{config.data.name}' is a text dataset; model.name is a ViT")
 
 
+def _check_activation_checkpointing(config: Config) -> None:
+    """trainer.activation_checkpointing where it is implemented and tested: not under a split
+    backward (zero_bubble runs a unit's input and weight gradients apart, and a recomputed
+    forward would have to be kept between them), not with trainer.compile (a checkpointed
+    compiled unit is not among the graphs models/compiled.py bounds and audits)."""
+    schedule = config.pipeline.schedule
+    if SCHEDULE_PROPERTIES[schedule].split_backward:
+        _fail(
+            "trainer.activation_checkpointing",
+            f"pipeline.schedule {schedule} splits each unit's backward in two, which a "
+            "recomputed forward cannot serve; use gpipe, 1f1b or interleaved_1f1b",
+        )
+    if config.trainer.compile:
+        _fail(
+            "trainer.activation_checkpointing",
+            "with trainer.compile the recomputed forward would run outside the compiled "
+            "graphs this system bounds; use one of the two",
+        )
+
+
 def _check_layerwise_anneal(config: Config) -> None:
     """optimizer.layerwise_anneal needs freeze times that can be planned at start-up
     (pipetransformer/anneal.py, "The plan") and a decay to squeeze onto them."""
@@ -199,6 +233,13 @@ def _check_layerwise_anneal(config: Config) -> None:
     # still run from a config that anneals.
     if freeze.strategy == "none":
         return
+    if freeze.memory_aware:
+        _fail(
+            key,
+            "freeze.memory_aware freezes only where a layout would change, which the plan "
+            "cannot know at start-up (it depends on the layouts the memory model allows); "
+            "use one of the two",
+        )
     if freeze.strategy in ("gradient_norm", "gradient_norm_inclusive") and not freeze.eq1_bound:
         _fail(
             key,

@@ -72,6 +72,12 @@ class FreezeConfig:
     # the run's steps (AutoFreeze's --num_intervals: 10 its argparse default, 20 in the
     # command its README gives).
     num_intervals: int = 10
+    # Freeze only what pays a layout: of the layers the rule would freeze, the fewest that let
+    # AutoPipe pack the pipeline onto fewer devices (or AutoDP add a replica), and none
+    # where no count the rule allows does (freeze.py `fewest_that_pay`). Where the model
+    # already trains as DDP (one stage, every process a replica) nothing then freezes but
+    # the embedding (freeze.embedding).
+    memory_aware: bool = False
     # No decision before this many epochs have completed (layers must learn something first).
     warmup_epochs: int = 0
     # Most layers that may freeze; None: all but the last layer.

@@ -12,9 +12,9 @@ says which applied, for the run's start line. The section is checked (typed, kno
 whether or not it applies; the resolved config (config.yaml) holds the values the run
 used, not the section.
 
-Owns: load_config, config_from_dict, the overrides, when_pretrained, config_yaml and
-config_changes. Must not: import anything outside config/; every check is the sections'
-or checks.py's.
+Owns: load_config, config_from_dict, section_from_dict, the overrides, when_pretrained,
+config_yaml and config_changes. Must not: import anything outside config/; every check is
+the sections' or checks.py's.
 """
 
 from __future__ import annotations
@@ -294,6 +294,13 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     config = _build(Config, data, "")
     check_config(config)
     return config
+
+
+def section_from_dict(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    """One section's dataclass from plain values (`prefix`: its key, e.g. 'freeze.'), typed
+    and checked as a config file's section is: the same one-line errors naming the key (an
+    integration takes the freeze keys as keyword arguments)."""
+    return _build(cls, data, prefix)
 
 
 def config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, Any, Any]]:

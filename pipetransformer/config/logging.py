@@ -14,3 +14,8 @@ class LoggingConfig:
     tensorboard: bool = False
     # ... and to Weights & Biases (the wandb extra; WANDB_MODE=offline works without network).
     wandb: bool = False
+    # Time the data-parallel all-reduce (the paper's App. F.4 method: `ddp_comm_s` in
+    # metrics.jsonl, the compare report's DDP comm share). Costs Python on every step: DDP's
+    # C++ all-reduce is replaced by a communication hook (a callback and two device events
+    # per bucket per step). Off, DDP reduces on its own and nothing is timed.
+    time_communication: bool = False

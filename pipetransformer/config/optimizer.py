@@ -30,15 +30,18 @@ class OptimizerConfig:
     # CPU (one pass over the parameters; on CUDA the step count kept on the device), foreach
     # for SGD.
     implementation: Literal["auto", "foreach", "fused"] = "auto"
-    # Layer-wise annealing (FreezeOut, Brock et al. 2017): each layer's learning rate follows
-    # the run's warm-up and decay shape but reaches zero at the layer's *planned* freeze time
-    # (from the run's length, the decision cadence and the freeze rule: Eq. 1's bound's path,
-    # alpha_schedule's closed form, manual's list), so it freezes annealed instead of cut off
-    # mid-schedule; the head and the layers the plan never freezes keep the run's schedule.
-    # A layer whose rate reached zero freezes at that decision point even where the rule's
-    # signal would hold it back. pipetransformer/anneal.py; docs/architecture.md,
+    # Layer-wise annealing: each layer's learning rate reaches zero at the layer's *planned*
+    # freeze time (from the run's length, the decision cadence and the freeze rule: Eq. 1's
+    # bound's path, alpha_schedule's closed form, manual's list), so it freezes annealed
+    # instead of cut off mid-schedule; the head and the layers the plan never freezes keep
+    # the run's schedule. 'freezeout': FreezeOut as published (Brock et al. 2017, and its
+    # code's default): a cosine from the layer's initial rate lr / t_i to zero at its freeze
+    # time, t_i that time's share of the run. true ('run_schedule'): the run's own warm-up
+    # and decay shape squeezed onto the freeze time, no rate scaling (this project's
+    # variant). A layer whose rate reached zero freezes at that decision point even where
+    # the rule's signal would hold it back. pipetransformer/anneal.py; docs/architecture.md,
     # "Layer-wise annealing".
-    layerwise_anneal: bool = False
+    layerwise_anneal: bool | Literal["run_schedule", "freezeout"] = False
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -55,3 +58,10 @@ class OptimizerConfig:
             _fail("optimizer.min_lr_ratio", "must be in [0, 1]")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             _fail("optimizer.max_grad_norm", "must be > 0 or null")
+
+    @property
+    def anneal_shape(self) -> str | None:
+        """The layer-wise annealing in use: 'run_schedule', 'freezeout' or None (off)."""
+        if self.layerwise_anneal is True:
+            return "run_schedule"
+        return self.layerwise_anneal or None

@@ -52,6 +52,11 @@ class PipelineConfig:
     # every process a replica would multiply the batch); 'never' keeps pipelines and DDP
     # (docs/architecture.md, "Sharded layouts").
     sharding: Literal["never", "always", "auto"] = "auto"
+    # In a sharded layout, whether each layer's gathered parameters are freed after its
+    # forward and gathered again for its backward (true, FSDP2's default: ZeRO-3, full
+    # shard) or kept until its backward (false: ZeRO-2, FSDP1's SHARD_GRAD_OP, one gather a
+    # layer a step fewer, the trained layers held unsharded meanwhile).
+    fsdp_reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.sharding == "always" and self.initial_pipe_len not in (1, "auto"):

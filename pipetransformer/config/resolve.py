@@ -1,9 +1,10 @@
 """Turning a config's `auto` settings into values for the world a run has.
 
 Owns: World (the processes, per node, and the device type) and resolve, which returns a new
-config (what RUN_DIR/config.yaml records), and the settings a run decides from measured
-time. Must not: import anything outside config/ or look at the machine itself (the
-launcher builds the World).
+config (what RUN_DIR/config.yaml records), resolve_padding (data.padding for a model that
+cannot run packed batches), and the settings a run decides from measured time. Must not:
+import anything outside config/ or look at the machine itself (the launcher builds the
+World).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from pipetransformer.config.checks import check_config
+from pipetransformer.config.errors import _fail
 from pipetransformer.config.run import Config
 
 
@@ -53,6 +55,20 @@ def resolve(config: Config, world: World, initial_pipe_len: int | None = None) -
     )
     check_config(resolved, world_size=world.world_size)
     return resolved
+
+
+def resolve_padding(config: Config, packed_refusal: str | None) -> tuple[Config, str | None]:
+    """data.padding for a model whose units cannot run a packed batch (`packed_refusal`: why,
+    from models/packed.py; None: they can). 'auto' becomes 'batch' (per-batch padding), with
+    the note the start line gives; 'packed' is a ConfigError naming the key. Returns the
+    config (itself where nothing changes) and the note (None)."""
+    if packed_refusal is None or config.data.padding not in ("packed", "auto"):
+        return config, None
+    if config.data.padding == "packed":
+        _fail("data.padding", f"'packed' needs attention confined to each sample: {packed_refusal}")
+    data = dataclasses.replace(config.data, padding="batch")
+    note = f"data.padding auto: per-batch padding ({packed_refusal})"
+    return dataclasses.replace(config, data=data), note
 
 
 def decided_by_measured_time(config: Config) -> list[str]:

@@ -58,13 +58,24 @@ class TrainerConfig:
     # torch.compile each unit's forward (regional, as torchtitan compiles each block; the
     # peers of `compare --peers` compile each block alike): a graph per unit class and
     # state, shared by the units of a class, reused across transitions; the batch and
-    # sequence dimensions dynamic (models/compiled.py). The first steps of a layout and
-    # the first evaluation pay the compilation. Refused with pipeline.schedule zero_bubble,
-    # whose split backward would run each compiled unit's backward twice (config/checks.py).
+    # sequence dimensions dynamic (models/compiled.py). Every graph a layout needs is
+    # compiled before its first step (pipe/warmup.py: a transition's compile_s). Refused
+    # with pipeline.schedule zero_bubble, whose split backward would run each compiled
+    # unit's backward twice (config/checks.py).
     compile: bool = False
     # What compiles the graphs: 'inductor' (generated kernels); 'aot_eager' and 'eager'
     # trace without generating code (to check a model compiles, or find what breaks).
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    # Activation checkpointing: each trained unit (a layer's attention or MLP sublayer)
+    # keeps only its inputs for the backward and recomputes its forward there, about a
+    # third more compute for the activations of one unit at a time instead of all of them
+    # (what transformers' gradient_checkpointing does per layer); counted by the memory model
+    # (autopipe/memory.py), so a layout that fits only with it is planned with it.
+    activation_checkpointing: bool = False
+    # How long the ranks wait for one another to compile a layout's units before its first
+    # step (pipe/warmup.py): every graph a layout needs is compiled then, with no collective
+    # pending, so trainer.timeout_s (NCCL's) never has to cover inductor's minutes.
+    compile_timeout_s: float = 3600.0
     # Audit the data order: every first-stage rank appends the sample ids it trains on
     # (shape padding left out) to RUN_DIR/samples/rank<r>.jsonl, one line per step.
     record_sample_ids: bool = False
@@ -93,6 +104,8 @@ class TrainerConfig:
             )
         if self.timeout_s <= 0:
             _fail("trainer.timeout_s", "must be > 0")
+        if self.compile_timeout_s <= 0:
+            _fail("trainer.compile_timeout_s", "must be > 0")
         if self.max_restarts < 0:
             _fail("trainer.max_restarts", f"must be >= 0, got {self.max_restarts}")
         if self.precision == "fp16":

@@ -186,10 +186,15 @@ def build_sharded_runtime(
     data_group: dist.ProcessGroup,
     device: torch.device,
     autocast_dtype: torch.dtype | None = None,
+    activation_checkpointing: bool = False,
+    reshard_after_forward: bool = True,
 ) -> ShardedRuntime:
     """Shards this rank's trained units in place (their parameters become DTensor shards)
     and returns the runtime. Collective over `data_group`. The units must be plain (never
-    sharded before): a transition gathers them first (fsdp/state.py)."""
+    sharded before): a transition gathers them first (fsdp/state.py).
+    `reshard_after_forward` false: a layer's gathered parameters stay from its forward to
+    its backward (ZeRO-2, FSDP1's SHARD_GRAD_OP): one all-gather a layer a step instead of
+    two, the trained layers held unsharded meanwhile (autopipe/memory.py)."""
     if plan.pipe_len != 1:
         raise ValueError("a sharded layout is one stage")
     if replica_batch_size % plan.num_micro_batches:
@@ -216,13 +221,13 @@ def build_sharded_runtime(
             modules if len(modules) > 1 else modules[0],
             mesh=mesh,
             mp_policy=policy,
-            reshard_after_forward=head not in group,
+            reshard_after_forward=reshard_after_forward and head not in group,
         )
     for index, shards in carried.items():  # sharded before: its shards, copied in place
         if shards is not None:
             _fill(units[index], shards, device)
     trained = [units[u] for u in range(frozen_end, num_units)]
-    root = UnitSequence(trained, [False] * len(trained))
+    root = UnitSequence(trained, [False] * len(trained), checkpoint=activation_checkpointing)
     fully_shard(root, mesh=mesh, mp_policy=policy)
     preprocess = None
     if plan.prefix_end > 0:

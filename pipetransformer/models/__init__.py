@@ -33,6 +33,7 @@ from pipetransformer.models.registry import (
     register_adapter,
     registered_adapters,
 )
+from pipetransformer.models.stack import find_layer_stack
 
 __all__ = [
     "ExportInfo",
@@ -44,6 +45,7 @@ __all__ = [
     "attention_unit",
     "build_model",
     "export_model",
+    "find_layer_stack",
     "layer_of_unit",
     "materialize",
     "mlp_unit",

@@ -85,9 +85,34 @@ class BertAttentionUnit(nn.Module):
         self.config = config
 
     def forward(self, hidden, attention_mask, *rest):
+        if packing.packed(rest) and packing.use_varlen(hidden):
+            return self._varlen(hidden, attention_mask, rest[0]), attention_mask, *rest
         bias = attention_bias(self.config, hidden, attention_mask, packing.packed(rest))
         output, _ = self.attention(hidden, bias)
         return output, attention_mask, *rest
+
+    def _varlen(self, hidden, segments, starts):
+        """A packed batch's attention confined to each sample by variable-length attention
+        (models/packed.py) instead of a block-diagonal mask: the library's self-attention
+        projections, scale and dropout, then its output block (dense, dropout, LayerNorm
+        with the residual), as its forward runs them."""
+        heads = self.attention.self
+        rows, length, _ = hidden.shape
+
+        def project(linear: nn.Module):
+            shape = (rows * length, heads.num_attention_heads, heads.attention_head_size)
+            return linear(hidden).view(shape)
+
+        context = packing.varlen_attention(
+            project(heads.query),
+            project(heads.key),
+            project(heads.value),
+            packing.varlen_offsets(segments, starts),
+            length,
+            dropout_p=heads.dropout.p if self.training else 0.0,
+            scale=heads.scaling,
+        )
+        return self.attention.output(context.reshape(rows, length, -1), hidden)
 
 
 class BertMlpUnit(nn.Module):

@@ -20,18 +20,27 @@ instead of compiling one per size (dynamo still specialises a dimension of size 
 `COMPILES` counts, per unit class, the graphs this process compiled (the tests check a
 transition against it; benchmarks/compile.py reports it).
 
-How many graphs a class needs: one per state it runs in (trained; the first trained unit,
-whose input carries no gradient; frozen: eval mode without autograd; evaluation: eval mode
-without autograd, its parameters still trained), and each again where a micro-batch holds
-one sample (dynamo specialises a dimension of size 1): at most 8 for BERT's attention unit
-across length buckets, micro-batch sizes and the four states (tests/test_compiled_audit.py
-counts them). Dynamo compiles at most `recompile_limit` graphs per code object (8 by
-default: exactly that bound) and past it silently runs the unit eagerly; here the limit is
-`UNIT_RECOMPILE_LIMIT` and passing it is an error naming `trainer.compile`
-(`fail_on_recompile_limit_hit`), not a slow run nobody is told about.
+How many graphs a class needs (`unit_graph_bound`): one per state it runs in (trained; the
+first trained unit, whose input carries no gradient; frozen: eval mode without autograd;
+evaluation: eval mode without autograd, its parameters still trained) and form of input it
+is given: a batch of several samples padded (or images); a batch of one sample (dynamo
+specialises a dimension of size 1: a micro-batch of one sample, or a cache upgrade or miss
+of one sample on the first stage); a packed batch (data.padding packed or auto), which
+takes the sample starts as one more input. Packed shapes are bucketed so that a packed
+batch is one form: a micro-batch of one sample is never packed, and under compile a packed
+micro-batch takes at least two rows (trainer/step.py `batch_shape`), so no packed dimension
+has size 1. At most 4 x 3 = 12 for any class, any padding and micro-batch count
+(tests/test_gpu_path.py compiles padded and packed batches through a transition and counts
+them). Dynamo compiles at most `recompile_limit` graphs per code object (8 by default) and
+past it silently runs the unit eagerly; here the limit is `UNIT_RECOMPILE_LIMIT` (16: a
+form's worth of headroom over the bound) and passing it is an error naming
+`trainer.compile` (`fail_on_recompile_limit_hit`), not a slow run nobody is told about. The
+trainer compiles every graph a layout needs before its first step (pipe/warmup.py), so the
+error comes then, on every rank, not in the middle of a step.
 
-Owns: `compile_unit`, `compile_units`, `is_compiled`, `library_blocks`, `COMPILES`. Must
-not: know layouts, freezing or ranks (the trainer compiles the units a layout gives a rank).
+Owns: `compile_unit`, `compile_units`, `is_compiled`, `library_blocks`, `COMPILES`,
+`unit_graph_bound`. Must not: know layouts, freezing or ranks (the trainer compiles the
+units a layout gives a rank).
 """
 
 from __future__ import annotations
@@ -45,8 +54,18 @@ from torch import nn
 COMPILES: Counter[str] = Counter()
 _COMPILED = "_pipetransformer_compiled"  # the backend a unit's forward was compiled with
 _BACKENDS: dict[tuple[str, str], Callable] = {}
-# Graphs a unit class may compile: twice the 8 the four states and size-1 micro-batches need.
+# The states a unit runs in: trained, first trained, frozen, evaluation (module docstring).
+UNIT_STATES = 4
+# Graphs a unit class may compile: the bound's 12 and a form's worth (4) of headroom.
 UNIT_RECOMPILE_LIMIT = 16
+
+
+def unit_graph_bound(one_sample: bool, packed: bool) -> int:
+    """The most graphs a unit class compiles in a run (module docstring): a graph per state
+    for each form of input, padded always, of one sample where `one_sample` (a micro-batch
+    of one sample, or AutoCache serving), packed where `packed` (data.padding packed or
+    auto on text)."""
+    return UNIT_STATES * (1 + int(one_sample) + int(packed))
 
 
 def _counted(class_name: str, backend: str) -> Callable:
@@ -84,7 +103,7 @@ class _DynamicForward:
             raise RuntimeError(
                 f"trainer.compile: {self.class_name} needed more than "
                 f"{torch._dynamo.config.recompile_limit} compiled graphs (one per state and "
-                "size-1 dimension; models/compiled.py); dynamo would run it eagerly from now "
+                "form of input; models/compiled.py); dynamo would run it eagerly from now "
                 "on. Set trainer.compile=false, or report the shapes and states this run met"
             ) from exc
 

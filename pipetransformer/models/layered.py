@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from pipetransformer.utils.padding import PackedShape
@@ -173,10 +174,18 @@ class UnitSequence(nn.Module):
 
     The frozen units of a sequence must come first: a frozen unit after a trained one would
     cut the gradient path to the units before it.
+
+    `checkpoint` (trainer.activation_checkpointing): each trained unit's forward under
+    torch.utils.checkpoint (non-reentrant, the RNG state kept so dropout draws the same
+    mask again): autograd keeps only the unit's inputs and runs its forward once more in
+    the backward, as transformers' `gradient_checkpointing_enable` does per layer.
     """
 
-    def __init__(self, units: Sequence[nn.Module], frozen: Sequence[bool]) -> None:
+    def __init__(
+        self, units: Sequence[nn.Module], frozen: Sequence[bool], checkpoint: bool = False
+    ) -> None:
         super().__init__()
+        self.checkpoint = checkpoint
         if len(units) != len(frozen):
             raise ValueError("one frozen flag per unit")
         seen_active = False
@@ -202,6 +211,8 @@ class UnitSequence(nn.Module):
             if is_frozen:
                 with torch.no_grad():
                     x = unit(*x)
+            elif self.checkpoint and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(unit, *x, use_reentrant=False)
             else:
                 x = unit(*x)
             if isinstance(x, torch.Tensor):

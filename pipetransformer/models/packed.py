@@ -17,11 +17,23 @@ says which), so the same units run either batch:
   (`sample_tokens`: question answering), in the micro-batch's sample order: its outputs
   are those of the padded batch, row for row.
 
+On a GPU, BERT-like attention units (models/bert.py) run a packed batch through
+variable-length attention instead of a block-diagonal mask, whose cost grows with the square
+of a row's length whatever the samples in it: the row's tokens are one flat sequence, cut at
+`varlen_offsets` (every sample, and the padding at each row's end, a sequence of its own),
+and attention runs within each piece (`varlen_attention`: flash-attention's varlen kernel
+where the `flash_attn` package is installed, else SDPA over a nested jagged tensor). The
+dense mask stays the CPU's path and the fallback of every other family. A family whose
+units have no variable-length path cannot take a packed batch under an attention
+implementation that takes no mask (`packed_refusal`: flash attention): data.padding auto
+pads per batch there, and packed is refused (config/data.py `resolve_padding`).
+
 Owns: those tensor functions. Must not: know a family's modules (the adapters call these).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 
 import torch
@@ -109,3 +121,108 @@ def sample_means(hidden: torch.Tensor, segments: torch.Tensor, samples: int) -> 
     weights = one_hot.to(hidden.dtype)
     sums = weights @ hidden.reshape(-1, hidden.shape[-1])
     return sums / weights.sum(dim=1, keepdim=True)
+
+
+# Families whose attention units take a packed batch under any attention implementation:
+# the dense mask where it takes one, variable-length attention where it does not (bert.py).
+VARLEN_FAMILIES = ("bert", "roberta", "xlm-roberta", "electra")
+
+
+def packed_refusal(model) -> str | None:
+    """Why the units of `model` (a LayeredModel) cannot run a packed batch (None: they can,
+    or it has no text): `refusal_for` its family and its library model's attention."""
+    if not model.spec.text:
+        return None
+    library_config = getattr(getattr(model, "source", None), "config", None)
+    implementation = getattr(library_config, "_attn_implementation", None)
+    return refusal_for(model.spec.family, implementation)
+
+
+def refusal_for(family: str, implementation: str | None) -> str | None:
+    """Why units of `family` under attention `implementation` cannot run a packed batch
+    (None: they can): an implementation that takes no mask (flash attention's kernels),
+    in a family without a variable-length path."""
+    if implementation is None or "flash" not in implementation or family in VARLEN_FAMILIES:
+        return None
+    return (
+        f"attention '{implementation}' takes no mask and {family}'s units have no "
+        "variable-length path"
+    )
+
+
+# flash-attention's kernels, where its package is installed (registered as torch custom
+# ops: dynamo compiles them into a unit's graph).
+FLASH_ATTN_INSTALLED = importlib.util.find_spec("flash_attn") is not None
+
+
+def use_varlen(hidden: torch.Tensor) -> bool:
+    """Whether a packed batch runs variable-length attention: on CUDA (the dense mask on the
+    CPU), by flash-attention's kernels in half precision, or else by SDPA over nested
+    tensors when not compiled (dynamo breaks a unit's graph at a nested tensor made inside
+    it: a compiled unit keeps the dense mask there)."""
+    if not hidden.is_cuda:
+        return False
+    return (FLASH_ATTN_INSTALLED and _half(hidden)) or not torch.compiler.is_compiling()
+
+
+def _half(hidden: torch.Tensor) -> bool:
+    """Whether attention runs in float16 or bfloat16 (the hidden state's, or autocast's)."""
+    half = (torch.float16, torch.bfloat16)
+    kind = hidden.device.type
+    autocast = torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) in half
+    return hidden.dtype in half or autocast
+
+
+def varlen_offsets(segments: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """(samples + rows + 1,) int64: where each piece of a packed micro-batch's flat
+    rows * row_length tokens begins, and their end: every sample's first token (each row's
+    first token is one, an empty row's excepted), where each row's padding begins (a full
+    row's padding is empty: a piece of no tokens), and the end of the last row. Computed on
+    the device, sized by the shape alone: no value is read on the host."""
+    rows, length = segments.shape
+    used = (segments != 0).sum(dim=1)
+    padding = torch.arange(rows, device=segments.device) * length + used
+    end = torch.full((1,), rows * length, dtype=torch.long, device=segments.device)
+    return torch.cat([starts.long(), padding, end]).sort().values
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    offsets: torch.Tensor,
+    max_length: int,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention within each piece of flat (tokens, heads, head_dim) queries, keys and values
+    cut at `offsets` (`varlen_offsets`), at most `max_length` tokens a piece; the output is
+    shaped as `query`. flash-attention's varlen kernel on CUDA in half precision where the
+    `flash_attn` package is installed, else SDPA over nested jagged tensors (torch picks a
+    variable-length kernel on CUDA; the CPU's runs each piece)."""
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and FLASH_ATTN_INSTALLED:
+        from flash_attn import flash_attn_varlen_func
+
+        cu_seqlens = offsets.to(torch.int32)
+        return flash_attn_varlen_func(
+            query,
+            key,
+            value,
+            cu_seqlens,
+            cu_seqlens,
+            max_length,
+            max_length,
+            dropout_p=dropout_p,
+            softmax_scale=scale,
+        )
+
+    def nested(flat: torch.Tensor) -> torch.Tensor:
+        jagged = torch.nested.nested_tensor_from_jagged(
+            flat, offsets, min_seqlen=0, max_seqlen=max_length
+        )
+        return jagged.transpose(1, 2)  # (pieces, heads, j, head_dim)
+
+    out = torch.nn.functional.scaled_dot_product_attention(
+        nested(query), nested(key), nested(value), dropout_p=dropout_p, scale=scale
+    )
+    return out.transpose(1, 2).values()

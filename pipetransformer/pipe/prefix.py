@@ -19,6 +19,10 @@ length, as a padded one, and its samples' rows are then laid out packed
 (utils/packing.py): the store holds per-sample rows whatever the padding, so entries
 written under one padding serve the other.
 
+On a GPU, cached rows travel from pinned staging buffers to the device on a stream of their
+own, ordered by events (`_CopyStream`): the copy runs beside the compute stream's queued
+work rather than in front of stage 0's compute.
+
 Owns: that decision and the computation for one batch. Must not: decide whether caching
 is on (the trainer's profiler does), own the store (the AutoCache daemon does).
 """
@@ -87,12 +91,42 @@ class _Staging:
             for field in self.fields
         )
 
-    def sent(self) -> None:
-        """The buffer just taken has been handed to a non-blocking copy."""
-        if self.on_cuda:
-            event = torch.cuda.Event()
-            event.record()
-            self.copied[self.turn] = event
+    def sent(self, stream=None) -> object | None:
+        """The buffer just taken has been handed to a non-blocking copy on `stream` (the
+        current one by default); returns the event that marks the copy's end (CUDA)."""
+        if not self.on_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        self.copied[self.turn] = event
+        return event
+
+
+class _CopyStream:
+    """Cached rows to the device on a CUDA stream of their own, so the copy runs beside the
+    compute stream's queued work (the previous step's backward and optimizer, which the
+    host has run ahead of) instead of after it, in front of stage 0's compute: ViT-B/16 on
+    CIFAR at 320 samples x 197 x 768 in bfloat16 is about 97 MB a step.
+
+    The copy is ordered by events: the compute stream waits for the copy's event before it
+    touches the rows (the conversion to float32 and everything after), and the host waits
+    for it only before refilling that staging buffer (two steps later, `_Staging.take`).
+    The rows are allocated on the copy stream and used on the compute stream: each is
+    marked with `record_stream`, so the allocator does not hand its memory back to the copy
+    stream while the compute stream may still read it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)
+        self.device = device
+
+    def copy(self, staging: _Staging, cached: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            on_device = tuple(t.to(self.device, non_blocking=True) for t in cached)
+        compute.wait_event(staging.sent(self.stream))
+        for tensor in on_device:
+            tensor.record_stream(compute)
+        return on_device
 
 
 class _PendingWrite:
@@ -149,6 +183,7 @@ class CachedPrefix:
         self.counts = counts if counts is not None else {"hits": 0, "upgrades": 0, "misses": 0}
         self.load_inputs = load_inputs
         self._staging: dict[str, _Staging] = {}
+        self._copies = _CopyStream(device) if device.type == "cuda" else None
         self._pending: list[_PendingWrite] = []
         self.defer_writes = device.type == "cuda" if defer_writes is None else defer_writes
 
@@ -176,9 +211,13 @@ class CachedPrefix:
     def _send(
         self, staging: _Staging, cached: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
-        """Staged rows to the device without waiting, converted to float32 there."""
-        on_device = tuple(t.to(self.device, non_blocking=True) for t in cached)
-        staging.sent()
+        """Staged rows to the device without waiting (on a side stream: `_CopyStream`),
+        converted to float32 there."""
+        if self._copies is not None:
+            on_device = self._copies.copy(staging, cached)
+        else:
+            on_device = tuple(t.to(self.device, non_blocking=True) for t in cached)
+            staging.sent()
         return tuple(t.float() if t.is_floating_point() else t for t in on_device)
 
     def _read_to_device(

@@ -35,8 +35,8 @@ PipelineStage *is* the DDP module, so the schedule syncs gradients once per step
 sees a frozen parameter; a stage with nothing to train is not wrapped in DDP. A pipeline of
 one stage needs none of the pipelining machinery: `OneStageSchedule` runs it as DDP does.
 Zero bubble's split backward writes the weight gradients past DDP's hooks, so its chunks are
-not wrapped in DDP and the rank averages their gradients itself after the step
-(pipe/gradient_sync.py).
+not wrapped in DDP and the rank averages their gradients itself, each chunk's as soon as its
+last weight gradient is done (`ReducingStage`, pipe/gradient_sync.py).
 """
 
 from __future__ import annotations
@@ -212,6 +212,23 @@ class Chunk:
     wrapped: nn.Module
 
 
+class ReducingStage(PipelineStage):
+    """A PipelineStage that says when its chunk's gradients are final: torch's split-backward
+    schedules run a REDUCE_GRAD action for a chunk right after its last weight gradient
+    (schedules.py `_add_reduce_grad`), calling `perform_reduce_grad`; zero bubble's
+    all-reduce of that chunk starts there (pipe/gradient_sync.py), while the rank's other
+    chunks still compute."""
+
+    def __init__(self, *args, on_gradients_final: Callable[[int], None], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.on_gradients_final = on_gradients_final
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        super().perform_reduce_grad(grad_scale_factor)
+        if self.has_backward:  # an evaluation runs the action too
+            self.on_gradients_final(self.stage_index)
+
+
 @dataclass
 class PipelineSchedules:
     """What `schedule_for(seq_length)` needs: one rank's chunks of a pipeline of K > 1
@@ -229,6 +246,8 @@ class PipelineSchedules:
     pipeline_group: dist.ProcessGroup
     device: torch.device
     autocast_dtype: torch.dtype | None = None
+    # Zero bubble's per-chunk all-reduce, started when a chunk's gradients are final.
+    gradient_sync: GradientAllReduce | None = None
 
     def schedule_for(self, seq_length: int | PackedShape | None) -> object:
         """A PipelineStage for each of the rank's chunks with the shapes of a batch of
@@ -281,7 +300,11 @@ class PipelineSchedules:
             and not is_first
             and self.frozen_end >= start
         )
-        return PipelineStage(
+        stage_class, extra = PipelineStage, {}
+        if self.gradient_sync is not None:
+            stage_class = ReducingStage
+            extra = {"on_gradients_final": self.gradient_sync.chunk_done}
+        return stage_class(
             chunk.wrapped,
             chunk.index,
             self.num_chunks,
@@ -290,6 +313,7 @@ class PipelineSchedules:
             output_args=output_args,
             group=self.pipeline_group,
             dw_builder=(lambda: _nothing) if whole_backward else None,
+            **extra,
         )
 
 
@@ -377,6 +401,8 @@ class StageRuntime:
             self.module.train()
         losses: list[torch.Tensor] = []
         schedule = self.schedule(seq_length)
+        if self.gradient_sync is not None:
+            self.gradient_sync.prepare()
         if self.is_first:
             activations = self.run_prefix(inputs, ids, "train", seq_length)
             with self._autocast():
@@ -506,10 +532,12 @@ def build_stage_runtime(
     device: torch.device,
     autocast_dtype: torch.dtype | None = None,
     comm_timer: IntervalTimer | None = None,
+    activation_checkpointing: bool = False,
 ) -> StageRuntime:
     """`schedule_name`: pipeline.schedule (the layout runs `layout_schedule` of it);
     `comm_timer`: where the data group's all-reduce intervals are marked (DDP's, or the
-    GradientAllReduce's under zero_bubble)."""
+    GradientAllReduce's under zero_bubble); `activation_checkpointing`: the trained units
+    recompute their forward in the backward (models/layered.py UnitSequence)."""
     frozen_end = plan.frozen_end
     runs = layout_schedule(schedule_name, plan.pipe_len, plan.virtual_stages)
     chunk_ids = plan.chunks_of_stage(stage_index)
@@ -518,7 +546,11 @@ def build_stage_runtime(
         start, end = plan.stage_ranges[chunk]
         chunk_units = list(range(start, end))
         modules.append(
-            UnitSequence([units[u] for u in chunk_units], [u < frozen_end for u in chunk_units])
+            UnitSequence(
+                [units[u] for u in chunk_units],
+                [u < frozen_end for u in chunk_units],
+                checkpoint=activation_checkpointing,
+            )
         )
     module: nn.Module = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
     # Units come in whatever mode they were left in (the profiler measures them in eval
@@ -556,7 +588,8 @@ def build_stage_runtime(
         hook = None  # nothing this stage runs is timed by it
     gradient_sync = None
     if by_hand and any(p.requires_grad for p in module.parameters()):
-        gradient_sync = GradientAllReduce(list(module.parameters()), data_group, comm_timer)
+        chunks = {c: list(m.parameters()) for c, m in zip(chunk_ids, modules)}
+        gradient_sync = GradientAllReduce(chunks, data_group, comm_timer)
     if runs is None:
         schedules = OneStageSchedule(wrapped[0], num_micro_batches, loss_fn)
     else:
@@ -572,6 +605,7 @@ def build_stage_runtime(
             pipeline_group=pipeline_group,
             device=device,
             autocast_dtype=autocast_dtype,
+            gradient_sync=gradient_sync,
         )
     return StageRuntime(
         stage_index,

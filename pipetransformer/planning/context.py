@@ -157,12 +157,17 @@ def memory_model(
     parameters, activations unknown: counted as zero)."""
     optimizer = config.optimizer
     sums = config.freeze.strategy == "autofreeze"  # its gradient sums (trainer/step.py)
+    checkpointing = config.trainer.activation_checkpointing
+    reshard = config.pipeline.fsdp_reshard_after_forward
     if profile is not None:
-        return MemoryModel.from_profile(profile, optimizer.name, optimizer.momentum, sums)
+        return MemoryModel.from_profile(
+            profile, optimizer.name, optimizer.momentum, sums, checkpointing, reshard
+        )
     params = tuple(4 * c for c in spec.unit_param_counts)
     zeros = tuple(0 for _ in params)
     factor = optimizer_state_factor(optimizer.name, optimizer.momentum)
-    return MemoryModel(params, zeros, zeros, 1, factor, 1.0 if sums else 0.0)
+    sums_factor = 1.0 if sums else 0.0
+    return MemoryModel(params, zeros, zeros, 1, factor, sums_factor, checkpointing, reshard)
 
 
 def format_bytes(count: float) -> str:
@@ -254,7 +259,9 @@ def sharded_micro_batches(
 def _require_sharded_fit(
     config: Config, costs: UnitCosts, memory: MemoryModel, budget: float, world_size: int
 ) -> None:
-    plan = balance(costs, 0, 1, config.autopipe.partition_method)
+    plan = balance(
+        costs, 0, 1, config.autopipe.partition_method, frozen_embedding=config.embedding_frozen
+    )
     if sharded_micro_batches(config, memory, plan, budget, world_size) is None:
         replica_batch = config.trainer.replica_batch_size(world_size)
         shape = sharded_shape(config, world_size, replica_batch)
@@ -263,6 +270,38 @@ def _require_sharded_fit(
             f"pipeline.sharding: always: does not fit even sharded over {world_size} "
             f"processes: {format_bytes(need)} a process at 0 frozen layers with one sample a "
             f"micro-batch, pipeline.device_memory_bytes allows {format_bytes(budget)}"
+        )
+
+
+def _require_configured_fit(
+    config: Config, costs: UnitCosts, memory: MemoryModel, world_size: int
+) -> None:
+    """A pipeline length given outright (sharding 'never') under a declared
+    pipeline.device_memory_bytes whose first layout is predicted not to fit is refused
+    (DoesNotFit), not run: on a GPU it would run out of memory, and a comparison that ran it
+    on the CPU would compare against a layout its user could not have (a peer that does not
+    fit is refused, never run slowly)."""
+    budget = config.pipeline.device_memory_bytes
+    if budget is None or config.pipeline.sharding != "never":
+        return
+    pipe_len = config.pipeline.initial_pipe_len
+    plan = balance(
+        costs,
+        0,
+        pipe_len,
+        config.autopipe.partition_method,
+        frozen_embedding=config.embedding_frozen,
+        virtual_stages=_initial_virtual_stages(config, costs, pipe_len),
+    )
+    need = max(memory.peak_bytes(plan, _layout_shape(config, pipe_len, world_size, pipe_len)))
+    if need > budget:
+        remedies = "more stages, pipeline.initial_pipe_len=auto, pipeline.sharding=auto"
+        if not config.trainer.activation_checkpointing:
+            remedies += " or trainer.activation_checkpointing=true"
+        raise DoesNotFit(
+            f"pipeline.initial_pipe_len: {pipe_len} stage(s) do not fit: the largest is "
+            f"predicted at {format_bytes(need)} a process at 0 frozen layers, "
+            f"pipeline.device_memory_bytes allows {format_bytes(budget)}; use {remedies}"
         )
 
 
@@ -300,6 +339,7 @@ def choose_initial_pipe_len(
             0,
             pipe_len,
             config.autopipe.partition_method,
+            frozen_embedding=config.embedding_frozen,
             virtual_stages=_initial_virtual_stages(config, costs, pipe_len),
         )
         shape = _layout_shape(config, pipe_len, world_size, pipe_len)
@@ -307,7 +347,9 @@ def choose_initial_pipe_len(
         if budget is None or peaks[pipe_len] <= budget:
             return pipe_len
     if PlanContext.prices(config):
-        plan = balance(costs, 0, 1, config.autopipe.partition_method)
+        plan = balance(
+            costs, 0, 1, config.autopipe.partition_method, frozen_embedding=config.embedding_frozen
+        )
         if sharded_micro_batches(config, memory, plan, budget, world_size) is not None:
             return candidates[-1]
     described = ", ".join(f"K={k}: {format_bytes(v)}" for k, v in peaks.items())
@@ -360,6 +402,7 @@ class PlanContext:
         initial = choose_initial_pipe_len(config, costs, memory, budget_bytes, world.world_size)
         config = resolve(config, world, initial_pipe_len=initial)
         check_virtual_stages(config, costs.num_units, initial)
+        _require_configured_fit(config, costs, memory, world.world_size)
         if config.pipeline.sharding == "always" and budget_bytes is not None:
             _require_sharded_fit(config, costs, memory, budget_bytes, world.world_size)
         fits = None
@@ -368,6 +411,13 @@ class PlanContext:
             def fits(plan: PipelinePlan) -> bool:
                 shape = _layout_shape(config, plan.pipe_len, world.world_size, initial)
                 return memory.fits(plan, shape, budget_bytes)
+
+        peak_bytes = None
+        if config.autopipe.compression == "memory":
+
+            def peak_bytes(plan: PipelinePlan) -> float:
+                shape = _layout_shape(config, plan.pipe_len, world.world_size, initial)
+                return max(memory.peak_bytes(plan, shape))
 
         planner = AutoPipePlanner(
             costs,
@@ -378,6 +428,7 @@ class PlanContext:
             frozen_embedding=config.embedding_frozen,
             schedule=config.pipeline.schedule,
             virtual_stages=config.pipeline.virtual_stages,
+            peak_bytes=peak_bytes,
         )
         source = "profile" if profile is not None else "params"
         return cls(config, spec, world, costs, memory, source, budget_bytes, planner)

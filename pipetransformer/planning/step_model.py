@@ -31,9 +31,11 @@ One optimizer step of a layout (K stages, M micro-batches of m samples, R replic
               on, and the schedule lets it sync on the last micro-batch only) what that
               micro-batch's backward of the stage hides is not added, never the last
               bucket's share: the same treatment as a sharded layout's collectives below.
-              Not under zero_bubble: its rank averages the gradients itself after the
-              step (pipe/gradient_sync.py: torch's split backward bypasses DDP), so the
-              all-reduce adds in full
+              Not under zero_bubble: its rank averages each chunk's gradients itself,
+              started after that chunk's last weight gradient (pipe/gradient_sync.py:
+              torch's split backward bypasses DDP), which only the rank's later weight
+              gradients can hide: added in full until a GPU measures what they hide
+              (benchmarks/zero_bubble_sync.py)
     optimizer AdamW / SGD touch each trained parameter's bytes about 7 / 4 times (parameter,
               gradient, state read and written): bytes / the device's memory bandwidth
     overhead  what a step costs beyond its units' kernels (Python, the schedule, the loss,
@@ -231,7 +233,8 @@ def predict_step(
         )
     hidden = 0.0
     # A split backward (zero_bubble) writes the weight gradients past DDP: its rank averages
-    # them after the step (pipe/gradient_sync.py), where nothing hides the all-reduce.
+    # each chunk's after its last weight gradient (pipe/gradient_sync.py), behind what is
+    # left of the step at most: priced in full until measured on a GPU.
     after_step = runs is not None and SCHEDULE_PROPERTIES[runs].split_backward
     if overlap and allreduce > 0 and not after_step:
         backward = max(

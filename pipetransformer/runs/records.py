@@ -342,6 +342,9 @@ class TransitionEvent(Event):
     release_s: float = 0.0  # of state_move_s: dropping the old runtime and optimizer
     groups_s: float = 0.0
     profile_s: float = 0.0
+    # trainer.compile: compiling the new layout's graphs before its first step, the ranks
+    # agreeing they are done (pipe/warmup.py)
+    compile_s: float = 0.0
     rebuild_s: float = 0.0
     total_s: float = 0.0
     old_sharded: bool = False

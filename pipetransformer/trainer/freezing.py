@@ -22,6 +22,7 @@ functions do) or carry out a transition (the trainer does).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipetransformer.anneal import (
@@ -38,11 +39,12 @@ from pipetransformer.freeze import (
     PLAN,
     TRANSITION_TIME_SHARE,
     DecisionSchedule,
-    FreezeDecider,
     FreezeOutcome,
+    fewest_that_pay,
     min_interval_for,
     signal_fraction,
 )
+from pipetransformer.freeze_signal import FreezeDriver
 from pipetransformer.runs.records import CadenceEvent, FreezeDecisionEvent
 from pipetransformer.runs.state import RunState
 from pipetransformer.trainer.clock import StepClock, Tick
@@ -100,7 +102,10 @@ class FreezeControl:
         """`clock`: the run's, which layer-wise annealing reads its places from (without it
         the run does not anneal)."""
         self.config = config
-        self.decider = FreezeDecider(config.freeze, num_layers)
+        # The decision driver the integrations share (freeze_signal.py); the run state keeps
+        # what it carries from one decision to the next.
+        self.driver = FreezeDriver(config.freeze, num_layers, state)
+        self.decider = self.driver.decider
         self.steps_per_epoch = steps_per_epoch
         self.state = state  # decision_index, min_decision_interval, previous_layer_grad_norms
         self.metrics = metrics
@@ -230,29 +235,27 @@ class FreezeControl:
         dp_degree: int,
         unit_momentum_sq: list[float] | None = None,
         unit_grad_sums: tuple[list[float], int] | None = None,
+        pays: Callable[[int], bool] | None = None,
     ) -> Decision:
         """The decision at this point (collective); starts the next interval.
         `unit_momentum_sq`: per unit, ||m||^2 of the optimizer's moving average of gradients
         summed over the ranks (replicas counted once): signal_to_noise reads it.
         `unit_grad_sums`: per unit, the L1 norm of the gradient summed over the interval
         (over the whole model, replicas counted once), and the steps the sum holds:
-        autofreeze reads it."""
-        self.state.decision_index += 1
+        autofreeze reads it. `pays`: whether freezing that many layers changes the layout
+        (fewer stages or more replicas; the same on every rank), which freeze.memory_aware
+        reads."""
         signal = self.metrics.freeze_signal(dp_degree, with_norms=self.needs_grad_norms)
         fractions = sums = None
         if self.needs_momentum:
             fractions = self._signal_fractions(signal.layer_grad_norms, unit_momentum_sq)
         if self.needs_grad_sums:
             sums = self._layer_grad_sums(*unit_grad_sums)
-        outcome = self.decider.outcome(
-            self.state.decision_index,
-            num_frozen_layers,
-            signal.layer_grad_norms,
-            self.state.previous_layer_grad_norms,
-            fractions,
-            sums,
-            self.state.previous_layer_grad_sums,
-        )
+        outcome = self.driver.outcome(num_frozen_layers, signal.layer_grad_norms, fractions, sums)
+        if self.config.freeze.memory_aware:
+            if pays is None:
+                raise ValueError("freeze.memory_aware needs the layouts' `pays`")
+            outcome = fewest_that_pay(outcome, num_frozen_layers, pays)
         decided, decided_by, planned = outcome.num_frozen_layers, outcome.decided_by, None
         if self.plan is not None:
             # The layers whose rate reached zero freeze; more if the rule says so (anneal.py).
@@ -263,12 +266,7 @@ class FreezeControl:
         self.control.agree(decided, "num_frozen_layers")
         if self.plan is not None:
             self.plan = self._replan(decided, self.plan)
-        if signal.layer_grad_norms is not None:
-            self.state.previous_layer_grad_norms = list(signal.layer_grad_norms)
-        if sums is not None:
-            self.state.previous_layer_grad_sums = sums
-        counts = self.state.decided_by
-        counts[decided_by] = counts.get(decided_by, 0) + 1
+        self.driver.record(decided_by, signal.layer_grad_norms, sums)
         return Decision(
             decided,
             signal.layer_grad_norms,
@@ -292,7 +290,7 @@ class FreezeControl:
         if self.control.rank == 0:
             logger.info(
                 "decision %d: accumulated gradient (L1 per step, %d steps) %s",
-                self.state.decision_index,
+                self.state.decision_index + 1,  # the one being taken
                 steps,
                 " ".join(f"{v:.4g}" for v in sums),
             )
@@ -316,7 +314,7 @@ class FreezeControl:
         if self.control.rank == 0:
             logger.info(
                 "decision %d: signal share of each layer's gradient %s (freeze below %g)",
-                self.state.decision_index,
+                self.state.decision_index + 1,  # the one being taken
                 " ".join(f"{f:.3f}" for f in fractions),
                 self.config.freeze.signal_threshold,
             )

@@ -3,7 +3,8 @@
 Three intervals are counted: the step log (`trainer.log_interval_steps`: loss and samples
 per second to steps.jsonl), the epoch (loss, training seconds, transitions, DDP
 communication: one line of metrics.jsonl) and the freeze decision interval (per-unit
-squared gradient norms, steps, training seconds: the freeze signal). Per-step values stay
+squared gradient norms, steps, training seconds: the freeze signal, its sums kept by
+freeze_signal.py's `GradNormInterval`, which the integrations share). Per-step values stay
 on the device (no host synchronisation in a step); they are reduced over the ranks, on the
 control group, only when logged, at an epoch's end, at a decision and for a checkpoint.
 
@@ -18,7 +19,6 @@ happens (the clock and the freeze control do) or compute what it counts (the ste
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass
 
@@ -26,12 +26,12 @@ import torch
 
 from pipetransformer.autodp.control import Control
 from pipetransformer.autodp.topology import Layout
+from pipetransformer.freeze_signal import GradNormInterval
 from pipetransformer.pipe.timing import IntervalTimer
 from pipetransformer.runs.records import CacheCounters, EpochMetrics, EvalResult, StepMetrics
 from pipetransformer.runs.reporting import Reporter
 from pipetransformer.runs.state import RunState
 from pipetransformer.trainer.clock import Tick
-from pipetransformer.utils.units import layer_of_unit
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,12 @@ class MetricsTracker:
         self.comm_timer = IntervalTimer(device)
         self._reset_log(time.perf_counter())
         self._reset_epoch()
-        self._reset_decision()
+        # The decision interval: the freeze signal's bookkeeping, shared with the
+        # integrations (freeze_signal.py), and the interval's training seconds.
+        self.grad_norms = GradNormInterval(
+            num_layers, device, carried.interval_grad_sq, carried.interval_steps
+        )
+        self._decision_train_s = 0.0
         # Sums of intervals begun in an earlier attempt, already reduced over the ranks.
         self._carried_epoch = (
             carried.epoch_loss_sum,
@@ -96,9 +101,6 @@ class MetricsTracker:
             carried.epoch_transition_s,
             carried.epoch_comm_s,
         )
-        grad_sq = carried.interval_grad_sq
-        self._carried_grad_sq = list(grad_sq) if len(grad_sq) == num_units else [0.0] * num_units
-        self._carried_steps = carried.interval_steps
         self._epoch_padded_tokens = carried.epoch_padded_tokens
         self._epoch_eval_s = carried.epoch_eval_s
         carried.epoch_eval_s = 0.0
@@ -127,10 +129,7 @@ class MetricsTracker:
         self._bar_epoch: int | None = None
 
     def _reset_decision(self) -> None:
-        self._carried_grad_sq = [0.0] * self.num_units
-        self._carried_steps = 0
-        self._grad_sq = torch.zeros(self.num_units, dtype=torch.float64, device=self.device)
-        self._decision_steps = 0
+        self.grad_norms.reset()
         self._decision_train_s = 0.0
         self.step_timer.take()
 
@@ -148,11 +147,9 @@ class MetricsTracker:
         if result.replica_loss is not None:
             self._log_loss += result.replica_loss
             self._epoch_loss += result.replica_loss
-        if result.unit_grad_sq is not None:
-            self._grad_sq += result.unit_grad_sq
+        self.grad_norms.add(result.unit_grad_sq)
         self._log_samples += result.samples
         self._epoch_padded_tokens += result.padded_tokens
-        self._decision_steps += 1
         self.step_timer.add(*result.marks)
         layout = result.layout
         self.reporter.step(
@@ -183,7 +180,7 @@ class MetricsTracker:
 
     @property
     def steps_since_decision(self) -> int:
-        return self._carried_steps + self._decision_steps
+        return self.grad_norms.steps
 
     # ------------------------------------------------------------------ reporting
 
@@ -287,24 +284,13 @@ class MetricsTracker:
         """The decision interval's signal (collective when `with_norms`); starts the next
         interval. Norms: per layer, the RMS over the interval's steps of the gradient norm,
         reduced over the replicas (which hold the same, DDP-averaged, gradients)."""
-        steps = self.steps_since_decision
-        norms = None
-        if with_norms:
-            totals = self._grad_squares(dp_degree)
-            per_layer = [0.0] * self.num_layers
-            for unit, value in enumerate(totals):
-                layer = layer_of_unit(unit, self.num_layers)
-                if layer is not None:
-                    per_layer[layer] += value
-            norms = [math.sqrt(v / max(1, steps)) for v in per_layer]
+        interval = self.grad_norms
+        norms = interval.layer_norms(self.control.all_sum, dp_degree) if with_norms else None
         self._drain_timers()
-        signal = FreezeSignal(norms, steps, self._decision_train_s / max(1, self._decision_steps))
+        step_s = self._decision_train_s / max(1, interval.counted)
+        signal = FreezeSignal(norms, interval.steps, step_s)
         self._reset_decision()
         return signal
-
-    def _grad_squares(self, dp_degree: int) -> list[float]:
-        live = self.control.all_sum(self._grad_sq) / dp_degree
-        return [carried + float(value) for carried, value in zip(self._carried_grad_sq, live)]
 
     def snapshot(self, state: RunState, dp_degree: int) -> RunState:
         """`state` as a checkpoint holds it: with the partial sums of the epoch and of the
@@ -318,6 +304,6 @@ class MetricsTracker:
             epoch_comm_s=comm,
             epoch_padded_tokens=self._epoch_padded_tokens,
             epoch_eval_s=self._epoch_eval_s,
-            interval_grad_sq=self._grad_squares(dp_degree),
+            interval_grad_sq=self.grad_norms.unit_squares(self.control.all_sum, dp_degree),
             interval_steps=self.steps_since_decision,
         )

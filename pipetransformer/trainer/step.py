@@ -68,13 +68,26 @@ def step_seq_length(
     length = dataset.batch_length(ids)
     if length is None:
         return None
-    bucketed = layout.pipe_len > 1
     length = run_length(config, layout.pipe_len, length)
     if config.data.padding not in ("packed", "auto"):
         return length
     samples = len(ids) // layout.plan.num_micro_batches
-    shape = packed_shape([dataset.lengths[i] for i in ids], samples, length, bucketed)
-    if config.data.padding == "auto" and not packing_pays(shape, length, len(ids)):
+    lengths = [dataset.lengths[i] for i in ids]
+    return batch_shape(config, lengths, samples, length, bucketed=layout.pipe_len > 1)
+
+
+def batch_shape(
+    config: Config, lengths: Sequence[int], samples: int, length: int, bucketed: bool
+) -> int | PackedShape:
+    """A batch of samples of real lengths `lengths`, padded to `length`, in micro-batches of
+    `samples`: `length`, or under data.padding packed (auto: where packing pays) its packed
+    shape. A micro-batch of one sample is never packed (one row: the padded batch itself,
+    and for compiled units a graph of its own), nor, compiled, into one row."""
+    if config.data.padding not in ("packed", "auto") or samples < 2:
+        return length
+    min_rows = 2 if config.trainer.compile else 1
+    shape = packed_shape(lengths, samples, length, bucketed, min_rows)
+    if config.data.padding == "auto" and not packing_pays(shape, length, len(lengths)):
         return length
     return shape
 
@@ -130,11 +143,9 @@ def padded_length_share(
     for ids in batches:
         shape = run_length(config, pipe_len, train.batch_length(ids))
         samples = len(ids) // num_micro_batches
-        if config.data.padding in ("packed", "auto") and samples and len(ids) % samples == 0:
+        if samples and len(ids) % samples == 0:
             lengths = [train.lengths[i] for i in ids]
-            packed = packed_shape(lengths, samples, shape, bucketed=pipe_len > 1)
-            if config.data.padding == "packed" or packing_pays(packed, shape, len(ids)):
-                shape = packed
+            shape = batch_shape(config, lengths, samples, shape, bucketed=pipe_len > 1)
         tokens += batch_tokens(shape, len(ids))
     return tokens / (len(order) * config.data.max_seq_length)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,12 +34,13 @@ from pipetransformer.autodp.groups import (
 )
 from pipetransformer.autodp.handoff import plan_transfers
 from pipetransformer.autodp.topology import Layout
-from pipetransformer.config import Config, frozen_random_embedding, resolve
+from pipetransformer.config import Config, random_embedding_warning, resolve, resolve_padding
 from pipetransformer.data import build_data
 from pipetransformer.data.describe import describe_bundle
 from pipetransformer.fsdp import shard_optimizer_states
 from pipetransformer.models import build_model
 from pipetransformer.models.compiled import compile_units
+from pipetransformer.models.packed import packed_refusal
 from pipetransformer.pipe import StageRuntime
 from pipetransformer.pipe.prefix import CachedPrefix
 from pipetransformer.pipe.timing import IntervalTimer
@@ -73,8 +75,8 @@ from pipetransformer.trainer.distributed import WorldInfo, init_distributed, pea
 from pipetransformer.trainer.evaluation import Evaluator
 from pipetransformer.trainer.freezing import FreezeControl
 from pipetransformer.trainer.metrics import MetricsTracker
-from pipetransformer.trainer.run_plan import plan_run
-from pipetransformer.trainer.runtime import build_runtime
+from pipetransformer.trainer.run_plan import measured_micro_batches, plan_run
+from pipetransformer.trainer.runtime import build_runtime, warm_up_layout
 from pipetransformer.trainer.statefuls import checkpoint_statefuls, seed_streams
 from pipetransformer.trainer.step import (
     Batches,
@@ -163,21 +165,20 @@ class Trainer:
             seed=config.trainer.seed,
             model_name_or_path=config.model.model_name_or_path,
         )
-        if self.world.rank == 0:  # what it read: before an epoch shows a wrong column
-            logger.info("data: %s", describe_bundle(self.data))
-            if frozen_random_embedding(config):
-                logger.warning(
-                    "freeze.embedding: the embedding is frozen from the first step but the "
-                    "model starts from random weights (no model.model_name_or_path, "
-                    "model.pretrained or model.checkpoint_path), so it will never train; "
-                    "set freeze.embedding=auto (the default), or name pretrained weights"
-                )
         self.task = task_for(
             self.data.task, self.data.num_classes, config.data.metric, len(self.data.eval)
         )
         self.model_args = self.data.model_args()
         self.skeleton = build_model(config.model, device="meta", **self.model_args)
         self.spec = self.skeleton.spec
+        # Packed text needs units that run it under the model's attention (models/packed.py).
+        self.config, padding_note = resolve_padding(config, packed_refusal(self.skeleton))
+        config = self.config
+        if self.world.rank == 0:  # what it read: before an epoch shows a wrong column
+            note = f"; {padding_note}" if padding_note else ""
+            logger.info("data: %s%s", describe_bundle(self.data), note)
+            if (warning := random_embedding_warning(config)) is not None:
+                logger.warning(warning)
         if resumption is not None:
             self.state = resumption.state(self.spec)
         # Same seed on every rank: the full model is initialised identically everywhere
@@ -302,6 +303,8 @@ class Trainer:
         the profiling seconds it took over (unit costs, micro-batches)."""
         times: dict[str, float] = {}
         self.stage = self._enter(layout, units, {}, times)
+        if "compile_s" in times and self.world.rank == 0:
+            logger.info("compiled the first layout's units in %.1f s", times["compile_s"])
         if resumption is not None:
             started = time.perf_counter()
             same_world = resumption.world_size == self.world.world_size
@@ -387,7 +390,17 @@ class Trainer:
                     p.grad = None
         if self.config.trainer.compile:  # units not compiled yet: those that arrived
             compile_units(units.values(), self.config.trainer.compile_backend, self.spec.text)
-        layout = self._resolve_micro_batches(layout, units, groups)
+            times["compile_s"] = warm_up_layout(  # every graph, before any step (collective)
+                layout,
+                self.world,
+                self.config,
+                units,
+                self.spec,
+                self.control,
+                one_sample=self.cache_serves(frozen),
+            )
+        trial = self._trial_step(units, groups)
+        layout = measured_micro_batches(layout, self.config, self.profiler, trial)
         times["profile_s"] = self.profiler.take_seconds()
         started = time.perf_counter()
         runtime = self._runtime(layout, units, groups, comm_timer=self.metrics.comm_timer)
@@ -425,20 +438,13 @@ class Trainer:
             layout, self.world, self.config, units, groups, self.spec, self.task.loss_fn, comm_timer
         )
 
-    def _resolve_micro_batches(
-        self, layout: Layout, units: dict[int, nn.Module], groups: TrainingGroups
-    ) -> Layout:
-        """For num_micro_batches 'measured': the measured fastest M of this layout
-        (collective). 'auto' and an int were set by the plan from the config alone."""
-        if self.config.pipeline.num_micro_batches != "measured" or layout.sharded:
-            return layout  # a sharded layout's M is the fewest that fit (planning/context.py)
-        replica_batch = self.config.trainer.replica_batch_size(layout.dp_degree)
-        # A step at the position the run continues from (the last one for a finished run).
+    def _trial_step(self, units: dict[int, nn.Module], groups: TrainingGroups):
+        """A step of a trial layout to time (run_plan.py `measured_micro_batches`) where the
+        run continues (the last step for a finished run), leaving no gradients behind."""
         epoch = min(self.state.epoch, self.config.trainer.epochs - 1)
         step = min(self.state.step_in_epoch, self.sampler.steps_per_epoch - 1)
 
-        def measure_step(m: int):
-            trial = layout.with_micro_batches(m)
+        def step_of(trial: Layout) -> Callable[[], None]:
             runtime = self._runtime(trial, units, groups)
             if runtime is None:
                 return lambda: None
@@ -451,8 +457,7 @@ class Trainer:
 
             return run
 
-        m = self.profiler.micro_batches(layout.pipe_len, replica_batch, measure_step)
-        return layout.with_micro_batches(m)
+        return step_of
 
     # ------------------------------------------------------------------ training
 
@@ -524,7 +529,7 @@ class Trainer:
             else None
         )
         decision = self.freezer.decide(
-            layout.plan.num_frozen_layers, layout.dp_degree, momentum, sums
+            layout.plan.num_frozen_layers, layout.dp_degree, momentum, sums, self._pays(layout)
         )
         self.reporter.event(
             decision.event(layout.plan.num_frozen_layers, self.state.decision_index, tick)
@@ -539,11 +544,23 @@ class Trainer:
             layout.sharded,
         ):
             record = self.transition(decision.num_frozen_layers, decision.layer_grad_norms, tick)
-            cadence = self.freezer.space(
-                record.total_s - record.profile_s, decision.step_s, tick.global_step
+            cadence = self.freezer.space(  # less its one-off measuring and compiling
+                record.total_s - record.profile_s - record.compile_s,
+                decision.step_s,
+                tick.global_step,
             )
             if cadence is not None:
                 self.reporter.event(cadence)
+
+    def _pays(self, layout: Layout) -> Callable[[int], bool]:
+        """Whether freezing that many layers moves the run out of `layout` into fewer stages
+        or more replicas (freeze.memory_aware); planned, not measured: the same on every rank."""
+
+        def pays(num_frozen_layers: int) -> bool:
+            new = self.layout_for(num_frozen_layers, layout.pipe_len, layout)
+            return new.pipe_len < layout.pipe_len or new.dp_degree > layout.dp_degree
+
+        return pays
 
     def unit_momentum_sq(self) -> list[float]:
         """Per unit, ||m||^2 of the optimizer's moving average of gradients over the whole

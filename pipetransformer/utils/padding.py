@@ -136,17 +136,22 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
 
 
 def packed_shape(
-    lengths: Sequence[int], samples: int, row_length: int, bucketed: bool
+    lengths: Sequence[int], samples: int, row_length: int, bucketed: bool, min_rows: int = 1
 ) -> PackedShape:
     """The shape of a batch of samples of real lengths `lengths` (in batch order) packed in
     micro-batches of `samples` consecutive samples into rows of `row_length` tokens: the
-    most rows any micro-batch needs, rounded up to a row bucket when `bucketed` (a
-    pipeline of several stages)."""
+    most rows any micro-batch needs, at least `min_rows` (at most `samples`: compiled units
+    take no packed micro-batch of one row, whose size-1 dimension would be a graph of its
+    own: models/compiled.py), rounded up to a row bucket when `bucketed` (a pipeline of
+    several stages)."""
     if not lengths or len(lengths) % samples:
         raise ValueError(f"{len(lengths)} samples do not split into micro-batches of {samples}")
     rows = max(
-        len(first_fit_decreasing(lengths[start : start + samples], row_length))
-        for start in range(0, len(lengths), samples)
+        min(min_rows, samples),
+        *(
+            len(first_fit_decreasing(lengths[start : start + samples], row_length))
+            for start in range(0, len(lengths), samples)
+        ),
     )
     if bucketed:
         rows = next(b for b in row_buckets(samples) if b >= rows)

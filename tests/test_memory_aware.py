@@ -1,0 +1,71 @@
+"""freeze.memory_aware: of the layers the rule would freeze, only the fewest that change the
+layout (fewer stages or more replicas), none where no count the rule allows does; decided
+from the planned layouts, so a run makes the same decisions as a run told those counts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import run_workers
+from reference import elastic_config, step_losses
+from workers import elastic_runs
+
+from pipetransformer.config import ConfigError, World, config_from_dict
+from pipetransformer.freeze import AGREE, BOUND, LAYOUT, FreezeOutcome, fewest_that_pay
+from pipetransformer.planning.context import PlanContext, describe_model
+
+
+def test_fewest_that_pay_takes_the_smallest_paying_count_up_to_the_rules():
+    wants_five = FreezeOutcome(5, 5, 5, 5, AGREE)
+    packs_from = lambda first: lambda count: count >= first  # noqa: E731
+    assert fewest_that_pay(wants_five, 1, packs_from(3)) == FreezeOutcome(3, 5, 5, 5, LAYOUT)
+    # Nothing up to the rule's count pays: nothing freezes, and the layout said so.
+    held = fewest_that_pay(FreezeOutcome(2, 4, 2, 5, BOUND), 0, packs_from(3))
+    assert (held.num_frozen_layers, held.decided_by, held.proposed) == (0, LAYOUT, 4)
+    # The rule's own count is the first that pays: the rule's outcome, unchanged.
+    assert fewest_that_pay(wants_five, 2, packs_from(5)) == wants_five
+    # A rule that freezes nothing more asks nothing.
+    unchanged = FreezeOutcome(2, 2, 3, 5, AGREE)
+    assert fewest_that_pay(unchanged, 2, lambda count: pytest.fail("asked")) == unchanged
+
+
+def test_memory_aware_refuses_layerwise_annealing():
+    with pytest.raises(ConfigError, match="optimizer.layerwise_anneal: freeze.memory_aware"):
+        config_from_dict(
+            {
+                "freeze": {"strategy": "manual", "manual_schedule": [1], "memory_aware": True},
+                "optimizer": {"layerwise_anneal": True},
+            }
+        )
+
+
+def ground(**changes) -> dict:
+    """2 ranks from a 2-stage pipeline that packs into 1 stage x 2 replicas at 4 frozen
+    layers of 6 (Eq. 2 on parameter sizes); decisions at the ends of epochs 1 and 2."""
+    return elastic_config(trainer__nproc_per_node=2, pipeline__initial_pipe_len=2, **changes)
+
+
+def test_a_memory_aware_run_freezes_only_where_the_pipeline_packs(tmp_path):
+    """The rule asks for 3 then 5 layers: 3 packs nothing (nothing freezes), 4 is the fewest
+    that packs (4 freeze, not 5). The run equals, loss for loss, a run told 0 then 4."""
+    aware = ground(freeze__manual_schedule=[3, 5], freeze__memory_aware=True)
+    config = config_from_dict(aware)
+    plan = PlanContext.build(config, describe_model(config), World(2, 2))
+    packs = [plan.layout_for(count, 2).pipe_len == 1 for count in range(6)]
+    assert packs == [False] * 4 + [True] * 2
+    told = ground(freeze__manual_schedule=[0, 4])
+    results = run_workers(elastic_runs, 2, [("aware", aware), ("told", told)], str(tmp_path))
+    events = [json.loads(line) for line in (tmp_path / "aware" / "events.jsonl").open()]
+    decisions = [e for e in events if e["kind"] == "freeze_decision"]
+    assert [(d["new_num_frozen_layers"], d["decided_by"]) for d in decisions] == [
+        (0, LAYOUT),
+        (4, LAYOUT),
+    ]
+    layouts = [
+        (m["num_frozen_layers"], m["pipe_len"], m["dp_degree"])
+        for m in map(json.loads, (tmp_path / "aware" / "metrics.jsonl").open())
+    ]
+    assert layouts == [(0, 2, 1), (0, 2, 1), (4, 1, 2)]
+    assert step_losses(tmp_path / "aware") == step_losses(tmp_path / "told")
+    assert results[0]["aware"]["summary"]["final_num_frozen_layers"] == 4
