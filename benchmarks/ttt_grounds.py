@@ -251,7 +251,7 @@ def workload(args: argparse.Namespace) -> list[str]:
 def peer_overrides(setting: Setting, common: list[str]) -> dict[str, list[str]]:
     """Every peer of the setting (its refused ones too), as `compare --peers` runs it after
     the setting's own overrides; the frozen-embedding ones with the embedding frozen from
-    the first step and no layer after it (compare/runner.py)."""
+    the first step and no layer after it (compare/variants.py)."""
     config = load_config(str(setting.config), common)
     peers = variant_overrides(config, ablations=False, peers=True)
     peers.setdefault(DDP_FROZEN_EMBEDDING, frozen_embedding_overrides(peers[DDP]))
