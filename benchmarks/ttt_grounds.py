@@ -15,7 +15,7 @@ from pathlib import Path
 from harness import ROOT, minilm_sst2
 
 from pipetransformer.compare.report import BASELINE, DDP, DDP_FROZEN_EMBEDDING, FSDP, TITLES
-from pipetransformer.compare.runner import frozen_embedding_overrides, variant_overrides
+from pipetransformer.compare.variants import frozen_embedding_overrides, variant_overrides
 from pipetransformer.config import load_config
 
 MIB = 2**20
@@ -251,7 +251,7 @@ def workload(args: argparse.Namespace) -> list[str]:
 def peer_overrides(setting: Setting, common: list[str]) -> dict[str, list[str]]:
     """Every peer of the setting (its refused ones too), as `compare --peers` runs it after
     the setting's own overrides; the frozen-embedding ones with the embedding frozen from
-    the first step and no layer after it (compare/runner.py)."""
+    the first step and no layer after it (compare/variants.py)."""
     config = load_config(str(setting.config), common)
     peers = variant_overrides(config, ablations=False, peers=True)
     peers.setdefault(DDP_FROZEN_EMBEDDING, frozen_embedding_overrides(peers[DDP]))

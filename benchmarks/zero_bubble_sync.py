@@ -117,8 +117,8 @@ def worker(args, variant: str, check: bool) -> dict:
     from pipetransformer.autopipe.planner import UnitCosts, balance
     from pipetransformer.models import unit_param_names
     from pipetransformer.pipe import build_stage_runtime
+    from pipetransformer.tasks import ClassificationTask, loss_weights
     from pipetransformer.trainer.distributed import init_distributed
-    from pipetransformer.trainer.tasks import ClassificationTask, loss_weights
 
     world = init_distributed(args.device, 300)
     torch.manual_seed(0)

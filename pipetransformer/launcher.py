@@ -6,7 +6,7 @@ rendezvous), watching the workers, and turning what happened to them into one ou
 - all finished: their results;
 - one failed (an exception, a signal such as SIGKILL, the out-of-memory killer): the others
   are ended at once (they cannot go on without it) and `WorkerFailed` names the first
-  failure;
+  failure and carries its exception (a typed refusal reads as such);
 - SIGINT / SIGTERM reached this process: it is forwarded to every worker, which finishes
   its step, writes a checkpoint and stops; `LaunchInterrupted` carries where. A second
   signal kills the workers at once.
@@ -60,7 +60,13 @@ def free_port() -> int:
 
 
 class WorkerFailed(RuntimeError):
-    pass
+    """A worker failed: the message names the first rank that did and its error's first
+    line; `error` is that exception itself where it could be carried back (pickled), so
+    that a caller tells a typed refusal from a failure without reading the message."""
+
+    def __init__(self, message: str, error: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.error = error
 
 
 class LaunchInterrupted(Exception):
@@ -120,6 +126,10 @@ def _worker_entry(
         (status / f"rank{local_rank}.err").write_text(
             f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         )
+        try:
+            (status / f"rank{local_rank}.exception").write_bytes(pickle.dumps(exc))
+        except Exception:  # an exception that does not pickle is reported by its text only
+            pass
         _exit_now(1)
     (status / f"rank{local_rank}.result").write_bytes(pickle.dumps(result))
     _exit_now(0)
@@ -209,7 +219,19 @@ def launch_local(
             raise LaunchInterrupted(received[0] if received else run_stopped.signum, run_stopped)
         if received:
             raise LaunchInterrupted(received[0], None)
-        raise WorkerFailed(failure or "a worker exited without a result")
+        if failure is None:
+            raise WorkerFailed("a worker exited without a result")
+        raise WorkerFailed(failure, _worker_exception(status, failure))
+
+
+def _worker_exception(status: Path, failure: str) -> BaseException | None:
+    """The exception of the rank `failure` names (`_describe`), where it pickled."""
+    rank = failure.partition(":")[0]
+    path = status / f"{rank}.exception"
+    try:
+        return pickle.loads(path.read_bytes()) if path.is_file() else None
+    except Exception:  # a class that cannot be rebuilt here: the message still says it
+        return None
 
 
 def _watch(processes: list, status: Path) -> str | None:

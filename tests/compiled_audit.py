@@ -150,7 +150,7 @@ class GraphAudit:
 def forward_graphs_on(device: torch.device, call) -> list[Graph]:
     """The graphs of `call()` compiled for inference (autograd off) with inductor's
     decompositions, on fake tensors of `device` (a CUDA device on a machine without one: the
-    backward cannot be traced there, PYTORCH_NOTES.md); `call(backend)` compiles and runs."""
+    backward cannot be traced there, docs/pytorch.md); `call(backend)` compiles and runs."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.decomposition import select_decomp_table
 

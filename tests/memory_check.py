@@ -22,9 +22,9 @@ from pipetransformer.config import config_from_dict
 from pipetransformer.models import build_model, unit_param_names
 from pipetransformer.pipe import build_stage_runtime
 from pipetransformer.pipe.measure import bytes_in_use, measure_unit_costs, peak_bytes
+from pipetransformer.tasks import ClassificationTask, loss_weights
 from pipetransformer.trainer import optim as optim_module
 from pipetransformer.trainer.distributed import init_distributed
-from pipetransformer.trainer.tasks import ClassificationTask, loss_weights
 
 
 def _training_step(

@@ -1,6 +1,7 @@
 """The elastic tests' reference: a plain single-process loop over the same global batches,
 freezing the same layers at the same points, and the config those tests share."""
 
+import copy
 import json
 import math
 
@@ -68,7 +69,27 @@ def step_losses(run_dir) -> list[float]:
     return [r["loss"] for r in records]
 
 
+# Sections and keys reference_run never reads: runs of configs that differ only there (the
+# world, the layouts, checkpoints, the cache) share one reference, computed once a session.
+_UNREAD = ("pipeline", "checkpoint", "cache", "autopipe", "autodp", "logging")
+_UNREAD_TRAINER = ("nproc_per_node", "record_sample_ids", "log_interval_steps", "progress_bar")
+_REFERENCES: dict[str, tuple] = {}
+
+
 def reference_run(config, num_nodes: int = 1, replicas_per_node=None):
+    """`_reference_run`, once per session for each config that differs where it reads
+    (a copy each time: callers may change what they get)."""
+    if replicas_per_node is not None:  # a function: no key
+        return _reference_run(config, num_nodes, replicas_per_node)
+    data = {k: v for k, v in config.to_dict().items() if k not in _UNREAD}
+    data["trainer"] = {k: v for k, v in data["trainer"].items() if k not in _UNREAD_TRAINER}
+    key = json.dumps([data, num_nodes], sort_keys=True, default=str)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference_run(config, num_nodes)
+    return copy.deepcopy(_REFERENCES[key])
+
+
+def _reference_run(config, num_nodes: int = 1, replicas_per_node=None):
     """Single process, whole model, same batches, same freeze points (a classification
     task: images or text, each global batch padded as data.padding pads a batch). With
     several nodes a global batch is every node's batch of the step (each node samples its

@@ -270,14 +270,14 @@ def test_resume_mid_epoch_at_another_world_size_keeps_every_sample_once(tmp_path
 
 
 def test_compare_leaves_out_the_ideal_speedup_under_a_growing_batch():
-    from pipetransformer.compare.runner import measured_unit_costs
+    from pipetransformer.compare.outputs import measured_unit_costs
 
     # The ideal model counts a fixed number of steps an epoch: nothing is measured for it.
     assert measured_unit_costs(config_from_dict(per_replica_config())) is None
 
 
 def test_compare_peers_train_the_baselines_global_batch():
-    from pipetransformer.compare.runner import variant_overrides
+    from pipetransformer.compare.variants import variant_overrides
     from pipetransformer.config import apply_overrides
 
     config = config_from_dict(per_replica_config())  # 4 processes, a 4-stage baseline: R = 1

@@ -38,8 +38,8 @@ def run(tmp_path, name, *overrides):
         ROOT / "configs" / "quickstart.yaml",
         [
             "trainer.epochs=4",
-            "data.train_subset=384",
-            "data.eval_subset=96",
+            "data.train_subset=192",
+            "data.eval_subset=48",
             "freeze.strategy=manual",
             "freeze.manual_schedule=[3,5]",
             "freeze.warmup_epochs=0",
@@ -67,7 +67,7 @@ def test_cached_training_matches_recomputing_and_shares_entries(tmp_path):
     for a, b in zip(plain, cached):
         assert abs(a["eval_metric"] - b["eval_metric"]) <= 0.01 + 1e-9
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-3)
-    samples = 384 + 96
+    samples = 192 + 48
     assert cached[0]["cache_hits"] + cached[0]["cache_misses"] == 0  # nothing frozen yet
     assert cached[1]["cache_misses"] >= samples  # F = 3: every train and eval sample once
     # F = 5 with a new replica: the new first stage finds the other replica's entries

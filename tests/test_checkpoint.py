@@ -297,9 +297,10 @@ def test_resume_at_another_world_size_matches_single_process(
     if first == 4:  # the shared run is this first run
         assert config(4) == elastic_full_run.config_dict
         first_dir = elastic_full_run.run_dir
-    else:
+    else:  # only its step-7 checkpoint is read: it stops at the next one (killed writing it)
         first_dir = tmp_path / "first"
-        run_workers(elastic_run, first, config(first), str(first_dir))
+        with pytest.raises(WorkerFailed, match="SIGKILL"):
+            run_workers(checkpoint_killed_half_way, first, config(first), str(first_dir), 10)
     resumed_dir = tmp_path / "resumed"
     continue_from(first_dir, resumed_dir, 7)  # after epoch 1 and the 0 -> 3 transition
     results = run_workers(elastic_run, second, config(second), str(resumed_dir), False, RESUME)
@@ -326,21 +327,22 @@ def test_resume_at_another_world_size_matches_single_process(
 
 
 @pytest.mark.distributed
-def test_a_checkpoint_write_killed_half_way_is_ignored(tmp_path):
-    """Rank 0 is killed after every rank wrote its tensors for step 14 but before the
-    checkpoint was complete: resume takes step 7 and the run ends as it would have."""
-    config_dict = elastic_config()
+def test_a_checkpoint_write_killed_half_way_is_ignored(tmp_path, elastic_full_run):
+    """Resumed from the shared run's step-14 checkpoint, rank 0 is killed after every rank
+    wrote its tensors for step 15 but before the checkpoint was complete: the next resume
+    takes step 14 again and the run ends as the uninterrupted one did."""
+    config_dict, full = elastic_full_run.config_dict, elastic_full_run.run_dir
+    run_dir = tmp_path / "run"
+    continue_from(full, run_dir, 14)
     with pytest.raises(WorkerFailed, match="SIGKILL"):
-        run_workers(checkpoint_killed_half_way, 4, config_dict, str(tmp_path), 14)
-    assert (tmp_path / "checkpoints" / ".tmp-step-00000014").is_dir()
-    assert find_checkpoint(tmp_path).name == "step-00000007"
-    run_workers(elastic_run, 4, config_dict, str(tmp_path), False, RESUME)
-    assert not (tmp_path / "checkpoints" / ".tmp-step-00000014").exists()
-    (event,) = events(tmp_path, "resume")
-    assert event["global_step"] == 7
-    ref_losses, _, _ = reference_run(config_from_dict(config_dict))
-    assert step_losses(tmp_path) == pytest.approx(ref_losses, abs=1e-5)
-    assert [m["epoch"] for m in records(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+        run_workers(checkpoint_killed_half_way, 4, config_dict, str(run_dir), 15, RESUME)
+    assert (run_dir / "checkpoints" / ".tmp-step-00000015").is_dir()
+    assert find_checkpoint(run_dir).name == "step-00000014"
+    run_workers(elastic_run, 4, config_dict, str(run_dir), False, RESUME)
+    assert not (run_dir / "checkpoints" / ".tmp-step-00000015").exists()
+    assert [e["global_step"] for e in events(run_dir, "resume")] == [14, 14]
+    assert step_losses(run_dir) == pytest.approx(step_losses(full), abs=1e-6)
+    assert [m["epoch"] for m in records(run_dir / "metrics.jsonl")] == [1, 2, 3]
 
 
 # ---------------------------------------------------------------- the command line

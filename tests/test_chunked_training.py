@@ -154,7 +154,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # The configs as shipped, cut to tiny sizes and started as a pipeline; freezing by a fixed
 # schedule at epoch ends, the frozen prefix at the elastic tests' lambda_frozen (Eq. 2 then
 # packs as the plans below say), and SGD so that micro-batches and all-reduces agree with
-# one process to float32 rounding (PYTORCH_NOTES.md: Adam amplifies summation order).
+# one process to float32 rounding (docs/pytorch.md: Adam amplifies summation order).
 TINY = [
     "trainer.epochs=3",
     "trainer.log_interval_steps=1",

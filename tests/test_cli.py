@@ -1,6 +1,7 @@
 """The command line: errors before any process starts, the plan dry run, a real short run."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,7 +58,7 @@ def test_compare_help_names_exactly_the_variants_it_accepts():
     import re
 
     from pipetransformer.compare.report import BASELINE, ELASTIC
-    from pipetransformer.compare.runner import variant_overrides
+    from pipetransformer.compare.variants import variant_overrides
     from pipetransformer.config import load_config
 
     accepted = set()
@@ -86,7 +87,37 @@ def test_a_refused_compare_creates_nothing(tmp_path):
         "compare", QUICKSTART, "--peers", "--variants", "freeze-ddp", "--out", str(out)
     )
     assert result.returncode == 2 and "--variants: freeze-ddp is not one of" in result.stderr
-    assert "freeze_ddp" in result.stderr and not out.exists()
+    assert "(did you mean freeze_ddp?)" in result.stderr and not out.exists()
+    # A curve that is not a variant was checked after --out was made: it is refused first.
+    result = run_cli("compare", QUICKSTART, "--curves", "bogus", "--out", str(out))
+    assert result.returncode == 2 and "--curves: bogus is not a variant" in result.stderr
+    assert not out.exists()
+    result = run_cli("compare", QUICKSTART, "--budgets", "0", "--out", str(out))
+    assert result.returncode == 2 and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "config, options, reason",
+    [  # a variant this config has not says why, not only which names it has
+        (QUICKSTART, ["--peers"], "hf_trainer is the peer of text models; this config's model "
+         "is a timm image model, whose peer is torch_ddp"),
+        (QUICKSTART, ["--peers"], "ddp_frozen_embedding freezes a pretrained embedding; this "
+         "config's weights are random"),
+        (QUICKSTART, [], "fsdp is a peer: add --peers"),
+        (QUICKSTART, ["--peers"], "no_autodp is an ablation: add --ablations"),
+    ],
+)  # fmt: skip
+def test_a_variant_this_comparison_has_not_is_refused_with_why(tmp_path, config, options, reason):
+    from pipetransformer.compare import CompareRequest
+    from pipetransformer.compare.variants import plan_variants
+    from pipetransformer.config import ConfigError, load_config
+
+    name = reason.split(" ", 1)[0]
+    peers = "--peers" in options
+    request = CompareRequest(str(config), tmp_path / "out", peers=peers, only=[name])
+    with pytest.raises(ConfigError, match="--variants: " + re.escape(reason)):
+        plan_variants(load_config(config), request)
+    assert not (tmp_path / "out").exists()
 
 
 def test_plan_json_for_the_quickstart():
@@ -256,7 +287,7 @@ def test_a_torchvision_built_for_another_torch_is_one_line(monkeypatch):
     import importlib.abc
     from importlib import metadata
 
-    from pipetransformer.cli.libraries import matching_torchvision
+    from pipetransformer.cli.libraries import matching_torchvision, reinstall_options
 
     class OtherBuild(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
@@ -272,5 +303,22 @@ def test_a_torchvision_built_for_another_torch_is_one_line(monkeypatch):
     torch_version, vision_version = metadata.version("torch"), metadata.version("torchvision")
     assert f"torchvision {vision_version} does not import beside torch {torch_version}" in line
     assert "operator torchvision::nms does not exist" in line
-    assert f"pip install 'torchvision=={matching_torchvision(torch_version)}.*'" in line
+    wanted = matching_torchvision(torch_version)
+    assert f"pip install {reinstall_options(torch_version)} 'torchvision=={wanted}.*'" in line
     assert (matching_torchvision("2.14.1+cpu"), matching_torchvision("2.0.0")) == ("0.29", "0.15")
+
+
+def test_a_library_fix_reinstalls_from_the_build_torch_came_from():
+    """The fix names the build, not only the version: 'pip install torchvision==0.29.*' where
+    0.29.1 of the wrong build is installed does nothing, and 'pip install torch' on a CPU
+    machine with PyTorch's CPU build would fetch PyPI's CUDA build."""
+    from pipetransformer.cli.libraries import _message, reinstall_options
+
+    cpu = reinstall_options("2.14.1+cpu")
+    assert cpu == "--force-reinstall --no-deps --index-url https://download.pytorch.org/whl/cpu"
+    assert reinstall_options("2.14.1") == "--force-reinstall --no-deps"  # PyPI's build
+    assert "/whl/cu128" in reinstall_options("2.14.1+cu128")
+    line = _message("torchvision", "2.14.1+cpu", "operator torchvision::nms does not exist")
+    assert line.endswith(f"pip install {cpu} 'torchvision==0.29.*'")
+    line = _message("torch", "2.14.1+cpu", "libtorch_cpu.so: cannot open shared object file")
+    assert "--index-url https://download.pytorch.org/whl/cpu" in line and "'torch==" in line

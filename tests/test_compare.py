@@ -378,13 +378,15 @@ def test_the_fsdp_peers_and_a_refusal_in_one_line(tmp_path, monkeypatch, capsys)
     """--peers adds FSDP2 without and with freezing (sharded from the start, the baseline's
     global batch); a peer that cannot fit even sharded is refused with its reason and the
     comparison goes on, and the report says so."""
-    from pipetransformer.compare import runner
+    from pipetransformer.compare import execute
     from pipetransformer.compare.report import refusal
+    from pipetransformer.compare.variants import variant_overrides
     from pipetransformer.config import load_config
     from pipetransformer.launcher import WorkerFailed
+    from pipetransformer.planning.context import DoesNotFit
 
     config = load_config(str(ROOT / "configs" / "quickstart.yaml"))
-    variants = runner.variant_overrides(config, ablations=False, peers=True)
+    variants = variant_overrides(config, ablations=False, peers=True)
     assert list(variants) == [
         "baseline",
         "ddp",
@@ -404,21 +406,23 @@ def test_the_fsdp_peers_and_a_refusal_in_one_line(tmp_path, monkeypatch, capsys)
     reason = "pipeline.sharding: always: does not fit even sharded over 2 processes: ..."
 
     def refused(*args, **kwargs):
-        raise WorkerFailed(f"rank0: DoesNotFit: {reason}")
+        # The worker's exception, carried back typed: the refusal is read from its type.
+        raise WorkerFailed(f"rank0: DoesNotFit: {reason}", DoesNotFit(reason))
 
-    monkeypatch.setattr(runner, "launch_local", refused)
+    monkeypatch.setattr(execute, "launch_local", refused)
     run_dir = tmp_path / "fsdp"
-    assert runner._run_variant(config, "fsdp", run_dir, "[4/6] FSDP2")
+    assert execute.run_variant(config, "fsdp", run_dir, "[4/6] FSDP2")
     assert refusal(run_dir) == reason
     assert f"fsdp refused: {reason}" in capsys.readouterr().err
-    assert runner._run_variant(config, "fsdp", run_dir, "[4/6] FSDP2")  # not run again
+    assert execute.run_variant(config, "fsdp", run_dir, "[4/6] FSDP2")  # not run again
     assert "refused earlier, kept" in capsys.readouterr().err
 
     def failed(*args, **kwargs):
-        raise WorkerFailed("rank1: RuntimeError: something else")
+        # A message that names DoesNotFit is not a refusal: only the type is.
+        raise WorkerFailed("rank1: RuntimeError: DoesNotFit: something else", RuntimeError())
 
-    monkeypatch.setattr(runner, "launch_local", failed)
-    assert not runner._run_variant(config, "freeze_fsdp", tmp_path / "other", "[5/6]")
+    monkeypatch.setattr(execute, "launch_local", failed)
+    assert not execute.run_variant(config, "freeze_fsdp", tmp_path / "other", "[5/6]")
     assert refusal(tmp_path / "other") is None
 
     base = tmp_path / "runs"

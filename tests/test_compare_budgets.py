@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipetransformer.compare import rebuild_compare, run_compare, runner
+from pipetransformer.compare import CompareRequest, execute, outputs, rebuild_compare, run_compare
 from pipetransformer.compare.budgets import (
     budget_of,
     budget_variants,
@@ -130,6 +130,7 @@ def _fake_run(run_dir: Path, variant: str, epochs: int, seed: int, warmup: int) 
         metric_name="accuracy",
         freeze_decisions=sum(decided_by.values()),
         freeze_decided_by=decided_by,
+        format_version=3,  # evaluations at epoch ends only (runs/records.py, "Formats")
     )
     write_json_atomic(run_dir / "summary.json", summary.to_dict())
 
@@ -151,8 +152,8 @@ def fake_training(monkeypatch):
             config.optimizer.warmup_steps,
         )
 
-    monkeypatch.setattr(runner, "launch_local", launch_local)
-    monkeypatch.setattr(runner, "measured_unit_costs", lambda config: None)
+    monkeypatch.setattr(execute, "launch_local", launch_local)
+    monkeypatch.setattr(outputs, "measured_unit_costs", lambda config: None)
     return launched
 
 
@@ -161,7 +162,10 @@ def test_compare_budgets_end_to_end(tmp_path, fake_training, capsys):
     overrides = ["trainer.epochs=3", "optimizer.warmup_steps=10"]
     config = load_config(QUICKSTART, overrides)
     assert (
-        run_compare(config, QUICKSTART, overrides, out, False, seeds=[0, 1], budgets=[1, 2, 3]) == 0
+        run_compare(
+            config, CompareRequest(QUICKSTART, out, overrides, seeds=[0, 1], budgets=[1, 2, 3])
+        )
+        == 0
     )
     # Five runs a seed, in an order that rotates with the seed, each budget with its warm-up.
     planned = ["baseline", "elastic", "ddp_1ep", "ddp_2ep", "ddp_3ep"]
@@ -181,8 +185,8 @@ def test_compare_budgets_end_to_end(tmp_path, fake_training, capsys):
     assert len(runs) == 10
     elastic = runs[("elastic", 1)]
     assert [e["num_frozen_layers"] for e in elastic["epochs"]] == [0, 2, 4]
-    # Training time at each epoch's end: these fakes wrote no evaluations.jsonl (as runs
-    # before issue 53), so their epochs' training seconds add up.
+    # Training time at each epoch's end: these fakes are of summary format 3 (no
+    # evaluations.jsonl), so their epochs' training seconds add up.
     assert [e["training_time_s"] for e in elastic["epochs"]] == pytest.approx([5.5, 11.0, 16.5])
     assert [e["eval_metric"] for e in elastic["epochs"]] == pytest.approx([0.81, 0.82, 0.83])
     assert elastic["freeze_decided_by"] == {"bound": 2}
@@ -200,6 +204,7 @@ def test_compare_budgets_end_to_end(tmp_path, fake_training, capsys):
                 "schedule": 0,
                 "no_signal": 0,
                 "plan": 0,
+                "layout": 0,
             },
         }
     ]
@@ -240,7 +245,7 @@ def test_compare_budgets_end_to_end(tmp_path, fake_training, capsys):
     # --report-only: the same figures from the records, nothing run.
     fake_training.clear()
     (out / "report.md").unlink()
-    assert rebuild_compare(config, QUICKSTART, [], out) == 0
+    assert rebuild_compare(config, CompareRequest(QUICKSTART, out)) == 0
     again = json.loads((out / "results.json").read_text())
     assert fake_training == []
     assert again["time_to_accuracy"] == results["time_to_accuracy"]
@@ -252,7 +257,7 @@ def test_without_seeds_one_curve_and_the_detail_tables_keep_their_variants(tmp_p
     out = tmp_path / "one"
     overrides = ["trainer.epochs=2"]
     config = load_config(QUICKSTART, overrides)
-    assert run_compare(config, QUICKSTART, overrides, out, False, budgets=[1]) == 0
+    assert run_compare(config, CompareRequest(QUICKSTART, out, overrides, budgets=[1])) == 0
     results = json.loads((out / "results.json").read_text())
     assert list(results["variants"]) == ["baseline", "elastic"]
     (elastic,) = [v for v in results["time_to_accuracy"]["variants"] if v["variant"] == "elastic"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipetransformer import cli
-from pipetransformer.compare import rebuild_compare, run_compare, runner
+from pipetransformer.compare import CompareRequest, execute, outputs, rebuild_compare, run_compare
 from pipetransformer.compare.report import (
     finished_seed_runs,
     read_seed_run,
@@ -230,8 +230,8 @@ def fake_launch(launched: list):
 @pytest.fixture
 def fake_training(monkeypatch):
     launched: list = []
-    monkeypatch.setattr(runner, "launch_local", fake_launch(launched))
-    monkeypatch.setattr(runner, "measured_unit_costs", lambda config: None)
+    monkeypatch.setattr(execute, "launch_local", fake_launch(launched))
+    monkeypatch.setattr(outputs, "measured_unit_costs", lambda config: None)
     return launched
 
 
@@ -245,8 +245,8 @@ def test_seeded_compare_skips_finished_runs_and_rebuilds(tmp_path, fake_training
     )  # cut short: no summary
     config = load_config(QUICKSTART)
     with pytest.raises(ConfigError, match="trainer.seed"):
-        run_compare(config, QUICKSTART, ["trainer.seed=3"], out, ablations=False, seeds=[0, 1])
-    assert run_compare(config, QUICKSTART, [], out, ablations=False, seeds=[0, 1, 2]) == 0
+        run_compare(config, CompareRequest(QUICKSTART, out, ["trainer.seed=3"], seeds=[0, 1]))
+    assert run_compare(config, CompareRequest(QUICKSTART, out, seeds=[0, 1, 2])) == 0
     assert fake_training == [  # within a seed in an order that rotates (compare/order.py)
         ("seed-0", "elastic"),
         ("seed-1", "elastic"),
@@ -284,20 +284,20 @@ def test_seeded_compare_skips_finished_runs_and_rebuilds(tmp_path, fake_training
 
     # Run again: everything is finished, nothing starts.
     fake_training.clear()
-    assert run_compare(config, QUICKSTART, [], out, ablations=False, seeds=[0, 1, 2]) == 0
+    assert run_compare(config, CompareRequest(QUICKSTART, out, seeds=[0, 1, 2])) == 0
     assert fake_training == []
 
     # --report-only with a wider margin: rebuilt from the runs, nothing started; the command
     # that produced the runs is kept.
     (out / "report.md").unlink()
-    assert rebuild_compare(config, QUICKSTART, [], out, margin_points=4.0) == 0
+    assert rebuild_compare(config, CompareRequest(QUICKSTART, out, margin_points=4.0)) == 0
     rebuilt = json.loads((out / "results.json").read_text())
     assert fake_training == [] and rebuilt["command"] == results["command"]
     assert rebuilt["margin_points"] == 4.0 and rebuilt["seeded"]["pairs"][0]["verdict"] == NOT_WORSE
     assert rebuilt["variants"] == results["variants"]
     assert "not worse" in (out / "report.md").read_text()
     # Without --margin the rebuild keeps the margin of the last results.json.
-    assert rebuild_compare(config, QUICKSTART, [], out) == 0
+    assert rebuild_compare(config, CompareRequest(QUICKSTART, out)) == 0
     assert json.loads((out / "results.json").read_text())["margin_points"] == 4.0
 
 

@@ -17,6 +17,8 @@ from test_checkpoint import start_cli, wait_for_checkpoint
 from test_compare import fake_run
 from test_failures import cli
 
+import pipetransformer.compare.execute as execute
+import pipetransformer.compare.outputs as outputs
 import pipetransformer.compare.runner as runner
 from pipetransformer.compare.report import EFFICIENCY_MEANING
 from pipetransformer.launcher import LaunchInterrupted
@@ -65,9 +67,9 @@ def test_a_stopped_compare_is_one_line_and_the_rerun_resumes_from_the_checkpoint
         finish(run_dir, tmp_path / "staging")
         return [None] * nproc
 
-    monkeypatch.setattr(runner, "launch_local", launch)
+    monkeypatch.setattr(execute, "launch_local", launch)
     monkeypatch.setattr(
-        runner, "measured_unit_costs", lambda config: {"trained": [3.0] * 18, "frozen": [1.0] * 18}
+        outputs, "measured_unit_costs", lambda config: {"trained": [3.0] * 18, "frozen": [1.0] * 18}
     )
     result = run_cli(*ARGS, "--out", str(out))
     last = stopped_line(result.returncode, result.stderr, 130)
@@ -122,7 +124,7 @@ def test_a_signal_between_runs_is_one_line_too(tmp_path, monkeypatch):
         return real_load(*args, **kwargs)
 
     real_load = runner.load_config
-    monkeypatch.setattr(runner, "launch_local", launch)
+    monkeypatch.setattr(execute, "launch_local", launch)
     monkeypatch.setattr(runner, "load_config", load_config)
     result = run_cli(*ARGS, "--out", str(out))
     last = stopped_line(result.returncode, result.stderr, 143)

@@ -331,7 +331,7 @@ def test_a_stage_of_compiled_units_under_zero_bubble_is_refused(dynamo):
     any stage, naming the key."""
     from pipetransformer.autopipe.planner import UnitCosts, balance
     from pipetransformer.pipe import build_stage_runtime
-    from pipetransformer.trainer.tasks import ClassificationTask
+    from pipetransformer.tasks import ClassificationTask
 
     model = tiny_bert()
     compile_units(model.units, dynamo("eager"), text=True)

@@ -183,11 +183,11 @@ def test_the_embedding_freezes_only_on_trained_weights():
     assert not any(frozen_random_embedding(load_config(p)) for p in ROOT_CONFIGS.glob("*.yaml"))
     trained = [
         load_config(local_bert, overrides=[o])
-        for o in ("model.model_name_or_path=/some/minilm", "model.checkpoint_path=/some/m.pth")
+        for o in ("model.model_name_or_path=some-org/minilm", "model.checkpoint_path=/some/m.pth")
     ]
     assert all(c.embedding_frozen for c in trained)
     assert not load_config(
-        local_bert, ["model.model_name_or_path=/m", "freeze.strategy=none"]
+        local_bert, ["model.model_name_or_path=some-org/m", "freeze.strategy=none"]
     ).embedding_frozen
     forced = load_config(local_bert, overrides=["freeze.embedding=true"])
     assert forced.embedding_frozen and frozen_random_embedding(forced)

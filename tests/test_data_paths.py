@@ -172,8 +172,8 @@ def test_runs_of_own_data_are_named_after_it(tmp_path):
 
 def test_run_and_report_names_come_from_ones_own_data(tmp_path):
     from pipetransformer.cli.commands import _default_run_dir
+    from pipetransformer.compare import CompareRequest
     from pipetransformer.compare.report import write_report
-    from pipetransformer.compare.runner import _context
     from pipetransformer.config import load_config
 
     reviews = tmp_path / "reviews.csv"
@@ -185,7 +185,7 @@ def test_run_and_report_names_come_from_ones_own_data(tmp_path):
     assert compare_dir.parent == Path("runs/compare") and compare_dir.name.startswith("reviews-")
     sst2 = load_config(SST2_LOCAL, [])  # the config's own data: named after the config
     assert _default_run_dir(SST2_LOCAL, sst2).name.startswith("bert_sst2_local-")
-    context = _context(config, SST2_LOCAL, [], ablations=False)
+    context = CompareRequest(SST2_LOCAL, tmp_path).context(config)
     assert context["config_name"] == "reviews"
     run = {
         "training_time_s": 10.0,

@@ -265,3 +265,26 @@ def test_concurrent_runs_local_sockets_and_file_modes(tmp_path):
         "summary.json",
     }
     assert set(modes.values()) == {0o666 & ~umask}, modes
+
+
+def refuse_on_rank_one() -> None:
+    """A worker of the test below: rank 1 refuses as the planner does when nothing fits."""
+    from pipetransformer.planning.context import DoesNotFit
+
+    if os.environ["RANK"] == "1":
+        raise DoesNotFit("pipeline.sharding: always: does not fit even sharded")
+
+
+def test_a_workers_exception_comes_back_typed():
+    """compare reads a peer's refusal from the type of the worker's exception, not from its
+    text: the launcher carries the failing rank's exception back."""
+    from helpers import WORKER_CONTEXT
+
+    from pipetransformer.launcher import WorkerFailed, launch_local
+    from pipetransformer.planning.context import DoesNotFit
+
+    with pytest.raises(WorkerFailed) as failed:
+        launch_local(2, refuse_on_rank_one, (), context=WORKER_CONTEXT)
+    assert str(failed.value).startswith("rank1: DoesNotFit: pipeline.sharding: always")
+    assert isinstance(failed.value.error, DoesNotFit)
+    assert str(failed.value.error) == "pipeline.sharding: always: does not fit even sharded"

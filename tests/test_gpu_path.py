@@ -49,9 +49,9 @@ def test_the_default_step_reduces_in_ddps_own_all_reduce_without_a_python_hook(t
     from pipetransformer.autodp.topology import Layout
     from pipetransformer.autopipe.planner import UnitCosts, balance
     from pipetransformer.pipe.timing import IntervalTimer
+    from pipetransformer.tasks import ClassificationTask
     from pipetransformer.trainer.distributed import WorldInfo
     from pipetransformer.trainer.runtime import build_runtime
-    from pipetransformer.trainer.tasks import ClassificationTask
 
     fake_world(2)
     overrides = [f"logging.time_communication={str(timed).lower()}"]
@@ -178,7 +178,7 @@ def test_zero_bubble_reduces_each_chunk_when_its_weight_gradients_finish_in_plac
     from pipetransformer.autodp.topology import Layout
     from pipetransformer.autopipe.planner import UnitCosts, balance
     from pipetransformer.pipe import build_stage_runtime
-    from pipetransformer.trainer.tasks import ClassificationTask
+    from pipetransformer.tasks import ClassificationTask
 
     fake_world(4)
     model = tiny_bert()

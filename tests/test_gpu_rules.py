@@ -875,10 +875,10 @@ def test_an_evaluation_reads_the_device_once_not_once_a_batch():
     from pipetransformer.data import DataBundle
     from pipetransformer.data.base import TensorSampleDataset
     from pipetransformer.runs.state import RunState
+    from pipetransformer.tasks import task_for
     from pipetransformer.trainer.distributed import WorldInfo
     from pipetransformer.trainer.evaluation import Evaluator
     from pipetransformer.trainer.step import Stage
-    from pipetransformer.trainer.tasks import task_for
 
     config = load_config(ROOT / "configs" / "quickstart.yaml")  # 64 samples a batch
     model = torch.nn.Linear(4, 2)

@@ -32,7 +32,8 @@ def test_train_command_runs_the_cli_into_the_run_directory_or_resumes_it(tmp_pat
     assert resumed[-3:] == ["--resume", str(tmp_path), "--overwrite"]
 
 
-def test_a_finished_run_is_kept_and_not_run_again(tmp_path):
+def test_a_finished_run_is_kept_and_not_run_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "IDLE_SAMPLE_S", 0.05)  # the watch before a run, not its subject
     run_dir, count = tmp_path / "run", tmp_path / "count"
     script = (
         "import pathlib, sys; r = pathlib.Path(sys.argv[1]); r.mkdir(exist_ok=True); "

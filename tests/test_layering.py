@@ -1,8 +1,9 @@
-"""Imports go one way: cli -> (compare, export) -> (trainer, integrations, launcher) -> runs ->
-planning -> fsdp -> (autodp, pipe) -> (anneal, freeze_signal) -> (freeze, autopipe,
-autocache, models, data) -> (config, utils). Siblings never import each other (the trainer
-and the integrations share the freeze signal's bookkeeping and driver from below them), and
-nothing imports a module that imports it back (no cycle, function-local imports included)."""
+"""Imports go one way: cli -> (compare, export) -> (trainer, integrations, launcher) ->
+(tasks, profiling) -> runs -> planning -> fsdp -> (autodp, pipe) -> (anneal, freeze_signal) ->
+(freeze, autopipe, autocache, models, data) -> (config, utils). Siblings never import each
+other (the trainer and the integrations share the freeze signal's bookkeeping and driver
+from below them), and nothing imports a module that imports it back (no cycle,
+function-local imports included)."""
 
 import ast
 from pathlib import Path
@@ -26,6 +27,8 @@ LAYERS = {
     "fsdp": 2.5,  # the sharded layout's runtime: shares the first stage's prefix with pipe/
     "planning": 3,
     "runs": 3.5,  # a run's records, directory, checkpoints and resume: below trainer, launcher
+    "tasks": 3.75,  # targets, losses and scoring per head: read a run's EvalResult record
+    "profiling": 3.75,  # measuring inside a run, collectively: reads planning's profile keys
     "trainer": 4,
     "integrations": 4,  # callbacks for other trainers: the trainer's sibling, not its user
     "launcher": 4,
@@ -127,3 +130,59 @@ def test_no_package_file_is_over_the_line_limit():
         if (lines := len(path.read_text().splitlines())) > MAX_FILE_LINES
     }
     assert not long, f"over {MAX_FILE_LINES} lines (split a concept into its own module): {long}"
+
+
+TRAINER_MAX_LINES = 4000  # the loop and what runs during training only; other concepts move out
+
+
+def test_the_trainer_package_stays_the_loop():
+    lines = sum(len(p.read_text().splitlines()) for p in (PACKAGE / "trainer").rglob("*.py"))
+    assert lines <= TRAINER_MAX_LINES, (
+        f"trainer/ is {lines} lines: move a concept out (as tasks/ and profiling/ were)"
+    )
+
+
+def _chain_groups(text: str, arrow: str) -> list[set[str]]:
+    return [{name.strip(" ()") for name in group.split(",")} for group in text.split(arrow)]
+
+
+def test_the_documented_import_chain_is_the_enforced_one():
+    """The chain README.md and this module's docstring state names every component, in the
+    order of LAYERS (a component left out of it, as anneal once was, fails here)."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    stated = readme.split("Imports go one way: ", 1)[1].split(";", 1)[0]
+    docstring = " ".join(__doc__.split("Imports go one way: ", 1)[1].split(". Siblings")[0].split())
+    components = {name for name in LAYERS if name not in ("__main__", "__init__")}
+    for chain in (_chain_groups(stated, " → "), _chain_groups(docstring, " -> ")):
+        named = set().union(*chain)
+        assert named == components, f"{sorted(components ^ named)}: in the chain or in LAYERS"
+        layers = [{LAYERS[name] for name in group} for group in chain]
+        assert all(len(group) == 1 for group in layers), chain
+        order = [group.pop() for group in layers]
+        assert order == sorted(order, reverse=True), chain
+
+
+# Files of the project's workspace that a user's clone does not have: what they said that
+# the code relies on lives in docs/ (docs/pytorch.md, docs/vocabulary.md).
+OUTSIDE_FILES = (
+    "PYTORCH_NOTES.md",
+    "DESIGN.md",
+    "STYLE.md",
+    "design document",
+    "shared/paper",
+)
+
+
+def test_nothing_cites_a_file_a_clone_does_not_have():
+    root = PACKAGE.parent
+    found = [
+        f"{path.relative_to(root)}: {name}"
+        for folder in ("pipetransformer", "tests", "docs", "benchmarks", "configs", "launch")
+        for path in sorted((root / folder).rglob("*"))
+        if path.suffix in (".py", ".md", ".yaml", ".sh") and path.name != "test_layering.py"
+        for name in OUTSIDE_FILES
+        if name in path.read_text()
+    ]
+    readme = (root / "README.md").read_text()
+    found += [f"README.md: {name}" for name in OUTSIDE_FILES if name in readme]
+    assert not found, found

@@ -112,10 +112,25 @@ def test_the_closing_line_says_time_metric_freezing_layout_and_outputs():
         "done: training 57 s over 2 attempts, this command 31 s: "
     )
     assert resumed.closing_line("runs/q").startswith("done: training 57 s over 2 attempts: ")
-    # summary.json files written before the field was named for what it is still load.
-    old = {**summary.to_dict(), "wall_time_s": 12.5}
-    del old["training_time_s"]
-    assert RunSummary.from_dict(old).training_time_s == 12.5
+    # A 60-row run trains for under a second: its clock says so, not "training 0 s".
+    short = dataclasses.replace(summary, training_time_s=0.42)
+    assert short.closing_line("runs/q", total_s=9.2).startswith(
+        "done: training 0.4 s, this command 9.2 s: "
+    )
+    # summary.json files of older formats still load, their format told by their keys
+    # (runs/records.py, "Formats"): 1 named the clock wall_time_s, 2-3 counted evaluation
+    # and checkpoints on it, 4 (written now) keeps them beside it.
+    from pipetransformer.runs.records import SUMMARY_FORMAT, summary_format
+
+    written = summary.to_dict()
+    assert written["format_version"] == SUMMARY_FORMAT == 4
+    older = {k: v for k, v in written.items() if k not in ("format_version", "eval_time_s")}
+    first = {k: v for k, v in older.items() if k != "training_time_s"} | {"wall_time_s": 12.5}
+    assert RunSummary.from_dict(first).training_time_s == 12.5
+    assert RunSummary.from_dict(first).format_version == 1
+    assert summary_format({k: v for k, v in older.items() if k != "freeze_decided_by"}) == 2
+    assert summary_format(older) == 3 and RunSummary.from_dict(older).evaluation_on_the_clock
+    assert not RunSummary.from_dict({**older, "eval_time_s": 1.0}).evaluation_on_the_clock
 
 
 def test_a_run_that_froze_nothing_says_why():

@@ -18,7 +18,7 @@ from pipetransformer.config import DataConfig
 from pipetransformer.data import build_data
 from pipetransformer.data.table import read_tables
 from pipetransformer.data.validate import validate_data_files
-from pipetransformer.trainer.tasks import classification_scores
+from pipetransformer.tasks import classification_scores
 
 ROOT = Path(__file__).resolve().parent.parent
 SST2_LOCAL = str(ROOT / "configs" / "bert_sst2_local.yaml")
@@ -306,7 +306,7 @@ def test_regression_scores_match_scipy_and_sum_exactly_over_ranks():
     from scipy.stats import pearsonr, spearmanr
 
     from pipetransformer.autodp.control import Control
-    from pipetransformer.trainer.tasks import RegressionAccumulator, regression_scores
+    from pipetransformer.tasks import RegressionAccumulator, regression_scores
 
     rng = random.Random(5)
     true = [round(rng.uniform(0, 5), 1) for _ in range(60)]  # ties on purpose

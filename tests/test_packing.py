@@ -24,9 +24,8 @@ import pipetransformer.models.packed as packed_units
 from pipetransformer.config import ConfigError, config_from_dict
 from pipetransformer.data.base import TextSampleDataset, real_lengths
 from pipetransformer.models import UnitSequence
-from pipetransformer.trainer.qa import QuestionAnsweringTask
+from pipetransformer.tasks import ClassificationTask, QuestionAnsweringTask
 from pipetransformer.trainer.step import padded_length_share, step_seq_length
-from pipetransformer.trainer.tasks import ClassificationTask
 from pipetransformer.utils.packing import Packing
 from pipetransformer.utils.padding import (
     PACKING_MIN_SAVING,

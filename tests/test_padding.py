@@ -31,9 +31,12 @@ from pipetransformer.autodp.sampler import EvalSampler, TrainSampler, length_gro
 from pipetransformer.config import ConfigError, DataConfig, config_from_dict
 from pipetransformer.data import build_data
 from pipetransformer.data.base import Subset, TextSampleDataset, real_lengths
-from pipetransformer.trainer.qa import QuestionAnsweringAccumulator, QuestionAnsweringTask
+from pipetransformer.tasks import (
+    ClassificationTask,
+    QuestionAnsweringAccumulator,
+    QuestionAnsweringTask,
+)
 from pipetransformer.trainer.step import step_seq_length, train_sampler
-from pipetransformer.trainer.tasks import ClassificationTask
 from pipetransformer.utils.padding import (
     bucket_buffer_share,
     bucket_length,

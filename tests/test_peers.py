@@ -9,8 +9,8 @@ import torch
 from helpers import ROOT, run_workers
 from workers import peer_run
 
-from pipetransformer.compare import runner
 from pipetransformer.compare.report import read_run, read_seed_run, throughput
+from pipetransformer.compare.variants import variant_overrides
 from pipetransformer.config import load_config
 from pipetransformer.data import build_data
 from pipetransformer.utils.files import read_jsonl
@@ -30,11 +30,11 @@ def test_compare_peers_add_the_peer_of_the_model_family():
     """--peers runs what a user of the family runs today, with DDP's settings: the timm loop
     beside DDP for an image model, transformers' Trainer for a text model."""
     image = load_config(str(ROOT / "configs" / "quickstart.yaml"))
-    variants = runner.variant_overrides(image, ablations=False, peers=True)
+    variants = variant_overrides(image, ablations=False, peers=True)
     assert "torch_ddp" in variants and "hf_trainer" not in variants
     assert variants["torch_ddp"] == variants["ddp"]
     text = load_config(str(ROOT / "configs" / "bert_sst2_local.yaml"))
-    variants = runner.variant_overrides(text, ablations=False, peers=True)
+    variants = variant_overrides(text, ablations=False, peers=True)
     assert "hf_trainer" in variants and "torch_ddp" not in variants
     assert "freeze.strategy=none" in variants["hf_trainer"]
 

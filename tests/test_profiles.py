@@ -171,7 +171,7 @@ def test_second_run_reads_the_profile_instead_of_measuring(tmp_path, monkeypatch
     model, K or replica batch is measured afresh."""
     from pipetransformer.autodp.control import Control
     from pipetransformer.planning import describe_model
-    from pipetransformer.trainer import profiler as profiler_module
+    from pipetransformer.profiling import run_profiler as profiler_module
 
     calls = {"units": 0, "micro": []}
 
@@ -222,7 +222,7 @@ def test_a_micro_batch_timing_taken_under_load_is_measured_again_and_not_kept(
 
     from pipetransformer.autodp.control import Control
     from pipetransformer.planning import describe_model
-    from pipetransformer.trainer import profiler as profiler_module
+    from pipetransformer.profiling import run_profiler as profiler_module
 
     samples = {1: itertools.cycle([0.010, 0.011]), 2: itertools.cycle([0.010, 0.030, 0.010])}
     monkeypatch.setattr(

@@ -42,7 +42,7 @@ def _bindings(tree: ast.Module) -> dict[str, ast.AST]:
 
 def skip_reasons() -> set[str]:
     """Every reason pytest.skip, pytest.mark.skip(if) and pytest.importorskip can give in the
-    suite (for importorskip: the module's name)."""
+    suite (for importorskip: its reason, or without one the module's name)."""
     helpers = _bindings(ast.parse((TESTS / "helpers.py").read_text()))
     reasons = set()
     for path in sorted(TESTS.glob("*.py")):
@@ -52,11 +52,13 @@ def skip_reasons() -> set[str]:
             if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
                 continue
             name = node.func.attr
-            if name in ("skip", "importorskip") and node.args:
+            given = [k.value for k in node.keywords if k.arg == "reason"]
+            if name == "importorskip" and given:  # pytest says the reason given, not the name
+                reasons.update(_strings(given[0], names))
+            elif name in ("skip", "importorskip") and node.args:
                 reasons.update(_strings(node.args[0], names))
-            for keyword in node.keywords:
-                if name in ("skip", "skipif") and keyword.arg == "reason":
-                    reasons.update(_strings(keyword.value, names))
+            elif name in ("skip", "skipif") and given:
+                reasons.update(_strings(given[0], names))
     return reasons
 
 

@@ -53,7 +53,11 @@ def test_the_data_line_names_columns_labels_with_counts_sizes_and_the_eval_sourc
     )
     line = describe_bundle(build_data(split, seed=0))
     assert f"evaluation: split 'validation' ({dev})" in line
-    assert line.endswith("; 20 training samples, 8 evaluation samples")  # after the subset
+    # After the subset, and what it was taken from (the SST-2 config's 8,000 capped one's own
+    # data unsaid).
+    assert line.endswith(
+        "; 20 training samples, 8 evaluation samples; data.train_subset: 20 of 40 training rows"
+    )
     # Classes without names (the digits' ids here), counted the same way; a thousand are
     # only counted.
     digits = build_data(DataConfig(name="digits", image_size=8), seed=0)

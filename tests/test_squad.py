@@ -1,8 +1,8 @@
-"""SQuAD v1.1: the official metric, preprocessing on files of SQuAD's format the tests write
+"""SQuAD v1.1: preprocessing on files of SQuAD's format the tests write
 (tests/datagen.py; the shipped mini files of real SQuAD articles are checked for alignment
 where they are present) and on small inline files for the odd cases (long contexts, absent
 answers), post-processing, the span loss, the distributed reduce and a tiny BERT end to end
-(unit + 2 gloo workers)."""
+(unit + 2 gloo workers). The official metric is test_squad_metric.py's."""
 
 from __future__ import annotations
 
@@ -31,15 +31,13 @@ from pipetransformer.data.squad import (
     window_starts,
 )
 from pipetransformer.data.squad_metric import (
-    exact_match_score,
-    f1_score,
     normalize_answer,
     postprocess_predictions,
     squad_evaluate,
 )
 from pipetransformer.data.text import WordVocabTokenizer, load_tokenizer
 from pipetransformer.runs.records import EvalResult
-from pipetransformer.trainer.qa import QuestionAnsweringTask
+from pipetransformer.tasks import QuestionAnsweringTask
 
 
 @pytest.fixture
@@ -101,42 +99,6 @@ def _minilm_tokenizer():
 def _word_tokenizer(examples: list[SquadExample]) -> WordVocabTokenizer:
     contexts = list(dict.fromkeys(e.context for e in examples))
     return WordVocabTokenizer(contexts + [e.question for e in examples])
-
-
-# ---------------------------------------------------------------- the official metric
-
-
-def test_normalize_answer_follows_the_official_definition():
-    assert normalize_answer("  The   Denver\tBroncos!! ") == "denver broncos"
-    assert normalize_answer("an apple, a pear and the plum") == "apple pear and plum"
-    # Articles only as whole words; punctuation goes first, so "U.S." becomes "us".
-    assert normalize_answer("Theatre of U.S. anthems") == "theatre of us anthems"
-    assert normalize_answer("a-the") == "athe"  # '-' removed before articles are matched
-
-
-def test_exact_match_and_f1_by_hand():
-    assert exact_match_score("the Denver Broncos", "Denver Broncos.") == 1.0
-    assert exact_match_score("Denver", "Denver Broncos") == 0.0
-    # Prediction 3 tokens, gold 2 (after "the" goes), 2 in common: P=2/3, R=1, F1=0.8.
-    assert f1_score("Denver Broncos won", "the Denver Broncos") == pytest.approx(0.8)
-    # Repeated tokens count once per occurrence in both (multiset overlap): P=1/2, R=1.
-    assert f1_score("blue blue", "blue") == pytest.approx(2 / 3)
-    assert f1_score("nothing shared", "Denver") == 0.0
-    assert f1_score("", "Denver") == 0.0
-    # The official quirk: answers that normalise to nothing match exactly but have F1 0.
-    assert exact_match_score("a", "The") == 1.0 and f1_score("a", "The") == 0.0
-
-
-def test_squad_evaluate_takes_the_max_over_gold_answers_and_counts_unanswered_as_zero():
-    gold = {"q1": ["Denver Broncos", "The Broncos"], "q2": ["1998"], "q3": ["blue whale"]}
-    predictions = {"q1": "broncos", "q2": "in 1998.", "not-a-question": "ignored"}
-    scores = squad_evaluate(gold, predictions)
-    # q1: EM 1 and F1 1 against "The Broncos"; q2: EM 0, F1 2/3; q3 unanswered: 0 and 0.
-    assert scores["exact_match"] == pytest.approx(1 / 3)
-    assert scores["f1"] == pytest.approx((1 + 2 / 3 + 0) / 3)
-    assert squad_evaluate({"q": ["x"]}, {"q": "X"}) == {"exact_match": 1.0, "f1": 1.0}
-    with pytest.raises(ValueError):
-        squad_evaluate({}, {})
 
 
 # ---------------------------------------------------------------- reading and preprocessing

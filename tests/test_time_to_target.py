@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipetransformer.autodp.sampler import TrainSampler
-from pipetransformer.compare import rebuild_compare, run_compare, runner
+from pipetransformer.compare import CompareRequest, execute, outputs, rebuild_compare, run_compare
 from pipetransformer.compare.budgets import budget_of, curve_of
 from pipetransformer.compare.target import (
     BudgetEnd,
@@ -276,8 +276,8 @@ def fake_training(monkeypatch):
         launched.append((run_dir.parent.name, run_dir.name, config.freeze.cadence_epochs))
         _fake_run(run_dir, curve_of(run_dir.name), config.trainer.epochs, config.trainer.seed)
 
-    monkeypatch.setattr(runner, "launch_local", launch_local)
-    monkeypatch.setattr(runner, "measured_unit_costs", lambda config: None)
+    monkeypatch.setattr(execute, "launch_local", launch_local)
+    monkeypatch.setattr(outputs, "measured_unit_costs", lambda config: None)
     return launched
 
 
@@ -288,14 +288,10 @@ def test_compare_curves_end_to_end(tmp_path, fake_training):
     assert (
         run_compare(
             config,
-            QUICKSTART,
-            overrides,
-            out,
-            False,
-            seeds=[0, 1],
-            budgets=[1, 2],
-            curves=["ddp", "elastic"],
-        )  # fmt: skip
+            CompareRequest(
+                QUICKSTART, out, overrides, seeds=[0, 1], budgets=[1, 2], curves=["ddp", "elastic"]
+            ),
+        )
         == 0
     )
     runs = {(seed, name): cadence for seed, name, cadence in fake_training}
@@ -357,7 +353,7 @@ def test_compare_curves_end_to_end(tmp_path, fake_training):
 
     # --report-only with a target given: the same runs, another target, nothing run.
     fake_training.clear()
-    assert rebuild_compare(config, QUICKSTART, [], out, target=0.75) == 0
+    assert rebuild_compare(config, CompareRequest(QUICKSTART, out, target=0.75)) == 0
     again = json.loads((out / "results.json").read_text())
     assert fake_training == [] and again["time_to_target"]["target_source"] == "given"
     sides = {s["side"]: s for s in again["time_to_target"]["sides"]}
@@ -368,7 +364,7 @@ def test_compare_curves_end_to_end(tmp_path, fake_training):
 def test_curves_must_name_variants_of_the_comparison(tmp_path, fake_training):
     config = load_config(QUICKSTART, ["trainer.epochs=2"])
     with pytest.raises(ConfigError, match="--curves: fsdp is not a variant"):
-        run_compare(config, QUICKSTART, [], tmp_path, False, budgets=[1], curves=["fsdp"])
+        run_compare(config, CompareRequest(QUICKSTART, tmp_path, budgets=[1], curves=["fsdp"]))
     assert budget_of("fsdp_1ep") == 1  # with --peers it is one
 
 

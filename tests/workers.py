@@ -15,8 +15,8 @@ from pipetransformer.autodp.topology import Layout
 from pipetransformer.autopipe.planner import UnitCosts, balance
 from pipetransformer.models import unit_param_names
 from pipetransformer.pipe import build_stage_runtime
+from pipetransformer.tasks import ClassificationTask, loss_weights
 from pipetransformer.trainer.distributed import init_distributed
-from pipetransformer.trainer.tasks import ClassificationTask, loss_weights
 
 
 def fixed_batch(kind: str, batch_size: int):
@@ -476,9 +476,9 @@ def failing_run(config_dict: dict, run_dir: str):
         trainer.cleanup()
 
 
-def checkpoint_killed_half_way(config_dict: dict, run_dir: str, step: int):
-    """A run whose rank 0 is SIGKILLed while it completes the checkpoint of `step`: every
-    rank has written its tensors, run_state.json is not there yet."""
+def checkpoint_killed_half_way(config_dict: dict, run_dir: str, step: int, options=None):
+    """A run (resumed with `options`) whose rank 0 is SIGKILLed while it completes the
+    checkpoint of `step`: every rank has written its tensors, run_state.json is not there."""
     import signal
 
     from pipetransformer.runs import checkpoint
@@ -491,7 +491,7 @@ def checkpoint_killed_half_way(config_dict: dict, run_dir: str, step: int):
         return write(path, payload)
 
     checkpoint.write_json_atomic = dying_write
-    return elastic_run(config_dict, run_dir)
+    return elastic_run(config_dict, run_dir, False, options)
 
 
 def start_in_run_dir(run_dir: str, restarting_ranks: list[int], run_id: str):

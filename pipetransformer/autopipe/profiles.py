@@ -407,8 +407,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_micro_batches(pipe_len: int, replica_batch: int, minimum: int = 1) -> list[int]:
-    """Every M in [K, 6K] that divides the replica batch, ascending (DESIGN.md's range; the
-    paper's released code fixes M at 2K for K = 8, 4K for K = 4 and 8K for K = 2).
+    """Every M in [K, 6K] that divides the replica batch, ascending (the paper's range,
+    section 3.2; its released code fixes M at 2K for K = 8, 4K for K = 4 and 8K for K = 2).
 
     When none does, the divisors closest to the range on each side: the largest below K
     and the smallest above 6K (whichever exist), so that measurement decides between

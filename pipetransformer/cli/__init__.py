@@ -55,7 +55,6 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*getattr(args, "overrides", []), *extra]
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed: for the records
     from pipetransformer.cli.libraries import LibraryBuildError, check_library_builds
 
     try:  # before anything imports them deep inside a command (cli/libraries.py)

@@ -18,8 +18,14 @@ import time
 import uuid
 from pathlib import Path
 
-from pipetransformer.cli.preflight import preflight
-from pipetransformer.config import Config, ConfigError, load_config, read_config_data
+from pipetransformer.cli.preflight import preflight, resolve_model_settings
+from pipetransformer.config import (
+    Config,
+    ConfigError,
+    load_config,
+    pretrained_settings,
+    read_config_data,
+)
 
 logger = logging.getLogger("pipetransformer.cli")
 _STARTED = time.monotonic()  # when this command began (its imports are before)
@@ -35,6 +41,23 @@ def _default_run_dir(
 
     stem = run_name(config_path, config.data)
     return Path(prefix) / f"{stem}-{run_id or time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def say_resolved_settings(config_path: str | None, overrides: list[str], notes: list[str]) -> None:
+    """The settings this run takes from what it is rather than from the file's values, in one
+    line on the reporting process: the config's when_pretrained settings where the weights
+    are trained (config/loader.py), and `notes` (cli/preflight.py `resolve_model_settings`)."""
+    parts = [
+        f"{key} {json.dumps(value)} (random weights: {json.dumps(before)})"
+        for key, value, before in pretrained_settings(config_path, overrides)
+    ]
+    if parts:
+        parts[0] = (
+            f"the config's when_pretrained settings, as pretrained weights are named: {parts[0]}"
+        )
+    parts += notes
+    if parts and os.environ.get("RANK", "0") == "0":
+        print(f"pipetransformer: {'; '.join(parts)}", file=sys.stderr)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -56,7 +79,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         from pipetransformer.runs.rundir import check_resumable
 
         check_resumable(Path(args.resume))
-    config = preflight(config)
+    config, _, notes = resolve_model_settings(preflight(config))
+    say_resolved_settings(args.config, overrides, notes)
     resume = "required" if args.resume else config.trainer.resume
     run_dir = Path(
         args.resume
@@ -284,7 +308,8 @@ def _train_under_torchrun(
 def cmd_plan(args: argparse.Namespace) -> int:
     from pipetransformer.planning.table import format_plan_table, plan_table
 
-    config = load_config(args.config, args.overrides)
+    config, _, notes = resolve_model_settings(load_config(args.config, args.overrides))
+    say_resolved_settings(args.config, args.overrides, notes)
     if args.predict:
         return _predict(config, args)
     rows = plan_table(config)
@@ -336,6 +361,7 @@ def _predict(config: Config, args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from pipetransformer.compare import (
+        CompareRequest,
         CompareStopped,
         rebuild_compare,
         run_compare,
@@ -356,37 +382,39 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 "leave out --seeds/--repeats/--budgets/--curves"
             )
         out = Path(args.out)
-        return rebuild_compare(config, args.config, args.overrides, out, args.margin, args.target)
-    config = preflight(config)
-    overrides = list(args.overrides)
+        request = CompareRequest(
+            args.config, out, list(args.overrides), margin_points=args.margin, target=args.target
+        )
+        return rebuild_compare(config, request)
+    config, found, notes = resolve_model_settings(preflight(config))
+    say_resolved_settings(args.config, list(args.overrides), notes)
     if config.data.name in ("hf", "hf_image"):  # every variant trains with what was found once
         if config.data.name == "hf":
-            overrides.append(f"data.task={config.data.task}")
+            found.append(f"data.task={config.data.task}")
         if config.data.labels is not None:
-            overrides.append(f"data.labels={json.dumps(config.data.label_names)}")
-    out = Path(args.out) if args.out else _default_run_dir(args.config, config, "runs/compare")
-    # The command as typed, with the --out a rerun needs to resume this comparison.
-    words = ["pipetransformer", *args.argv] + ([] if args.out else ["--out", str(out)])
-    command = shlex.join(words)
+            found.append(f"data.labels={json.dumps(config.data.label_names)}")
+    request = CompareRequest(
+        args.config,
+        Path(args.out) if args.out else _default_run_dir(args.config, config, "runs/compare"),
+        list(args.overrides),
+        ablations=args.ablations,
+        peers=args.peers,
+        seeds=seeds,
+        margin_points=args.margin,
+        only=args.variants,
+        budgets=args.budgets,
+        curves=args.curves,
+        target=args.target,
+        found=found,
+    )
     try:
-        with stop_signals_raise(out):
-            return run_compare(
-                config,
-                args.config,
-                overrides,
-                out,
-                ablations=args.ablations,
-                peers=args.peers,
-                seeds=seeds,
-                margin_points=args.margin,
-                only=args.variants,
-                budgets=args.budgets,
-                command=command,
-                curves=args.curves,
-                target=args.target,
-            )
+        with stop_signals_raise(request.out):
+            return run_compare(config, request)
     except CompareStopped as stopped:  # one line; the run's checkpoint is where it says
-        print(f"pipetransformer compare: {stopped}. Resume with: {command}", file=sys.stderr)
+        print(
+            f"pipetransformer compare: {stopped}. Resume with: {request.command_line()}",
+            file=sys.stderr,
+        )
         return exit_code_for(stopped.signum)
 
 

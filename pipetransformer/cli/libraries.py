@@ -45,12 +45,23 @@ def check_library_builds() -> None:
             raise LibraryBuildError(_message(package, torch_version, cause)) from exc
 
 
+def reinstall_options(torch_version: str) -> str:
+    """pip options that reinstall a package without touching torch, from the index torch's own
+    build came from: its local version tag names it ('2.14.1+cpu': PyTorch's cpu index), no
+    tag is PyPI's build. So a CPU machine is not handed PyPI's CUDA build, and a command that
+    reinstalls what is already installed takes the right build rather than doing nothing."""
+    local = torch_version.partition("+")[2]
+    index = f" --index-url https://download.pytorch.org/whl/{local}" if local else ""
+    return f"--force-reinstall --no-deps{index}"
+
+
 def _message(package: str, torch_version: str, cause: str) -> str:
     version = _installed(package)
+    options = reinstall_options(torch_version)
     if package == "torch":
         return (
-            f"torch {version} does not import ({cause}); reinstall it: "
-            "pip install --force-reinstall torch"
+            f"torch {version} does not import ({cause}); reinstall the same build: "
+            f"pip install {options} 'torch=={version}'"
         )
     if package == "torchvision":
         wanted = matching_torchvision(torch_version)
@@ -58,7 +69,7 @@ def _message(package: str, torch_version: str, cause: str) -> str:
         return (
             f"torchvision {version} does not import beside torch {torch_version}, a build "
             f"made for another torch ({cause}); install the torchvision of torch "
-            f"{torch_version} from the index torch came from: pip install {pin}"
+            f"{torch_version}'s build: pip install {options} {pin}"
         )
     return (
         f"timm {version} does not import beside torch {torch_version} and torchvision "

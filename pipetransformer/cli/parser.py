@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         "compare", help="baseline (Pipe+DDP) vs elastic run: speedup, accuracy, plots"
     )
     common(compare)
-    # The names below are those --variants accepts (compare/runner.py variant_overrides;
+    # The names below are those --variants accepts (compare/variants.py variant_overrides;
     # tests/test_cli.py holds them equal).
     compare.add_argument(
         "--ablations",

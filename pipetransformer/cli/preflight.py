@@ -44,6 +44,37 @@ def preflight(config: Config) -> Config:
     return config
 
 
+def resolve_model_settings(config: Config) -> tuple[Config, list[str], list[str]]:
+    """Settings a run takes from its model where the config leaves them unset, after the
+    preflight: the config with them, the same as overrides (every variant of a comparison
+    loads its config again), and the notes its start line gives. A pretrained timm model's
+    own input size becomes data.image_size (the quickstart's digits would reach it at 16
+    pixels otherwise); one's own images say the size they are resized to."""
+    import dataclasses
+
+    from pipetransformer.data.checks import data_facts
+    from pipetransformer.models import pretrained_image_size
+
+    model, data = config.model, config.data
+    if model.resolved_family() != "vit":
+        return config, [], []
+    own = pretrained_image_size(model.name) if model.pretrained else None
+    if own is not None and data.image_size is None:
+        resolved = dataclasses.replace(config, data=dataclasses.replace(data, image_size=own))
+        note = f"data.image_size {own} ({model.name}'s pretrained input size)"
+        return resolved, [f"data.image_size={own}"], [note]
+    if own is not None and data.image_size != own:
+        note = (
+            f"data.image_size {data.image_size}, where {model.name} was pretrained at {own} "
+            "(timm resamples its position embeddings)"
+        )
+        return config, [], [note]
+    if data.name in ("hf_image", "imagefolder") and data.image_size is None:
+        size = data_facts(data).image_size
+        return config, [], [f"data.image_size {size}: your images are resized to {size}x{size}"]
+    return config, [], []
+
+
 def check_virtual_stages_fit(config: Config, num_units: int) -> None:
     """A configured pipeline.virtual_stages must fit the model's active units at a configured
     pipeline.initial_pipe_len (ConfigError naming the key; later layouts fall back to fewer

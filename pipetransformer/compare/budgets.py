@@ -16,7 +16,7 @@ the run a user who simply trains less would make, not the first epochs of a long
 
 Owns: the budget variants' names and overrides, the default ladder, and the section of the
 results and report that sets every variant against DDP's curve. Must not: run anything
-(runner.py does) or compute statistics itself (curve.py).
+(execute.py does) or compute statistics itself (curve.py).
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ gradient norms it read, the signal's proposal, Eq. 1's bound, the cap and what s
 count (freeze.py, "Who decided"). So every claim a report or a doc makes recomputes from
 the results file, for every seed, not only the seed a report shows in detail.
 
-Runs recorded before issue 53 have no evaluations.jsonl: their evaluations are the epochs'
-ends, at the training time their epochs' lines add up (which left out evaluation and
-checkpoints already), and their summary's training_time_s includes both (`eval_time_s`
-None).
+Runs whose summary is of a format before `EVALUATIONS_FORMAT` (runs/records.py, "Formats")
+have no evaluations.jsonl: their evaluations are the epochs' ends, at the training time
+their epochs' lines add up (which left out evaluation and checkpoints already), and their
+summary's training_time_s includes both (`eval_time_s` None).
 
 Owns: `RunRecord` (read back from a run directory's metrics.jsonl, events.jsonl and
 summary.json) and the counts of who decided, summed by variant. Must not: compute
@@ -91,7 +91,7 @@ class RunRecord:
     freeze_decided_by: dict[str, int] = field(default_factory=dict)
     decisions: tuple[DecisionRecord, ...] = ()
     evaluations: tuple[EvaluationRecord, ...] = ()
-    # Off the training clock, every attempt; None for runs before issue 53 (their
+    # Off the training clock, every attempt; None for summaries of formats 1-3 (their
     # training_time_s counts both).
     eval_time_s: float | None = None
     checkpoint_time_s: float | None = None
@@ -127,7 +127,7 @@ def run_record(run_dir: Path, variant: str, seed: int | None) -> RunRecord:
     metrics = [EpochMetrics.from_dict(m) for m in read_jsonl(run_dir / "metrics.jsonl")]
     events_path = run_dir / "events.jsonl"
     events = [event_from_dict(e) for e in read_jsonl(events_path)] if events_path.is_file() else []
-    evaluations = _evaluations(run_dir, metrics)
+    evaluations = _evaluations(run_dir, metrics, summary)
     at_step = {e.global_step: e.training_time_s for e in evaluations}
     epochs, trained_s = [], 0.0
     for line in metrics:
@@ -179,11 +179,13 @@ def run_record(run_dir: Path, variant: str, seed: int | None) -> RunRecord:
     )
 
 
-def _evaluations(run_dir: Path, metrics: list[EpochMetrics]) -> list[EvaluationRecord]:
-    """The run's evaluations from evaluations.jsonl; for an older run (none), its epochs'
-    ends at the training seconds its epochs add up to."""
-    written = [Evaluation.from_dict(e) for e in read_jsonl(run_dir / "evaluations.jsonl")]
-    if written:
+def _evaluations(
+    run_dir: Path, metrics: list[EpochMetrics], summary: RunSummary
+) -> list[EvaluationRecord]:
+    """The run's evaluations from evaluations.jsonl; for a run of an older format (none),
+    its epochs' ends at the training seconds its epochs add up to."""
+    if not summary.evaluation_on_the_clock:
+        written = [Evaluation.from_dict(e) for e in read_jsonl(run_dir / "evaluations.jsonl")]
         return [
             EvaluationRecord(e.global_step, e.epochs_done, e.training_time_s, e.eval_metric)
             for e in written

@@ -127,9 +127,10 @@ def read_run(run_dir: Path) -> dict[str, Any]:
         "padded_tokens": [m.padded_tokens for m in metrics],
         "epoch_time_s": [m.epoch_time_s for m in metrics],
         "eval_time_s": sum(m.eval_time_s for m in metrics),
-        # Off training_time_s, every attempt (None: a run before issue 53, whose
-        # training_time_s counts evaluation and checkpoints).
+        # Off training_time_s, every attempt (None: a summary of formats 1-3, whose
+        # training_time_s counts evaluation and checkpoints: runs/records.py, "Formats").
         "checkpoint_time_s": summary.checkpoint_time_s,
+        "evaluation_on_the_clock": summary.evaluation_on_the_clock,
         "eval_metric": [m.eval_metric for m in metrics],
         "freeze_trajectory": [
             {
@@ -208,8 +209,8 @@ def build_results(
             steps_per_epoch=steps,
             cache=cache_enabled,
             baseline_wall_s=base["training_time_s"],
-            # Evaluation is on the training clock of runs before issue 53 only.
-            baseline_eval_s=base["eval_time_s"] if base["checkpoint_time_s"] is None else 0.0,
+            # Evaluation is on the training clock of summaries of formats 1-3 only.
+            baseline_eval_s=base["eval_time_s"] if base["evaluation_on_the_clock"] else 0.0,
             elastic_wall_s=elastic["training_time_s"],
             eval_frozen=[point["num_frozen_layers"] for point in elastic["freeze_trajectory"]],
         )

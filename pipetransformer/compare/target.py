@@ -1,5 +1,5 @@
 """Time-to-target and frontier against frontier. Pure: numbers in, typed results out
-(docs/compare.md, "Time-to-target"; the vocabulary is DESIGN.md's).
+(docs/compare.md, "Time-to-target"; the words are docs/vocabulary.md's).
 
 A **side** is what a user could run (DDP, Pipe+DDP, FSDP2, the full system) at one or more
 budgets, each run with its schedule (and a freezing run's decision cadence) fitted to its

@@ -15,9 +15,11 @@ from pipetransformer.config.cache import CacheConfig
 from pipetransformer.config.checkpoint import CheckpointConfig
 from pipetransformer.config.checks import (
     check_config,
+    check_model_path,
     frozen_random_embedding,
     initial_pipe_lens,
     pipe_len_candidates,
+    random_embedding_warning,
     reachable_pipe_lens,
     split_backward_compile_problem,
 )
@@ -32,17 +34,19 @@ from pipetransformer.config.data import (
 from pipetransformer.config.errors import ConfigError
 from pipetransformer.config.freeze import FreezeConfig
 from pipetransformer.config.loader import (
+    WHEN_PRETRAINED,
     apply_overrides,
     config_changes,
     config_from_dict,
     config_yaml,
     load_config,
     parse_override,
+    pretrained_settings,
     read_config_data,
     section_from_dict,
 )
 from pipetransformer.config.logging import LoggingConfig
-from pipetransformer.config.model import TEXT_MODEL_TYPES, ModelConfig
+from pipetransformer.config.model import TEXT_MODEL_TYPES, ModelConfig, looks_like_path
 from pipetransformer.config.optimizer import OptimizerConfig
 from pipetransformer.config.pipeline import PipelineConfig
 from pipetransformer.config.resolve import (
@@ -80,6 +84,7 @@ __all__ = [
     "TEXT_DATASETS",
     "TEXT_MODEL_TYPES",
     "TORCH_SCHEDULE_CLASS",
+    "WHEN_PRETRAINED",
     "AutoDPConfig",
     "AutoPipeConfig",
     "CacheConfig",
@@ -100,6 +105,7 @@ __all__ = [
     "World",
     "apply_overrides",
     "check_config",
+    "check_model_path",
     "frozen_random_embedding",
     "config_changes",
     "config_from_dict",
@@ -108,11 +114,14 @@ __all__ = [
     "initial_pipe_lens",
     "layout_schedule",
     "load_config",
+    "looks_like_path",
     "micro_batch_problem",
     "parse_override",
+    "pretrained_settings",
     "pipe_len_candidates",
     "read_config_data",
     "section_from_dict",
+    "random_embedding_warning",
     "reachable_pipe_lens",
     "split_backward_compile_problem",
     "resolve",

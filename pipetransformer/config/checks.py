@@ -10,7 +10,10 @@ anything outside config/, start processes or measure anything.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pipetransformer.config.errors import _fail
+from pipetransformer.config.model import looks_like_path
 from pipetransformer.config.run import Config
 from pipetransformer.config.schedules import (
     SCHEDULE_PROPERTIES,
@@ -103,6 +106,18 @@ def frozen_random_embedding(config: Config) -> bool:
     return config.embedding_frozen and not config.starts_from_trained_weights
 
 
+def random_embedding_warning(config: Config) -> str | None:
+    """What a run with `frozen_random_embedding` warns at its start; None for any other."""
+    if not frozen_random_embedding(config):
+        return None
+    return (
+        "freeze.embedding: the embedding is frozen from the first step but the model starts "
+        "from random weights (no model.model_name_or_path, model.pretrained or "
+        "model.checkpoint_path), so it will never train; set freeze.embedding=auto (the "
+        "default), or name pretrained weights"
+    )
+
+
 def split_backward_compile_problem(schedule: str) -> str:
     """Why a compiled unit cannot run under `schedule`'s split backward (pipe/runtime.py
     refuses it too, for a caller that built its units compiled)."""
@@ -113,6 +128,16 @@ def split_backward_compile_problem(schedule: str) -> str:
         "the matmuls (or fail on AOTAutograd's donated buffers); use trainer.compile=false "
         "or pipeline.schedule interleaved_1f1b"
     )
+
+
+def check_model_path(config: Config) -> None:
+    """A model.model_name_or_path meant as a local directory must exist: said before the
+    checks that take any model path for a text model's (a missing directory on an image
+    config read as "an image dataset; model.name is BERT"). Made where a command line is
+    read (load_config), not where a run's recorded config is read back."""
+    path = config.model.model_name_or_path
+    if path is not None and looks_like_path(path) and not Path(path).expanduser().exists():
+        _fail("model.model_name_or_path", f"no such directory: {path}")
 
 
 def check_config(config: Config, world_size: int | None = None) -> None:

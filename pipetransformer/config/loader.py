@@ -2,13 +2,24 @@
 against its section's annotations (unknown keys get a 'did you mean'), and the resolved
 config back out as YAML or as the list of settings that changed.
 
-Owns: load_config, config_from_dict, section_from_dict, the overrides, config_yaml and
-config_changes.
-Must not: import anything outside config/; every check is the sections' or checks.py's.
+A config file may end with a `when_pretrained:` mapping of `key.sub: value` settings that
+replace the file's own where the run names pretrained weights
+(`Config.names_pretrained_weights`: model.model_name_or_path, or model.pretrained), so that
+one file holds the settings for a tiny model trained from scratch and for the pretrained
+one its users name (the BERT configs: the rate and freeze warm-up their pretrained
+benchmarks chose). A setting given on the command line wins over it; `pretrained_settings`
+says which applied, for the run's start line. The section is checked (typed, known keys)
+whether or not it applies; the resolved config (config.yaml) holds the values the run
+used, not the section.
+
+Owns: load_config, config_from_dict, section_from_dict, the overrides, when_pretrained,
+config_yaml and config_changes. Must not: import anything outside config/; every check is
+the sections' or checks.py's.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import os
@@ -19,7 +30,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
-from pipetransformer.config.checks import check_config
+from pipetransformer.config.checks import check_config, check_model_path
 from pipetransformer.config.errors import ConfigError, _fail
 from pipetransformer.config.run import Config
 from pipetransformer.config.trainer import TrainerConfig
@@ -143,43 +154,140 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {text!r}: not valid YAML: {_yaml_problem(exc)}") from None
 
 
+def _set(data: dict[str, Any], path: list[str], value: Any) -> None:
+    node = data
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(path)}: '{part}' is not a section")
+        node = child
+    node[path[-1]] = value
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     for text in overrides:
-        path, value = parse_override(text)
-        node = data
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"{'.'.join(path)}: '{part}' is not a section")
-            node = child
-        node[path[-1]] = value
+        _set(data, *parse_override(text))
     return data
+
+
+WHEN_PRETRAINED = "when_pretrained"
+
+
+def _file_data(path: str | os.PathLike | None) -> dict[str, Any]:
+    """The YAML file's top-level mapping (empty without a file)."""
+    if path is None:
+        return {}
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}{_nearest_config(p)}")
+    try:
+        loaded = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {_yaml_problem(exc)}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of sections")
+    return loaded or {}
+
+
+def _nearest_config(path: Path) -> str:
+    """' (did you mean configs/quickstart.yaml?)' for a missing config file whose name is
+    close to a file beside where it was looked for, or to one of the shipped configs."""
+    folders = [path.parent, Path("configs")]
+    names = {
+        str(folder / candidate.name): candidate.name
+        for folder in folders
+        if folder.is_dir()
+        for candidate in folder.glob("*.y*ml")
+    }
+    close = difflib.get_close_matches(path.name, list(names.values()), n=1, cutoff=0.6)
+    if not close:
+        return ""
+    found = next(full for full, name in names.items() if name == close[0])
+    return f" (did you mean {found}?)"
+
+
+def _when_pretrained(data: dict[str, Any], where: Any) -> dict[str, Any]:
+    """The file's when_pretrained section as {dotted key: value}, checked as a mapping."""
+    section = data.pop(WHEN_PRETRAINED, None)
+    if section is None:
+        return {}
+    if not isinstance(section, dict) or not all(isinstance(k, str) for k in section):
+        raise ConfigError(f"{WHEN_PRETRAINED}: expected a mapping of key.sub: value ({where})")
+    return section
+
+
+def _typed_keys(overrides: list[str]) -> set[str]:
+    return {".".join(parse_override(text)[0]) for text in overrides}
+
+
+def _with_pretrained_settings(
+    data: dict[str, Any], section: dict[str, Any], overrides: list[str]
+) -> dict[str, Any]:
+    """`data` with the section's settings that the command line did not set."""
+    typed = _typed_keys(overrides)
+    merged = copy.deepcopy(data)
+    for key, value in section.items():
+        if key not in typed:
+            _set(merged, key.split("."), copy.deepcopy(value))
+    return merged
 
 
 def read_config_data(
     path: str | os.PathLike | None, overrides: list[str] | None = None
 ) -> dict[str, Any]:
-    """The YAML's sections (or none) with the overrides applied: not yet typed or checked."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{p}: not valid YAML: {_yaml_problem(exc)}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{p}: the top level must be a mapping of sections")
-        data = loaded or {}
+    """The YAML's sections (or none) with the overrides applied, without its when_pretrained
+    section: not yet typed or checked."""
+    data = _file_data(path)
+    data.pop(WHEN_PRETRAINED, None)
     return apply_overrides(data, overrides or [])
 
 
+def _load(path: str | os.PathLike | None, overrides: list[str]) -> tuple[Config, dict[str, Any]]:
+    """The config, and the when_pretrained settings it took ({} where none applied)."""
+    data = _file_data(path)
+    section = _when_pretrained(data, path)
+    data = apply_overrides(data, overrides)
+    config = _build(Config, data, "")
+    if not section:
+        return config, {}
+    try:  # checked whether or not it applies: a typo shows before it matters
+        _build(Config, _with_pretrained_settings(data, section, []), "")
+    except ConfigError as exc:
+        raise ConfigError(f"{WHEN_PRETRAINED}: {exc}") from None
+    if not config.names_pretrained_weights:
+        return config, {}
+    applied = {k: v for k, v in section.items() if k not in _typed_keys(overrides)}
+    if applied:
+        config = _build(Config, _with_pretrained_settings(data, section, overrides), "")
+    return config, applied
+
+
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
-    """Read YAML (or start from defaults), apply overrides, check everything."""
-    config = _build(Config, read_config_data(path, overrides), "")
+    """Read YAML (or start from defaults), apply overrides (and the file's when_pretrained
+    settings where the weights are trained), check everything."""
+    config, _ = _load(path, overrides or [])
+    check_model_path(config)
     check_config(config)
     return config
+
+
+def pretrained_settings(
+    path: str | os.PathLike | None, overrides: list[str] | None = None
+) -> list[tuple[str, Any, Any]]:
+    """(key, value the run takes, the file's value for random weights) of every
+    when_pretrained setting that applies to this command line; empty where none does."""
+    config, applied = _load(path, overrides or [])
+    if not applied:
+        return []
+    plain = _build(Config, read_config_data(path, overrides), "").to_dict()
+    taken = config.to_dict()
+
+    def at(data: dict[str, Any], key: str) -> Any:
+        for part in key.split("."):
+            data = data.get(part) if isinstance(data, dict) else None
+        return data
+
+    return [(key, at(taken, key), at(plain, key)) for key in applied]
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:

@@ -1,11 +1,13 @@
 """The model section: which model, which family's adapter, pretrained weights, user adapters.
 
-Owns: ModelConfig, TEXT_MODEL_TYPES and the family a name resolves to. Must not: import
+Owns: ModelConfig, TEXT_MODEL_TYPES, the family a name resolves to, and whether a name is
+meant as a local path (`looks_like_path`, which data names follow too). Must not: import
 any other part of the package or a model library (models/ knows the models).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -51,3 +53,11 @@ class ModelConfig:
         if self.model_name_or_path is not None:
             return "bert"
         return "vit"
+
+
+def looks_like_path(name: str) -> bool:
+    """Whether a model, tokenizer or data name is meant as a local path rather than a hub id
+    ('org/name' has at most one slash and never starts with '/', '.' or '~')."""
+    return (
+        name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+    )

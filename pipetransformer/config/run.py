@@ -54,11 +54,17 @@ class Config:
         return self.trainer.autocast_dtype or "float32"
 
     @property
+    def names_pretrained_weights(self) -> bool:
+        """Whether the model is a named pretrained one (model.model_name_or_path, or
+        model.pretrained with a timm name), whose architecture and weights come with it: what
+        a config's when_pretrained settings apply to (config/loader.py)."""
+        return bool(self.model.pretrained or self.model.model_name_or_path)
+
+    @property
     def starts_from_trained_weights(self) -> bool:
         """Whether the model's weights are loaded rather than random: pretrained weights
         (model.model_name_or_path, model.pretrained) or a checkpoint (model.checkpoint_path)."""
-        model = self.model
-        return bool(model.pretrained or model.model_name_or_path or model.checkpoint_path)
+        return self.names_pretrained_weights or bool(self.model.checkpoint_path)
 
     @property
     def embedding_frozen(self) -> bool:

@@ -15,6 +15,7 @@ from pipetransformer.data.base import (
     Subset,
     TensorSampleDataset,
     iterate_batches,
+    subset_note,
 )
 
 __all__ = [
@@ -99,6 +100,9 @@ def build_data(
         return load_squad_bundle(config, model_name_or_path, seed)
     else:  # config/data.py's Literal already rejects other names
         raise ValueError(f"data.name: unknown dataset '{config.name}'")
+    sizes = {"train": (config.train_subset, len(bundle.train))}
+    sizes["eval"] = (config.eval_subset, len(bundle.eval))
+    bundle.subsets = subset_note("samples", sizes)
     if config.train_subset is not None:
         bundle.train = Subset(bundle.train, config.train_subset, seed)
     if config.eval_subset is not None:

@@ -157,6 +157,19 @@ def subset_indices(total: int, size: int, seed: int) -> list[int]:
     return torch.randperm(total, generator=generator)[: min(size, total)].tolist()
 
 
+def subset_note(kind: str, sizes: dict[str, tuple[int | None, int]]) -> str | None:
+    """'data.train_subset: 8000 of 67349 training rows' for each split whose subset is set:
+    `sizes` maps 'train'/'eval' to (the subset's size or None, the split's size before)."""
+    parts = [
+        f"data.{split}_subset: {min(size, total)} of {total} {label} {kind}"
+        for split, label in (("train", "training"), ("eval", "evaluation"))
+        if split in sizes
+        for size, total in [sizes[split]]
+        if size is not None
+    ]
+    return ", ".join(parts) or None
+
+
 class Subset(SampleDataset):
     """The first `size` samples of a seeded permutation; ids are renumbered 0..size-1."""
 
@@ -199,6 +212,9 @@ class DataBundle:
     # A table's columns and where evaluation comes from, for the run's first log line
     # (data/describe.py); None where the dataset has no columns to name.
     read_from: str | None = None
+    # What data.train_subset / data.eval_subset kept of how many, for the same line
+    # (`subset_note`); None where neither is set.
+    subsets: str | None = None
 
     def model_args(self) -> dict[str, Any]:
         """What build_model needs to know about the data (task, classes, input shapes)."""

@@ -33,4 +33,6 @@ def describe_bundle(bundle: DataBundle) -> str:
     else:
         parts.append(bundle.task.replace("_", " "))
     parts.append(f"{len(bundle.train)} training samples, {len(bundle.eval)} evaluation samples")
+    if bundle.subsets:  # a subset is said with what it was taken from
+        parts.append(bundle.subsets)
     return "; ".join(parts)

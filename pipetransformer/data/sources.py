@@ -22,8 +22,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pipetransformer.config import DataConfig
-from pipetransformer.utils.files import looks_like_path
+from pipetransformer.config import DataConfig, looks_like_path
 
 # data.path values that name a `datasets` file builder (tsv: csv with tab separators).
 FILE_BUILDERS = {"csv": "csv", "tsv": "csv", "json": "json", "jsonl": "json", "parquet": "parquet"}

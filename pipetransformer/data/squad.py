@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from pipetransformer.config import DataConfig
-from pipetransformer.data.base import DataBundle, TextSampleDataset, subset_indices
+from pipetransformer.data.base import DataBundle, TextSampleDataset, subset_indices, subset_note
 from pipetransformer.data.text import WordVocabTokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -484,6 +484,13 @@ def load_squad_bundle(config: DataConfig, model_name_or_path: str | None, seed: 
         vocab_size=len(encoder),
         max_seq_length=config.max_seq_length,
         eval_extras=eval_extras(evaluation, eval_features),
+        subsets=subset_note(
+            "questions",
+            {
+                "train": (config.train_subset, len(raw["train"])),
+                "eval": (config.eval_subset, len(raw["eval"])),
+            },
+        ),
     )
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from pipetransformer.config import DataConfig
-from pipetransformer.data.base import DataBundle, TextSampleDataset, subset_indices
+from pipetransformer.data.base import DataBundle, TextSampleDataset, subset_indices, subset_note
 from pipetransformer.data.sources import (
     FILE_BUILDERS,
     check_local_paths,
@@ -549,6 +549,8 @@ def encode_tables(
     targets."""
     regression = tables.task == "regression"
     splits = {}
+    sizes = {"train": (config.train_subset, len(tables.train))}
+    sizes["eval"] = (config.eval_subset, len(tables.eval))
     for name, table, size in (
         ("train", tables.train, config.train_subset),
         ("eval", tables.eval, config.eval_subset),
@@ -579,6 +581,7 @@ def encode_tables(
         vocab_size=len(tokenizer),
         max_seq_length=config.max_seq_length,
         label_names=None if regression else list(tables.label_names),
+        subsets=subset_note("rows", sizes),
     )
 
 

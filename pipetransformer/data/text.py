@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 
-from pipetransformer.config import DataConfig
+from pipetransformer.config import DataConfig, looks_like_path
 from pipetransformer.data.base import subset_indices
-from pipetransformer.utils.files import looks_like_path
 
 logger = logging.getLogger(__name__)
 

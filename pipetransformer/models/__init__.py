@@ -50,10 +50,19 @@ __all__ = [
     "materialize",
     "mlp_unit",
     "prefix_end",
+    "pretrained_image_size",
     "register_adapter",
     "registered_adapters",
     "unit_param_names",
 ]
+
+
+def pretrained_image_size(name: str) -> int | None:
+    """The image size a timm model's pretrained weights were trained at, without a download
+    (models/image_models.py); None where timm has no such record."""
+    from pipetransformer.models.image_models import pretrained_image_size as size_of
+
+    return size_of(name)
 
 
 def build_model(

@@ -49,6 +49,46 @@ _PROVENANCE = (
 )
 
 
+# timm constructor arguments that change a named architecture's weights (their shapes, or
+# what a weight means: a head count splits the same matrices differently). Pretrained
+# weights of the named model fit none of them but their own values.
+TIMM_ARCHITECTURE_KWARGS = (
+    "patch_size",
+    "embed_dim",
+    "depth",
+    "num_heads",
+    "mlp_ratio",
+    "qkv_bias",
+    "class_token",
+    "reg_tokens",
+    "no_embed_class",
+    "pre_norm",
+    "fc_norm",
+)
+
+
+def pretrained_image_size(name: str) -> int | None:
+    """The image size a timm model's pretrained weights were trained at (its
+    pretrained_cfg, without downloading anything); None where timm has no such record."""
+    try:
+        cfg = timm.models.get_pretrained_cfg(name)
+    except (RuntimeError, ValueError):
+        return None
+    return int(cfg.input_size[-1]) if cfg is not None and cfg.input_size else None
+
+
+def check_kwargs_fit_pretrained(name: str, kwargs: dict[str, Any]) -> None:
+    """model.kwargs that change a pretrained timm model's architecture: its weights would
+    not load (or load into a model they were not trained for); refused in one line."""
+    changed = [key for key in TIMM_ARCHITECTURE_KWARGS if key in kwargs]
+    if changed:
+        raise ValueError(
+            f"model.kwargs: {', '.join(changed)} would change {name}'s architecture, which its "
+            "pretrained weights (model.pretrained) do not fit; drop them (the override "
+            "model.kwargs={}) or set model.pretrained=false"
+        )
+
+
 def create_timm_model(
     name: str,
     *,
@@ -62,6 +102,8 @@ def create_timm_model(
 ) -> tuple[nn.Module, ModelAdapter]:
     """A timm model by name and the adapter that cuts it; `kwargs` override the named
     architecture (depth, embed_dim...)."""
+    if pretrained:
+        check_kwargs_fit_pretrained(name, kwargs or {})
     options = {"num_classes": num_classes, "in_chans": in_chans, "img_size": img_size}
     options.update(kwargs or {})
     if checkpoint_path is not None and not Path(checkpoint_path).is_file():

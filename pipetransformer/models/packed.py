@@ -106,7 +106,7 @@ def sample_tokens(values: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     """(samples, length, ...) each sample's tokens of a packed micro-batch's (rows, length,
     ...) values, from its first on: its real tokens, then whatever follows them in the rows
     (the padded batch's padding positions, which question answering masks by the samples'
-    real lengths: trainer/qa.py)."""
+    real lengths: tasks/question_answering.py)."""
     rows, length = values.shape[:2]
     flat = values.reshape(rows * length, *values.shape[2:])
     index = starts[:, None] + torch.arange(length, device=starts.device)[None, :]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipetransformer.config import ModelConfig
+from pipetransformer.config import ModelConfig, looks_like_path
 from pipetransformer.models.layered import (
     LayeredModel,
     ModelSpec,
@@ -36,7 +36,6 @@ from pipetransformer.models.layered import (
 )
 from pipetransformer.models.load_report import load_with_own_report
 from pipetransformer.models.registry import ExportInfo, ModelAdapter, adapter_for_model_type
-from pipetransformer.utils.files import looks_like_path
 from pipetransformer.utils.logging import plain_text_when_redirected
 
 logger = logging.getLogger(__name__)

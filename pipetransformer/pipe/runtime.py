@@ -11,7 +11,7 @@ from the sample ids: every stage of a replica computes the same), or move state 
 ranks.
 
 Text of several lengths: a PipelineStage's receive buffers are sized from its declared
-shapes the first time it runs, and a step of another shape fails (PYTORCH_NOTES.md). So a
+shapes the first time it runs, and a step of another shape fails (docs/pytorch.md). So a
 pipeline of K > 1 stages keeps one PipelineStage and schedule per sequence length it has
 met, built the first time a step brings that length (`PipelineSchedules`, around the same
 DDP-wrapped module): the trainer rounds a text batch's length up to one of a few buckets
@@ -493,7 +493,7 @@ def wrap_chunk(
 ) -> nn.Module:
     """What the schedule drives for one chunk: its mixed-precision edges, then DDP over the
     data group when one is given (R > 1) and the chunk trains. The DDP module is the module
-    the PipelineStage holds, so the schedule syncs it once per step (PYTORCH_NOTES.md)."""
+    the PipelineStage holds, so the schedule syncs it once per step (docs/pytorch.md)."""
     wrapped = module
     if autocast_dtype is not None:
         wrapped = MixedPrecisionStage(module, autocast_dtype, is_last)

@@ -116,14 +116,6 @@ class UnitWork:
             if not (isinstance(value, int) and value >= 0):
                 raise ValueError(f"{f.name} must be an integer >= 0, got {value!r}")
 
-    @property
-    def train_flops(self) -> int:
-        return self.forward_flops + self.backward_flops
-
-    @property
-    def train_bytes(self) -> int:
-        return self.forward_bytes + self.backward_bytes
-
 
 @dataclass(frozen=True)
 class AnalyticalProfile:

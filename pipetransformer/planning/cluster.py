@@ -163,7 +163,7 @@ def step_pricer(times: UnitTimes, config: Config, cluster: Cluster) -> StepPrice
 
 
 def measured_cluster(costs: dict, nodes: int, devices_per_node: int, device_type: str) -> Cluster:
-    """The cluster a run measured at start (trainer/profiler.py `RunProfiler.links`): its
+    """The cluster a run measured at start (profiling/run_profiler.py `RunProfiler.links`): its
     all-reduce's line as the ring's link (2 (R - 1) / R of the bytes a rank sends), its
     all-gather and reduce-scatter as measured; collectives overlap compute on GPUs only."""
     world = nodes * devices_per_node

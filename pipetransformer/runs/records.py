@@ -7,7 +7,17 @@ an epoch's line (evaluation results, cache counters).
 **Clocks.** `training_time_s` (summary.json, and an evaluation's time into the run) is the
 training loop's seconds with evaluation and checkpoint writes off the clock, every attempt
 added (work a crash lost included); `eval_time_s` and `checkpoint_time_s` are beside it.
-Summaries before issue 53 lack those two (None): their training_time_s includes both.
+
+**Formats.** summary.json carries `format_version` (`SUMMARY_FORMAT` for what this release
+writes); readers of older runs branch on it, never on which release wrote them:
+1. the training clock is called `wall_time_s`, and counts evaluation and checkpoint writes;
+2. it is `training_time_s`, and still counts them;
+3. and `freeze_decided_by` says which term set each decision (empty before);
+4. evaluation and checkpoint writes are off the clock (`eval_time_s`, `checkpoint_time_s`
+   beside it), and evaluations.jsonl holds every evaluation (before: an epoch's end only,
+   in metrics.jsonl).
+A summary without the field is one of 1-3, told apart by the keys it has
+(`RunSummary.from_dict`).
 
 Epochs are counted as each file has always counted them: a line of metrics.jsonl or
 steps.jsonl names its epoch 1-based (`epoch`), an event the 0-based epoch it happened in,
@@ -66,14 +76,29 @@ class CacheCounters(Record):
     cache_hits_by_rank: list[int] = field(default_factory=list)
 
 
+SUMMARY_FORMAT = 4  # the module docstring's "Formats"
+EVALUATIONS_FORMAT = 4  # from it on: evaluations.jsonl, and evaluation off the clock
+
+
+def summary_format(data: dict[str, Any]) -> int:
+    """The format of a summary.json's contents: its `format_version`, or for a summary
+    written before the field, the format its keys show."""
+    if "format_version" in data:
+        return int(data["format_version"])
+    if "training_time_s" not in data:
+        return 1
+    if data.get("eval_time_s") is not None:
+        return EVALUATIONS_FORMAT
+    return 3 if "freeze_decided_by" in data else 2
+
+
 @dataclass
 class RunSummary(Record):
     """summary.json: how a run ended (over all its attempts)."""
 
     # The training loop's seconds, all attempts added, evaluation and checkpoint writes off
-    # the clock (set-up, worker start and the interpreter's start-up not included);
-    # summaries before issue 42 call it wall_time_s, and before issue 53 it includes
-    # evaluation and checkpoints (eval_time_s None there).
+    # the clock (set-up, worker start and the interpreter's start-up not included; in
+    # formats 1-3 evaluation and checkpoints were on it).
     training_time_s: float
     attempts: int
     final_eval_metric: float | None
@@ -92,7 +117,7 @@ class RunSummary(Record):
     final_scores: dict[str, float] | None = None
     freeze_decisions: int = 0  # decision points the freeze algorithm was asked at
     # Of them, how many each term set (freeze.py, "Who decided": signal, agree, bound, cap,
-    # schedule, no_signal); empty in summaries before issue 47.
+    # schedule, no_signal); empty in formats 1-2.
     freeze_decided_by: dict[str, int] = field(default_factory=dict)
     decision_interval_steps: int | None = None  # steps between them (None: epoch ends)
     num_layers: int = 0  # the model's layers (0: a summary of an older run)
@@ -102,15 +127,23 @@ class RunSummary(Record):
     peak_allocated_bytes: int | None = None
     freeze_strategy: str = ""  # freeze.strategy ("": a summary of an older run)
     # The seconds kept off training_time_s, all attempts added: every evaluation, and every
-    # checkpoint write; None in older summaries (their training_time_s counts both).
+    # checkpoint write; None in formats 1-3 (their training_time_s counts both).
     eval_time_s: float | None = None
     checkpoint_time_s: float | None = None
+    format_version: int = SUMMARY_FORMAT
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunSummary:
-        if "training_time_s" not in data and "wall_time_s" in data:  # an older summary
-            data = {**data, "training_time_s": data["wall_time_s"]}
+        found = summary_format(data)
+        data = {**data, "format_version": found}
+        if found == 1:
+            data["training_time_s"] = data["wall_time_s"]
         return super().from_dict(data)
+
+    @property
+    def evaluation_on_the_clock(self) -> bool:
+        """Whether training_time_s counts evaluation and checkpoint writes (formats 1-3)."""
+        return self.format_version < EVALUATIONS_FORMAT
 
     def closing_line(self, run_dir: str, total_s: float | None = None) -> str:
         """One line for a person: how long, on two named clocks the same for a fresh and a
@@ -120,6 +153,8 @@ class RunSummary(Record):
         where it ended and where its outputs are."""
 
         def duration(seconds_total: float) -> str:
+            if seconds_total < 9.95:  # a short run's seconds are not 0 s
+                return f"{seconds_total:.1f} s"
             minutes, seconds = divmod(round(seconds_total), 60)
             return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
 

@@ -13,7 +13,7 @@ is off the training clock (trainer/clock.py, TrainingClock) and becomes an `Eval
 record: where the run was and how much training it had had.
 
 Owns: `Evaluator` (its cadence, the pass, the run's last and best metric, the evaluation's
-record). Must not: know how a task scores (trainer/tasks.py, trainer/qa.py do) or write
+record). Must not: know how a task scores (tasks/ do) or write
 records (the trainer hands them to the reporter).
 """
 

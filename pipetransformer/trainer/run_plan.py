@@ -3,12 +3,14 @@ sharded layouts are priced) and the PlanContext built from it, which carries the
 config. Measured unit profiles balance the stages (balance: time), tell when the cache pays
 and what a stage holds in memory.
 
-Owns: which measurements a run's plan needs, and assembling the plan from them. Must not:
-plan layouts itself (planning/ does) or measure (trainer/profiler.py does).
+Owns: which measurements a run's plan needs, assembling the plan from them, and the
+measured micro-batch count of a layout. Must not: plan layouts itself (planning/ does) or
+measure (profiling/run_profiler.py does).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,15 +18,16 @@ import torch
 from torch import nn
 
 from pipetransformer.autodp.control import Control
+from pipetransformer.autodp.topology import Layout
 from pipetransformer.autopipe.planner import UnitCosts
 from pipetransformer.autopipe.profiles import unit_costs_from_profile
 from pipetransformer.config import Config
 from pipetransformer.models import ModelSpec
 from pipetransformer.planning import PlanContext, device_memory_budget, profiling_micro_batch_size
 from pipetransformer.planning.cluster import measured_cluster, step_pricer, unit_times
+from pipetransformer.profiling import RunProfiler
 from pipetransformer.runs.state import RunState
 from pipetransformer.trainer.distributed import WorldInfo
-from pipetransformer.trainer.profiler import RunProfiler
 
 
 @dataclass
@@ -79,3 +82,20 @@ def plan_run(
         times = unit_times(profile, costs["memory_bytes_per_s"])
         plan = plan.with_pricer(step_pricer(times, plan.config, cluster))
     return RunPlan(plan, profiler, measured_costs, micro_batch_size, budget)
+
+
+def measured_micro_batches(
+    layout: Layout,
+    config: Config,
+    profiler: RunProfiler,
+    step_of: Callable[[Layout], Callable[[], None]],
+) -> Layout:
+    """For num_micro_batches 'measured': `layout` with the fastest M measured (collective),
+    `step_of(trial)` giving a step of each trial layout to time. 'auto' and an int were set
+    by the plan from the config alone; a sharded layout's M is the fewest that fit
+    (planning/context.py)."""
+    if config.pipeline.num_micro_batches != "measured" or layout.sharded:
+        return layout
+    replica_batch = config.trainer.replica_batch_size(layout.dp_degree)
+    trials = lambda m: step_of(layout.with_micro_batches(m))  # noqa: E731
+    return layout.with_micro_batches(profiler.micro_batches(layout.pipe_len, replica_batch, trials))

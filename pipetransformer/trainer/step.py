@@ -41,12 +41,12 @@ from pipetransformer.models import unit_param_names
 from pipetransformer.pipe import StageRuntime
 from pipetransformer.pipe.timing import IntervalTimer
 from pipetransformer.pipe.transfer import to_device
+from pipetransformer.tasks import loss_weights
 from pipetransformer.trainer import optim
 from pipetransformer.trainer.caching import RunCache
 from pipetransformer.trainer.clock import Tick
 from pipetransformer.trainer.distributed import WorldInfo
 from pipetransformer.trainer.metrics import StepResult
-from pipetransformer.trainer.tasks import loss_weights
 from pipetransformer.utils.files import append_jsonl
 from pipetransformer.utils.padding import (
     PackedShape,

@@ -34,7 +34,7 @@ from pipetransformer.autodp.groups import (
 )
 from pipetransformer.autodp.handoff import plan_transfers
 from pipetransformer.autodp.topology import Layout
-from pipetransformer.config import Config, frozen_random_embedding, resolve, resolve_padding
+from pipetransformer.config import Config, random_embedding_warning, resolve, resolve_padding
 from pipetransformer.data import build_data
 from pipetransformer.data.describe import describe_bundle
 from pipetransformer.fsdp import shard_optimizer_states
@@ -67,6 +67,7 @@ from pipetransformer.runs.state import (
     RunState,
     Stateful,
 )
+from pipetransformer.tasks import task_for
 from pipetransformer.trainer import optim
 from pipetransformer.trainer.caching import RunCache
 from pipetransformer.trainer.clock import StepClock, Tick, TrainingClock
@@ -74,7 +75,7 @@ from pipetransformer.trainer.distributed import WorldInfo, init_distributed, pea
 from pipetransformer.trainer.evaluation import Evaluator
 from pipetransformer.trainer.freezing import FreezeControl
 from pipetransformer.trainer.metrics import MetricsTracker
-from pipetransformer.trainer.run_plan import plan_run
+from pipetransformer.trainer.run_plan import measured_micro_batches, plan_run
 from pipetransformer.trainer.runtime import build_runtime, warm_up_layout
 from pipetransformer.trainer.statefuls import checkpoint_statefuls, seed_streams
 from pipetransformer.trainer.step import (
@@ -86,7 +87,6 @@ from pipetransformer.trainer.step import (
 )
 from pipetransformer.trainer.stop_poll import StopPoll
 from pipetransformer.trainer.summary import run_summary, start_event
-from pipetransformer.trainer.tasks import task_for
 from pipetransformer.trainer.transition import hand_over, transition_event
 from pipetransformer.utils.stopping import RunStopped, StopRequest
 
@@ -177,13 +177,8 @@ class Trainer:
         if self.world.rank == 0:  # what it read: before an epoch shows a wrong column
             note = f"; {padding_note}" if padding_note else ""
             logger.info("data: %s%s", describe_bundle(self.data), note)
-            if frozen_random_embedding(config):
-                logger.warning(
-                    "freeze.embedding: the embedding is frozen from the first step but the "
-                    "model starts from random weights (no model.model_name_or_path, "
-                    "model.pretrained or model.checkpoint_path), so it will never train; "
-                    "set freeze.embedding=auto (the default), or name pretrained weights"
-                )
+            if (warning := random_embedding_warning(config)) is not None:
+                logger.warning(warning)
         if resumption is not None:
             self.state = resumption.state(self.spec)
         # Same seed on every rank: the full model is initialised identically everywhere
@@ -404,7 +399,8 @@ class Trainer:
                 self.control,
                 one_sample=self.cache_serves(frozen),
             )
-        layout = self._resolve_micro_batches(layout, units, groups)
+        trial = self._trial_step(units, groups)
+        layout = measured_micro_batches(layout, self.config, self.profiler, trial)
         times["profile_s"] = self.profiler.take_seconds()
         started = time.perf_counter()
         runtime = self._runtime(layout, units, groups, comm_timer=self.metrics.comm_timer)
@@ -442,20 +438,13 @@ class Trainer:
             layout, self.world, self.config, units, groups, self.spec, self.task.loss_fn, comm_timer
         )
 
-    def _resolve_micro_batches(
-        self, layout: Layout, units: dict[int, nn.Module], groups: TrainingGroups
-    ) -> Layout:
-        """For num_micro_batches 'measured': the measured fastest M of this layout
-        (collective). 'auto' and an int were set by the plan from the config alone."""
-        if self.config.pipeline.num_micro_batches != "measured" or layout.sharded:
-            return layout  # a sharded layout's M is the fewest that fit (planning/context.py)
-        replica_batch = self.config.trainer.replica_batch_size(layout.dp_degree)
-        # A step at the position the run continues from (the last one for a finished run).
+    def _trial_step(self, units: dict[int, nn.Module], groups: TrainingGroups):
+        """A step of a trial layout to time (run_plan.py `measured_micro_batches`) where the
+        run continues (the last step for a finished run), leaving no gradients behind."""
         epoch = min(self.state.epoch, self.config.trainer.epochs - 1)
         step = min(self.state.step_in_epoch, self.sampler.steps_per_epoch - 1)
 
-        def measure_step(m: int):
-            trial = layout.with_micro_batches(m)
+        def step_of(trial: Layout) -> Callable[[], None]:
             runtime = self._runtime(trial, units, groups)
             if runtime is None:
                 return lambda: None
@@ -468,8 +457,7 @@ class Trainer:
 
             return run
 
-        m = self.profiler.micro_batches(layout.pipe_len, replica_batch, measure_step)
-        return layout.with_micro_batches(m)
+        return step_of
 
     # ------------------------------------------------------------------ training
 

@@ -90,11 +90,3 @@ def rewrite_jsonl(path: str | os.PathLike, keep: Callable[[dict[str, Any]], bool
     if len(kept) != len(records) or Path(path).exists():
         write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
     return len(records) - len(kept)
-
-
-def looks_like_path(name: str) -> bool:
-    """Whether a model or tokenizer name is meant as a local path rather than a hub id
-    ('org/name' has at most one slash and never starts with '/', '.' or '~')."""
-    return (
-        name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
-    )

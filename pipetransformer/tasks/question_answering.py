@@ -1,7 +1,8 @@
 """The question-answering task: span targets, the span loss and SQuAD evaluation.
 
 Targets travel to the last stage as (start, end, weight, real length) per feature, the
-weight as in `tasks.py` (so the update is the mean over the global batch's real features).
+weight `loss_weights` (tasks/__init__.py: the update is the mean over the global batch's
+real features).
 Padding positions take no part in the span softmax: their logits are masked out of the
 loss, and out of the logits evaluation keeps, so a batch padded to its longest feature
 trains and scores exactly as one padded to max_seq_length (data.padding). Evaluation
