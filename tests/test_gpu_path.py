@@ -782,6 +782,16 @@ def test_zero_bubbles_buffer_counts_a_missing_or_replaced_gradient(fake_world):
     assert torch.equal(second.weight.grad, torch.full_like(second.weight, 2.0))
     for p in [*first.parameters(), *second.parameters()]:
         assert p.grad._base is not None  # a view of its chunk's buffer
+    # A gradient that holds something before a step (not zeroed since) keeps it: the step
+    # adds to it, as a backward does; gradients set to None start from zero.
+    second.zero_grad(set_to_none=True)
+    held = first.weight.grad.clone()
+    sync.prepare()
+    torch.testing.assert_close(first.weight.grad, held)
+    assert torch.equal(second.weight.grad, torch.zeros_like(second.weight))
+    first(torch.ones(4, 3)).sum().backward()
+    sync()
+    torch.testing.assert_close(first.weight.grad, (held + made) / 2)
 
 
 def test_the_compare_report_says_when_a_run_did_not_time_its_all_reduce(tmp_path):

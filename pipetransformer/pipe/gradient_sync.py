@@ -25,8 +25,9 @@ weight gradient (its REDUCE_GRAD action calls the stage's `perform_reduce_grad`,
 `ReducingStage` in pipe/runtime.py passes on to `chunk_done`), asynchronously, while the
 rank's other chunks still compute; the step waits for every chunk at its end (`__call__`).
 Where: a chunk's trained gradients live in one flat buffer per dtype, allocated once per
-layout; before a step (`prepare`) every trained parameter's `.grad` is set to its zeroed view
-of it, so the weight-gradient steps (`weight.grad += dw`) and autograd's accumulation write
+layout; before a step (`prepare`) every trained parameter's `.grad` is set to its view of it
+(zeroed where the gradient was None, holding it where a gradient had accumulated: a step
+adds to .grad as a backward does), so the weight-gradient steps (`weight.grad += dw`) and autograd's accumulation write
 straight into the buffer, which is reduced in place: no flattening copy before the
 all-reduce and none back after it (the buffer is the gradients).
 
@@ -60,10 +61,10 @@ class _Bucket:
             offset += p.numel()
 
     def attach(self) -> None:
-        """Every parameter's gradient as its view of the zeroed buffer."""
-        self.flat.zero_()
-        for p, view in zip(self.parameters, self.views):
-            p.grad = view
+        """Every parameter's gradient as its view of the buffer, holding what the gradient
+        held: zeros where it was None (the optimizer's zero_grad), what it had accumulated
+        otherwise (a backward adds to .grad, it does not replace it)."""
+        self.gather()
 
     def gather(self) -> None:
         """The buffer holds every gradient: one set to None since counts as zero, one that
@@ -110,7 +111,7 @@ class GradientAllReduce:
         return [p for buckets in self.buckets.values() for b in buckets for p in b.parameters]
 
     def prepare(self) -> None:
-        """Before a step: each trained gradient a zeroed view of its chunk's buffer."""
+        """Before a step: each trained gradient a view of its chunk's buffer (`_Bucket.attach`)."""
         for buckets in self.buckets.values():
             for bucket in buckets:
                 bucket.attach()
