@@ -27,9 +27,10 @@ rank's other chunks still compute; the step waits for every chunk at its end (`_
 Where: a chunk's trained gradients live in one flat buffer per dtype, allocated once per
 layout; before a step (`prepare`) every trained parameter's `.grad` is set to its view of it
 (zeroed where the gradient was None, holding it where a gradient had accumulated: a step
-adds to .grad as a backward does), so the weight-gradient steps (`weight.grad += dw`) and autograd's accumulation write
-straight into the buffer, which is reduced in place: no flattening copy before the
-all-reduce and none back after it (the buffer is the gradients).
+adds to .grad as a backward does), so the weight-gradient steps (`weight.grad += dw`) and
+autograd's accumulation write straight into the buffer, which is reduced in place: no
+flattening copy before the all-reduce and none back after it (the buffer is the
+gradients).
 
 Owns: that all-reduce. Must not: create groups or decide when a layout needs it.
 """
