@@ -36,6 +36,7 @@ from pipetransformer.autodp.topology import Layout, Role
 from pipetransformer.config import Config
 from pipetransformer.data import DataBundle, SampleDataset
 from pipetransformer.data.loader import BatchLoader, workers_per_process
+from pipetransformer.freeze_signal import unit_grad_squares
 from pipetransformer.fsdp import local
 from pipetransformer.models import unit_param_names
 from pipetransformer.pipe import StageRuntime
@@ -465,13 +466,11 @@ class StepRunner:
         are summed over the replicas."""
         params, owner_index = self._grad_owners(stage)
         grads = [local(p.grad.detach()) for p in params if p.grad is not None]
-        squares = torch.zeros(self.num_units, dtype=torch.float64, device=self.world.device)
-        if grads:
-            if len(grads) < len(params):  # a parameter this step left without a gradient
-                owned = [i for i, p in enumerate(params) if p.grad is not None]
-                owner_index = owner_index[to_device(torch.tensor(owned), self.world.device)]
-            norms = torch.stack(torch._foreach_norm(grads)).double()
-            squares.index_add_(0, owner_index, norms.square())
+        if grads and len(grads) < len(params):  # a parameter this step left without a gradient
+            owned = [i for i, p in enumerate(params) if p.grad is not None]
+            owner_index = owner_index[to_device(torch.tensor(owned), self.world.device)]
+        # The kernel the integrations share (freeze_signal.py): one norm pass, a scatter-add.
+        squares = unit_grad_squares(grads, owner_index, self.num_units)
         if stage.layout.sharded:
             dist.all_reduce(squares, group=stage.groups.data)
         return squares
