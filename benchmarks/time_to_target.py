@@ -41,7 +41,8 @@ Settings (budgets 1, 2, 3 epochs unless `--budgets`):
                    shard-grad-op, all with the embedding frozen. The cut on parameter counts
                    (a cut on measured times moves with the load, and its bytes with it).
                    Candidates (the rules of issue 59), and the headroom sweep of fixed
-                   schedules (`--no-sweep` leaves it out) on the choosing seeds.
+                   schedules (`--no-sweep` leaves it out, `--sweep` names some) on the
+                   choosing seeds.
   quickstart       configs/quickstart.yaml (ViT from scratch on the digits, 30 epochs, 18 of
                    them warm-up) at a cap that forces a 2-stage pipeline: 6.5 MiB at a global
                    batch of 16 (at the config's 64 no cap does: activations dominate, and a
@@ -97,6 +98,7 @@ from ttt_grounds import (
     peer_overrides,
     side_overrides,
     title,
+    with_sweep,
     workload,
 )
 
@@ -538,6 +540,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--candidates", default=None, help="comma-separated (ttt_grounds.py)")
     parser.add_argument("--candidate", default=None, help="this one, without choosing")
     parser.add_argument("--no-sweep", action="store_true", help="no fixed schedules")
+    parser.add_argument(
+        "--sweep", default=None, help="these fixed schedules only, comma-separated (ttt_grounds.py)"
+    )
     parser.add_argument("--train", type=int, default=None, help="training sentences (MiniLM)")
     parser.add_argument("--budgets", default=None, help="epochs, comma-separated")
     parser.add_argument("--margin", type=float, default=0.5, help="points below the reference")
@@ -617,6 +622,7 @@ def main() -> None:
         extra["cap_bytes"] = args.pipeline_cap
         extra["refused"] = try_refused(args, setting, common)
     choosing = len(args.candidates) > 1
+    setting = with_sweep(setting, args.sweep)
     sweep = choosing and bool(setting.sweep) and not args.no_sweep
     sides = side_overrides(setting, args.candidates, common, sweep)
     chosen_sides = {

@@ -9,7 +9,7 @@ on the path).
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from harness import ROOT, minilm_sst2
@@ -159,6 +159,19 @@ SETTINGS = {
         reference=BASELINE,
     ),
 }
+
+
+def with_sweep(setting: Setting, names: str | None) -> Setting:
+    """The setting with only the named fixed schedules in its sweep (comma-separated; None:
+    all of them). An unknown name is an error that lists the known ones."""
+    if names is None:
+        return setting
+    chosen = tuple(name for name in names.split(",") if name)
+    unknown = sorted(set(chosen) - set(setting.sweep))
+    if unknown:
+        known = ", ".join(setting.sweep) or "none on this setting"
+        raise SystemExit(f"--sweep: {', '.join(unknown)} unknown; known: {known}")
+    return replace(setting, sweep=chosen)
 
 
 def workload(args: argparse.Namespace) -> list[str]:

@@ -446,6 +446,14 @@ def test_the_frozen_pipeline_ground_freezes_the_embedding_on_every_side():
     assert len(fixed) == len(grounds.SCHEDULES) == 5
     assert all("autopipe.compression=memory" in sides[name] for name in fixed)
     assert grounds.title("fixed_3_after_epoch_2") == "fixed: 3 layers at the second epoch's end"
+    # --sweep keeps the named schedules, in the order given; a typo names the known ones.
+    assert grounds.with_sweep(setting, None) is setting
+    assert grounds.with_sweep(setting, "3_after_a_third,2_after_epoch_1").sweep == (
+        "3_after_a_third",
+        "2_after_epoch_1",
+    )
+    with pytest.raises(SystemExit, match="3_after_epoch_9 unknown; known: 2_after_epoch_1"):
+        grounds.with_sweep(setting, "3_after_epoch_9")
 
 
 def test_the_benchmarks_full_budget_table_pairs_each_peer_with_the_system_by_seed():
