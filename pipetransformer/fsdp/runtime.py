@@ -133,13 +133,15 @@ class ShardedRuntime:
         ids: Sequence[int] | None = None,
         seq_length: int | PackedShape | None = None,
     ) -> torch.Tensor:
-        """Forward only (collective: every rank gathers every trained group), the whole batch
-        at once (a packed one micro-batch by micro-batch: its sample starts count within
-        one). Every group is resharded after it: between steps a unit's parameters are its
-        shards, the objects the optimizer and the checkpoint know (the head's group keeps
-        its gathered parameters after a forward otherwise)."""
+        """Forward only (collective: every rank gathers every trained group), micro-batch
+        by micro-batch as the training step runs it: every rank makes the same number of
+        forward calls whatever its batch's shape (under `data.padding: auto` one replica's
+        batch may pack where another's is padded, and a packed batch's sample starts count
+        within one micro-batch). Every group is resharded after it: between steps a unit's
+        parameters are its shards, the objects the optimizer and the checkpoint know (the
+        head's group keeps its gathered parameters after a forward otherwise)."""
         self.module.eval()
-        pieces = self.num_micro_batches if isinstance(seq_length, PackedShape) else 1
+        pieces = self.num_micro_batches
         try:
             with torch.no_grad():
                 activations = self.run_prefix(inputs, ids, "eval", seq_length)
