@@ -7,11 +7,14 @@ evaluation), so the number of calls must not depend on the batch's shape."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from pipetransformer.fsdp.runtime import ShardedRuntime
 from pipetransformer.utils.padding import PackedShape
+
+pytestmark = pytest.mark.gpu_rules  # NCCL's rule: every rank, the same collectives
 
 
 class CountingHead(nn.Module):

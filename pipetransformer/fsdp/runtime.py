@@ -99,6 +99,12 @@ class ShardedRuntime:
             self.preprocess, self.cached_prefix, self._autocast(), inputs, ids, split, seq_length
         )
 
+    def _micro_batches(self, *tensors: torch.Tensor):
+        """M pieces of every tensor, zipped: a packed batch's rows and its sample starts
+        alike; always M, so every rank makes the same forward calls (each one FSDP2's
+        all-gathers) whatever its batch's rows."""
+        return zip(*(t.tensor_split(self.num_micro_batches) for t in tensors))
+
     def train_step(
         self,
         inputs: Sequence[torch.Tensor] | None,
@@ -112,13 +118,8 @@ class ShardedRuntime:
         replicas as DDP averages them). Returns each micro-batch's loss."""
         self.module.train()
         activations = self.run_prefix(inputs, ids, "train", seq_length)
-        # M pieces of every tensor: a packed batch's rows and its sample starts alike.
-        pieces = zip(
-            *(t.tensor_split(self.num_micro_batches) for t in activations),
-            target.tensor_split(self.num_micro_batches),
-        )
         losses = []
-        for *micro, micro_target in pieces:
+        for *micro, micro_target in self._micro_batches(*activations, target):
             with self._autocast():
                 logits = self.module(*micro)
             loss = self.loss_fn(logits.float(), micro_target)
@@ -141,14 +142,12 @@ class ShardedRuntime:
         parameters are its shards, the objects the optimizer and the checkpoint know (the
         head's group keeps its gathered parameters after a forward otherwise)."""
         self.module.eval()
-        pieces = self.num_micro_batches
         try:
             with torch.no_grad():
                 activations = self.run_prefix(inputs, ids, "eval", seq_length)
                 with self._autocast():
                     outputs = [
-                        self.module(*micro).float()
-                        for micro in zip(*(t.tensor_split(pieces) for t in activations))
+                        self.module(*micro).float() for micro in self._micro_batches(*activations)
                     ]
                 return torch.cat(outputs)
         finally:
