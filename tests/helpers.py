@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import logging
 import multiprocessing
@@ -61,9 +62,11 @@ def tiny_bert(
     )
 
 
-# Workers are forks of one server that has imported torch, timm, transformers and the trainer
-# once for the whole session: a 4-rank run starts in about a second instead of ~15 s of
-# imports on 2 cores (the launcher's default, spawn, is what the CLI and its tests use).
+# Workers are forks of one server that has imported torch, timm, transformers, scikit-learn
+# (the digits) and the trainer once for the whole session: a 4-rank run starts in about a
+# second instead of ~15 s of imports on 2 cores (the launcher's default, spawn, is what the
+# CLI and its tests use). What a worker imports that the server has not is paid by every
+# worker of every test: scikit-learn alone was a third of test_fsdp.py's time.
 WORKER_CONTEXT = multiprocessing.get_context("forkserver")
 WORKER_CONTEXT.set_forkserver_preload(
     [
@@ -71,6 +74,9 @@ WORKER_CONTEXT.set_forkserver_preload(
         "torch.distributed.pipelining",
         "timm",
         "transformers.models.bert.modeling_bert",
+        "sklearn.datasets",
+        "sklearn.model_selection",
+        "pipetransformer.trainer.trainer",
         "workers",
     ]
 )
@@ -78,6 +84,7 @@ WORKER_CONTEXT.set_forkserver_preload(
 
 def _entry(fn: Callable[..., Any], out_dir: str, devices_per_node: int | None, args: tuple) -> None:
     torch.set_num_threads(1)
+    gc.freeze()  # the server's imports: a full collection (0.25 s here) skips them
     if devices_per_node is not None:
         os.environ["LOCAL_WORLD_SIZE"] = str(devices_per_node)
         os.environ["LOCAL_RANK"] = str(int(os.environ["RANK"]) % devices_per_node)

@@ -9,6 +9,7 @@ Must not: know about ranks or samplers.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,13 @@ def digits_split(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The digits as read: (images (N, 1, 8, 8) in [0, 1], labels, train ids, eval ids), a
     fixed 80/20 stratified split (part of the dataset's definition, not of the run)."""
+    return tuple(t.clone() for t in _digits_read())
+
+
+@functools.cache
+def _digits_read() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """digits_split's tensors, read once a process: a run reads them for its normalisation
+    and for its data, and scikit-learn's import and CSV parse cost a second or more."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
