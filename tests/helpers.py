@@ -62,11 +62,12 @@ def tiny_bert(
     )
 
 
-# Workers are forks of one server that has imported torch, timm, transformers, scikit-learn
-# (the digits) and the trainer once for the whole session: a 4-rank run starts in about a
-# second instead of ~15 s of imports on 2 cores (the launcher's default, spawn, is what the
-# CLI and its tests use). What a worker imports that the server has not is paid by every
-# worker of every test: scikit-learn alone was a third of test_fsdp.py's time.
+# Workers are forks of one server that has imported torch, timm, transformers, the trainer
+# and (through `workers`) scikit-learn and the digits once for the whole session: a 4-rank
+# run starts in about a second instead of ~15 s of imports on 2 cores (the launcher's
+# default, spawn, is what the CLI and its tests use). What a worker imports that the server
+# has not is paid by every worker of every test: scikit-learn alone was a third of
+# test_fsdp.py's time.
 WORKER_CONTEXT = multiprocessing.get_context("forkserver")
 WORKER_CONTEXT.set_forkserver_preload(
     [
@@ -74,8 +75,6 @@ WORKER_CONTEXT.set_forkserver_preload(
         "torch.distributed.pipelining",
         "timm",
         "transformers.models.bert.modeling_bert",
-        "sklearn.datasets",
-        "sklearn.model_selection",
         "pipetransformer.trainer.trainer",
         "workers",
     ]
