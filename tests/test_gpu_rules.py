@@ -359,6 +359,7 @@ def test_the_peers_compute_with_the_trainers_settings(overrides, monkeypatch, tm
     trainer.precision, set no device and no TF32, decoded on the main thread and copied from
     pageable memory; the hf_trainer peer left TrainingArguments' tf32 unset (off) and started
     all of data.num_workers on every rank. (tests/test_peers.py runs both peers audited.)"""
+    pytest.importorskip("accelerate")  # transformers' Trainer needs it (the .[peers] extra)
     import os
 
     import transformers

@@ -162,6 +162,7 @@ def layers_index(layers, layer) -> int:
 def test_a_model_without_a_layer_stack_is_one_error_when_the_trainer_is_built(tmp_path):
     """An encoder without a task head (a BertModel) and a model of no supported library:
     the Trainer is not even built, and the line says what was looked for."""
+    pytest.importorskip("accelerate")  # transformers' Trainer needs it (the .[peers] extra)
     from transformers import BertConfig, BertModel, Trainer, TrainingArguments
 
     from pipetransformer.integrations.transformers import FreezeCallback
@@ -225,6 +226,7 @@ def test_a_timm_vit_under_trainer_freezes_its_bottom_blocks(tmp_path):
     (the embedding from the start: a timm model counts as pretrained), frozen blocks stay in
     eval mode through the Trainer's model.train(), the decisions are in log_history and the
     head keeps training."""
+    pytest.importorskip("accelerate")  # transformers' Trainer needs it (the .[peers] extra)
     from transformers import Trainer, TrainingArguments
 
     from pipetransformer.integrations.transformers import FreezeCallback
@@ -270,6 +272,7 @@ def test_every_interval_steps_the_trainer_decides_and_releases_the_frozen_optimi
     steps of 2 micro-batches: decisions after steps 3, 6 and 9 of 10 (none after the last),
     each in log_history with who set it, and no optimizer state left for a frozen
     parameter."""
+    pytest.importorskip("accelerate")  # transformers' Trainer needs it (the .[peers] extra)
     from transformers import Trainer, TrainingArguments
 
     from pipetransformer.integrations.transformers import FreezeCallback

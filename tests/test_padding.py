@@ -180,6 +180,7 @@ def test_the_hf_trainer_peer_pads_as_its_users_do():
 
 
 def test_the_hf_trainer_peer_groups_by_length_where_the_config_does(tmp_path):
+    pytest.importorskip("accelerate")  # transformers' Trainer needs it (the .[peers] extra)
     from transformers import TrainingArguments
 
     from pipetransformer.compare.peers import _length_grouping

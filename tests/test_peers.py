@@ -190,6 +190,7 @@ def test_the_hf_trainer_peer_runs_trainings_own_default_optimizer(monkeypatch, t
     do: the optimizer Trainer then builds is the installed version's default
     (adamw_torch_fused with transformers 5 on torch >= 2.8: torch's fused AdamW), where
     the peer used to ask for adamw_torch (torch's per-parameter loop on the CPU)."""
+    pytest.importorskip("accelerate")  # transformers' Trainer needs it (the .[peers] extra)
     from transformers import Trainer, TrainingArguments
 
     config = load_config(str(ROOT / "configs" / "bert_sst2_local.yaml"))
