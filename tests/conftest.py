@@ -99,6 +99,21 @@ def elastic_full_run(tmp_path_factory) -> SharedRun:
     return SharedRun(config_dict, run_dir, run_workers(elastic_run, 4, config_dict, str(run_dir)))
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject's addopts): one pytest worker per core, at most 4 and one per
+    4 GiB of memory (a worker's distributed test runs up to 4 ranks of a few hundred MiB
+    each), or PYTEST_XDIST_AUTO_NUM_WORKERS. None with the GPU tests: they share one GPU.
+    Two workers on 2 cores keep both busy: alone, the suite leaves a third of the cores'
+    time idle (single-process tests, start-up, ranks waiting on each other)."""
+    if "PYTEST_XDIST_AUTO_NUM_WORKERS" in os.environ:
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    if GPU_TESTS:
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return max(1, min(cores or 1, 4, int(memory_gib // 4)))
+
+
 def pytest_collection_modifyitems(config, items):
     if GPU_TESTS and torch.cuda.is_available():
         return
