@@ -139,7 +139,7 @@ def test_vit_export_loads_in_timm_with_the_trained_logits(tmp_path, caplog, monk
     # A timm user's way: the raw 8x8 images through the export's own transform.
     from PIL import Image
 
-    raw, labels, _, eval_ids = digits_split(config.data)
+    raw, labels, _, eval_ids = digits_split()
     evaluated = Subset(TensorSampleDataset([raw[eval_ids]], labels[eval_ids]), 32, seed=1)
     (raw_images,), targets = evaluated.fetch(range(len(evaluated)))
     transform = timm.data.create_transform(**timm.data.resolve_data_config({}, model=by_directory))

@@ -13,7 +13,6 @@ from helpers import tiny_bert, tiny_vit
 from pipetransformer.autodp.groups import build_training_groups
 from pipetransformer.autodp.topology import Layout
 from pipetransformer.autopipe.planner import UnitCosts, balance
-from pipetransformer.config import DataConfig
 from pipetransformer.data.vision import digits_split
 from pipetransformer.models import unit_param_names
 from pipetransformer.pipe import build_stage_runtime
@@ -23,7 +22,7 @@ from pipetransformer.trainer.distributed import init_distributed
 # The digits most tests train on, read here once (data/vision.py keeps them a process):
 # helpers.WORKER_CONTEXT's server imports this module, so every worker it forks starts with
 # them and with scikit-learn imported (its import and CSV parse, ~1.5 s a worker).
-digits_split(DataConfig())
+digits_split()
 
 
 def fixed_batch(kind: str, batch_size: int):

@@ -46,9 +46,7 @@ class ImageNormalization:
     crop_pct: float = 1.0
 
 
-def digits_split(
-    config: DataConfig,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def digits_split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The digits as read: (images (N, 1, 8, 8) in [0, 1], labels, train ids, eval ids), a
     fixed 80/20 stratified split (part of the dataset's definition, not of the run)."""
     return tuple(t.clone() for t in _digits_read())
@@ -73,7 +71,7 @@ def _digits_read() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tens
 def _digits_resized(
     config: DataConfig,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    images, labels, train_idx, eval_idx = digits_split(config)
+    images, labels, train_idx, eval_idx = digits_split()
     size = config.image_size or 16
     if size != 8:
         images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
