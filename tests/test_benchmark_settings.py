@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import freeze_frontier  # noqa: E402
 import harness  # noqa: E402
 import padding  # noqa: E402
+import trainer_callback  # noqa: E402
 
 
 def shell_benchmark_overrides(script: str, minilm: Path) -> tuple[str, list[str]]:
@@ -134,3 +135,49 @@ def test_the_frontier_variants_are_what_their_labels_say(minilm):
                 assert holds(config), f"{name}: '{words}'"
                 checked += 1
     assert checked >= 30
+
+
+def test_the_trainer_callback_sides_are_what_their_titles_say(minilm):
+    """Each side of benchmarks/trainer_callback.py at the full budget: plain Trainer trains
+    everything; the callback's sides keep the config's rule and embedding and differ only in
+    how far Eq. 1's bound lets them go on MiniLM's 6 layers at its two decisions (2 then 4;
+    held at 2; 1 then 2 at alpha 1/6), as section 24 of docs/benchmarks.md reads them."""
+    args = argparse.Namespace(
+        tiny=False,
+        train=2000,
+        epochs=3,
+        override=[],
+        data_root=ROOT,
+        sides=list(trainer_callback.SIDES),
+        budgets=[1, 2, 3],
+        freeze_budgets=[3],
+    )
+    common = trainer_callback.workload(args)
+    runs = trainer_callback.planned_runs(args, common)
+    shipped = load_config(trainer_callback.CONFIG)
+    expected = {
+        trainer_callback.FREEZE: [2, 4],
+        trainer_callback.THIRD: [2, 2],
+        trainer_callback.SIXTH: [1, 2],
+    }
+    from pipetransformer.freeze import bound_trajectory
+
+    seen = set()
+    for name, (side, overrides) in runs.items():
+        config = load_config(trainer_callback.CONFIG, [*common, *overrides])
+        assert config.data.max_seq_length == 128 and config.trainer.evals_per_epoch == 4
+        seen.add(side)
+        if side == trainer_callback.PLAIN:
+            assert config.freeze.strategy == "none"
+            continue
+        if side == trainer_callback.EMBEDDING:
+            continue  # the callback's own schedule (compare.peers.EMBEDDING_ONLY)
+        assert name.endswith("_3ep"), f"{name}: the callback's sides run the full budget"
+        assert config.freeze.strategy == shipped.freeze.strategy
+        trajectory = bound_trajectory(6, config.freeze.alpha, 2, config.freeze.max_frozen_layers)
+        assert trajectory == expected[side], f"{side}: {trajectory}"
+    assert seen == set(trainer_callback.SIDES)
+    args.sides = [trainer_callback.PLAIN, trainer_callback.SIXTH]
+    assert {side for side, _ in trainer_callback.planned_runs(args, common).values()} == set(
+        args.sides
+    )
