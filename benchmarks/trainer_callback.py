@@ -99,7 +99,6 @@ SIDES = {
     THIRD: ("Trainer + FreezeCallback, at most 2 layers", "freeze", ["freeze.max_frozen_layers=2"]),
     SIXTH: ("Trainer + FreezeCallback, alpha 1/6", "freeze", ["freeze.alpha=0.1666666667"]),
 }
-CALLBACK_SIDES = (FREEZE, THIRD, SIXTH)  # run at --freeze-budgets
 
 
 def title(side: str) -> str:
@@ -147,8 +146,8 @@ def planned_runs(args: argparse.Namespace, common: list[str]) -> dict[str, tuple
     config = load_config(str(CONFIG), common)
     runs = {}
     for side in args.sides:
-        overrides = SIDES[side][2]
-        budgets = args.freeze_budgets if side in CALLBACK_SIDES else args.budgets
+        _, callback, overrides = SIDES[side]
+        budgets = args.freeze_budgets if callback == "freeze" else args.budgets
         for name, found in budget_variants(config, budgets, overrides, False, side).items():
             runs[name] = (side, found)
     return runs

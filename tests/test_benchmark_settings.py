@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipetransformer.config import load_config
+from pipetransformer.freeze import bound_trajectory
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -160,8 +161,6 @@ def test_the_trainer_callback_sides_are_what_their_titles_say(minilm):
         trainer_callback.THIRD: [2, 2],
         trainer_callback.SIXTH: [1, 2],
     }
-    from pipetransformer.freeze import bound_trajectory
-
     seen = set()
     for name, (side, overrides) in runs.items():
         config = load_config(trainer_callback.CONFIG, [*common, *overrides])
