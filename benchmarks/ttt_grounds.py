@@ -61,6 +61,11 @@ CANDIDATES: dict[str, tuple[str, list[str]]] = {
         "without its bound, compression by memory",
         ["freeze.memory_aware=true", "freeze.eq1_bound=false", BY_MEMORY],
     ),
+    "memory_aware_early": (
+        "freeze.memory_aware with its first decision a fifth into the run "
+        "(freeze.warmup_epochs=6: the quickstart's 30 epochs, whose config waits 18)",
+        ["freeze.memory_aware=true", "freeze.eq1_bound=false", "freeze.warmup_epochs=6", BY_MEMORY],
+    ),
     "memory_aware_autofreeze": (
         "freeze.memory_aware on AutoFreeze's signal (it can say 'not yet'), compression by memory",
         ["freeze.strategy=autofreeze", "freeze.memory_aware=true", BY_MEMORY],
