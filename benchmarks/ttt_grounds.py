@@ -39,6 +39,8 @@ LOCAL_TITLES = {
 # (autopipe/planner.py); the parameter-size proxy holds MiniLM's 2-stage pipeline until 5
 # of its 6 layers are frozen.
 BY_MEMORY = "autopipe.compression=memory"
+# The fewest converged layers that pack the pipeline (freeze.py), packed by memory.
+MEMORY_AWARE = ["freeze.memory_aware=true", "freeze.eq1_bound=false", BY_MEMORY]
 # name -> (what it is, overrides on top of the setting's)
 CANDIDATES: dict[str, tuple[str, list[str]]] = {
     "default": ("the shipped rule: Eq. 1, alpha 1/3, at epoch ends, embedding frozen", []),
@@ -59,12 +61,12 @@ CANDIDATES: dict[str, tuple[str, list[str]]] = {
     "memory_aware": (
         "freeze.memory_aware: the fewest layers that pack the pipeline, Eq. 1's signal "
         "without its bound, compression by memory",
-        ["freeze.memory_aware=true", "freeze.eq1_bound=false", BY_MEMORY],
+        MEMORY_AWARE,
     ),
     "memory_aware_early": (
         "freeze.memory_aware with its first decision a fifth into the run "
         "(freeze.warmup_epochs=6: the quickstart's 30 epochs, whose config waits 18)",
-        ["freeze.memory_aware=true", "freeze.eq1_bound=false", "freeze.warmup_epochs=6", BY_MEMORY],
+        [*MEMORY_AWARE, "freeze.warmup_epochs=6"],
     ),
     "memory_aware_autofreeze": (
         "freeze.memory_aware on AutoFreeze's signal (it can say 'not yet'), compression by memory",

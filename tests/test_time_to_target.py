@@ -456,6 +456,33 @@ def test_the_frozen_pipeline_ground_freezes_the_embedding_on_every_side():
         grounds.with_sweep(setting, "3_after_epoch_9")
 
 
+def test_the_quickstart_grounds_early_candidate_differs_only_in_its_warm_up():
+    """Section 25's headroom candidate: `memory_aware_early` is `memory_aware` with its first
+    decision after 6 of the quickstart's 30 epochs instead of the config's 18, every other
+    key alike, at the ground's batch and cap (what section 25 reads it as)."""
+    import argparse
+    import dataclasses
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import ttt_grounds as grounds
+
+    args = argparse.Namespace(
+        setting="quickstart", tiny=False, epochs=30, override=[], quickstart_cap=6815744
+    )
+    setting = grounds.SETTINGS["quickstart"]
+    common = grounds.workload(args)
+    sides = grounds.side_overrides(setting, ["memory_aware", "memory_aware_early"], common)
+    plain, early = (
+        load_config(str(setting.config), [*common, *sides[f"elastic_{name}"]])
+        for name in ("memory_aware", "memory_aware_early")
+    )
+    assert plain.freeze.warmup_epochs == 18 and early.freeze.warmup_epochs == 6
+    assert early.freeze.memory_aware and not early.freeze.eq1_bound
+    assert early.trainer.global_batch_size == 16 and early.pipeline.device_memory_bytes == 6815744
+    assert dataclasses.replace(early, freeze=plain.freeze) == plain
+
+
 def test_the_benchmarks_full_budget_table_pairs_each_peer_with_the_system_by_seed():
     """benchmarks/time_to_target.py's fixed-budget table, on hand-made records: the peer's
     time over the system's as a geometric mean of per-seed ratios, the system's final metric
