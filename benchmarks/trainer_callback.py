@@ -87,6 +87,7 @@ from pipetransformer.config import load_config
 CONFIG = ROOT / "configs" / "bert_sst2_local.yaml"
 PLAIN, EMBEDDING, FREEZE = "trainer", "trainer_embedding", "trainer_freeze"
 THIRD, SIXTH = "trainer_freeze_third", "trainer_freeze_alpha_sixth"
+LATE, LATE_FOUR = "trainer_freeze_late", "trainer_freeze_late_four"
 # side -> (title, --hf-callback, its own overrides)
 SIDES = {
     PLAIN: ("Trainer", None, ["freeze.strategy=none"]),
@@ -98,6 +99,19 @@ SIDES = {
     # sooner.
     THIRD: ("Trainer + FreezeCallback, at most 2 layers", "freeze", ["freeze.max_frozen_layers=2"]),
     SIXTH: ("Trainer + FreezeCallback, alpha 1/6", "freeze", ["freeze.alpha=0.1666666667"]),
+    # Rules that freeze late (section 24c): one decision, at epoch 2's end, when the linear
+    # schedule has left a third of the peak rate at most, so the frozen layers miss only the
+    # smallest updates: Eq. 1 at alpha 1/3 (2 layers for the last epoch) and at alpha 2/3 (4).
+    LATE: (
+        "Trainer + FreezeCallback, 2 layers from epoch 2's end",
+        "freeze",
+        ["freeze.warmup_epochs=2"],
+    ),
+    LATE_FOUR: (
+        "Trainer + FreezeCallback, 4 layers from epoch 2's end",
+        "freeze",
+        ["freeze.warmup_epochs=2", "freeze.alpha=0.6666666667"],
+    ),
 }
 
 

@@ -141,8 +141,9 @@ def test_the_frontier_variants_are_what_their_labels_say(minilm):
 def test_the_trainer_callback_sides_are_what_their_titles_say(minilm):
     """Each side of benchmarks/trainer_callback.py at the full budget: plain Trainer trains
     everything; the callback's sides keep the config's rule and embedding and differ only in
-    how far Eq. 1's bound lets them go on MiniLM's 6 layers at its two decisions (2 then 4;
-    held at 2; 1 then 2 at alpha 1/6), as section 24 of docs/benchmarks.md reads them."""
+    how far Eq. 1's bound lets them go on MiniLM's 6 layers at its decisions (2 then 4; held
+    at 2; 1 then 2 at alpha 1/6; one decision after 2 epochs: 2, or 4 at alpha 2/3), as
+    section 24 of docs/benchmarks.md reads them."""
     args = argparse.Namespace(
         tiny=False,
         train=2000,
@@ -160,6 +161,8 @@ def test_the_trainer_callback_sides_are_what_their_titles_say(minilm):
         trainer_callback.FREEZE: [2, 4],
         trainer_callback.THIRD: [2, 2],
         trainer_callback.SIXTH: [1, 2],
+        trainer_callback.LATE: [2],
+        trainer_callback.LATE_FOUR: [4],
     }
     seen = set()
     for name, (side, overrides) in runs.items():
@@ -173,7 +176,10 @@ def test_the_trainer_callback_sides_are_what_their_titles_say(minilm):
             continue  # the callback's own schedule (compare.peers.EMBEDDING_ONLY)
         assert name.endswith("_3ep"), f"{name}: the callback's sides run the full budget"
         assert config.freeze.strategy == shipped.freeze.strategy
-        trajectory = bound_trajectory(6, config.freeze.alpha, 2, config.freeze.max_frozen_layers)
+        # Decisions at the ends of epochs max(1, warm-up) .. 2 of 3 (none at the run's end).
+        decisions = 3 - max(1, config.freeze.warmup_epochs)
+        cap = config.freeze.max_frozen_layers
+        trajectory = bound_trajectory(6, config.freeze.alpha, decisions, cap)
         assert trajectory == expected[side], f"{side}: {trajectory}"
     assert seen == set(trainer_callback.SIDES)
     args.sides = [trainer_callback.PLAIN, trainer_callback.SIXTH]
