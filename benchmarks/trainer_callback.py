@@ -24,7 +24,11 @@ clock:
   (Eq. 1 held at 2 of MiniLM's 6 layers; Eq. 1 at alpha 1/6: 1 layer, then 2), at
   `--freeze-budgets` too. docs/benchmarks.md section 24 chose alpha 1/6 between them on
   seeds 0-2 and reported it on seeds 3-7 (`--seeds 3,4,5,6,7 --budgets 3 --sides ...`, its
-  own `--out`).
+  own `--out`);
+- `trainer_freeze_late`, `trainer_freeze_late_four`: the callback's rule deciding once, at
+  epoch 2's end (`freeze.warmup_epochs=2`), at alpha 1/3 (2 layers for the last epoch) and
+  alpha 2/3 (4). Section 24c chose the first on seeds 0-2, plain `Trainer` rerun the same
+  day, and reported it on seeds 3-9.
 
 `--sides` runs and reports only those (plain `Trainer` always among them).
 
@@ -37,8 +41,9 @@ Figures (compare's statistics, nothing recomputed here):
 - time-to-target (compare/frontiers.py, as section 22 of docs/benchmarks.md measures it):
   the target is plain `Trainer`'s median final accuracy at the full budget less `--margin`
   (0.5 points); each side's time-to-target is its earliest evaluation at or above it over
-  its budget runs; plain `Trainer`'s and the embedding side's against the callback's,
-  paired by seed; each side's budget ends read on the other's frontier.
+  its budget runs; every other side's against the callback's (the default's where it ran,
+  else the first callback side of `--sides`), paired by seed; each side's budget ends read
+  on the other's frontier.
 
     python benchmarks/trainer_callback.py --data-root SST2_DIR --out runs/trainer_callback
     python benchmarks/trainer_callback.py --data-root SST2_DIR --out runs/trainer_callback \
@@ -298,6 +303,13 @@ def decisions_lines(records: list[RunRecord]) -> list[str]:
     return lines
 
 
+def reference_side(sides: list[str]) -> str:
+    """The side the others' time-to-target and peaks are read against: the default
+    callback's where it ran, else the first of the callback's sides run."""
+    callbacks = [side for side in sides if SIDES[side][1] == "freeze"]
+    return FREEZE if FREEZE in sides or not callbacks else callbacks[0]
+
+
 def report(args: argparse.Namespace, common: list[str]) -> None:
     records, rates = records_of(args, common)
     lines = [
@@ -314,7 +326,9 @@ def report(args: argparse.Namespace, common: list[str]) -> None:
     finals = figures["sides"].get(PLAIN, {}).get("final")
     if finals:
         target = reference_target(finals, args.margin)
-        found = frontiers.time_to_target(records, args.epochs, args.margin, target, FREEZE)
+        found = frontiers.time_to_target(
+            records, args.epochs, args.margin, target, reference_side(args.sides)
+        )
     if found is not None:
         found = dataclasses.replace(found, target_source=PLAIN, reference_finals=tuple(finals))
         lines += ["", *frontiers.report_lines(found, "accuracy", title)]

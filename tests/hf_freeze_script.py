@@ -126,7 +126,7 @@ def train(out_dir: Path, world: int, resume: str | None = None, **overrides) -> 
     """One Trainer run; what it logged and saw."""
     from transformers import Trainer
 
-    callback = Watching(alpha=0.5)
+    callback = Watching(alpha=0.5, warmup_epochs=0)
     model = tiny_bert()
     trainer = Trainer(
         model=model,

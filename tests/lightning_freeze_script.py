@@ -70,7 +70,7 @@ def fit(out: Path, world: int, resume: str | None = None) -> dict:
     from lightning.pytorch.strategies import DDPStrategy
 
     module = Classifier()
-    callback = Watching(alpha=0.5)
+    callback = Watching(alpha=0.5, warmup_epochs=0)
     # At each epoch's end (Lightning resumes a plain DataLoader only at an epoch's start),
     # before the decision for that epoch falls (at the next epoch's start): the checkpoint
     # carries a whole decision interval's sums.

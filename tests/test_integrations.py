@@ -25,13 +25,15 @@ from pipetransformer.trainer.metrics import FreezeSignal
 # --- the keys ------------------------------------------------------------------------------
 
 
-def test_the_keys_are_the_configs_with_the_configs_defaults_but_two():
-    """A freezing callback freezes by the paper's Eq. 1 at epoch ends; every other key keeps
-    the config's default."""
+def test_the_keys_are_the_configs_with_the_configs_defaults_but_three():
+    """A freezing callback freezes by the paper's Eq. 1 at epoch ends, from the end of the
+    second epoch; every other key keeps the config's default, and a key given wins."""
     config = freeze_config({}, "FreezeCallback", raw_gradients=False)
-    assert config == FreezeConfig(strategy="gradient_norm", interval_steps=None)
+    assert config == FreezeConfig(strategy="gradient_norm", interval_steps=None, warmup_epochs=2)
     config = freeze_config({"alpha": 0.5, "interval_steps": 7}, "X", raw_gradients=False)
-    assert (config.alpha, config.interval_steps, config.warmup_epochs) == (0.5, 7, 0)
+    assert (config.alpha, config.interval_steps, config.warmup_epochs) == (0.5, 7, 2)
+    config = freeze_config({"warmup_epochs": 0}, "X", raw_gradients=False)
+    assert (config.strategy, config.warmup_epochs) == ("gradient_norm", 0)
 
 
 @pytest.mark.parametrize(
@@ -107,7 +109,7 @@ def test_the_callbacks_decisions_are_the_trainers_for_the_same_gradient_norms(ke
     handed the same per-layer RMS norms, decides the same count, by the same term, at every
     one of 4 decision points, and the norms the freezer measured are that RMS."""
     model = tiny_bert()
-    keys = {"interval_steps": 3, **keys}
+    keys = {"interval_steps": 3, "warmup_epochs": 0, **keys}
     freezer = Freezer(freeze_config(keys, "test", raw_gradients=False), "test")
     freezer.attach(model, trained_weights=False)
     freezer.set_schedule(steps_per_epoch=6, epochs=4)
@@ -248,7 +250,7 @@ def test_a_timm_vit_under_trainer_freezes_its_bottom_blocks(tmp_path):
         model=model,
         args=args,
         train_dataset=Images(),
-        callbacks=[FreezeCallback(strategy="manual", manual_schedule=[1, 2])],
+        callbacks=[FreezeCallback(strategy="manual", manual_schedule=[1, 2], warmup_epochs=0)],
     )
     trainer.train()
     decisions = [h for h in trainer.state.log_history if "frozen_layers" in h]
@@ -288,7 +290,7 @@ def test_every_interval_steps_the_trainer_decides_and_releases_the_frozen_optimi
         save_strategy="no",
         disable_tqdm=True,
     )
-    callback = FreezeCallback(interval_steps=3, alpha=0.5)
+    callback = FreezeCallback(interval_steps=3, alpha=0.5, warmup_epochs=0)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[callback])
     trainer.train()
     decisions = [h for h in trainer.state.log_history if "frozen_layers" in h]
@@ -300,6 +302,34 @@ def test_every_interval_steps_the_trainer_decides_and_releases_the_frozen_optimi
     for p in model.parameters():
         assert (p in state) == p.requires_grad
     assert not any(p.requires_grad for p in model.bert.encoder.layer[frozen - 1].parameters())
+
+
+def test_by_default_the_callback_decides_once_at_the_second_epochs_end(tmp_path):
+    """`FreezeCallback()` in `Trainer`'s default 3 epochs (5 steps each): no decision at the
+    end of epoch 1, one at the end of epoch 2, by Eq. 1 at alpha 1/3 (at most 2 of 4 layers),
+    none at the run's end (section 24c's late rule as the default)."""
+    pytest.importorskip("accelerate")  # transformers' Trainer needs it (the .[peers] extra)
+    from transformers import Trainer, TrainingArguments
+
+    from pipetransformer.integrations.transformers import FreezeCallback
+
+    args = TrainingArguments(
+        str(tmp_path),
+        per_device_train_batch_size=8,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    assert args.num_train_epochs == 3
+    trainer = Trainer(
+        model=tiny_bert(), args=args, train_dataset=Tokens(), callbacks=[FreezeCallback()]
+    )
+    trainer.train()
+    decisions = [h for h in trainer.state.log_history if "frozen_layers" in h]
+    assert [d["step"] for d in decisions] == [10]
+    assert decisions[0]["frozen_layers"] <= 2
+    assert decisions[0]["freeze_decided_by"] in {"signal", "agree", "bound"}
 
 
 class Tokens(torch.utils.data.Dataset):

@@ -3,7 +3,8 @@
     trainer = Trainer(model=model, args=args, ..., callbacks=[FreezeCallback()])
 
 The keyword arguments are the config's `freeze:` keys (integrations/freezer.py: the same
-checks, errors and defaults, except that it freezes by Eq. 1 at epoch ends). Where the
+checks, errors and defaults, except that it freezes by Eq. 1 at epoch ends from the end of
+the second: `CALLBACK_DEFAULTS`). Where the
 Trainer's events fall:
 - `on_init_end` / `on_train_begin`: the layer stack is found (one-line error otherwise),
   the keys checked against its depth; at the start of training the embedding (by
