@@ -28,7 +28,7 @@ clock:
 - `trainer_freeze_late`, `trainer_freeze_late_four`: the callback's rule deciding once, at
   epoch 2's end (`freeze.warmup_epochs=2`), at alpha 1/3 (2 layers for the last epoch) and
   alpha 2/3 (4). Section 24c chose the first on seeds 0-2, plain `Trainer` rerun the same
-  day, and reported it on seeds 3-9.
+  day, and reported it on seeds 3-9; it is the callbacks' default (`FreezeCallback()`).
 
 `--sides` runs and reports only those (plain `Trainer` always among them).
 
@@ -41,9 +41,9 @@ Figures (compare's statistics, nothing recomputed here):
 - time-to-target (compare/frontiers.py, as section 22 of docs/benchmarks.md measures it):
   the target is plain `Trainer`'s median final accuracy at the full budget less `--margin`
   (0.5 points); each side's time-to-target is its earliest evaluation at or above it over
-  its budget runs; every other side's against the callback's (the default's where it ran,
-  else the first callback side of `--sides`), paired by seed; each side's budget ends read
-  on the other's frontier.
+  its budget runs; every other side's against the callback's (the config's rule's where it
+  ran, else the first callback side of `--sides`), paired by seed; each side's budget ends
+  read on the other's frontier.
 
     python benchmarks/trainer_callback.py --data-root SST2_DIR --out runs/trainer_callback
     python benchmarks/trainer_callback.py --data-root SST2_DIR --out runs/trainer_callback \
@@ -97,7 +97,9 @@ LATE, LATE_FOUR = "trainer_freeze_late", "trainer_freeze_late_four"
 SIDES = {
     PLAIN: ("Trainer", None, ["freeze.strategy=none"]),
     EMBEDDING: ("Trainer, embedding frozen", "embedding", []),
-    FREEZE: ("Trainer + FreezeCallback", "freeze", []),
+    # The config's rule (decisions from epoch 1's end); the callback's own default decides
+    # first at epoch 2's end (LATE below, integrations/freezer.py CALLBACK_DEFAULTS).
+    FREEZE: ("Trainer + FreezeCallback, from epoch 1's end", "freeze", []),
     # The callback's rules that freeze less (issue 60's accuracy bar): Eq. 1 held at a
     # third of MiniLM's 6 layers (2 after the first decision, no more), and Eq. 1 at alpha
     # 1/6 (1 layer, then 2). Both end with 2 layers frozen; the cap gets there an epoch
@@ -304,8 +306,8 @@ def decisions_lines(records: list[RunRecord]) -> list[str]:
 
 
 def reference_side(sides: list[str]) -> str:
-    """The side the others' time-to-target and peaks are read against: the default
-    callback's where it ran, else the first of the callback's sides run."""
+    """The side the others' time-to-target and peaks are read against: the config's rule
+    (`trainer_freeze`) where it ran, else the first of the callback's sides run."""
     callbacks = [side for side in sides if SIDES[side][1] == "freeze"]
     return FREEZE if FREEZE in sides or not callbacks else callbacks[0]
 

@@ -186,7 +186,7 @@ def test_the_trainer_callback_sides_are_what_their_titles_say(minilm):
     assert {side for side, _ in trainer_callback.planned_runs(args, common).values()} == set(
         args.sides
     )
-    # Time-to-target and peaks are read against the default callback where it ran, else
+    # Time-to-target and peaks are read against the config's rule where it ran, else
     # against the first callback side run (section 24c's late rule), never plain Trainer.
     reference = trainer_callback.reference_side
     assert reference(list(trainer_callback.SIDES)) == trainer_callback.FREEZE
