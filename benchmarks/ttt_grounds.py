@@ -68,6 +68,11 @@ CANDIDATES: dict[str, tuple[str, list[str]]] = {
         "(freeze.warmup_epochs=6: the quickstart's 30 epochs, whose config waits 18)",
         [*MEMORY_AWARE, "freeze.warmup_epochs=6"],
     ),
+    "memory_aware_late": (
+        "freeze.memory_aware with one decision, at the second epoch's end "
+        "(freeze.warmup_epochs=2, as the callbacks decide by default: section 24c)",
+        [*MEMORY_AWARE, "freeze.warmup_epochs=2"],
+    ),
     "memory_aware_autofreeze": (
         "freeze.memory_aware on AutoFreeze's signal (it can say 'not yet'), compression by memory",
         ["freeze.strategy=autofreeze", "freeze.memory_aware=true", BY_MEMORY],
@@ -148,6 +153,7 @@ SETTINGS = {
             "default",
             "memory",
             "memory_aware",
+            "memory_aware_late",
             "memory_aware_autofreeze",
             "alpha_sixth",
             "freezeout",

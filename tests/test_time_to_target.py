@@ -483,6 +483,32 @@ def test_the_quickstart_grounds_early_candidate_differs_only_in_its_warm_up():
     assert dataclasses.replace(early, freeze=plain.freeze) == plain
 
 
+def test_the_pipeline_grounds_late_candidate_decides_once_two_thirds_into_each_budget():
+    """Section 23's late candidate: `memory_aware_late` is `memory_aware` with its one
+    decision at the second of 3 epochs' ends (the callbacks' default), every other key
+    alike; its 1- and 2-epoch budget runs decide once, two thirds into the run."""
+    import dataclasses
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import ttt_grounds as grounds
+
+    config = str(grounds.SETTINGS["frozen_pipeline"].config)
+    common = ["freeze.warmup_epochs=0", "trainer.epochs=3"]
+    plain, late = (
+        load_config(config, [*common, *grounds.CANDIDATES[name][1]])
+        for name in ("memory_aware", "memory_aware_late")
+    )
+    assert late.freeze.memory_aware and not late.freeze.eq1_bound
+    assert late.autopipe.compression == "memory" and late.freeze.warmup_epochs == 2
+    assert dataclasses.replace(late, freeze=plain.freeze) == plain
+    epoch_ends = dataclasses.replace(late.freeze, interval_steps=None)
+    assert _decision_steps(DecisionSchedule.for_config(epoch_ends, 30, epochs=3), 90, 30) == [60]
+    fitted = dataclasses.replace(epoch_ends, cadence_epochs=3)
+    assert _decision_steps(DecisionSchedule.for_config(fitted, 30, epochs=1), 30, 30) == [20]
+    assert _decision_steps(DecisionSchedule.for_config(fitted, 25, epochs=2), 50, 25) == [34]
+
+
 def test_the_benchmarks_full_budget_table_pairs_each_peer_with_the_system_by_seed():
     """benchmarks/time_to_target.py's fixed-budget table, on hand-made records: the peer's
     time over the system's as a geometric mean of per-seed ratios, the system's final metric
