@@ -500,7 +500,8 @@ def test_the_pipeline_grounds_late_candidate_decides_once_two_thirds_into_each_b
         for name in ("memory_aware", "memory_aware_late")
     )
     assert late.freeze.memory_aware and not late.freeze.eq1_bound
-    assert late.autopipe.compression == "memory" and late.freeze.warmup_epochs == 2
+    assert late.autopipe.compression == "memory"
+    assert (plain.freeze.warmup_epochs, late.freeze.warmup_epochs) == (0, 2)
     assert dataclasses.replace(late, freeze=plain.freeze) == plain
     epoch_ends = dataclasses.replace(late.freeze, interval_steps=None)
     assert _decision_steps(DecisionSchedule.for_config(epoch_ends, 30, epochs=3), 90, 30) == [60]
