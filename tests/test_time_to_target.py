@@ -503,9 +503,9 @@ def test_the_pipeline_grounds_late_candidate_decides_once_two_thirds_into_each_b
     assert late.autopipe.compression == "memory"
     assert (plain.freeze.warmup_epochs, late.freeze.warmup_epochs) == (0, 2)
     assert dataclasses.replace(late, freeze=plain.freeze) == plain
-    epoch_ends = dataclasses.replace(late.freeze, interval_steps=None)
-    assert _decision_steps(DecisionSchedule.for_config(epoch_ends, 30, epochs=3), 90, 30) == [60]
-    fitted = dataclasses.replace(epoch_ends, cadence_epochs=3)
+    assert late.freeze.interval_steps is None  # the ground decides at epoch ends
+    assert _decision_steps(DecisionSchedule.for_config(late.freeze, 30, epochs=3), 90, 30) == [60]
+    fitted = dataclasses.replace(late.freeze, cadence_epochs=3)
     assert _decision_steps(DecisionSchedule.for_config(fitted, 30, epochs=1), 30, 30) == [20]
     assert _decision_steps(DecisionSchedule.for_config(fitted, 25, epochs=2), 50, 25) == [34]
 
