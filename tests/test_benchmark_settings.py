@@ -50,12 +50,16 @@ def minilm(tmp_path, monkeypatch) -> Path:
 @pytest.mark.parametrize("script", ["bert_sst2_minilm.sh", "bert_squad_minilm.sh"])
 def test_the_minilm_scripts_pin_what_their_headers_say(script, minilm):
     """Pinned: no freeze warm-up, three decisions an epoch, the shortest pipeline that fits,
-    AutoCache; the config's own: the freeze rule, the embedding, the padding."""
+    AutoCache, Eq. 1 with its bound compressed by parameter counts (the rule its records
+    ran, where the SST-2 config's pretrained default since freezes by memory); the config's
+    own: the freeze strategy, the embedding, the padding."""
     config_path, overrides = shell_benchmark_overrides(script, minilm)
     config = load_config(ROOT / config_path, overrides)
     shipped = load_config(ROOT / config_path)
     assert config.model.model_name_or_path == str(minilm) and config.model.kwargs == {}
     assert config.freeze.warmup_epochs == 0 and config.freeze.interval_steps == "auto"
+    assert not config.freeze.memory_aware and config.freeze.eq1_bound
+    assert config.autopipe.compression == "params"
     assert config.pipeline.initial_pipe_len == "auto" and config.cache.enabled
     assert (config.optimizer.lr, config.optimizer.warmup_steps) == (1e-4, 10)
     assert (config.trainer.global_batch_size, config.trainer.epochs) == (32, 3)
@@ -92,6 +96,8 @@ def test_the_padding_benchmark_pins_each_variants_padding(workload, minilm):
             assert config.pipeline.num_micro_batches == 1, name
         else:
             assert config.freeze.strategy == "gradient_norm", name
+            assert config.freeze.eq1_bound and not config.freeze.memory_aware, name
+            assert config.autopipe.compression == "params", name
             assert config.freeze.interval_steps is None, name
             start = 2 if workload == "squad_384" else "auto"
             assert config.pipeline.initial_pipe_len == start, name
