@@ -122,6 +122,13 @@ def fewest_that_pay(
     return dataclasses.replace(outcome, num_frozen_layers=decided, decided_by=LAYOUT)
 
 
+def counts_that_pay(previous: int, most: int, pays: Callable[[int], bool]) -> list[int]:
+    """freeze.memory_aware: the counts of frozen layers above `previous`, up to `most`, whose
+    freezing changes the layout (`pays`). Empty: in this layout no layer will freeze (a model
+    that fits a process, every process a replica already)."""
+    return [count for count in range(previous + 1, most + 1) if pays(count)]
+
+
 def eq1_bound(num_frozen_layers: int, num_layers: int, alpha: float) -> int:
     """B(F) = F + ceil(alpha (L - F)): the most layers Eq. 1 lets a decision freeze (the
     module docstring says why up)."""

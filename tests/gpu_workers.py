@@ -70,9 +70,12 @@ def _momentum_check(trainer) -> tuple[list[float], list[float]]:
     trains every unit: replicated (DDP) or sharded (each moment a DTensor shard)."""
     from torch.distributed.tensor import DTensor
 
+    from pipetransformer.trainer.freezing import unit_momentum_sq
     from pipetransformer.utils.units import parse_param_key
 
-    got = trainer.unit_momentum_sq()
+    got = unit_momentum_sq(
+        trainer.stage, trainer.spec.num_units, trainer.world.device, trainer.control
+    )
     optimizer = trainer.stage.optimizer
     expected = [0.0] * trainer.spec.num_units
     group_of = {p: group for group in optimizer.param_groups for p in group["params"]}

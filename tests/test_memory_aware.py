@@ -12,7 +12,14 @@ from reference import elastic_config, step_losses
 from workers import elastic_runs
 
 from pipetransformer.config import ConfigError, World, config_from_dict
-from pipetransformer.freeze import AGREE, BOUND, LAYOUT, FreezeOutcome, fewest_that_pay
+from pipetransformer.freeze import (
+    AGREE,
+    BOUND,
+    LAYOUT,
+    FreezeOutcome,
+    counts_that_pay,
+    fewest_that_pay,
+)
 from pipetransformer.planning.context import PlanContext, describe_model
 
 
@@ -30,6 +37,24 @@ def test_fewest_that_pay_takes_the_smallest_paying_count_up_to_the_rules():
     assert fewest_that_pay(unchanged, 2, lambda count: pytest.fail("asked")) == unchanged
 
 
+def test_counts_that_pay_where_a_pipeline_packs_and_where_every_process_is_a_replica():
+    """What a run says at its start (trainer.py `say_what_can_pay`): from a 2-stage pipeline
+    of 6 layers the counts that pack it; from 1 stage x 2 replicas (the model fits a
+    process) none, so no layer will freeze there."""
+    config = config_from_dict(ground(freeze__manual_schedule=[3], freeze__memory_aware=True))
+    plan = PlanContext.build(config, describe_model(config), World(2, 2))
+
+    def pays_from(pipe_len):
+        old = plan.layout_for(0, pipe_len)
+        return lambda count: (
+            (new := plan.layout_for(count, pipe_len)).pipe_len < old.pipe_len
+            or new.dp_degree > old.dp_degree
+        )
+
+    assert counts_that_pay(0, 5, pays_from(2)) == [4, 5]
+    assert counts_that_pay(0, 5, pays_from(1)) == []
+
+
 def test_memory_aware_refuses_layerwise_annealing():
     with pytest.raises(ConfigError, match="optimizer.layerwise_anneal: freeze.memory_aware"):
         config_from_dict(
@@ -43,19 +68,28 @@ def test_memory_aware_refuses_layerwise_annealing():
 def ground(**changes) -> dict:
     """2 ranks from a 2-stage pipeline that packs into 1 stage x 2 replicas at 4 frozen
     layers of 6 (Eq. 2 on parameter sizes); decisions at the ends of epochs 1 and 2."""
-    return elastic_config(trainer__nproc_per_node=2, pipeline__initial_pipe_len=2, **changes)
+    changes = {"trainer__nproc_per_node": 2, "pipeline__initial_pipe_len": 2, **changes}
+    return elastic_config(**changes)
 
 
 def test_a_memory_aware_run_freezes_only_where_the_pipeline_packs(tmp_path):
     """The rule asks for 3 then 5 layers: 3 packs nothing (nothing freezes), 4 is the fewest
-    that packs (4 freeze, not 5). The run equals, loss for loss, a run told 0 then 4."""
+    that packs (4 freeze, not 5). The run equals, loss for loss, a run told 0 then 4.
+    Started as 1 stage x 2 replicas, which no count changes, the same rule takes no
+    decision and starts no AutoCache daemon, and trains loss for loss as the run told to
+    freeze nothing there. Each start event records the counts that pay."""
     aware = ground(freeze__manual_schedule=[3, 5], freeze__memory_aware=True)
     config = config_from_dict(aware)
     plan = PlanContext.build(config, describe_model(config), World(2, 2))
     packs = [plan.layout_for(count, 2).pipe_len == 1 for count in range(6)]
     assert packs == [False] * 4 + [True] * 2
     told = ground(freeze__manual_schedule=[0, 4])
-    results = run_workers(elastic_runs, 2, [("aware", aware), ("told", told)], str(tmp_path))
+    as_ddp = dict(pipeline__initial_pipe_len=1, pipeline__num_micro_batches=1)
+    idle = ground(freeze__manual_schedule=[3, 5], freeze__memory_aware=True, **as_ddp)
+    idle["cache"] = {"enabled": True}
+    told_nothing = ground(freeze__manual_schedule=[0, 0], **as_ddp)
+    runs = [("aware", aware), ("told", told), ("idle", idle), ("told_nothing", told_nothing)]
+    results = run_workers(elastic_runs, 2, runs, str(tmp_path))
     events = [json.loads(line) for line in (tmp_path / "aware" / "events.jsonl").open()]
     decisions = [e for e in events if e["kind"] == "freeze_decision"]
     assert [(d["new_num_frozen_layers"], d["decided_by"]) for d in decisions] == [
@@ -69,3 +103,20 @@ def test_a_memory_aware_run_freezes_only_where_the_pipeline_packs(tmp_path):
     assert layouts == [(0, 2, 1), (0, 2, 1), (4, 1, 2)]
     assert step_losses(tmp_path / "aware") == step_losses(tmp_path / "told")
     assert results[0]["aware"]["summary"]["final_num_frozen_layers"] == 4
+
+    def start(name):
+        (found,) = [e for e in events(name) if e["kind"] == "start"]
+        return found
+
+    def events(name):
+        return [json.loads(line) for line in (tmp_path / name / "events.jsonl").open()]
+
+    assert start("aware")["freeze_counts_that_pay"] == [4, 5]
+    assert start("told")["freeze_counts_that_pay"] is None  # not memory-aware
+    idle_start = start("idle")
+    assert idle_start["freeze_counts_that_pay"] == [] and idle_start["cache_daemons"] == []
+    assert (idle_start["pipe_len"], idle_start["dp_degree"]) == (1, 2)
+    assert not [e for e in events("idle") if e["kind"] == "freeze_decision"]
+    assert len([e for e in events("told_nothing") if e["kind"] == "freeze_decision"]) == 2
+    assert step_losses(tmp_path / "idle") == step_losses(tmp_path / "told_nothing")
+    assert results[0]["idle"]["summary"]["final_num_frozen_layers"] == 0

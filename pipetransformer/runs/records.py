@@ -389,6 +389,10 @@ class StartEvent(Event):
     # optimizer.layerwise_anneal: per layer, the planned freeze place the attempt starts
     # with (as in freeze_decision events); None without annealing.
     planned_freeze_steps: list[float | None] | None = None
+    # freeze.memory_aware: the counts of frozen layers that change the starting layout, to
+    # which its decisions are held (empty: none does, so no layer will freeze and no
+    # decision is taken); None without it.
+    freeze_counts_that_pay: list[int] | None = None
 
 
 @dataclass

@@ -34,12 +34,14 @@ from pipetransformer.anneal import (
     reconcile,
 )
 from pipetransformer.autodp.control import Control
+from pipetransformer.autodp.topology import Layout
 from pipetransformer.config import Config, ConfigError
 from pipetransformer.freeze import (
     PLAN,
     TRANSITION_TIME_SHARE,
     DecisionSchedule,
     FreezeOutcome,
+    counts_that_pay,
     fewest_that_pay,
     min_interval_for,
     signal_fraction,
@@ -49,7 +51,7 @@ from pipetransformer.runs.records import CadenceEvent, FreezeDecisionEvent
 from pipetransformer.runs.state import RunState
 from pipetransformer.trainer.clock import StepClock, Tick
 from pipetransformer.trainer.metrics import MetricsTracker
-from pipetransformer.trainer.optim import learning_rate, momentum_decay
+from pipetransformer.trainer.optim import learning_rate, momentum_decay, momentum_sq_by_unit
 from pipetransformer.utils.units import layer_of_unit
 
 logger = logging.getLogger(__name__)
@@ -98,10 +100,15 @@ class FreezeControl:
         metrics: MetricsTracker,
         control: Control,
         clock: StepClock | None = None,
+        layout_final: bool = False,
     ) -> None:
         """`clock`: the run's, which layer-wise annealing reads its places from (without it
-        the run does not anneal)."""
+        the run does not anneal). `layout_final`: the run starts as one stage with every
+        process a replica, a layout no count of frozen layers can change (no fewer stages,
+        no more replicas); with freeze.memory_aware no layer will freeze then, so the run
+        takes no decision and gathers no signal (`idle`)."""
         self.config = config
+        self.idle = layout_final and config.freeze.memory_aware and config.freeze.strategy != "none"
         # The decision driver the integrations share (freeze_signal.py); the run state keeps
         # what it carries from one decision to the next.
         self.driver = FreezeDriver(config.freeze, num_layers, state)
@@ -133,7 +140,7 @@ class FreezeControl:
 
     @property
     def needs_grad_norms(self) -> bool:
-        return self.decider.needs_grad_norms
+        return self.decider.needs_grad_norms and not self.idle
 
     # ------------------------------------------------------------------ layer-wise annealing
 
@@ -209,8 +216,10 @@ class FreezeControl:
             )
 
     def due(self, tick: Tick) -> bool:
-        if self.config.freeze.strategy == "none":  # the baseline and the peers never freeze:
-            return False  # no decision point, no collective to agree on zero layers
+        # The baseline and the peers never freeze, nor a memory-aware run whose layout no
+        # count changes: no decision point, no collective to agree on zero layers.
+        if self.config.freeze.strategy == "none" or self.idle:
+            return False
         return self.schedule.due(
             tick.epoch,
             tick.epoch_end,
@@ -222,7 +231,7 @@ class FreezeControl:
     @property
     def needs_grad_sums(self) -> bool:
         """autofreeze reads each layer's gradient summed over the interval."""
-        return self.decider.needs_grad_sums
+        return self.decider.needs_grad_sums and not self.idle
 
     @property
     def needs_momentum(self) -> bool:
@@ -334,6 +343,51 @@ class FreezeControl:
                 count, since = count + 1, 0
         return count
 
+    def momentum(self, stage, num_units: int, device) -> list[float] | None:
+        """`unit_momentum_sq` where the rule reads it (signal_to_noise), else None."""
+        return (
+            unit_momentum_sq(stage, num_units, device, self.control)
+            if self.needs_momentum
+            else None
+        )
+
+    def counts_that_pay(
+        self, layout: Layout, pays_from: Callable[[Layout], Callable[[int], bool]]
+    ) -> list[int] | None:
+        """freeze.memory_aware, at the start: the counts of frozen layers that would change
+        the first layout (`pays_from(layout)` says), empty where none would (no layer will
+        freeze in it), said on rank 0; None without it. Planned layouts only: the same on
+        every rank, no collective."""
+        freeze = self.config.freeze
+        if not freeze.memory_aware or freeze.strategy == "none":
+            return None
+        frozen = layout.plan.num_frozen_layers
+        paying = (
+            []
+            if self.idle
+            else counts_that_pay(frozen, self.decider.max_frozen_layers, pays_from(layout))
+        )
+        if self.control.rank != 0:
+            return paying
+        layout = f"{layout.pipe_len} stage(s) x {layout.dp_degree} replica(s)"
+        if paying:
+            logger.info(
+                "freeze.memory_aware: from %s, freezing %s layers changes the layout; the "
+                "rule's decisions are held to the fewest of these",
+                layout,
+                ", ".join(map(str, paying)),
+            )
+        else:
+            logger.info(
+                "freeze.memory_aware: %s is one stage with every process a replica, which no "
+                "count of frozen layers changes, so no %slayer will freeze and no decision is "
+                "taken%s; freeze.memory_aware=false freezes by the rule alone",
+                layout,
+                "more " if frozen else "",
+                "" if frozen else " (AutoCache stays off; the embedding as freeze.embedding says)",
+            )
+        return paying
+
     def warn_if_nothing_can_freeze(self) -> None:
         """A freezing strategy whose schedule holds no decision point (a warm-up as long as
         the run, say) trains exactly as the baseline: said once, at the start."""
@@ -390,3 +444,12 @@ class FreezeControl:
                 step_s,
             )
         return event
+
+
+def unit_momentum_sq(stage, num_units: int, device, control: Control) -> list[float]:
+    """Per unit, ||m||^2 of the optimizer's moving average of gradients over the whole model
+    (collective). Replicas hold the same state, counted once; the ranks of a sharded layout
+    hold a shard each, summed."""
+    squares = momentum_sq_by_unit(stage.optimizer, stage.named_params(), num_units, device)
+    copies = 1 if stage.layout.sharded else stage.layout.dp_degree
+    return (control.all_sum(squares) / copies).tolist()

@@ -20,7 +20,12 @@ from pipetransformer.trainer.distributed import WorldInfo
 
 
 def start_event(
-    state: RunState, world: WorldInfo, layout: Layout, plan: PlanContext, cache_daemons: list
+    state: RunState,
+    world: WorldInfo,
+    layout: Layout,
+    plan: PlanContext,
+    cache_daemons: list,
+    counts_that_pay: list[int] | None = None,
 ) -> StartEvent:
     return StartEvent(
         global_step=state.global_step,
@@ -40,6 +45,7 @@ def start_event(
         sharded=layout.sharded,
         decided_by_measured_time=decided_by_measured_time(plan.config),
         planned_freeze_steps=[c.get("freeze_at") for c in state.anneal_plan] or None,
+        freeze_counts_that_pay=counts_that_pay,
     )
 
 

@@ -115,6 +115,7 @@ class Trainer:
         self.state = RunState()
         self.transitions: list[TransitionEvent] = []
         self._pending_events: list = []  # made before the reporter exists
+        self.counts_that_pay: list[int] | None = None  # freeze.memory_aware, at the start
 
     # ------------------------------------------------------------------ setup
 
@@ -230,8 +231,14 @@ class Trainer:
             config.to_dict(),
             progress_interval_s=config.trainer.progress_interval_s,
         )
-        # The cache serves frozen layers: with nothing ever frozen (the baseline) it stays off.
-        if config.cache.enabled and config.freeze.strategy != "none":
+        # One stage, every process a replica: no count of frozen layers changes it, so
+        # freeze.memory_aware freezes none (freezing.py `idle`). The cache serves frozen
+        # layers: with none ever frozen (that, or the baseline) it stays off.
+        final = 1 == self.state.resume_pipe_len(
+            self.plan.initial_pipe_len, world.world_size, world.devices_per_node
+        )
+        idle = final and config.freeze.memory_aware and not self.state.num_frozen_layers
+        if config.cache.enabled and config.freeze.strategy != "none" and not idle:
             self.cache = RunCache(
                 config,
                 spec,
@@ -264,7 +271,7 @@ class Trainer:
             carried=self.state,
         )
         self.freezer = FreezeControl(
-            config, spec.num_layers, steps, self.state, self.metrics, control, self.clock
+            config, spec.num_layers, steps, self.state, self.metrics, control, self.clock, final
         )
         if world.rank == 0 and fresh:
             self.freezer.warn_if_nothing_can_freeze()
@@ -330,6 +337,7 @@ class Trainer:
             self.stage.layout.describe(),
             self.plan.costs.source,
         )
+        self.counts_that_pay = self.freezer.counts_that_pay(self.stage.layout, self._pays)
 
     def cache_serves(self, num_frozen_layers: int) -> bool:
         """Whether AutoCache serves the frozen prefix at this boundary (same on every rank)."""
@@ -522,7 +530,7 @@ class Trainer:
 
     def _decision_point(self, tick: Tick) -> None:
         layout = self.stage.layout
-        momentum = self.unit_momentum_sq() if self.freezer.needs_momentum else None
+        momentum = self.freezer.momentum(self.stage, self.spec.num_units, self.world.device)
         sums = (
             self.steps.unit_grad_sums(self.stage, self.control)
             if self.freezer.needs_grad_sums
@@ -561,17 +569,6 @@ class Trainer:
             return new.pipe_len < layout.pipe_len or new.dp_degree > layout.dp_degree
 
         return pays
-
-    def unit_momentum_sq(self) -> list[float]:
-        """Per unit, ||m||^2 of the optimizer's moving average of gradients over the whole
-        model (collective). Replicas hold the same state, counted once; the ranks of a
-        sharded layout hold a shard each, summed."""
-        squares = optim.momentum_sq_by_unit(
-            self.stage.optimizer, self.stage.named_params(), self.spec.num_units, self.world.device
-        )
-        layout = self.stage.layout
-        copies = 1 if layout.sharded else layout.dp_degree
-        return (self.control.all_sum(squares) / copies).tolist()
 
     # ------------------------------------------------------------------ transitions
 
@@ -678,7 +675,9 @@ class Trainer:
 
     def _start_event(self) -> StartEvent:
         daemons = self.cache.daemons if self.cache is not None else []
-        return start_event(self.state, self.world, self.stage.layout, self.plan, daemons)
+        return start_event(
+            self.state, self.world, self.stage.layout, self.plan, daemons, self.counts_that_pay
+        )
 
     # ------------------------------------------------------------------ teardown
 
