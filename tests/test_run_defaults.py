@@ -38,12 +38,13 @@ def value_of(config, key: str):
 
 
 def test_the_readmes_minilm_command_runs_as_the_benchmarks_chose(model_dir, monkeypatch):
-    """The README's "Offline pretrained BERT" command as written, against the freeze-rule
-    frontier's run of the config's default (benchmarks/freeze_frontier.py `eq1_epoch_emb`,
-    which chose it): the same rate, warm-up, batch, rule, cadence, embedding and cache; only
-    the frontier's data subset and sequence length are its own."""
-    import freeze_frontier
+    """The README's "Offline pretrained BERT" command as written, against the time-to-target
+    ground's run of the rule it chose (benchmarks/ttt_grounds.py `memory_aware_late` on the
+    pipeline ground, issue 59): the same rate, warm-up, batch, epochs, rule, cadence,
+    compression, embedding and cache; only the ground's data subset, sequence length and
+    memory cap are its own."""
     import harness
+    import ttt_grounds
     from test_doc_commands import documented_commands
 
     (command,) = {
@@ -54,10 +55,17 @@ def test_the_readmes_minilm_command_runs_as_the_benchmarks_chose(model_dir, monk
     words = shlex.split(command.replace("$MINILM", str(model_dir)))
     readme = load_config(ROOT / words[2], words[3:])
     monkeypatch.setattr(harness, "minilm_dir", lambda script: str(model_dir))
-    args = argparse.Namespace(tiny=False, train=4000, epochs=3)
-    frontier = load_config(
-        SST2,
-        [*freeze_frontier.common_overrides(args), *freeze_frontier.VARIANTS["eq1_epoch_emb"][3]],
+    args = argparse.Namespace(
+        setting="frozen_pipeline",
+        tiny=False,
+        train=1000,
+        epochs=3,
+        override=[],
+        pipeline_cap=228 * 2**20,
+        schedule="gpipe",
+    )
+    ground = load_config(
+        SST2, [*ttt_grounds.workload(args), *ttt_grounds.CANDIDATES["memory_aware_late"][1]]
     )
     for key in (
         "optimizer.lr",
@@ -68,11 +76,15 @@ def test_the_readmes_minilm_command_runs_as_the_benchmarks_chose(model_dir, monk
         "freeze.strategy",
         "freeze.interval_steps",
         "freeze.alpha",
+        "freeze.memory_aware",
+        "freeze.eq1_bound",
+        "autopipe.compression",
         "model.kwargs",
         "cache.enabled",
     ):
-        assert value_of(readme, key) == value_of(frontier, key), key
-    assert readme.embedding_frozen and frontier.embedding_frozen
+        assert value_of(readme, key) == value_of(ground, key), key
+    assert readme.embedding_frozen and ground.embedding_frozen
+    assert readme.freeze.memory_aware and readme.freeze.warmup_epochs == 2
     assert readme.data.train_subset is None  # all of the user's data
 
 
@@ -81,14 +93,17 @@ def test_the_sst2_config_takes_its_pretrained_settings_where_weights_are_named(m
     assert (random.optimizer.lr, random.freeze.warmup_epochs) == (5e-4, 2)
     assert random.data.train_subset == 8000 and random.model.kwargs
     named = load_config(SST2, [f"model.model_name_or_path={model_dir}"])
-    assert (named.optimizer.lr, named.freeze.warmup_epochs) == (1e-4, 0)
+    assert (named.optimizer.lr, named.freeze.warmup_epochs) == (1e-4, 2)
+    assert named.freeze.memory_aware and not named.freeze.eq1_bound  # section 23b's choice
+    assert named.autopipe.compression == "memory" and not random.freeze.memory_aware
     assert named.model.kwargs == {} and named.data.train_subset is None
     # What the command line sets wins; the start line lists what applied and what it replaced.
     given = [f"model.model_name_or_path={model_dir}", "optimizer.lr=3e-5"]
     assert load_config(SST2, given).optimizer.lr == 3e-5
     applied = {key: (value, before) for key, value, before in pretrained_settings(SST2, given)}
     assert "optimizer.lr" not in applied
-    assert applied["freeze.warmup_epochs"] == (0, 2)
+    assert applied["freeze.memory_aware"] == (True, False)
+    assert applied["autopipe.compression"] == ("memory", "params")
     assert applied["data.train_subset"] == (None, 8000)
     assert pretrained_settings(SST2, []) == []
     # A checkpoint of the tiny model is trained weights, not a named pretrained model: its
