@@ -175,6 +175,10 @@ def test_a_run_that_froze_nothing_says_why():
     assert "(gradient_norm: no decision point in the run, where freeze.warmup_epochs" in (
         waited.closing_line("runs/own")
     )
+    idle = dataclasses.replace(waited, freeze_idle=True)  # freeze.memory_aware as DDP
+    assert "(freeze.memory_aware: no count of frozen layers changes a layout of one stage" in (
+        idle.closing_line("runs/own")
+    )
     baseline = dataclasses.replace(summary, freeze_strategy="none", freeze_decisions=0)
     assert "0 of 6 layers frozen (freeze.strategy none: nothing freezes);" in (
         baseline.closing_line("runs/own")

@@ -120,3 +120,5 @@ def test_a_memory_aware_run_freezes_only_where_the_pipeline_packs(tmp_path):
     assert len([e for e in events("told_nothing") if e["kind"] == "freeze_decision"]) == 2
     assert step_losses(tmp_path / "idle") == step_losses(tmp_path / "told_nothing")
     assert results[0]["idle"]["summary"]["final_num_frozen_layers"] == 0
+    assert results[0]["idle"]["summary"]["freeze_idle"]
+    assert not results[0]["aware"]["summary"]["freeze_idle"]

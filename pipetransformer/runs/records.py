@@ -126,6 +126,9 @@ class RunSummary(Record):
     peak_rss_bytes: int | None = None
     peak_allocated_bytes: int | None = None
     freeze_strategy: str = ""  # freeze.strategy ("": a summary of an older run)
+    # freeze.memory_aware in a layout no count of frozen layers changes (one stage, every
+    # process a replica): the run took no decision (trainer/freezing.py `idle`).
+    freeze_idle: bool = False
     # The seconds kept off training_time_s, all attempts added: every evaluation, and every
     # checkpoint write; None in formats 1-3 (their training_time_s counts both).
     eval_time_s: float | None = None
@@ -192,6 +195,11 @@ class RunSummary(Record):
         strategy = self.freeze_strategy or "the freeze rule"
         if self.freeze_strategy == "none":
             return "freeze.strategy none: nothing freezes"
+        if self.freeze_idle:
+            return (
+                "freeze.memory_aware: no count of frozen layers changes a layout of one stage "
+                "with every process a replica, so no decision was taken"
+            )
         if self.freeze_decisions == 0:
             return (
                 f"{strategy}: no decision point in the run, where freeze.warmup_epochs and "

@@ -63,6 +63,7 @@ def run_summary(
     decision_interval_steps: int,
     num_layers: int,
     freeze_strategy: str = "",
+    freeze_idle: bool = False,
 ) -> RunSummary:
     """`clock`: the run's training clock (every attempt; evaluation and checkpoint writes
     off it, beside it); `peaks`: (resident set, CUDA allocation)."""
@@ -90,6 +91,7 @@ def run_summary(
         decision_interval_steps=decision_interval_steps,
         num_layers=num_layers,
         freeze_strategy=freeze_strategy,
+        freeze_idle=freeze_idle,
         peak_rss_bytes=peak_rss,
         peak_allocated_bytes=peak_allocated,
     )

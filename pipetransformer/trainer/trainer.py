@@ -669,6 +669,7 @@ class Trainer:
             decision_interval_steps=self.freezer.schedule.interval_steps,
             num_layers=self.spec.num_layers,
             freeze_strategy=self.config.freeze.strategy,
+            freeze_idle=self.freezer.idle,
         )
         self.reporter.summary(summary)
         return summary
