@@ -369,22 +369,29 @@ class FreezeControl:
         )
         if self.control.rank != 0:
             return paying
-        layout = f"{layout.pipe_len} stage(s) x {layout.dp_degree} replica(s)"
+        shape = f"{layout.pipe_len} stage(s) x {layout.dp_degree} replica(s)"
         if paying:
             logger.info(
                 "freeze.memory_aware: from %s, freezing %s layers changes the layout; the "
                 "rule's decisions are held to the fewest of these",
-                layout,
+                shape,
                 ", ".join(map(str, paying)),
             )
-        else:
+        elif self.idle:
             logger.info(
                 "freeze.memory_aware: %s is one stage with every process a replica, which no "
                 "count of frozen layers changes, so no %slayer will freeze and no decision is "
                 "taken%s; freeze.memory_aware=false freezes by the rule alone",
-                layout,
+                shape,
                 "more " if frozen else "",
                 "" if frozen else " (AutoCache stays off; the embedding as freeze.embedding says)",
+            )
+        else:
+            logger.info(
+                "freeze.memory_aware: from %s no count of frozen layers up to %d "
+                "(freeze.max_frozen_layers) changes the layout, so no more layer will freeze",
+                shape,
+                self.decider.max_frozen_layers,
             )
         return paying
 
