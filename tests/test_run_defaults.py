@@ -7,7 +7,6 @@ wrong for the case the docs point to. No worker starts here."""
 
 from __future__ import annotations
 
-import argparse
 import shlex
 from pathlib import Path
 
@@ -55,17 +54,14 @@ def test_the_readmes_minilm_command_runs_as_the_benchmarks_chose(model_dir, monk
     words = shlex.split(command.replace("$MINILM", str(model_dir)))
     readme = load_config(ROOT / words[2], words[3:])
     monkeypatch.setattr(harness, "minilm_dir", lambda script: str(model_dir))
-    args = argparse.Namespace(
-        setting="frozen_pipeline",
-        tiny=False,
-        train=1000,
-        epochs=3,
-        override=[],
-        pipeline_cap=228 * 2**20,
-        schedule="gpipe",
-    )
+    from test_time_to_target import pipeline_ground_args
+
     ground = load_config(
-        SST2, [*ttt_grounds.workload(args), *ttt_grounds.CANDIDATES["memory_aware_late"][1]]
+        SST2,
+        [
+            *ttt_grounds.workload(pipeline_ground_args()),
+            *ttt_grounds.CANDIDATES["memory_aware_late"][1],
+        ],
     )
     for key in (
         "optimizer.lr",

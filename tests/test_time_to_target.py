@@ -5,6 +5,7 @@ decisions at the same shares of its run (freeze.py, DecisionSchedule); and `comp
 --curves` end to end on faked runs (no process starts): results.json, report.md, the plot
 and --report-only. Pure or faked: no processes."""
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -372,7 +373,6 @@ def test_the_benchmark_plans_each_side_as_a_fitted_curve():
     """benchmarks/time_to_target.py without training: every side at every budget, fitted
     (warm-up, and a freezing side's cadence); the peers as `compare --peers` runs them after
     the setting's own overrides; candidates apart from the peers."""
-    import argparse
     import sys
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -404,12 +404,25 @@ def test_the_benchmark_plans_each_side_as_a_fitted_curve():
     assert grounds.title("elastic_anneal") == "PipeTransformer, anneal"
 
 
+def pipeline_ground_args(schedule: str = "gpipe") -> argparse.Namespace:
+    """time_to_target.py's arguments for the pipeline ground as its records ran it (its
+    parser's defaults: 1,000 sentences, 3 epochs, 228 MiB a process)."""
+    return argparse.Namespace(
+        setting="frozen_pipeline",
+        tiny=False,
+        epochs=3,
+        train=1000,
+        override=[],
+        pipeline_cap=228 * 2**20,
+        schedule=schedule,
+    )
+
+
 def test_the_frozen_pipeline_ground_freezes_the_embedding_on_every_side():
     """Issue 59's ground, planned without training: every peer with the embedding frozen
     and no layer after it, the shard-grad-op peer keeping its gathered layers, the refused
     sides (a frozen-embedding replica, with activation checkpointing too) apart from the
     peers, the sweep's fixed schedules by memory; the cap and the schedule in the workload."""
-    import argparse
     import sys
 
     from helpers import MINILM_MISSING
@@ -418,15 +431,7 @@ def test_the_frozen_pipeline_ground_freezes_the_embedding_on_every_side():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import ttt_grounds as grounds
 
-    args = argparse.Namespace(
-        setting="frozen_pipeline",
-        tiny=False,
-        epochs=3,
-        train=1000,
-        override=[],
-        pipeline_cap=228 * 2**20,
-        schedule="1f1b",
-    )
+    args = pipeline_ground_args("1f1b")
     setting = grounds.SETTINGS["frozen_pipeline"]
     common = [o for o in grounds.workload(args) if not o.startswith("model.model_name_or_path")]
     assert f"pipeline.device_memory_bytes={228 * 2**20}" in common
@@ -460,7 +465,6 @@ def test_the_quickstart_grounds_early_candidate_differs_only_in_its_warm_up():
     """Section 25's headroom candidate: `memory_aware_early` is `memory_aware` with its first
     decision after 6 of the quickstart's 30 epochs instead of the config's 18, every other
     key alike, at the ground's batch and cap (what section 25 reads it as)."""
-    import argparse
     import dataclasses
     import sys
 

@@ -232,22 +232,10 @@ class Trainer:
             progress_interval_s=config.trainer.progress_interval_s,
         )
         # One stage, every process a replica: no count of frozen layers changes it, so
-        # freeze.memory_aware freezes none (freezing.py `idle`). The cache serves frozen
-        # layers: with none ever frozen (that, or the baseline) it stays off.
+        # freeze.memory_aware freezes none there (freezing.py `idle`).
         final = 1 == self.state.resume_pipe_len(
             self.plan.initial_pipe_len, world.world_size, world.devices_per_node
         )
-        idle = final and config.freeze.memory_aware and not self.state.num_frozen_layers
-        if config.cache.enabled and config.freeze.strategy != "none" and not idle:
-            self.cache = RunCache(
-                config,
-                spec,
-                self.data,
-                world,
-                control,
-                read_s_per_sample=self.state.cache_read_s_per_sample,
-            )
-            self.state.cache_read_s_per_sample = self.cache.read_s_per_sample
         self.sampler = train_sampler(config, self.data.train, world.num_nodes)
         # Replicas a node has at the start (R = W / K0 with or without AutoDP).
         start_replicas = world.devices_per_node // self.plan.initial_pipe_len
@@ -275,6 +263,19 @@ class Trainer:
         )
         if world.rank == 0 and fresh:
             self.freezer.warn_if_nothing_can_freeze()
+        # The cache serves frozen layers: with none ever frozen (the baseline, or an idle
+        # memory-aware run that has frozen none) it stays off.
+        idle = self.freezer.idle and not self.state.num_frozen_layers
+        if config.cache.enabled and config.freeze.strategy != "none" and not idle:
+            self.cache = RunCache(
+                config,
+                spec,
+                self.data,
+                world,
+                control,
+                read_s_per_sample=self.state.cache_read_s_per_sample,
+            )
+            self.state.cache_read_s_per_sample = self.cache.read_s_per_sample
         self.batches = Batches(
             config, self.data, self.sampler, self.task, world, self.run_dir, self.cache
         )
