@@ -5,12 +5,15 @@ from the planned layouts, so a run makes the same decisions as a run told those 
 from __future__ import annotations
 
 import json
+import logging
+from types import SimpleNamespace
 
 import pytest
 from helpers import run_workers
 from reference import elastic_config, step_losses
 from workers import elastic_runs
 
+from pipetransformer.autodp.control import Control
 from pipetransformer.config import ConfigError, World, config_from_dict
 from pipetransformer.freeze import (
     AGREE,
@@ -21,6 +24,8 @@ from pipetransformer.freeze import (
     fewest_that_pay,
 )
 from pipetransformer.planning.context import PlanContext, describe_model
+from pipetransformer.runs.state import RunState
+from pipetransformer.trainer.freezing import FreezeControl
 
 
 def test_fewest_that_pay_takes_the_smallest_paying_count_up_to_the_rules():
@@ -38,7 +43,7 @@ def test_fewest_that_pay_takes_the_smallest_paying_count_up_to_the_rules():
 
 
 def test_counts_that_pay_where_a_pipeline_packs_and_where_every_process_is_a_replica():
-    """What a run says at its start (trainer.py `say_what_can_pay`): from a 2-stage pipeline
+    """What a run records at its start (`FreezeControl.counts_that_pay`): from a 2-stage pipeline
     of 6 layers the counts that pack it; from 1 stage x 2 replicas (the model fits a
     process) none, so no layer will freeze there."""
     config = config_from_dict(ground(freeze__manual_schedule=[3], freeze__memory_aware=True))
@@ -53,6 +58,34 @@ def test_counts_that_pay_where_a_pipeline_packs_and_where_every_process_is_a_rep
 
     assert counts_that_pay(0, 5, pays_from(2)) == [4, 5]
     assert counts_that_pay(0, 5, pays_from(1)) == []
+
+
+def test_the_start_line_says_which_counts_pay_or_why_none_does(caplog):
+    """The three things a memory-aware run can say at its start: the counts that change its
+    layout; that one stage of replicas is final (no decision is taken); or that its pipeline
+    is one no count up to freeze.max_frozen_layers packs (decisions are taken, and held)."""
+    config = config_from_dict(ground(freeze__manual_schedule=[3], freeze__memory_aware=True))
+
+    def start(pipe_len, dp_degree, packs_from, layout_final=False):
+        freezer = FreezeControl(
+            config, 6, 10, RunState(), None, Control(None), layout_final=layout_final
+        )
+        layout = SimpleNamespace(
+            pipe_len=pipe_len, dp_degree=dp_degree, plan=SimpleNamespace(num_frozen_layers=0)
+        )
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="pipetransformer"):
+            paying = freezer.counts_that_pay(layout, lambda _: lambda count: count >= packs_from)
+        return paying, freezer.idle, caplog.text
+
+    paying, idle, said = start(2, 1, packs_from=4)
+    assert (paying, idle) == ([4, 5], False) and "freezing 4, 5 layers changes" in said
+    paying, idle, said = start(1, 2, packs_from=1, layout_final=True)
+    assert (paying, idle) == ([], True) and "no decision is taken" in said
+    paying, idle, said = start(2, 1, packs_from=9)
+    assert (paying, idle) == ([], False)
+    assert "no count of frozen layers up to 5 (freeze.max_frozen_layers)" in said
+    assert "one stage with every process a replica" not in said
 
 
 def test_memory_aware_refuses_layerwise_annealing():
